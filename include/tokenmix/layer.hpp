@@ -1,0 +1,91 @@
+// tokenmix/layer.hpp — the causal self-attention layer of SPEC 4.1–4.5, forward and backward.
+//
+//   U [B, T, d]
+//   Q = U W_Q [B,T,H_q·d_h],  K = U W_K, V = U W_V [B,T,H_kv·d_h]           (4.1)
+//   Q, K ← RoPE(Q, K) (optional)                                             (4.1, RoPE)
+//   A_h = softmax(s Q_h K_jᵀ + M),  Y_h = A_h V_j                            (4.2–4.5)
+//   O = [Y_1 | … | Y_{H_q}] W_O   [B, T, d]                                 (4.5)
+// Weights are row-major: W_Q [d, H_q·d_h], W_K and W_V [d, H_kv·d_h], W_O [H_q·d_h, d].
+// Projections go through OpenBLAS sgemm; attention through attention_forward/backward.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "tokenmix/attention.hpp"
+#include "tokenmix/rope.hpp"
+
+namespace tokenmix {
+
+struct LayerConfig {
+  std::int64_t d_model = 0;   ///< d
+  std::int64_t heads_q = 0;   ///< H_q
+  std::int64_t heads_kv = 0;  ///< H_kv (divides H_q)
+  std::int64_t head_dim = 0;  ///< d_h
+  std::optional<RopeOptions> rope;  ///< rotary embedding of Q and K (position_offset ignored)
+  AttentionOptions attention;       ///< scale, threads, isa (causal, bottom-right, is forced on)
+};
+
+/// Gradients of one backward call; every buffer is overwritten.
+struct LayerGradients {
+  std::vector<float> d_u;    ///< [B, T, d]
+  std::vector<float> d_w_q;  ///< [d, H_q·d_h]
+  std::vector<float> d_w_k;  ///< [d, H_kv·d_h]
+  std::vector<float> d_w_v;  ///< [d, H_kv·d_h]
+  std::vector<float> d_w_o;  ///< [H_q·d_h, d]
+};
+
+/// KV-cache bytes (SPEC 4.8): 2 · n_layers · B · T · H_kv · d_h · sizeof(element).
+/// Throws ArgumentError(overflow) if the product does not fit in 64 bits.
+std::uint64_t kv_cache_bytes(std::int64_t n_layers, std::int64_t batch, std::int64_t tokens,
+                             std::int64_t heads_kv, std::int64_t head_dim, std::size_t element_bytes);
+
+class CausalSelfAttention {
+ public:
+  /// Validates the configuration (positive sizes, H_q % H_kv == 0, even d_h with RoPE) and
+  /// allocates zero weights.
+  explicit CausalSelfAttention(const LayerConfig& config);
+
+  const LayerConfig& config() const noexcept { return config_; }
+
+  std::span<float> w_q() noexcept { return w_q_; }
+  std::span<float> w_k() noexcept { return w_k_; }
+  std::span<float> w_v() noexcept { return w_v_; }
+  std::span<float> w_o() noexcept { return w_o_; }
+  std::span<const float> w_q() const noexcept { return w_q_; }
+  std::span<const float> w_k() const noexcept { return w_k_; }
+  std::span<const float> w_v() const noexcept { return w_v_; }
+  std::span<const float> w_o() const noexcept { return w_o_; }
+
+  /// Fills the weights with seeded random values, N(0, 1/fan_in)-like (deterministic per seed).
+  void init_random(std::uint64_t seed);
+
+  /// O = layer(U). u and out are [batch, seq, d] row-major. Saves what backward needs.
+  void forward(std::span<const float> u, std::int64_t batch, std::int64_t seq, std::span<float> out);
+
+  /// From dO [batch, seq, d] of the most recent forward, computes dU and the four weight
+  /// gradients. Throws ArgumentError if no forward was run or d_out has the wrong size.
+  void backward(std::span<const float> d_out, LayerGradients& grads);
+
+  /// Attention-core tensors saved by the last forward (post-RoPE Q and K, V, the per-head
+  /// output Y before W_O, and its row log-sum-exp). Exposed for checks and benchmarks.
+  struct Saved {
+    std::int64_t batch = 0, seq = 0;
+    std::vector<float> u;    ///< [B, T, d]
+    std::vector<float> q;    ///< [B, T, H_q, d_h]  (after RoPE)
+    std::vector<float> k;    ///< [B, T, H_kv, d_h] (after RoPE)
+    std::vector<float> v;    ///< [B, T, H_kv, d_h]
+    std::vector<float> y;    ///< [B, T, H_q, d_h]  attention output before W_O
+    std::vector<float> lse;  ///< [B, H_q, T]
+  };
+  const Saved& saved() const noexcept { return saved_; }
+
+ private:
+  LayerConfig config_;
+  std::vector<float> w_q_, w_k_, w_v_, w_o_;
+  Saved saved_;
+};
+
+}  // namespace tokenmix

@@ -1,0 +1,49 @@
+// tokenmix/runtime.hpp — which kernels run: CPU feature detection, ISA choice and threads.
+//
+// The kernel path is chosen once per public call from what the CPU *and* the OS support
+// (CPUID plus XCR0 for AVX/AVX-512 state). Callers may force a lower path with
+// AttentionOptions::isa or the environment variable TOKENMIX_ISA
+// (= auto | portable | avx2 | avx512); asking for a path this build or CPU cannot run throws
+// UnsupportedError rather than crashing with an illegal instruction.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace tokenmix {
+
+/// Instruction-set paths, lowest first. `automatic` means "the best available".
+enum class Isa { automatic = 0, portable = 1, avx2 = 2, avx512 = 3 };
+
+const char* to_string(Isa isa) noexcept;
+/// Parses "auto", "portable", "avx2", "avx512" (throws ArgumentError naming `what` otherwise).
+Isa parse_isa(const std::string& text, const char* what = "isa");
+
+/// What this CPU and OS support (independent of what this build compiled).
+struct CpuFeatures {
+  std::string model;        ///< e.g. "AMD EPYC 9R14" (from CPUID brand string or /proc/cpuinfo)
+  bool avx2_fma = false;    ///< AVX2 + FMA + OS saves YMM state
+  bool avx512f = false;     ///< AVX-512F/BW/DQ/VL + OS saves ZMM/opmask state
+  bool avx512_bf16 = false;
+  bool amx_tile = false;    ///< AMX-TILE reported by CPUID (use also needs a Linux permission request)
+  std::vector<std::string> flags() const;  ///< names of the features above that are present
+};
+const CpuFeatures& cpu_features();
+
+/// Paths compiled into this build and runnable on this CPU, lowest first (always has portable).
+std::vector<Isa> available_isas();
+
+/// Resolves a request: `automatic` → TOKENMIX_ISA if set, else the best available path. A
+/// request that cannot run here throws UnsupportedError naming what was asked and what exists.
+Isa resolve_isa(Isa requested);
+
+/// Threads used when an option says 0 (= "all"): OpenMP's default team size.
+int default_threads();
+
+/// One-line description of the kernel behind each path, for `tokenmix info`.
+std::string describe_kernel(Isa isa);
+
+/// Library version, "MAJOR.MINOR.PATCH".
+const char* version() noexcept;
+
+}  // namespace tokenmix

@@ -1,0 +1,170 @@
+// src/api/attention.cpp — public attention entry points: validate, choose the kernel, call it.
+#include "tokenmix/attention.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <string>
+
+#include "api/validate.hpp"
+#include "kernels/attention_kernels.hpp"
+#include "tokenmix/error.hpp"
+
+namespace tokenmix {
+namespace {
+
+using detail::check_dim;
+using detail::check_view;
+using detail::fail;
+
+// Checks q/k/v against each other (SPEC "Names and shapes", 4.8) and returns the problem.
+kernels::AttentionProblem make_problem(const char* fn, const ConstTensorView& q,
+                                       const ConstTensorView& k, const ConstTensorView& v,
+                                       const AttentionOptions& o) {
+  check_view(q, 4, fn, "q");
+  check_view(k, 4, fn, "k");
+  check_view(v, 4, fn, "v");
+  kernels::AttentionProblem p;
+  p.batch = q.dim(0);
+  p.tq = q.dim(1);
+  p.hq = q.dim(2);
+  p.dh = q.dim(3);
+  p.tk = k.dim(1);
+  p.hkv = k.dim(2);
+  if (p.hq < 1) fail(ErrorCode::invalid_argument, fn, "q.shape[2] (H_q) must be >= 1; got " + std::to_string(p.hq));
+  if (p.dh < 1) fail(ErrorCode::invalid_argument, fn, "q.shape[3] (d_h) must be >= 1; got " + std::to_string(p.dh));
+  check_dim(k, 0, p.batch, fn, "k", "B", "q.shape[0]");
+  check_dim(k, 3, p.dh, fn, "k", "d_h", "q.shape[3]");
+  if (p.hkv < 1) fail(ErrorCode::invalid_argument, fn, "k.shape[2] (H_kv) must be >= 1; got " + std::to_string(p.hkv));
+  if (p.hkv > p.hq) {
+    fail(ErrorCode::shape_mismatch, fn,
+         "k.shape[2] (H_kv) must be <= q.shape[2] (H_q = " + std::to_string(p.hq) + "); got H_kv = " +
+             std::to_string(p.hkv));
+  }
+  if (p.hq % p.hkv != 0) {
+    fail(ErrorCode::shape_mismatch, fn,
+         "k.shape[2] (H_kv) must divide q.shape[2] (H_q = " + std::to_string(p.hq) +
+             ") for grouped-query attention (SPEC 4.8); got H_kv = " + std::to_string(p.hkv));
+  }
+  check_dim(v, 0, p.batch, fn, "v", "B", "q.shape[0]");
+  check_dim(v, 1, p.tk, fn, "v", "T_k", "k.shape[1]");
+  check_dim(v, 2, p.hkv, fn, "v", "H_kv", "k.shape[2]");
+  check_dim(v, 3, p.dh, fn, "v", "d_h", "q.shape[3]");
+
+  const double scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(p.dh)));
+  if (!std::isfinite(scale)) {
+    fail(ErrorCode::invalid_argument, fn, "options.scale must be finite; got " + std::to_string(scale));
+  }
+  if (!std::isfinite(static_cast<float>(scale))) {
+    fail(ErrorCode::invalid_argument, fn,
+         "options.scale must be representable as float32; got " + std::to_string(scale));
+  }
+  if (o.threads < 0) {
+    fail(ErrorCode::invalid_argument, fn, "options.threads must be >= 0 (0 = all); got " + std::to_string(o.threads));
+  }
+  p.scale = static_cast<float>(scale);
+  p.causal = o.causal;
+  p.align = o.align;
+  p.threads = o.threads == 0 ? default_threads() : o.threads;
+  return p;
+}
+
+// Checks that `x` has the shape of q ([B,T_q,H_q,d_h]) or k ([B,T_k,H_kv,d_h]).
+void check_like(const char* fn, const ConstTensorView& x, const char* name, std::int64_t b, std::int64_t t,
+                std::int64_t h, std::int64_t d, const char* like) {
+  check_view(x, 4, fn, name);
+  const std::string from = std::string(like) + ".shape";
+  check_dim(x, 0, b, fn, name, "B", (from + "[0]").c_str());
+  check_dim(x, 1, t, fn, name, "T", (from + "[1]").c_str());
+  check_dim(x, 2, h, fn, name, "H", (from + "[2]").c_str());
+  check_dim(x, 3, d, fn, name, "d_h", (from + "[3]").c_str());
+}
+
+void check_lse(const char* fn, const ConstTensorView& lse, const char* name,
+               const kernels::AttentionProblem& p) {
+  check_view(lse, 3, fn, name);
+  check_dim(lse, 0, p.batch, fn, name, "B", "q.shape[0]");
+  check_dim(lse, 1, p.hq, fn, name, "H_q", "q.shape[2]");
+  check_dim(lse, 2, p.tq, fn, name, "T_q", "q.shape[1]");
+}
+
+template <class V>
+auto strided(const V& v) {
+  using Ptr = std::conditional_t<std::is_same_v<decltype(v.data), const void*>, const float*, float*>;
+  return kernels::Strided<Ptr>{static_cast<Ptr>(v.data), v.strides[0], v.strides[1], v.strides[2],
+                               v.strides[3]};
+}
+
+}  // namespace
+
+std::int64_t visible_keys(std::int64_t t, std::int64_t T_q, std::int64_t T_k, bool causal,
+                          CausalAlign align) noexcept {
+  if (!causal) return T_k;
+  const std::int64_t shift = align == CausalAlign::bottom_right ? T_k - T_q : 0;
+  return std::max<std::int64_t>(0, std::min(T_k, t + 1 + shift));
+}
+
+std::int64_t visible_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align) noexcept {
+  std::int64_t total = 0;
+  for (std::int64_t t = 0; t < T_q; ++t) total += visible_keys(t, T_q, T_k, causal, align);
+  return total;
+}
+
+double forward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
+                     std::int64_t d_h, bool causal, CausalAlign align) noexcept {
+  // SPEC "Useful-work counts": 4 · d_h · H_q · P · B.
+  return 4.0 * static_cast<double>(d_h) * static_cast<double>(H_q) *
+         static_cast<double>(visible_pairs(T_q, T_k, causal, align)) * static_cast<double>(B);
+}
+
+void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
+                       TensorView lse, const AttentionOptions& options) {
+  constexpr const char* fn = "attention_forward";
+  kernels::ForwardArgs args;
+  args.p = make_problem(fn, q, k, v, options);
+  const auto& p = args.p;
+  check_like(fn, out, "out", p.batch, p.tq, p.hq, p.dh, "q");
+  if (!lse.empty()) check_lse(fn, lse, "lse", p);
+  detail::check_no_overlap(fn, {{"out", out}, {"lse", lse}}, {{"q", q}, {"k", k}, {"v", v}});
+  const Isa isa = resolve_isa(options.isa);
+  (void)isa;  // one compiled path today: portable (src/kernels/portable)
+
+  args.q = strided(q);
+  args.k = strided(k);
+  args.v = strided(v);
+  args.out = strided(out);
+  args.lse = lse.empty() ? kernels::Out{} : strided(lse);
+  kernels::attention_fwd_f32_portable(args);
+}
+
+void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v, ConstTensorView out,
+                        ConstTensorView lse, ConstTensorView dout, TensorView dq, TensorView dk,
+                        TensorView dv, const AttentionOptions& options) {
+  constexpr const char* fn = "attention_backward";
+  kernels::BackwardArgs args;
+  args.p = make_problem(fn, q, k, v, options);
+  const auto& p = args.p;
+  check_like(fn, out, "out", p.batch, p.tq, p.hq, p.dh, "q");
+  check_lse(fn, lse, "lse", p);
+  check_like(fn, dout, "dout", p.batch, p.tq, p.hq, p.dh, "q");
+  check_like(fn, dq, "dq", p.batch, p.tq, p.hq, p.dh, "q");
+  check_like(fn, dk, "dk", p.batch, p.tk, p.hkv, p.dh, "k");
+  check_like(fn, dv, "dv", p.batch, p.tk, p.hkv, p.dh, "k");
+  detail::check_no_overlap(fn, {{"dq", dq}, {"dk", dk}, {"dv", dv}},
+                           {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}, {"dout", dout}});
+  const Isa isa = resolve_isa(options.isa);
+  (void)isa;
+
+  args.q = strided(q);
+  args.k = strided(k);
+  args.v = strided(v);
+  args.out = strided(out);
+  args.lse = strided(lse);
+  args.dout = strided(dout);
+  args.dq = strided(dq);
+  args.dk = strided(dk);
+  args.dv = strided(dv);
+  kernels::attention_bwd_f32_portable(args);
+}
+
+}  // namespace tokenmix

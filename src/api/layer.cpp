@@ -1,0 +1,207 @@
+// src/api/layer.cpp — the causal self-attention layer (SPEC 4.1–4.5) and KV-cache sizing (4.8).
+#include "tokenmix/layer.hpp"
+
+#include <cblas.h>
+
+#include <climits>
+#include <cmath>
+#include <string>
+
+#include "api/validate.hpp"
+
+namespace tokenmix {
+namespace {
+
+using detail::checked_mul;
+using detail::fail;
+
+// C[M,N] = op(A) op(B) (+ C if accumulate), row-major, through OpenBLAS sgemm. BLAS takes int
+// sizes, so each is checked (a larger layer is an overflow error, not a silent wrap).
+void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, const float* A,
+          const float* B, float* C, bool accumulate) {
+  for (std::int64_t x : {M, N, K}) {
+    if (x > INT_MAX) fail(ErrorCode::overflow, "CausalSelfAttention", "matrix size " + std::to_string(x) + " exceeds BLAS int range");
+  }
+  const int lda = static_cast<int>(trans_a ? M : K), ldb = static_cast<int>(trans_b ? K : N);
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+              static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0f, A, lda, B, ldb,
+              accumulate ? 1.0f : 0.0f, C, static_cast<int>(N));
+}
+
+// Deterministic, platform-independent uniform numbers (splitmix64).
+std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Uniform in [−a, a] with a = sqrt(3 / fan_in): variance 1/fan_in keeps activations O(1).
+void fill_uniform(std::vector<float>& w, std::uint64_t seed, std::int64_t fan_in) {
+  const double a = std::sqrt(3.0 / static_cast<double>(fan_in));
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    const double unit = static_cast<double>(splitmix64(seed ^ (i * 0x2545f4914f6cdd1dull)) >> 11) * 0x1.0p-53;
+    w[i] = static_cast<float>((2.0 * unit - 1.0) * a);
+  }
+}
+
+void check_span(const char* fn, const char* name, std::size_t got, std::int64_t expected, const char* what) {
+  if (static_cast<std::int64_t>(got) != expected) {
+    fail(ErrorCode::shape_mismatch, fn,
+         std::string(name) + ".size() must equal " + what + " = " + std::to_string(expected) + "; got " +
+             std::to_string(got));
+  }
+}
+
+}  // namespace
+
+std::uint64_t kv_cache_bytes(std::int64_t n_layers, std::int64_t batch, std::int64_t tokens,
+                             std::int64_t heads_kv, std::int64_t head_dim, std::size_t element_bytes) {
+  constexpr const char* fn = "kv_cache_bytes";
+  const std::pair<const char*, std::int64_t> args[] = {
+      {"n_layers", n_layers}, {"batch", batch}, {"tokens", tokens}, {"heads_kv", heads_kv}, {"head_dim", head_dim}};
+  for (auto [name, x] : args) {
+    if (x < 0) fail(ErrorCode::invalid_argument, fn, std::string(name) + " must be >= 0; got " + std::to_string(x));
+  }
+  if (element_bytes > static_cast<std::size_t>(INT64_MAX)) {
+    fail(ErrorCode::overflow, fn, "element_bytes is too large");
+  }
+  // bytes = 2 · n · B · T · H_kv · d_h · sizeof(element)   (SPEC 4.8)
+  std::int64_t bytes = 2;
+  for (auto [name, x] : args) bytes = checked_mul(bytes, x, fn, "the KV-cache size");
+  bytes = checked_mul(bytes, static_cast<std::int64_t>(element_bytes), fn, "the KV-cache size");
+  return static_cast<std::uint64_t>(bytes);
+}
+
+CausalSelfAttention::CausalSelfAttention(const LayerConfig& config) : config_(config) {
+  constexpr const char* fn = "CausalSelfAttention";
+  const std::pair<const char*, std::int64_t> sizes[] = {{"config.d_model", config.d_model},
+                                                        {"config.heads_q", config.heads_q},
+                                                        {"config.heads_kv", config.heads_kv},
+                                                        {"config.head_dim", config.head_dim}};
+  for (auto [name, x] : sizes) {
+    if (x < 1) fail(ErrorCode::invalid_argument, fn, std::string(name) + " must be >= 1; got " + std::to_string(x));
+  }
+  if (config.heads_kv > config.heads_q || config.heads_q % config.heads_kv != 0) {
+    fail(ErrorCode::shape_mismatch, fn,
+         "config.heads_kv must divide config.heads_q (SPEC 4.8); got H_q = " + std::to_string(config.heads_q) +
+             ", H_kv = " + std::to_string(config.heads_kv));
+  }
+  if (config.rope) {
+    if (config.head_dim % 2 != 0) {
+      fail(ErrorCode::invalid_argument, fn,
+           "config.head_dim must be even when RoPE is on; got " + std::to_string(config.head_dim));
+    }
+    if (!std::isfinite(config.rope->base) || config.rope->base <= 0.0) {
+      fail(ErrorCode::invalid_argument, fn,
+           "config.rope.base must be finite and > 0; got " + std::to_string(config.rope->base));
+    }
+  }
+  if (config.attention.scale && !std::isfinite(*config.attention.scale)) {
+    fail(ErrorCode::invalid_argument, fn, "config.attention.scale must be finite");
+  }
+  config_.attention.causal = true;
+  config_.attention.align = CausalAlign::bottom_right;
+  const std::int64_t qw = checked_mul(config.heads_q, config.head_dim, fn, "H_q * d_h");
+  const std::int64_t kw = checked_mul(config.heads_kv, config.head_dim, fn, "H_kv * d_h");
+  w_q_.assign(static_cast<std::size_t>(checked_mul(config.d_model, qw, fn, "W_Q size")), 0.0f);
+  w_k_.assign(static_cast<std::size_t>(checked_mul(config.d_model, kw, fn, "W_K size")), 0.0f);
+  w_v_.assign(w_k_.size(), 0.0f);
+  w_o_.assign(w_q_.size(), 0.0f);
+}
+
+void CausalSelfAttention::init_random(std::uint64_t seed) {
+  fill_uniform(w_q_, splitmix64(seed + 1), config_.d_model);
+  fill_uniform(w_k_, splitmix64(seed + 2), config_.d_model);
+  fill_uniform(w_v_, splitmix64(seed + 3), config_.d_model);
+  fill_uniform(w_o_, splitmix64(seed + 4), config_.heads_q * config_.head_dim);
+}
+
+void CausalSelfAttention::forward(std::span<const float> u, std::int64_t batch, std::int64_t seq,
+                                  std::span<float> out) {
+  constexpr const char* fn = "CausalSelfAttention::forward";
+  const LayerConfig& c = config_;
+  if (batch < 1) fail(ErrorCode::invalid_argument, fn, "batch must be >= 1; got " + std::to_string(batch));
+  if (seq < 1) fail(ErrorCode::invalid_argument, fn, "seq must be >= 1; got " + std::to_string(seq));
+  const std::int64_t rows = checked_mul(batch, seq, fn, "batch * seq");
+  const std::int64_t n_u = checked_mul(rows, c.d_model, fn, "batch * seq * d_model");
+  check_span(fn, "u", u.size(), n_u, "batch * seq * d_model");
+  check_span(fn, "out", out.size(), n_u, "batch * seq * d_model");
+  if (u.data() == nullptr || out.data() == nullptr) fail(ErrorCode::null_pointer, fn, "u and out must not be null");
+  if (out.data() < u.data() + u.size() && u.data() < out.data() + out.size()) {
+    fail(ErrorCode::aliasing, fn, "out overlaps u; the layer cannot run in place");
+  }
+  const std::int64_t qw = c.heads_q * c.head_dim, kw = c.heads_kv * c.head_dim;
+  Saved s;
+  s.batch = batch;
+  s.seq = seq;
+  s.u.assign(u.begin(), u.end());
+  s.q.resize(static_cast<std::size_t>(checked_mul(rows, qw, fn, "Q size")));
+  s.k.resize(static_cast<std::size_t>(checked_mul(rows, kw, fn, "K size")));
+  s.v.resize(s.k.size());
+  s.y.resize(s.q.size());
+  s.lse.resize(static_cast<std::size_t>(checked_mul(batch * c.heads_q, seq, fn, "LSE size")));
+
+  gemm(false, false, rows, qw, c.d_model, u.data(), w_q_.data(), s.q.data(), false);  // Q = U W_Q (4.1)
+  gemm(false, false, rows, kw, c.d_model, u.data(), w_k_.data(), s.k.data(), false);  // K = U W_K
+  gemm(false, false, rows, kw, c.d_model, u.data(), w_v_.data(), s.v.data(), false);  // V = U W_V
+  const auto q = TensorView::bthd(s.q.data(), batch, seq, c.heads_q, c.head_dim);
+  const auto k = TensorView::bthd(s.k.data(), batch, seq, c.heads_kv, c.head_dim);
+  const auto v = TensorView::bthd(s.v.data(), batch, seq, c.heads_kv, c.head_dim);
+  if (c.rope) {  // rotate Q and K before any score is formed (4.1)
+    RopeOptions r = *c.rope;
+    r.position_offset = 0;
+    rope_forward(q, r);
+    rope_forward(k, r);
+  }
+  const auto y = TensorView::bthd(s.y.data(), batch, seq, c.heads_q, c.head_dim);
+  attention_forward(q, k, v, y, TensorView::bht(s.lse.data(), batch, c.heads_q, seq), c.attention);  // (4.2–4.5)
+  gemm(false, false, rows, c.d_model, qw, s.y.data(), w_o_.data(), out.data(), false);  // O = [Y_1|…] W_O
+  saved_ = std::move(s);
+}
+
+void CausalSelfAttention::backward(std::span<const float> d_out, LayerGradients& g) {
+  constexpr const char* fn = "CausalSelfAttention::backward";
+  const LayerConfig& c = config_;
+  const Saved& s = saved_;
+  if (s.batch == 0) fail(ErrorCode::invalid_argument, fn, "backward needs a preceding forward; none was run");
+  const std::int64_t rows = s.batch * s.seq;
+  const std::int64_t qw = c.heads_q * c.head_dim, kw = c.heads_kv * c.head_dim;
+  check_span(fn, "d_out", d_out.size(), rows * c.d_model, "batch * seq * d_model of the last forward");
+  if (d_out.data() == nullptr) fail(ErrorCode::null_pointer, fn, "d_out must not be null");
+
+  g.d_w_o.resize(static_cast<std::size_t>(qw * c.d_model));
+  gemm(true, false, qw, c.d_model, rows, s.y.data(), d_out.data(), g.d_w_o.data(), false);  // dW_O = Yᵀ dO
+  std::vector<float> dy(static_cast<std::size_t>(rows * qw));
+  gemm(false, true, rows, qw, c.d_model, d_out.data(), w_o_.data(), dy.data(), false);  // dY = dO W_Oᵀ
+
+  std::vector<float> dq(s.q.size()), dk(s.k.size()), dv(s.v.size());
+  const auto B = s.batch, T = s.seq;
+  attention_backward(ConstTensorView::bthd(s.q.data(), B, T, c.heads_q, c.head_dim),
+                     ConstTensorView::bthd(s.k.data(), B, T, c.heads_kv, c.head_dim),
+                     ConstTensorView::bthd(s.v.data(), B, T, c.heads_kv, c.head_dim),
+                     ConstTensorView::bthd(s.y.data(), B, T, c.heads_q, c.head_dim),
+                     ConstTensorView::bht(s.lse.data(), B, c.heads_q, T),
+                     ConstTensorView::bthd(dy.data(), B, T, c.heads_q, c.head_dim),
+                     TensorView::bthd(dq.data(), B, T, c.heads_q, c.head_dim),
+                     TensorView::bthd(dk.data(), B, T, c.heads_kv, c.head_dim),
+                     TensorView::bthd(dv.data(), B, T, c.heads_kv, c.head_dim), c.attention);
+  if (c.rope) {  // RoPE is orthogonal: rotate the gradients back (inverse rotation)
+    RopeOptions r = *c.rope;
+    r.position_offset = 0;
+    rope_backward(TensorView::bthd(dq.data(), B, T, c.heads_q, c.head_dim), r);
+    rope_backward(TensorView::bthd(dk.data(), B, T, c.heads_kv, c.head_dim), r);
+  }
+  g.d_w_q.resize(w_q_.size());
+  g.d_w_k.resize(w_k_.size());
+  g.d_w_v.resize(w_v_.size());
+  gemm(true, false, c.d_model, qw, rows, s.u.data(), dq.data(), g.d_w_q.data(), false);  // dW_Q = Uᵀ dQ
+  gemm(true, false, c.d_model, kw, rows, s.u.data(), dk.data(), g.d_w_k.data(), false);  // dW_K = Uᵀ dK
+  gemm(true, false, c.d_model, kw, rows, s.u.data(), dv.data(), g.d_w_v.data(), false);  // dW_V = Uᵀ dV
+  g.d_u.resize(s.u.size());  // dU = dQ W_Qᵀ + dK W_Kᵀ + dV W_Vᵀ
+  gemm(false, true, rows, c.d_model, qw, dq.data(), w_q_.data(), g.d_u.data(), false);
+  gemm(false, true, rows, c.d_model, kw, dk.data(), w_k_.data(), g.d_u.data(), true);
+  gemm(false, true, rows, c.d_model, kw, dv.data(), w_v_.data(), g.d_u.data(), true);
+}
+
+}  // namespace tokenmix

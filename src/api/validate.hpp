@@ -1,0 +1,44 @@
+// src/api/validate.hpp — argument checking shared by every public entry point.
+//
+// Each check throws a typed tokenmix error whose message starts with the entry point's name
+// and names the argument, what was expected and what was given.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "tokenmix/error.hpp"
+#include "tokenmix/tensor.hpp"
+
+namespace tokenmix::detail {
+
+/// Formats "fn: message" and throws ArgumentError(code).
+[[noreturn]] void fail(ErrorCode code, const char* fn, const std::string& message);
+
+/// a·b, throwing ArgumentError(overflow) naming `what` if it does not fit in int64.
+std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* fn, const char* what);
+
+/// "[2, 3, 4, 5]" for a view's logical shape.
+std::string shape_string(const ConstTensorView& v);
+
+/// Checks one view: rank, f32 dtype (UnsupportedError otherwise), non-negative sizes and
+/// strides, non-null data unless it has no elements, and that the largest element offset and
+/// byte extent fit in 64-bit arithmetic.
+void check_view(const ConstTensorView& v, int rank, const char* fn, const char* name);
+
+/// Logical-dimension check: v.shape[axis] == expected.
+void check_dim(const ConstTensorView& v, int axis, std::int64_t expected, const char* fn,
+               const char* name, const char* axis_name, const char* expected_from);
+
+/// True if some element address of `a` is also an element address of `b`.
+bool views_overlap(const ConstTensorView& a, const ConstTensorView& b);
+
+/// Throws ArgumentError(aliasing) if any output overlaps any input or another output.
+/// Empty views (null data) are ignored.
+using NamedView = std::pair<const char*, ConstTensorView>;
+void check_no_overlap(const char* fn, std::initializer_list<NamedView> outputs,
+                      std::initializer_list<NamedView> inputs);
+
+}  // namespace tokenmix::detail

@@ -1,0 +1,97 @@
+// src/dispatch/cpu_features.cpp — what the CPU and the OS support.
+//
+// CPUID alone is not enough: the OS must also save the wider register state on context switch
+// (XCR0 bits, read with XGETBV), or AVX/AVX-512 instructions fault. AMX additionally needs the
+// Linux ARCH_REQ_XCOMP_PERM request per process before any tile instruction; we only report it.
+#include <fstream>
+#include <string>
+
+#include "tokenmix/runtime.hpp"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define TOKENMIX_X86 1
+#endif
+
+namespace tokenmix {
+namespace {
+
+#ifdef TOKENMIX_X86
+std::uint64_t read_xcr0() {
+  std::uint32_t eax = 0, edx = 0;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (static_cast<std::uint64_t>(edx) << 32) | eax;
+}
+
+CpuFeatures detect() {
+  CpuFeatures f;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_max(0x80000000u, nullptr) >= 0x80000004u) {
+    char brand[49] = {};
+    for (unsigned i = 0; i < 3; ++i) {
+      __get_cpuid(0x80000002u + i, &a, &b, &c, &d);
+      const unsigned regs[4] = {a, b, c, d};
+      for (int r = 0; r < 4; ++r)
+        for (int byte = 0; byte < 4; ++byte) brand[i * 16 + r * 4 + byte] = static_cast<char>((regs[r] >> (8 * byte)) & 0xff);
+    }
+    f.model = brand;
+    const auto first = f.model.find_first_not_of(' ');
+    f.model = first == std::string::npos ? "" : f.model.substr(first);
+    while (!f.model.empty() && (f.model.back() == ' ' || f.model.back() == '\0')) f.model.pop_back();
+  }
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1;
+  if (!osxsave || !avx) return f;
+  const std::uint64_t xcr0 = read_xcr0();
+  const bool ymm_state = (xcr0 & 0x6) == 0x6;      // SSE + AVX state
+  const bool zmm_state = (xcr0 & 0xe6) == 0xe6;    // + opmask, ZMM_Hi256, Hi16_ZMM
+  const bool tile_state = (xcr0 & 0x60000) == 0x60000;  // XTILECFG + XTILEDATA
+  if (__get_cpuid_max(0, nullptr) < 7) return f;
+  __cpuid_count(7, 0, a, b, c, d);
+  const bool avx2 = (b >> 5) & 1;
+  const bool avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1, avx512bw = (b >> 30) & 1,
+             avx512vl = (b >> 31) & 1;
+  const bool amx_tile = (d >> 24) & 1;
+  f.avx2_fma = ymm_state && avx2 && fma;
+  f.avx512f = f.avx2_fma && zmm_state && avx512f && avx512dq && avx512bw && avx512vl;
+  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+  __cpuid_count(7, 1, a1, b1, c1, d1);
+  f.avx512_bf16 = f.avx512f && ((a1 >> 5) & 1);
+  f.amx_tile = tile_state && amx_tile;
+  return f;
+}
+#else
+CpuFeatures detect() {
+  CpuFeatures f;
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    const std::string key = line.substr(0, line.find_first_of(" \t"));
+    if (key == "model" || key == "Model" || key == "CPU") {
+      f.model = line.substr(colon + 2);
+      if (key == "Model") break;
+    }
+  }
+  return f;
+}
+#endif
+
+}  // namespace
+
+std::vector<std::string> CpuFeatures::flags() const {
+  std::vector<std::string> out;
+  if (avx2_fma) out.emplace_back("avx2+fma");
+  if (avx512f) out.emplace_back("avx512f/bw/dq/vl");
+  if (avx512_bf16) out.emplace_back("avx512_bf16");
+  if (amx_tile) out.emplace_back("amx-tile");
+  return out;
+}
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures features = detect();
+  return features;
+}
+
+}  // namespace tokenmix

@@ -1,0 +1,92 @@
+// src/reference/reference.hpp — the float64 oracle.
+//
+// A literal, deliberately slow implementation of every tokenmix operation in double precision.
+// It follows SPEC.md step by step: it materialises S (4.2), M (4.3) and A (4.4) per head,
+// forms the explicit softmax Jacobian J = diag(a) − a aᵀ (4.6) for the backward pass, and does
+// projections as plain triple loops. It is the oracle for the tests, for `tokenmix check` and
+// for the benchmarks' error column; it is never used on the fast path.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace tokenmix::reference {
+
+/// Contiguous double tensor with up to 4 dims (row-major). Attention tensors are [B, T, H, d_h];
+/// log-sum-exp tensors [B, H, T] (shape[3] = 1).
+struct Tensor64 {
+  std::array<std::int64_t, 4> shape{1, 1, 1, 1};
+  std::vector<double> data;
+
+  Tensor64() = default;
+  explicit Tensor64(std::array<std::int64_t, 4> s);
+  std::int64_t size() const { return shape[0] * shape[1] * shape[2] * shape[3]; }
+  double& at(std::int64_t a, std::int64_t b, std::int64_t c, std::int64_t d);
+  double at(std::int64_t a, std::int64_t b, std::int64_t c, std::int64_t d) const;
+};
+
+enum class Align { bottom_right, top_left };
+
+struct Options {
+  std::optional<double> scale;  ///< default 1/sqrt(d_h)
+  bool causal = true;
+  Align align = Align::bottom_right;
+};
+
+/// M_{t,u} of (4.3): true if key u is visible to query t.
+bool visible(std::int64_t t, std::int64_t u, std::int64_t T_q, std::int64_t T_k, const Options& o);
+
+struct ForwardResult {
+  Tensor64 out;  ///< [B, T_q, H_q, d_h]
+  Tensor64 lse;  ///< [B, H_q, T_q, 1]; −∞ for rows that see no key
+};
+/// (4.2)–(4.5) with GQA (4.8): materialises S, M, A for every (b, h).
+ForwardResult attention_forward(const Tensor64& q, const Tensor64& k, const Tensor64& v,
+                                const Options& o = {});
+
+struct BackwardResult {
+  Tensor64 dq;  ///< [B, T_q, H_q, d_h]
+  Tensor64 dk;  ///< [B, T_k, H_kv, d_h]
+  Tensor64 dv;  ///< [B, T_k, H_kv, d_h]
+};
+/// SPEC "Backward pass", literally: dA = dO Vᵀ; each row's dS = J_row · dA_row with the
+/// explicit Jacobian (4.6); dQ = s dS K; dK = s Σ dSᵀ Q; dV = Σ Aᵀ dO.
+BackwardResult attention_backward(const Tensor64& q, const Tensor64& k, const Tensor64& v,
+                                  const Tensor64& dout, const Options& o = {});
+
+/// Stable softmax / log-sum-exp of one row (−∞ entries are masked; all −∞ → zeros, −∞).
+std::vector<double> softmax(const std::vector<double>& z);
+double logsumexp(const std::vector<double>& z);
+/// Explicit J = diag(a) − a aᵀ, n×n row-major (4.6).
+std::vector<double> softmax_jacobian(const std::vector<double>& a);
+
+enum class RopePairing { rotate_half, interleaved };
+/// Rotates x [B, T, H, d_h] (copy) by position offset + t; inverse=true rotates by −angle.
+Tensor64 rope(const Tensor64& x, RopePairing pairing, double base, std::int64_t offset,
+              bool inverse = false);
+
+/// SPEC "Merging partial results". o: [B,T,H,d_h], lse: [B,H,T,1].
+ForwardResult merge(const Tensor64& o1, const Tensor64& lse1, const Tensor64& o2,
+                    const Tensor64& lse2);
+
+/// The whole layer (4.1–4.5) in double. Weights row-major as in tokenmix/layer.hpp.
+struct LayerWeights {
+  std::int64_t d_model = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
+  bool use_rope = false;
+  RopePairing pairing = RopePairing::rotate_half;
+  double rope_base = 10000.0;
+  std::optional<double> scale;
+  std::vector<double> w_q, w_k, w_v, w_o;
+};
+struct LayerGrads {
+  std::vector<double> d_u, d_w_q, d_w_k, d_w_v, d_w_o;
+};
+/// u [B, T, d] → out [B, T, d] (causal, bottom-right, T_q = T_k = T).
+std::vector<double> layer_forward(const LayerWeights& w, const std::vector<double>& u,
+                                  std::int64_t batch, std::int64_t seq);
+LayerGrads layer_backward(const LayerWeights& w, const std::vector<double>& u,
+                          std::int64_t batch, std::int64_t seq, const std::vector<double>& d_out);
+
+}  // namespace tokenmix::reference

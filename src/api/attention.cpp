@@ -126,15 +126,15 @@ void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, 
   check_like(fn, out, "out", p.batch, p.tq, p.hq, p.dh, "q");
   if (!lse.empty()) check_lse(fn, lse, "lse", p);
   detail::check_no_overlap(fn, {{"out", out}, {"lse", lse}}, {{"q", q}, {"k", k}, {"v", v}});
-  const Isa isa = resolve_isa(options.isa);
-  (void)isa;  // one compiled path today: portable (src/kernels/portable)
+  const Isa isa = resolve_isa(options.isa);  // the one dispatch decision of this call
 
   args.q = strided(q);
   args.k = strided(k);
   args.v = strided(v);
   args.out = strided(out);
   args.lse = lse.empty() ? kernels::Out{} : strided(lse);
-  kernels::attention_fwd_f32_portable(args);
+  const bool int32_lanes_fit = p.tk < (std::int64_t{1} << 31) - 1;
+  (int32_lanes_fit ? kernels::forward_kernel(isa) : &kernels::attention_fwd_f32_portable)(args);
 }
 
 void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v, ConstTensorView out,
@@ -152,8 +152,7 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   check_like(fn, dv, "dv", p.batch, p.tk, p.hkv, p.dh, "k");
   detail::check_no_overlap(fn, {{"dq", dq}, {"dk", dk}, {"dv", dv}},
                            {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}, {"dout", dout}});
-  const Isa isa = resolve_isa(options.isa);
-  (void)isa;
+  resolve_isa(options.isa);  // validates a forced ISA; the backward kernel is portable today
 
   args.q = strided(q);
   args.k = strided(k);

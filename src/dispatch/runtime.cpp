@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "kernels/attention_kernels.hpp"
 #include "tokenmix/error.hpp"
 #include "tokenmix/runtime.hpp"
 
@@ -14,9 +15,10 @@
 namespace tokenmix {
 namespace {
 
-// Paths this build compiled. Today only the portable kernels exist; the SIMD flash kernels
-// (src/kernels/avx2, src/kernels/avx512) add themselves here.
-bool compiled(Isa isa) { return isa == Isa::portable; }
+// Paths this build compiled: portable always; AVX2/AVX-512 where the SIMD kernels were built.
+bool compiled(Isa isa) {
+  return isa == Isa::portable || kernels::simd_forward_kernel(isa) != nullptr;
+}
 
 bool cpu_supports(Isa isa) {
   const CpuFeatures& f = cpu_features();
@@ -94,7 +96,10 @@ std::string describe_kernel(Isa isa) {
              "O(T_k*d_h) scratch per worker, OpenMP over (batch, head, 64-row block)";
     case Isa::avx2:
     case Isa::avx512:
-      return std::string(to_string(isa)) + ": not compiled in this build";
+      if (!compiled(isa)) return std::string(to_string(isa)) + ": not compiled in this build";
+      return std::string("attention_fwd_f32_") + to_string(isa) +
+             ": fused flash forward (Highway), GQA heads stacked in SIMD lanes, online softmax "
+             "over 64-key tiles, causal tile skipping; backward: attention_bwd_f32_portable";
     case Isa::automatic: return describe_kernel(resolve_isa(Isa::automatic));
   }
   return "unknown";

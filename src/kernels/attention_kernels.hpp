@@ -52,9 +52,20 @@ struct BackwardArgs {
   Out dq, dk, dv;
 };
 
-// Portable fp32 kernels (src/kernels/portable/). Later ISA-specific kernels have the same
-// signatures, e.g. attention_fwd_f32_avx512.
+using ForwardKernel = void (*)(const ForwardArgs&);
+using BackwardKernel = void (*)(const BackwardArgs&);
+
+// Portable fp32 kernels (src/kernels/portable/): plain C++, every CPU.
 void attention_fwd_f32_portable(const ForwardArgs& args);
 void attention_bwd_f32_portable(const BackwardArgs& args);
+
+// SIMD flash-attention forward (src/kernels/simd/, Highway, one instantiation per x86 target).
+// Returns nullptr if this build has no kernel for `isa` (e.g. not an x86 build). The caller
+// has checked that the CPU supports `isa`. Query positions are indexed with int32 lanes:
+// callers use the portable kernel when T_k >= 2^31.
+ForwardKernel simd_forward_kernel(Isa isa);
+
+/// The forward kernel for a resolved ISA (portable if no SIMD kernel exists for it).
+ForwardKernel forward_kernel(Isa isa);
 
 }  // namespace tokenmix::kernels

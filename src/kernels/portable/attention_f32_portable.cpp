@@ -246,4 +246,10 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
   }
 }
 
+ForwardKernel forward_kernel(Isa isa) {
+  if (isa == Isa::portable) return &attention_fwd_f32_portable;
+  const ForwardKernel simd = simd_forward_kernel(isa);
+  return simd != nullptr ? simd : &attention_fwd_f32_portable;
+}
+
 }  // namespace tokenmix::kernels

@@ -1,0 +1,266 @@
+// tools/bench/bench.cpp — see bench.hpp.
+#include "bench.hpp"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <random>
+#include <sstream>
+
+#include "reference/reference.hpp"
+#include "tokenmix/error.hpp"
+#include "tokenmix/runtime.hpp"
+
+namespace tokenmix::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Peak-RSS probe: Linux resets VmHWM to the current RSS when "5" is written to clear_refs.
+std::int64_t status_kib(const char* key) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key, 0) == 0) return std::stoll(line.substr(std::string(key).size()));
+  }
+  return -1;
+}
+bool reset_peak_rss() {
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  return static_cast<bool>(out.flush());
+}
+
+void fill(std::vector<float>& x, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (float& e : x) e = dist(rng);
+}
+
+using reference::Tensor64;
+
+// Copies rows [t0, t0 + rows) of heads [h0, h0 + heads) of a contiguous [B,T,H,D] tensor (batch 0).
+Tensor64 slice64(const std::vector<float>& x, std::int64_t T, std::int64_t H, std::int64_t D,
+                 std::int64_t t0, std::int64_t rows, std::int64_t h0, std::int64_t heads) {
+  Tensor64 r({1, rows, heads, D});
+  for (std::int64_t t = 0; t < rows; ++t)
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t d = 0; d < D; ++d) r.at(0, t, h, d) = x[((t0 + t) * H + h0 + h) * D + d];
+  (void)T;
+  return r;
+}
+
+// max |x − r| and max |r| accumulated over a slice.
+struct ErrAcc {
+  double diff = 0.0, ref = 0.0;
+  void add(double x, double r) {
+    diff = std::max(diff, std::isnan(x) ? INFINITY : std::fabs(x - r));
+    ref = std::max(ref, std::fabs(r));
+  }
+  double rel() const { return diff / std::max(ref, 1e-30); }
+};
+
+struct Case {
+  std::int64_t tq, tk;
+  int threads;
+  Isa isa;
+};
+
+}  // namespace
+
+double sgemm_ceiling_gflops(int threads, int repeats) {
+  const int n = 2048;
+  std::vector<float> a(static_cast<std::size_t>(n) * n), b(a.size()), c(a.size());
+  fill(a, 1);
+  fill(b, 2);
+  openblas_set_num_threads(threads);
+  double best = 0.0;
+  for (int r = 0; r < repeats + 1; ++r) {  // first run is a warm-up
+    const auto t0 = Clock::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
+                0.0f, c.data(), n);
+    const double s = seconds_since(t0);
+    if (r > 0) best = std::max(best, 2.0 * n * n * n / s * 1e-9);
+  }
+  openblas_set_num_threads(default_threads());
+  return best;
+}
+
+std::string to_json(const BenchResult& r) {
+  std::ostringstream os;
+  os << std::setprecision(6) << "{\"op\": \"" << r.op << "\", \"batch\": " << r.batch << ", \"tq\": " << r.tq
+     << ", \"tk\": " << r.tk << ", \"hq\": " << r.hq << ", \"hkv\": " << r.hkv << ", \"dh\": " << r.dh
+     << ", \"threads\": " << r.threads << ", \"isa\": \"" << r.isa << "\", \"causal\": "
+     << (r.causal ? "true" : "false") << ", \"align\": \"" << r.align << "\", \"seconds\": " << r.seconds
+     << ", \"gflops\": " << r.gflops << ", \"ceiling_gflops\": " << r.ceiling_gflops
+     << ", \"ratio\": " << r.ratio << ", \"max_rel_err\": " << r.max_rel_err
+     << ", \"extra_bytes\": " << r.extra_bytes << ", \"cpu\": \"" << cpu_features().model << "\"}";
+  return os.str();
+}
+
+std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
+  if (cfg.op != "forward" && cfg.op != "backward") {
+    throw ArgumentError(ErrorCode::invalid_argument, "bench: op must be forward or backward; got '" + cfg.op + "'");
+  }
+  for (auto [name, v] : {std::pair{"--batch", cfg.batch}, std::pair{"--hq", cfg.hq}, std::pair{"--hkv", cfg.hkv},
+                         std::pair{"--dh", cfg.dh}, std::pair{"--tk", cfg.tk + 1}}) {
+    if (v < 1) throw ArgumentError(ErrorCode::invalid_argument, std::string("bench: ") + name + " must be >= 1");
+  }
+  if (cfg.repeats < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --repeats must be >= 1");
+  const bool backward = cfg.op == "backward";
+  std::vector<Case> cases;
+  for (std::int64_t tq : cfg.tq)
+    for (int th : cfg.threads)
+      for (Isa isa : cfg.isas) {
+        if (tq < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --tq must be >= 1");
+        if (th < 0) throw ArgumentError(ErrorCode::invalid_argument, "bench: --threads must be >= 0");
+        cases.push_back({tq, cfg.tk > 0 ? cfg.tk : tq, th == 0 ? default_threads() : th, resolve_isa(isa)});
+      }
+
+  if (!cfg.json) {
+    out << "tokenmix bench " << cfg.op << " on " << cpu_features().model << "\n";
+    out << "  op        T_q    T_k  H_q H_kv d_h thr isa          ms   GFLOP/s  sgemm  ratio  max_rel_err  extra_MiB\n";
+  }
+  std::map<int, double> ceilings;
+  std::vector<BenchResult> results;
+  const std::int64_t B = cfg.batch, Hq = cfg.hq, Hkv = cfg.hkv, D = cfg.dh;
+  for (const Case& c : cases) {
+    if (!ceilings.count(c.threads)) {
+      if (cfg.progress) std::cerr << "[bench] measuring sgemm 2048^3 ceiling, " << c.threads << " thread(s)\n";
+      ceilings[c.threads] = sgemm_ceiling_gflops(c.threads);
+    }
+    if (cfg.progress) {
+      std::cerr << "[bench] " << cfg.op << " T_q=" << c.tq << " T_k=" << c.tk << " threads=" << c.threads
+                << " isa=" << to_string(c.isa) << "\n";
+    }
+    std::vector<float> q(static_cast<std::size_t>(B * c.tq * Hq * D)), k(static_cast<std::size_t>(B * c.tk * Hkv * D)),
+        v(k.size()), o(q.size()), lse(static_cast<std::size_t>(B * Hq * c.tq));
+    fill(q, 11);
+    fill(k, 12);
+    fill(v, 13);
+    std::vector<float> dout, dq, dk, dv;
+    AttentionOptions opt;
+    opt.causal = cfg.causal;
+    opt.align = cfg.align;
+    opt.threads = c.threads;
+    opt.isa = c.isa;
+    const auto Q = ConstTensorView::bthd(q.data(), B, c.tq, Hq, D);
+    const auto K = ConstTensorView::bthd(k.data(), B, c.tk, Hkv, D);
+    const auto V = ConstTensorView::bthd(v.data(), B, c.tk, Hkv, D);
+    const auto O = TensorView::bthd(o.data(), B, c.tq, Hq, D);
+    const auto L = TensorView::bht(lse.data(), B, Hq, c.tq);
+    attention_forward(Q, K, V, O, L, opt);
+    if (backward) {
+      dout.resize(q.size());
+      fill(dout, 14);
+      dq.assign(q.size(), 0.0f);
+      dk.assign(k.size(), 0.0f);
+      dv.assign(k.size(), 0.0f);
+    }
+    auto call = [&] {
+      if (backward) {
+        attention_backward(Q, K, V, O, L, ConstTensorView::bthd(dout.data(), B, c.tq, Hq, D),
+                           TensorView::bthd(dq.data(), B, c.tq, Hq, D), TensorView::bthd(dk.data(), B, c.tk, Hkv, D),
+                           TensorView::bthd(dv.data(), B, c.tk, Hkv, D), opt);
+      } else {
+        attention_forward(Q, K, V, O, L, opt);
+      }
+    };
+    call();  // warm-up (also first touch of every output page)
+    const std::int64_t rss_before = status_kib("VmRSS:");
+    const bool peak_ok = reset_peak_rss();
+    std::vector<double> times;
+    for (int r = 0; r < cfg.repeats; ++r) {
+      const auto t0 = Clock::now();
+      call();
+      times.push_back(seconds_since(t0));
+    }
+    const std::int64_t peak = status_kib("VmHWM:");
+    BenchResult res{};
+    res.op = cfg.op;
+    res.batch = B;
+    res.tq = c.tq;
+    res.tk = c.tk;
+    res.hq = Hq;
+    res.hkv = Hkv;
+    res.dh = D;
+    res.threads = c.threads;
+    res.isa = to_string(c.isa);
+    res.causal = cfg.causal;
+    res.align = cfg.align == CausalAlign::bottom_right ? "bottom-right" : "top-left";
+    res.seconds = median(times);
+    const double flops = forward_flops(B, c.tq, c.tk, Hq, D, cfg.causal, cfg.align) * (backward ? 2.5 : 1.0);
+    res.gflops = flops / res.seconds * 1e-9;
+    res.ceiling_gflops = ceilings[c.threads];
+    res.ratio = res.gflops / res.ceiling_gflops;
+    res.extra_bytes = peak_ok && peak >= 0 && rss_before >= 0 ? std::max<std::int64_t>(0, peak - rss_before) * 1024 : -1;
+
+    // Error on a slice: batch 0, the g query heads of KV head 0, R query rows — the last R for
+    // bottom-right alignment (they see the most keys), the first R for top-left — against
+    // the float64 oracle. For causal bottom-right with T_q = T_k the last R keys are seen only
+    // by those rows, so dK/dV of those keys are checked exactly too.
+    const std::int64_t g = Hq / Hkv, R = std::min<std::int64_t>(c.tq, 32);
+    const bool last_rows = cfg.align == CausalAlign::bottom_right;
+    const std::int64_t t0 = last_rows ? c.tq - R : 0;
+    reference::Options ro;
+    ro.causal = cfg.causal;
+    ro.align = last_rows ? reference::Align::bottom_right : reference::Align::top_left;
+    const Tensor64 q64 = slice64(q, c.tq, Hq, D, t0, R, 0, g);
+    const Tensor64 k64 = slice64(k, c.tk, Hkv, D, 0, c.tk, 0, 1);
+    const Tensor64 v64 = slice64(v, c.tk, Hkv, D, 0, c.tk, 0, 1);
+    ErrAcc err;
+    if (!backward) {
+      const auto ref = reference::attention_forward(q64, k64, v64, ro);
+      for (std::int64_t t = 0; t < R; ++t)
+        for (std::int64_t h = 0; h < g; ++h)
+          for (std::int64_t d = 0; d < D; ++d) err.add(o[((t0 + t) * Hq + h) * D + d], ref.out.at(0, t, h, d));
+    } else {
+      const Tensor64 do64 = slice64(dout, c.tq, Hq, D, t0, R, 0, g);
+      const auto ref = reference::attention_backward(q64, k64, v64, do64, ro);
+      for (std::int64_t t = 0; t < R; ++t)
+        for (std::int64_t h = 0; h < g; ++h)
+          for (std::int64_t d = 0; d < D; ++d) err.add(dq[((t0 + t) * Hq + h) * D + d], ref.dq.at(0, t, h, d));
+      if (cfg.causal && last_rows && c.tq == c.tk) {
+        for (std::int64_t u = c.tk - R; u < c.tk; ++u)
+          for (std::int64_t d = 0; d < D; ++d) {
+            err.add(dk[(u * Hkv) * D + d], ref.dk.at(0, u, 0, d));
+            err.add(dv[(u * Hkv) * D + d], ref.dv.at(0, u, 0, d));
+          }
+      }
+    }
+    res.max_rel_err = err.rel();
+    results.push_back(res);
+    if (cfg.json) {
+      out << to_json(res) << "\n";
+    } else {
+      char line[256];
+      std::snprintf(line, sizeof line, "  %-8s %6lld %6lld %4lld %4lld %3lld %3d %-7s %9.2f %9.1f %6.1f %6.3f %12.2e %10.1f\n",
+                    res.op.c_str(), static_cast<long long>(res.tq), static_cast<long long>(res.tk),
+                    static_cast<long long>(Hq), static_cast<long long>(Hkv), static_cast<long long>(D), res.threads,
+                    res.isa.c_str(), res.seconds * 1e3, res.gflops, res.ceiling_gflops, res.ratio, res.max_rel_err,
+                    res.extra_bytes < 0 ? -1.0 : res.extra_bytes / 1048576.0);
+      out << line;
+    }
+    out.flush();
+  }
+  return results;
+}
+
+}  // namespace tokenmix::bench

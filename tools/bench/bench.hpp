@@ -1,0 +1,55 @@
+// tools/bench/bench.hpp — `tokenmix bench`: our kernels next to the machine's ceilings.
+//
+// Every figure is a ratio to a ceiling measured in the same run on the same machine:
+//   forward/backward: useful GFLOP/s (SPEC "Useful-work counts") / OpenBLAS sgemm 2048³ GFLOP/s
+// Times are medians of several repetitions after a warm-up; each case also reports the max
+// relative error against the float64 reference on a slice of rows, and the peak extra memory.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "tokenmix/attention.hpp"
+
+namespace tokenmix::bench {
+
+struct BenchConfig {
+  std::string op = "forward";  ///< "forward" or "backward"
+  std::int64_t batch = 1, hq = 32, hkv = 8, dh = 128;
+  std::vector<std::int64_t> tq = {512, 2048, 8192};  ///< one case per entry
+  std::int64_t tk = 0;                              ///< 0 = same as each tq
+  std::vector<int> threads = {0};                   ///< 0 = all; one case per entry
+  bool causal = true;
+  CausalAlign align = CausalAlign::bottom_right;
+  std::vector<Isa> isas = {Isa::automatic};
+  int repeats = 5;                                  ///< timed runs per case (median reported)
+  bool json = false;                                ///< one JSON object per line per case
+  bool progress = true;                             ///< progress lines on stderr
+};
+
+struct BenchResult {
+  std::string op;
+  std::int64_t batch, tq, tk, hq, hkv, dh;
+  int threads;
+  std::string isa;
+  bool causal;
+  std::string align;
+  double seconds;         ///< median wall time of one call
+  double gflops;          ///< useful GFLOP/s
+  double ceiling_gflops;  ///< OpenBLAS sgemm 2048³, best of several, same thread count
+  double ratio;           ///< gflops / ceiling_gflops
+  double max_rel_err;     ///< vs float64 reference on a slice: max|x − r| / max|r|
+  std::int64_t extra_bytes;  ///< peak resident memory growth during the call
+};
+
+/// sgemm 2048×2048×2048 through OpenBLAS with `threads` threads: best GFLOP/s of `repeats`.
+double sgemm_ceiling_gflops(int threads, int repeats = 5);
+
+/// Runs every case of `config`, printing a table (or JSON lines) to `out` as it goes.
+std::vector<BenchResult> run(const BenchConfig& config, std::ostream& out);
+
+std::string to_json(const BenchResult& r);
+
+}  // namespace tokenmix::bench

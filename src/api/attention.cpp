@@ -152,7 +152,7 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   check_like(fn, dv, "dv", p.batch, p.tk, p.hkv, p.dh, "k");
   detail::check_no_overlap(fn, {{"dq", dq}, {"dk", dk}, {"dv", dv}},
                            {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}, {"dout", dout}});
-  resolve_isa(options.isa);  // validates a forced ISA; the backward kernel is portable today
+  const Isa isa = resolve_isa(options.isa);
 
   args.q = strided(q);
   args.k = strided(k);
@@ -163,7 +163,8 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   args.dq = strided(dq);
   args.dk = strided(dk);
   args.dv = strided(dv);
-  kernels::attention_bwd_f32_portable(args);
+  const bool int32_lanes_fit = p.tk < (std::int64_t{1} << 31) - 1;
+  (int32_lanes_fit ? kernels::backward_kernel(isa) : &kernels::attention_bwd_f32_portable)(args);
 }
 
 }  // namespace tokenmix

@@ -65,7 +65,11 @@ void attention_bwd_f32_portable(const BackwardArgs& args);
 // callers use the portable kernel when T_k >= 2^31.
 ForwardKernel simd_forward_kernel(Isa isa);
 
-/// The forward kernel for a resolved ISA (portable if no SIMD kernel exists for it).
+// SIMD flash-attention backward (src/kernels/simd/attention_bwd_f32_hwy.cpp); same contract.
+BackwardKernel simd_backward_kernel(Isa isa);
+
+/// The kernels for a resolved ISA (portable if no SIMD kernel exists for it).
 ForwardKernel forward_kernel(Isa isa);
+BackwardKernel backward_kernel(Isa isa);
 
 }  // namespace tokenmix::kernels

@@ -252,4 +252,10 @@ ForwardKernel forward_kernel(Isa isa) {
   return simd != nullptr ? simd : &attention_fwd_f32_portable;
 }
 
+BackwardKernel backward_kernel(Isa isa) {
+  if (isa == Isa::portable) return &attention_bwd_f32_portable;
+  const BackwardKernel simd = simd_backward_kernel(isa);
+  return simd != nullptr ? simd : &attention_bwd_f32_portable;
+}
+
 }  // namespace tokenmix::kernels

@@ -25,6 +25,7 @@
 // clang-format: the two includes below must follow foreach_target.h
 #include "hwy/highway.h"
 #include "hwy/contrib/math/math-inl.h"
+#include "kernels/simd/microkernel-inl.h"
 
 #include <algorithm>
 #include <cmath>
@@ -40,54 +41,7 @@ HWY_BEFORE_NAMESPACE();
 namespace tokenmix::kernels::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// Register blocking per target: R rows × V vectors of accumulators.
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-constexpr int kR = 6, kV = 4;  // 24 of 32 zmm registers; 64 query rows per unit
-#else
-constexpr int kR = 3, kV = 3;  // 9 of 16 ymm registers; 24 query rows per unit
-#endif
 constexpr std::int64_t kKeyTile = 64;  // keys per tile (Sᵀ tile: kKeyTile × M floats)
-
-// C[R][V·N] (+)= Σ_{k<K} a[r·a_row + k·a_k] · b[k·ldb + :]  — the one microkernel.
-template <int R, class D>
-HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row, std::int64_t a_k,
-                            const float* HWY_RESTRICT b, std::int64_t ldb, std::int64_t K,
-                            float* HWY_RESTRICT c, std::int64_t ldc, bool accumulate) {
-  using V = hn::Vec<D>;
-  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
-  V acc[R][kV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kV; ++v) acc[r][v] = accumulate ? hn::Load(d, c + r * ldc + v * N) : hn::Zero(d);
-  for (std::int64_t k = 0; k < K; ++k) {
-    V bv[kV];
-    for (int v = 0; v < kV; ++v) bv[v] = hn::Load(d, b + k * ldb + v * N);
-    for (int r = 0; r < R; ++r) {
-      const V ar = hn::Set(d, a[r * a_row + k * a_k]);
-      for (int v = 0; v < kV; ++v) acc[r][v] = hn::MulAdd(ar, bv[v], acc[r][v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kV; ++v) hn::Store(acc[r][v], d, c + r * ldc + v * N);
-}
-
-// Runs the microkernel over `rows` rows: full blocks of kR, then one remainder block.
-template <int R = kR, class D>
-HWY_INLINE void Rows(D d, std::int64_t rows, const float* a, std::int64_t a_row, std::int64_t a_k,
-                     const float* b, std::int64_t ldb, std::int64_t K, float* c, std::int64_t ldc,
-                     bool accumulate) {
-  if constexpr (R == kR) {
-    for (; rows >= kR; rows -= kR, a += kR * a_row, c += kR * ldc) {
-      MicroKernel<kR>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate);
-    }
-  }
-  if constexpr (R > 1) {
-    if (rows == R - 1) {
-      MicroKernel<R - 1>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate);
-    } else {
-      Rows<R - 1>(d, rows, a, a_row, a_k, b, ldb, K, c, ldc, accumulate);
-    }
-  }
-}
 
 void AttentionFwd(const ForwardArgs& args) {
   const AttentionProblem& p = args.p;
@@ -168,7 +122,7 @@ void AttentionFwd(const ForwardArgs& args) {
         ldk = dh;
       }
       // Sᵀ[u][i] = Σ_x K[u0+u][x] · (s·Q)[i][x]          (4.2)
-      Rows(d, nt, k_rows, ldk, 1, qt, M, dh, st, M, false);
+      GemmRows(d, nt, k_rows, ldk, 1, qt, M, dh, st, M, false);
 
       // Mask keys beyond each lane's visible end (only tiles crossing the diagonal)   (4.3)
       if (u0 + nt > full_end) {
@@ -211,7 +165,7 @@ void AttentionFwd(const ForwardArgs& args) {
         v_rows = v_tile;
         ldv = dh;
       }
-      Rows(d, dh, v_rows, 1, ldv, st, M, nt, ot, M, true);
+      GemmRows(d, dh, v_rows, 1, ldv, st, M, nt, ot, M, true);
     }
 
     // O = Oᵀ / l (transposed back), L = m + log l; a lane that saw no key gives 0 and −∞.

@@ -1,0 +1,271 @@
+// src/kernels/simd/attention_bwd_f32_hwy.cpp — fused flash-attention backward, fp32, SIMD.
+//
+// SPEC "Backward pass", recomputing every score tile from Q, K and the saved row log-sum-exp L
+// (no T×T buffer), in two passes so each output row has exactly one owner (no atomics, results
+// bitwise independent of the thread count):
+//
+//   pass 1 — one unit per (b, KV head j, query block), query rows of the g heads in SIMD lanes
+//            (as in the forward):
+//     D_t   = ⟨dO_t, O_t⟩                                  (J·g of 4.6–4.7, row by row)
+//     Sᵀ    = K_tile (s·Q)ᵀ,  Pᵀ = e^{Sᵀ − L}              (4.2–4.4 recomputed)
+//     dPᵀ   = V_tile dOᵀ,     dSᵀ = Pᵀ ⊙ (dPᵀ − D)
+//     dQᵀ  += K_tileᵀ dSᵀ ;   dQ = s · dQ                    (dQ = s · dS K)
+//   pass 2 — one unit per (b, KV head j, key block), the block's keys in SIMD lanes:
+//     S     = Q_rows (s·K_block)ᵀ,  P = e^{S − L},  dP = dO_rows V_blockᵀ,  dS = P ⊙ (dP − D)
+//     dVᵀ  += dO_rowsᵀ P ;  dKᵀ += Q_rowsᵀ dS, summed over the g query heads of the group and
+//             every query row that sees the block                (dV = Σ Aᵀ dO, dK = s Σ dSᵀ Q)
+// Both passes use the forward's microkernel (microkernel-inl.h); Q, dO, K and V rows are read
+// in place, only the per-unit operands are packed transposed. Extra memory: D, 4·B·H_q·T_q
+// bytes, plus per worker O(d_h · tile).
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/simd/attention_bwd_f32_hwy.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "kernels/simd/microkernel-inl.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+
+#include "hwy/aligned_allocator.h"
+#include "kernels/attention_kernels.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace tokenmix::kernels::HWY_NAMESPACE {
+
+constexpr std::int64_t kTile = 64;  // keys per tile (pass 1) / query rows per chunk (pass 2)
+
+// Pass 1: D and dQ. Mirrors the forward kernel's unit layout.
+void BackwardQueries(const BackwardArgs& args, float* delta) {
+  const AttentionProblem& p = args.p;
+  const hn::ScalableTag<float> d;
+  const hn::RebindToSigned<decltype(d)> di;
+  using VF = hn::Vec<decltype(d)>;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = kV * N;
+  const std::int64_t dh = p.dh, g = p.group();
+  const std::int64_t gh = std::min(g, M), mq = std::max<std::int64_t>(1, M / gh);
+  const std::int64_t head_chunks = (g + gh - 1) / gh, qblocks = (p.tq + mq - 1) / mq;
+  const std::int64_t units = p.batch * p.hkv * head_chunks * qblocks;
+  if (units == 0) return;
+  const int team = static_cast<int>(std::clamp<std::int64_t>(p.threads, 1, units));
+  std::int64_t per_worker = 3 * dh * M + 2 * kTile * M + 2 * kTile * dh + 3 * M;
+  per_worker = (per_worker + 63) / 64 * 64;
+  auto scratch = hwy::AllocateAligned<float>(static_cast<std::size_t>(team * per_worker));
+  const bool pack_k = args.k.s3 != 1, pack_v = args.v.s3 != 1;
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
+  for (std::int64_t unit = 0; unit < units; ++unit) {
+    const std::int64_t qb = qblocks - 1 - unit % qblocks;  // most keys first (load balance)
+    std::int64_t rest = unit / qblocks;
+    const std::int64_t hc = rest % head_chunks;
+    rest /= head_chunks;
+    const std::int64_t j = rest % p.hkv, b = rest / p.hkv;
+    const std::int64_t h0 = j * g + hc * gh, heads = std::min(gh, (j + 1) * g - h0);
+    const std::int64_t t0 = qb * mq, positions = std::min(mq, p.tq - t0);
+
+    float* qt = scratch.get() + omp_get_thread_num() * per_worker;  // s·Qᵀ [dh][M]
+    float* dot = qt + dh * M;                                     // dOᵀ [dh][M]
+    float* dqt = dot + dh * M;                                    // dQᵀ [dh][M]
+    float* st = dqt + dh * M;                                     // Sᵀ → Pᵀ → dSᵀ [kTile][M]
+    float* dpt = st + kTile * M;                                  // dPᵀ [kTile][M]
+    float* k_tile = dpt + kTile * M;                              // packed K/V tiles if needed
+    float* v_tile = k_tile + kTile * dh;
+    float* lse_lane = v_tile + kTile * dh;                        // L per lane [M]
+    float* delta_lane = lse_lane + M;                             // D per lane [M]
+    auto* end_lane = reinterpret_cast<std::int32_t*>(delta_lane + M);
+
+    std::int64_t key_end = 0, full_end = p.tk;
+    for (std::int64_t i = 0; i < M; ++i) {
+      const std::int64_t hl = i / mq, tl = i % mq;
+      const bool valid = hl < heads && tl < positions;
+      std::int64_t e = 0;
+      if (valid) {
+        const std::int64_t h = h0 + hl, t = t0 + tl;
+        e = std::max<std::int64_t>(0, p.visible_end(t));
+        key_end = std::max(key_end, e);
+        full_end = std::min(full_end, e);
+        const float* q = args.q.row(b, t, h);
+        const float* dout = args.dout.row(b, t, h);
+        const float* o = args.out.row(b, t, h);
+        float dsum = 0.0f;  // D_t = ⟨dO_t, O_t⟩
+        for (std::int64_t x = 0; x < dh; ++x) {
+          qt[x * M + i] = p.scale * q[x * args.q.s3];
+          dot[x * M + i] = dout[x * args.dout.s3];
+          dsum += dout[x * args.dout.s3] * o[x * args.out.s3];
+        }
+        delta[(b * p.hq + h) * p.tq + t] = e > 0 ? dsum : 0.0f;
+        delta_lane[i] = dsum;
+        lse_lane[i] = e > 0 ? args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2] : 0.0f;
+      } else {
+        for (std::int64_t x = 0; x < dh; ++x) qt[x * M + i] = dot[x * M + i] = 0.0f;
+        delta_lane[i] = lse_lane[i] = 0.0f;
+      }
+      end_lane[i] = static_cast<std::int32_t>(e);  // padding lanes see nothing: P = 0
+    }
+    std::fill(dqt, dqt + dh * M, 0.0f);
+
+    for (std::int64_t u0 = 0; u0 < key_end; u0 += kTile) {
+      const std::int64_t nt = std::min(kTile, key_end - u0);
+      const float* k_rows = args.k.row(b, u0, j);
+      const float* v_rows = args.v.row(b, u0, j);
+      std::int64_t ldk = args.k.s1, ldv = args.v.s1;
+      if (pack_k) {
+        for (std::int64_t u = 0; u < nt; ++u)
+          for (std::int64_t x = 0; x < dh; ++x) k_tile[u * dh + x] = args.k.row(b, u0 + u, j)[x * args.k.s3];
+        k_rows = k_tile;
+        ldk = dh;
+      }
+      if (pack_v) {
+        for (std::int64_t u = 0; u < nt; ++u)
+          for (std::int64_t x = 0; x < dh; ++x) v_tile[u * dh + x] = args.v.row(b, u0 + u, j)[x * args.v.s3];
+        v_rows = v_tile;
+        ldv = dh;
+      }
+      GemmRows(d, nt, k_rows, ldk, 1, qt, M, dh, st, M, false);    // Sᵀ = K (s·Q)ᵀ      (4.2)
+      GemmRows(d, nt, v_rows, ldv, 1, dot, M, dh, dpt, M, false);  // dPᵀ = V dOᵀ = dAᵀ
+      const bool crosses = u0 + nt > full_end;
+      for (std::int64_t i = 0; i < M; i += N) {
+        const VF lse = hn::Load(d, lse_lane + i), dl = hn::Load(d, delta_lane + i);
+        const auto ends = hn::Load(di, end_lane + i);
+        for (std::int64_t u = 0; u < nt; ++u) {
+          VF pu = hn::Exp(d, hn::Sub(hn::Load(d, st + u * M + i), lse));  // A = e^{S − L}  (4.4)
+          if (crosses) {                                                 // causal mask   (4.3)
+            const auto visible = hn::RebindMask(d, hn::Lt(hn::Set(di, static_cast<std::int32_t>(u0 + u)), ends));
+            pu = hn::IfThenElseZero(visible, pu);
+          }
+          // dS = A ⊙ (dA − D)
+          hn::Store(hn::Mul(pu, hn::Sub(hn::Load(d, dpt + u * M + i), dl)), d, st + u * M + i);
+        }
+      }
+      GemmRows(d, dh, k_rows, 1, ldk, st, M, nt, dqt, M, true);  // dQᵀ += Kᵀ dSᵀ
+    }
+
+    for (std::int64_t i = 0; i < heads * mq; ++i) {  // dQ = s · (dQᵀ)ᵀ
+      const std::int64_t hl = i / mq, tl = i % mq;
+      if (tl >= positions) continue;
+      float* dq = args.dq.row(b, t0 + tl, h0 + hl);
+      for (std::int64_t x = 0; x < dh; ++x) dq[x * args.dq.s3] = p.scale * dqt[x * M + i];
+    }
+  }
+}
+
+// Pass 2: dK and dV, keys in lanes.
+void BackwardKeys(const BackwardArgs& args, const float* delta) {
+  const AttentionProblem& p = args.p;
+  const hn::ScalableTag<float> d;
+  using VF = hn::Vec<decltype(d)>;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = kV * N;
+  const std::int64_t dh = p.dh, g = p.group();
+  const std::int64_t kblocks = (p.tk + M - 1) / M;
+  const std::int64_t units = p.batch * p.hkv * kblocks;
+  if (units == 0) return;
+  const int team = static_cast<int>(std::clamp<std::int64_t>(p.threads, 1, units));
+  std::int64_t per_worker = 4 * dh * M + 2 * kTile * M + 2 * kTile * dh;
+  per_worker = (per_worker + 63) / 64 * 64;
+  auto scratch = hwy::AllocateAligned<float>(static_cast<std::size_t>(team * per_worker));
+  const bool pack_q = args.q.s3 != 1, pack_do = args.dout.s3 != 1;
+  const std::int64_t shift = p.align == CausalAlign::bottom_right ? p.tk - p.tq : 0;
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
+  for (std::int64_t unit = 0; unit < units; ++unit) {
+    const std::int64_t kb = unit % kblocks;  // early key blocks are seen by the most queries
+    const std::int64_t j = (unit / kblocks) % p.hkv, b = unit / (kblocks * p.hkv);
+    const std::int64_t u0 = kb * M, keys = std::min(M, p.tk - u0);
+
+    float* kt = scratch.get() + omp_get_thread_num() * per_worker;  // s·Kᵀ [dh][M]
+    float* vt = kt + dh * M;                                      // Vᵀ [dh][M]
+    float* dkt = vt + dh * M;                                     // dKᵀ [dh][M]
+    float* dvt = dkt + dh * M;                                    // dVᵀ [dh][M]
+    float* s = dvt + dh * M;                                      // S → P [kTile][M]
+    float* dp = s + kTile * M;                                    // dP → dS [kTile][M]
+    float* q_pack = dp + kTile * M;                               // [kTile][dh] if needed
+    float* do_pack = q_pack + kTile * dh;
+
+    std::fill(kt, kt + 4 * dh * M, 0.0f);  // zero padding lanes (keys ≥ T_k) and accumulators
+    PackTransposed(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, p.scale, kt, M);
+    PackTransposed(args.v.row(b, u0, j), args.v.s1, args.v.s3, keys, dh, 1.0f, vt, M);
+
+    // Queries that see any key of the block: t ≥ u0 − shift (causal), all otherwise.
+    const std::int64_t t_first = p.causal ? std::max<std::int64_t>(0, u0 - shift) : 0;
+    for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {  // the g query heads of group j (4.8)
+      for (std::int64_t c0 = t_first; c0 < p.tq; c0 += kTile) {
+        const std::int64_t rows = std::min(kTile, p.tq - c0);
+        const float* q_rows = args.q.row(b, c0, h);
+        const float* do_rows = args.dout.row(b, c0, h);
+        std::int64_t ldq = args.q.s1, lddo = args.dout.s1;
+        if (pack_q) {
+          for (std::int64_t r = 0; r < rows; ++r)
+            for (std::int64_t x = 0; x < dh; ++x) q_pack[r * dh + x] = args.q.row(b, c0 + r, h)[x * args.q.s3];
+          q_rows = q_pack;
+          ldq = dh;
+        }
+        if (pack_do) {
+          for (std::int64_t r = 0; r < rows; ++r)
+            for (std::int64_t x = 0; x < dh; ++x)
+              do_pack[r * dh + x] = args.dout.row(b, c0 + r, h)[x * args.dout.s3];
+          do_rows = do_pack;
+          lddo = dh;
+        }
+        GemmRows(d, rows, q_rows, ldq, 1, kt, M, dh, s, M, false);     // S = Q (s·K)ᵀ   (4.2)
+        GemmRows(d, rows, do_rows, lddo, 1, vt, M, dh, dp, M, false);  // dP = dO Vᵀ
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const std::int64_t t = c0 + r;
+          const std::int64_t visible = p.visible_end(t) - u0;  // lanes < visible are unmasked
+          const float lse = args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2];
+          const VF l = hn::Set(d, visible > 0 ? lse : 0.0f);
+          const VF dl = hn::Set(d, delta[(b * p.hq + h) * p.tq + t]);
+          for (std::int64_t i = 0; i < M; i += N) {
+            VF pu = hn::Exp(d, hn::Sub(hn::Load(d, s + r * M + i), l));  // A = e^{S − L}
+            if (visible < i + N) {                                       // causal mask (4.3)
+              const std::int64_t n_vis = std::clamp<std::int64_t>(visible - i, 0, N);
+              pu = hn::IfThenElseZero(hn::FirstN(d, static_cast<std::size_t>(n_vis)), pu);
+            }
+            hn::Store(pu, d, s + r * M + i);
+            hn::Store(hn::Mul(pu, hn::Sub(hn::Load(d, dp + r * M + i), dl)), d, dp + r * M + i);  // dS
+          }
+        }
+        GemmRows(d, dh, do_rows, 1, lddo, s, M, rows, dvt, M, true);  // dVᵀ += dOᵀ P
+        GemmRows(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true);   // dKᵀ += Qᵀ dS
+      }
+    }
+    for (std::int64_t u = 0; u < keys; ++u) {  // dK = s · (dKᵀ)ᵀ, dV = (dVᵀ)ᵀ
+      float* dk = args.dk.row(b, u0 + u, j);
+      float* dv = args.dv.row(b, u0 + u, j);
+      for (std::int64_t x = 0; x < dh; ++x) {
+        dk[x * args.dk.s3] = p.scale * dkt[x * M + u];
+        dv[x * args.dv.s3] = dvt[x * M + u];
+      }
+    }
+  }
+}
+
+void AttentionBwd(const BackwardArgs& args) {
+  const AttentionProblem& p = args.p;
+  std::vector<float> delta(static_cast<std::size_t>(p.batch * p.hq * p.tq));  // D [B, H_q, T_q]
+  BackwardQueries(args, delta.data());
+  BackwardKeys(args, delta.data());
+}
+
+}  // namespace tokenmix::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace tokenmix::kernels {
+
+BackwardKernel simd_backward_kernel(Isa isa) {
+#if HWY_TARGETS & HWY_AVX3
+  if (isa == Isa::avx512) return &N_AVX3::AttentionBwd;
+#endif
+#if HWY_TARGETS & HWY_AVX2
+  if (isa == Isa::avx2) return &N_AVX2::AttentionBwd;
+#endif
+  (void)isa;
+  return nullptr;
+}
+
+}  // namespace tokenmix::kernels
+#endif  // HWY_ONCE

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 (bookworm) packages that tokenmix needs to build, test and benchmark.
+#
+# Idempotent: asks dpkg-query what is already installed and only runs `apt-get update` +
+# `apt-get install` for what is missing, so a second run does nothing and needs no network.
+# Works as root; otherwise uses sudo when it is available.
+set -euo pipefail
+
+# package               why
+packages=(
+  build-essential     # g++ 12, make, libc headers
+  g++                 # C++20 compiler (also pulls libgomp for OpenMP)
+  cmake               # >= 3.25
+  ninja-build         # build tool used by scripts/*.sh
+  pkg-config          # locates OpenBLAS (cmake/Dependencies.cmake)
+  libopenblas-dev     # sgemm for the layer projections
+  libcli11-dev        # command-line parsing for tools/cli
+  libgtest-dev        # GoogleTest (tests/unit); pulls the `googletest` sources package
+  libbenchmark-dev    # Google Benchmark (benchmarks)
+  libhwy-dev          # Highway, for the planned AVX2/AVX-512 kernels
+  git
+  python3             # helper scripts
+)
+
+missing=()
+for pkg in "${packages[@]}"; do
+  status=$(dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null || true)
+  if [[ "$status" != "installed" ]]; then
+    missing+=("$pkg")
+  fi
+done
+
+if [[ ${#missing[@]} -eq 0 ]]; then
+  echo "install-deps: all ${#packages[@]} packages already installed"
+  exit 0
+fi
+
+if [[ $(id -u) -eq 0 ]]; then
+  as_root=()
+elif command -v sudo >/dev/null 2>&1; then
+  as_root=(sudo)
+else
+  echo "install-deps: missing packages: ${missing[*]}" >&2
+  echo "install-deps: not root and sudo is not available; install them as root" >&2
+  exit 1
+fi
+
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+"${as_root[@]}" apt-get update
+"${as_root[@]}" env DEBIAN_FRONTEND=noninteractive \
+  apt-get install -y --no-install-recommends "${missing[@]}"
+echo "install-deps: done"

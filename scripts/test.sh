@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# README command 2, and what CI runs (.ci/run). From a fresh Debian 12 machine:
+#   1. install the Debian packages (scripts/install-deps.sh; does nothing if all are there);
+#   2. Release build of everything in build/release, then ctest;
+#   3. Debug build with AddressSanitizer + UBSan (-DTOKENMIX_SANITIZE=ON) in build/sanitize, then
+#      ctest under the sanitizers.
+# Both ctest runs include the install test `install.consumer` (tests/consumer: `cmake --install`
+# into a scratch prefix, then a standalone find_package(tokenmix) project built against it with
+# the shared and the static library) and `readme.example` (the C++ example in README.md).
+# Every stage runs even if an earlier one failed (a stage whose build failed skips its tests);
+# a summary with timings comes last. Exit status is non-zero if anything failed.
+#
+# Environment: TOKENMIX_JOBS (parallel build and test jobs, default 2).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+root=$(pwd)
+
+jobs=${TOKENMIX_JOBS:-2}
+release_dir=build/release
+sanitize_dir=build/sanitize
+logs=build/test-logs
+
+stage_names=()
+stage_results=()
+stage_times=()
+stage_notes=()
+failed_tests=()   # for the summary: "  stage:", then its failed tests, one per line
+failed=0
+script_start=$SECONDS
+
+# record NAME RESULT SECONDS [NOTE]
+record() {
+  stage_names+=("$1")
+  stage_results+=("$2")
+  stage_times+=("$3")
+  stage_notes+=("${4:-}")
+  [[ "$2" == "FAILED" ]] && failed=1
+  return 0
+}
+
+banner() {
+  printf '\n==================== %s ====================\n' "$*"
+}
+
+# run_stage NAME COMMAND... : runs the command, records passed/FAILED and the time taken.
+run_stage() {
+  local name=$1 start=$SECONDS
+  shift
+  banner "$name"
+  if "$@"; then
+    record "$name" passed $((SECONDS - start))
+    return 0
+  fi
+  record "$name" FAILED $((SECONDS - start))
+  return 1
+}
+
+# build_stage NAME DIR CMAKE_ARGS... : configure (Ninja) and build everything in DIR.
+build_stage() {
+  local name=$1 dir=$2
+  shift 2
+  run_stage "$name" bash -c '
+    set -e
+    dir=$1; jobs=$2; shift 2
+    cmake -S . -B "$dir" -G Ninja "$@"
+    cmake --build "$dir" --parallel "$jobs"
+  ' build_stage "$dir" "$jobs" "$@"
+}
+
+# test_stage NAME DIR : ctest in DIR; the note says how many tests ran and which failed.
+test_stage() {
+  local name=$1 dir=$2 start=$SECONDS log
+  log="$logs/$(basename "$dir")-ctest.log"
+  banner "$name"
+  ctest --test-dir "$dir" --output-on-failure --no-tests=error --parallel "$jobs" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]} note counts failed_list
+  counts=$(grep -E 'tests passed, [0-9]+ tests? failed out of [0-9]+' "$log" | tail -n 1)
+  note=${counts:-no ctest summary}
+  if [[ $rc -ne 0 && -s "$dir/Testing/Temporary/LastTestsFailed.log" ]]; then
+    # "99:Suite.Case/avx2  # GetParam() = ..." -> "Suite.Case/avx2"
+    failed_list=$(cut -d: -f2- "$dir/Testing/Temporary/LastTestsFailed.log" | sed 's/  #.*//')
+    failed_tests+=("  $name:" "$(sed 's/^/    /' <<<"$failed_list")")
+  fi
+  if grep -qE 'install\.consumer .*Passed' "$log"; then
+    note="$note; install test passed"
+  elif grep -qE 'install\.consumer' "$log"; then
+    note="$note; install test FAILED"
+  fi
+  if [[ $rc -eq 0 ]]; then
+    record "$name" passed $((SECONDS - start)) "$note"
+  else
+    record "$name" FAILED $((SECONDS - start)) "$note"
+  fi
+}
+
+skip() {
+  record "$1" skipped 0 "${2:-}"
+}
+
+summary() {
+  banner "tokenmix test summary"
+  local i
+  for i in "${!stage_names[@]}"; do
+    printf '%-34s %-8s %6ss  %s\n' "${stage_names[$i]}" "${stage_results[$i]}" \
+      "${stage_times[$i]}" "${stage_notes[$i]}"
+  done
+  printf '%-34s %-8s %6ss\n' "total" "" $((SECONDS - script_start))
+  if [[ ${#failed_tests[@]} -gt 0 ]]; then
+    echo
+    echo "failed tests (full output above and in $root/$logs):"
+    printf '%s\n' "${failed_tests[@]}"
+  fi
+  if [[ $failed -ne 0 ]]; then
+    echo "test.sh: FAILED (logs in $root/$logs)"
+  else
+    echo "test.sh: everything passed"
+  fi
+}
+
+banner "environment"
+uname -srm
+grep -m1 'model name' /proc/cpuinfo 2>/dev/null || true
+echo "cores: $(nproc), jobs: $jobs"
+
+# 1. Packages. Without them nothing else can work, so a failure here stops the script.
+if ! run_stage "dependencies" bash scripts/install-deps.sh; then
+  summary
+  exit 1
+fi
+g++ --version | head -n 1
+cmake --version | head -n 1
+mkdir -p "$logs"
+
+# 2. Release: everything, all tests.
+if build_stage "release: configure + build" "$release_dir" -DCMAKE_BUILD_TYPE=Release; then
+  test_stage "release: ctest" "$release_dir"
+else
+  skip "release: ctest" "build failed"
+fi
+
+# 3. Debug + AddressSanitizer + UndefinedBehaviorSanitizer. The options apply to the test
+#    programs, to gtest's test discovery during the build and to the install test's consumer.
+export ASAN_OPTIONS="halt_on_error=1:abort_on_error=0:detect_leaks=1:strict_string_checks=1:check_initialization_order=1:strict_init_order=1:detect_stack_use_after_return=1"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+if [[ -f tests/sanitizer/lsan.supp ]]; then
+  export LSAN_OPTIONS="suppressions=$root/tests/sanitizer/lsan.supp:print_suppressions=0"
+fi
+if build_stage "sanitize: configure + build" "$sanitize_dir" \
+     -DCMAKE_BUILD_TYPE=Debug -DTOKENMIX_SANITIZE=ON; then
+  test_stage "sanitize: ctest" "$sanitize_dir"
+else
+  skip "sanitize: ctest" "build failed"
+fi
+
+summary
+exit $failed

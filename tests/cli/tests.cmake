@@ -1,0 +1,173 @@
+# tests/cli/tests.cmake — tests of the `tokenmix` command-line tool (included from
+# tests/CMakeLists.txt). Each test runs the built tool through run_cli.cmake, which checks the
+# exit code, stdout/stderr patterns, that error cases print exactly one stderr line and write
+# nothing, and optionally runs npy_tool to compare written .npy files with the float64 oracle.
+if(NOT TARGET tokenmix_cli)
+  return()  # TOKENMIX_BUILD_CLI=OFF
+endif()
+
+add_executable(tokenmix_cli_npy_tool ${CMAKE_CURRENT_LIST_DIR}/npy_tool.cpp)
+target_link_libraries(tokenmix_cli_npy_tool PRIVATE tokenmix_io tokenmix_reference)
+
+set(TOKENMIX_CLI_DRIVER ${CMAKE_CURRENT_LIST_DIR}/run_cli.cmake)
+set(TOKENMIX_CLI_DIR ${CMAKE_CURRENT_BINARY_DIR}/cli)
+set(TOKENMIX_CLI_NPY_TOOL $<TARGET_FILE:tokenmix_cli_npy_tool>)
+
+# tokenmix_cli_test(NAME ARGS <args...> [EXPECT_RC n] [STDOUT re] [STDOUT_NOT re] [STDERR re]
+#                   [ONE_LINE_ERROR] [NOT_EXIST <paths...>] [CLEAN <paths...>]
+#                   [POST <command...>]
+#                   [FIXTURES <fixture>] [TIMEOUT s])
+function(tokenmix_cli_test name)
+  cmake_parse_arguments(PARSE_ARGV 1 T "ONE_LINE_ERROR"
+                        "EXPECT_RC;STDOUT;STDOUT_NOT;STDERR;FIXTURES;TIMEOUT"
+                        "ARGS;NOT_EXIST;CLEAN;POST")
+  list(JOIN T_ARGS "|" args)
+  set(defs -DTOOL=$<TARGET_FILE:tokenmix_cli> "-DARGS=${args}")
+  if(DEFINED T_EXPECT_RC)
+    list(APPEND defs -DEXPECT_RC=${T_EXPECT_RC})
+  endif()
+  foreach(key STDOUT STDOUT_NOT STDERR)
+    if(DEFINED T_${key})
+      list(APPEND defs "-D${key}_REGEX=${T_${key}}")
+    endif()
+  endforeach()
+  if(T_ONE_LINE_ERROR)
+    list(APPEND defs -DONE_LINE_ERROR=ON)
+  endif()
+  if(T_NOT_EXIST)
+    list(JOIN T_NOT_EXIST "|" paths)
+    list(APPEND defs "-DNOT_EXIST=${paths}")
+  endif()
+  if(T_CLEAN)
+    list(JOIN T_CLEAN "|" paths)
+    list(APPEND defs "-DCLEAN=${paths}")
+  endif()
+  if(T_POST)
+    list(JOIN T_POST "|" post)
+    list(APPEND defs "-DPOST=${post}")
+  endif()
+  add_test(NAME cli_${name} COMMAND ${CMAKE_COMMAND} ${defs} -P ${TOKENMIX_CLI_DRIVER})
+  if(NOT DEFINED T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  set_tests_properties(cli_${name} PROPERTIES TIMEOUT ${T_TIMEOUT} LABELS cli)
+  if(DEFINED T_FIXTURES)
+    set_tests_properties(cli_${name} PROPERTIES FIXTURES_REQUIRED ${T_FIXTURES})
+  endif()
+endfunction()
+
+# --- help, info, check, the built-in run -------------------------------------------------------
+tokenmix_cli_test(help ARGS --help STDOUT "run.*check.*info")
+tokenmix_cli_test(run_help ARGS run --help STDOUT "--seq.*--q .*--dout")
+tokenmix_cli_test(check_help ARGS check --help STDOUT "--isa")
+tokenmix_cli_test(info_help ARGS info --help STDOUT "info")
+tokenmix_cli_test(info ARGS info
+                  STDOUT "tokenmix [0-9]+\\.[0-9]+\\.[0-9]+.*cpu:.*available paths: portable.*kernel path: .*threads: +[1-9]")
+tokenmix_cli_test(check ARGS check STDOUT "PASS .*PASS .*[0-9]+ of [0-9]+ checks passed"
+                  STDOUT_NOT "FAIL" TIMEOUT 600)
+tokenmix_cli_test(run_small ARGS run --seq 64 --seed 7
+                  STDOUT "forward +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+.*backward +[0-9.]+.*check +[0-9.]+.*dU, all heads.*dW_Q, 8 rows.*max +[0-9.e+-]+ +\\(bound [0-9.e+-]+: PASS\\).*GQA \\(H_kv = 8\\) +8192 B +4096 B.*MHA \\(H_kv = 32\\) +32768 B +16384 B"
+                  STDERR "tokenmix: forward.*tokenmix: backward.*tokenmix: check" TIMEOUT 600)
+
+# --- .npy mode ---------------------------------------------------------------------------------
+# Inputs: set a (B=2, T=33, H_q=4, H_kv=2, d_h=16), set b (B=1, T_q=5, T_k=12, H_q=4, H_kv=1,
+# d_h=8), and malformed files. Built once by fixture tests.
+set(_cli_a ${TOKENMIX_CLI_DIR}/a)
+set(_cli_b ${TOKENMIX_CLI_DIR}/b)
+set(_cli_bad ${TOKENMIX_CLI_DIR}/bad)
+file(MAKE_DIRECTORY ${_cli_a} ${_cli_b} ${_cli_bad})
+add_test(NAME cli_npy_setup_a COMMAND tokenmix_cli_npy_tool make ${_cli_a} 2 33 33 4 2 16 11)
+add_test(NAME cli_npy_setup_b COMMAND tokenmix_cli_npy_tool make ${_cli_b} 1 5 12 4 1 8 12)
+add_test(NAME cli_npy_setup_bad COMMAND tokenmix_cli_npy_tool malformed ${_cli_bad})
+set_tests_properties(cli_npy_setup_a cli_npy_setup_b cli_npy_setup_bad
+                     PROPERTIES FIXTURES_SETUP cli_npy LABELS cli)
+
+set(_cli_qkv_a --q ${_cli_a}/q.npy --k ${_cli_a}/k.npy --v ${_cli_a}/v.npy)
+set(_cli_qkv_b --q ${_cli_b}/q.npy --k ${_cli_b}/k.npy --v ${_cli_b}/v.npy)
+tokenmix_cli_test(npy_forward FIXTURES cli_npy
+                  ARGS run ${_cli_qkv_a} --out ${_cli_a}/fo.npy --lse ${_cli_a}/flse.npy
+                  STDOUT "wrote --out .*\\[2, 33, 4, 16\\].*wrote --lse .*\\[2, 4, 33\\]"
+                  CLEAN ${_cli_a}/fo.npy ${_cli_a}/flse.npy
+                  POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_a} f)
+tokenmix_cli_test(npy_backward FIXTURES cli_npy
+                  ARGS run ${_cli_qkv_a} --out ${_cli_a}/go.npy --lse ${_cli_a}/glse.npy --dout ${_cli_a}/do.npy
+                       --dq ${_cli_a}/gdq.npy --dk ${_cli_a}/gdk.npy --dv ${_cli_a}/gdv.npy --threads 1
+                  STDOUT "backward: .*wrote --dv"
+                  POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_a} g --grad
+                  CLEAN ${_cli_a}/go.npy ${_cli_a}/glse.npy ${_cli_a}/gdq.npy ${_cli_a}/gdk.npy
+                        ${_cli_a}/gdv.npy)
+tokenmix_cli_test(npy_float64_input FIXTURES cli_npy
+                  ARGS run --q ${_cli_a}/q64.npy --k ${_cli_a}/k.npy --v ${_cli_a}/v.npy --out ${_cli_a}/ho.npy
+                       --lse ${_cli_a}/hlse.npy
+                  POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_a} h
+                  CLEAN ${_cli_a}/ho.npy ${_cli_a}/hlse.npy)
+tokenmix_cli_test(npy_no_causal_scale FIXTURES cli_npy
+                  ARGS run ${_cli_qkv_a} --out ${_cli_a}/no.npy --lse ${_cli_a}/nlse.npy --no-causal
+                       --scale 0.2 --isa portable
+                  STDOUT "no mask"
+                  POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_a} n --no-causal --scale 0.2
+                  CLEAN ${_cli_a}/no.npy ${_cli_a}/nlse.npy)
+tokenmix_cli_test(npy_bottom_right FIXTURES cli_npy
+                  ARGS run ${_cli_qkv_b} --out ${_cli_b}/bo.npy --lse ${_cli_b}/blse.npy --dout ${_cli_b}/do.npy
+                       --dq ${_cli_b}/bdq.npy --dk ${_cli_b}/bdk.npy --dv ${_cli_b}/bdv.npy
+                  STDOUT "T_q=5 T_k=12.*bottom-right"
+                  POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_b} b --grad
+                  CLEAN ${_cli_b}/bo.npy ${_cli_b}/blse.npy ${_cli_b}/bdq.npy ${_cli_b}/bdk.npy
+                        ${_cli_b}/bdv.npy)
+tokenmix_cli_test(npy_top_left FIXTURES cli_npy
+                  ARGS run ${_cli_qkv_b} --out ${_cli_b}/to.npy --lse ${_cli_b}/tlse.npy --dout ${_cli_b}/do.npy
+                       --dq ${_cli_b}/tdq.npy --dk ${_cli_b}/tdk.npy --dv ${_cli_b}/tdv.npy --align top-left
+                  STDOUT "top-left"
+                  POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_b} t --grad --top-left
+                  CLEAN ${_cli_b}/to.npy ${_cli_b}/tlse.npy ${_cli_b}/tdq.npy ${_cli_b}/tdk.npy
+                        ${_cli_b}/tdv.npy)
+
+# --- errors: exit 2, exactly one stderr line, nothing written -----------------------------------
+set(_cli_e ${_cli_a}/err_o.npy)
+set(_cli_else ${_cli_a}/err_lse.npy)
+set(_cli_egrad ${_cli_a}/edq.npy ${_cli_a}/edk.npy ${_cli_a}/edv.npy)
+function(tokenmix_cli_error name stderr_re)
+  tokenmix_cli_test(${name} FIXTURES cli_npy EXPECT_RC 2 ONE_LINE_ERROR STDERR "${stderr_re}"
+                    NOT_EXIST ${_cli_e} ${_cli_else} ${_cli_egrad} ${ARGN})
+endfunction()
+tokenmix_cli_error(error_missing_file "cannot open.*No such file"
+                   ARGS run --q ${_cli_a}/missing.npy --k ${_cli_a}/k.npy --v ${_cli_a}/v.npy --out ${_cli_e})
+tokenmix_cli_error(error_bad_magic "bad_magic.npy.*bad magic"
+                   ARGS run --q ${_cli_bad}/bad_magic.npy --k ${_cli_a}/k.npy --v ${_cli_a}/v.npy --out ${_cli_e})
+tokenmix_cli_error(error_truncated "truncated.npy.*truncated data"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --dout ${_cli_bad}/truncated.npy --dq ${_cli_a}/edq.npy
+                        --dk ${_cli_a}/edk.npy --dv ${_cli_a}/edv.npy)
+tokenmix_cli_error(error_dtype "int32.npy.*unsupported dtype '<i4'"
+                   ARGS run --q ${_cli_bad}/int32.npy --k ${_cli_a}/k.npy --v ${_cli_a}/v.npy --out ${_cli_e})
+tokenmix_cli_error(error_rank "rank3.npy.*expected rank 4"
+                   ARGS run --q ${_cli_a}/q.npy --k ${_cli_bad}/rank3.npy --v ${_cli_a}/v.npy --out ${_cli_e})
+tokenmix_cli_error(error_shape_mismatch "--k .*must match --q"
+                   ARGS run --q ${_cli_a}/q.npy --k ${_cli_b}/k.npy --v ${_cli_b}/v.npy --out ${_cli_e}
+                        --lse ${_cli_else})
+tokenmix_cli_error(error_v_shape "--v .*must have the shape of --k"
+                   ARGS run --q ${_cli_a}/q.npy --k ${_cli_a}/k.npy --v ${_cli_b}/v.npy --out ${_cli_e})
+tokenmix_cli_error(error_dout_shape "--dout .*must have the shape of --q"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --dout ${_cli_b}/do.npy --dq ${_cli_a}/edq.npy
+                        --dk ${_cli_a}/edk.npy --dv ${_cli_a}/edv.npy)
+tokenmix_cli_error(error_dout_without_dq "needs all of --dout, --dq, --dk and --dv.*missing --dq, --dk, --dv"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --dout ${_cli_a}/do.npy)
+tokenmix_cli_error(error_dq_without_dout "missing --dout"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --dq ${_cli_a}/edq.npy --dk ${_cli_a}/edk.npy
+                        --dv ${_cli_a}/edv.npy)
+tokenmix_cli_error(error_bad_align "--align must be 'top-left' or 'bottom-right'.*'middle'"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --align middle)
+tokenmix_cli_error(error_missing_out "missing --out" ARGS run ${_cli_qkv_a} --lse ${_cli_else})
+tokenmix_cli_error(error_same_output "--out and --lse name the same file"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --lse ${_cli_e})
+tokenmix_cli_error(error_write_fails_cleans_up "cannot create"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --lse ${TOKENMIX_CLI_DIR}/no_such_dir/lse.npy)
+tokenmix_cli_error(error_bad_scale "scale" ARGS run ${_cli_qkv_a} --out ${_cli_e} --scale nan)
+tokenmix_cli_error(error_bad_isa "isa.*bogus" ARGS run --isa bogus)
+tokenmix_cli_error(error_seq_in_file_mode "--seq applies only to the built-in layer run"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --seq 8)
+tokenmix_cli_error(error_scale_without_files "--scale applies only to file mode"
+                   ARGS run --scale 0.5)
+tokenmix_cli_error(error_bad_seq "--seq" ARGS run --seq 0)
+tokenmix_cli_error(error_unknown_option "--bogus" ARGS run --bogus)
+tokenmix_cli_error(error_no_command "subcommand" ARGS)
+tokenmix_cli_error(error_unknown_command "unknown command 'frobnicate'" ARGS frobnicate)

@@ -1,0 +1,62 @@
+// tools/cli/cmd_bench.cpp — `tokenmix bench forward|backward`: our kernels next to the
+// machine's fp32 GEMM ceiling measured in the same run (tools/bench).
+#include <CLI/CLI.hpp>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "bench.hpp"
+#include "common.hpp"
+
+namespace tokenmix::cli {
+
+Command add_bench_command(CLI::App& parent) {
+  CLI::App* app = parent.add_subcommand(
+      "bench",
+      "Benchmark a kernel against the machine's ceilings measured in the same run (useful "
+      "GFLOP/s vs OpenBLAS sgemm 2048^3; error vs the float64 reference on a slice)");
+  struct Options {
+    std::string op = "forward";
+    bench::BenchConfig config;
+    std::vector<std::string> isas{"auto"};
+    std::string align = "bottom-right";
+    bool no_causal = false;
+  };
+  auto o = std::make_shared<Options>();
+  app->add_option("op", o->op, "What to measure: forward or backward")
+      ->check(CLI::IsMember({"forward", "backward"}))
+      ->capture_default_str();
+  app->add_option("--batch", o->config.batch, "Batch size B")->capture_default_str();
+  app->add_option("--tq,--t", o->config.tq, "Query lengths T_q, one case each (comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app->add_option("--tk", o->config.tk, "Key length T_k (default: = T_q)");
+  app->add_option("--hq", o->config.hq, "Query heads H_q")->capture_default_str();
+  app->add_option("--hkv", o->config.hkv, "Key/value heads H_kv")->capture_default_str();
+  app->add_option("--dh", o->config.dh, "Head width d_h")->capture_default_str();
+  app->add_option("--threads", o->config.threads, "Thread counts, one case each (0 = all)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app->add_option("--isa", o->isas, "Kernel paths: auto, portable, avx2, avx512 (comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app->add_option("--align", o->align, "Causal alignment: bottom-right or top-left")
+      ->capture_default_str();
+  app->add_flag("--no-causal", o->no_causal, "Full (non-causal) attention");
+  app->add_option("--repeats", o->config.repeats, "Timed runs per case (the median is reported)")
+      ->capture_default_str();
+  app->add_flag("--json", o->config.json, "One JSON object per line per case instead of a table");
+
+  return {app, [o]() {
+            bench::BenchConfig cfg = o->config;
+            cfg.op = o->op;
+            cfg.causal = !o->no_causal;
+            cfg.align = parse_align(o->align);
+            cfg.isas.clear();
+            for (const std::string& name : o->isas) cfg.isas.push_back(parse_isa(name, "--isa"));
+            bench::run(cfg, std::cout);
+            return kExitOk;
+          }};
+}
+
+}  // namespace tokenmix::cli

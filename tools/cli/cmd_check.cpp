@@ -1,0 +1,464 @@
+// tools/cli/cmd_check.cpp — `tokenmix check`: built-in self-checks, one PASS/FAIL line each.
+//
+// Every check compares this build's float32 kernels with the float64 oracle (src/reference) or
+// with an exact property, on every kernel path this CPU runs (or the one --isa names):
+//   gradient      float64 central differences of the reference forward vs our backward (and
+//                 vs the reference backward), small GQA cases
+//   softmax       Jacobian (4.6–4.7): symmetric, J·1 = 0, PSD (vᵀJv = Var_a(v) ≥ 0),
+//                 matrix-free J·g = explicit J·g, masked entries carry nothing
+//   causality     perturbing position p leaves outputs (and L, dQ) at t < p bitwise unchanged
+//   attention     forward and backward vs the reference on a few shapes (MHA/GQA/MQA,
+//                 T_q ≠ T_k in both alignments, empty rows, no mask, custom scale, SDPA layout)
+//   layer         CausalSelfAttention forward and every gradient vs reference::layer_*
+// Exit status 0 if all pass, 1 otherwise. An exception inside a check is that check's FAIL.
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common.hpp"
+
+namespace tokenmix::cli {
+namespace {
+
+using reference::Tensor64;
+
+// Bounds on max|x − r| / max|r| (float32 results vs float64).
+constexpr double kForwardBound = 2e-5;
+constexpr double kBackwardBound = 2e-4;
+constexpr double kGradCheckBound = 2e-4;     // our float32 backward vs float64 differences
+constexpr double kRefGradCheckBound = 1e-7;  // float64 reference backward vs differences
+constexpr double kLayerBound = 2e-4;
+
+struct Outcome {
+  bool pass = true;
+  std::string detail;
+};
+
+class Reporter {
+ public:
+  void run(const std::string& name, const std::function<Outcome()>& check) {
+    Outcome r;
+    try {
+      r = check();
+    } catch (const std::exception& e) {
+      r = {false, std::string("threw: ") + e.what()};
+    }
+    std::printf("%s  %-34s %s\n", r.pass ? "PASS" : "FAIL", name.c_str(), r.detail.c_str());
+    std::fflush(stdout);
+    failures_ += r.pass ? 0 : 1;
+    ++total_;
+  }
+  int failures() const { return failures_; }
+  int total() const { return total_; }
+
+ private:
+  int failures_ = 0, total_ = 0;
+};
+
+std::string e2(double v) {
+  return fmt(v, "%.1e");
+}
+
+/// "err 1.2e-07 <= 2.0e-05" and whether it passed (NaN fails).
+bool within(double err, double bound, std::string& detail, const std::string& label) {
+  const bool ok = err <= bound;
+  if (!detail.empty()) detail += ", ";
+  detail += label + " " + e2(err) + (ok ? " <= " : " > ") + e2(bound);
+  return ok;
+}
+
+/// A contiguous float tensor [B, T, H, D] with its view and a float64 copy.
+struct Tensor32 {
+  std::array<std::int64_t, 4> shape{};
+  bool bhtd = false;  // memory layout [B, H, T, D] instead of [B, T, H, D]
+  std::vector<float> data;
+
+  Tensor32(std::array<std::int64_t, 4> s, bool sdpa_layout = false)
+      : shape(s), bhtd(sdpa_layout), data(static_cast<std::size_t>(s[0] * s[1] * s[2] * s[3])) {}
+  TensorView view() {
+    return bhtd ? TensorView::bhtd(data.data(), shape[0], shape[1], shape[2], shape[3])
+                : TensorView::bthd(data.data(), shape[0], shape[1], shape[2], shape[3]);
+  }
+  std::size_t index(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t d) const {
+    return static_cast<std::size_t>(bhtd ? ((b * shape[2] + h) * shape[1] + t) * shape[3] + d
+                                         : ((b * shape[1] + t) * shape[2] + h) * shape[3] + d);
+  }
+  float& at(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t d) {
+    return data[index(b, t, h, d)];
+  }
+  void fill(std::mt19937_64& rng) {
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    for (auto& x : data) x = dist(rng);
+  }
+  Tensor64 to64() {
+    Tensor64 r(shape);
+    for (std::int64_t b = 0; b < shape[0]; ++b)
+      for (std::int64_t t = 0; t < shape[1]; ++t)
+        for (std::int64_t h = 0; h < shape[2]; ++h)
+          for (std::int64_t d = 0; d < shape[3]; ++d) r.at(b, t, h, d) = at(b, t, h, d);
+    return r;
+  }
+  double err(const Tensor64& r) {
+    ErrorAccumulator acc;
+    for (std::int64_t b = 0; b < shape[0]; ++b)
+      for (std::int64_t t = 0; t < shape[1]; ++t)
+        for (std::int64_t h = 0; h < shape[2]; ++h)
+          for (std::int64_t d = 0; d < shape[3]; ++d) acc.add(at(b, t, h, d), r.at(b, t, h, d));
+    return acc.value();
+  }
+};
+
+reference::Options ref_options(const AttentionOptions& o) {
+  reference::Options r;
+  r.scale = o.scale;
+  r.causal = o.causal;
+  r.align = o.align == CausalAlign::top_left ? reference::Align::top_left
+                                             : reference::Align::bottom_right;
+  return r;
+}
+
+struct Case {
+  std::string name;
+  std::int64_t B, T_q, T_k, H_q, H_kv, D;
+  AttentionOptions options;
+  bool sdpa_layout = false;
+};
+
+/// Our forward + backward of one case; returns out, lse, dq, dk, dv.
+struct Ours {
+  Tensor32 out, dq, dk, dv;
+  std::vector<float> lse;
+};
+Ours run_ours(const Case& c, Tensor32& q, Tensor32& k, Tensor32& v, Tensor32& dout) {
+  Ours r{Tensor32(q.shape, c.sdpa_layout),
+         Tensor32(q.shape, c.sdpa_layout),
+         Tensor32(k.shape, c.sdpa_layout),
+         Tensor32(v.shape, c.sdpa_layout),
+         {}};
+  r.lse.assign(static_cast<std::size_t>(c.B * c.H_q * c.T_q), std::nanf(""));
+  const TensorView lse = TensorView::bht(r.lse.data(), c.B, c.H_q, c.T_q);
+  attention_forward(q.view(), k.view(), v.view(), r.out.view(), lse, c.options);
+  attention_backward(q.view(), k.view(), v.view(), r.out.view(), lse, dout.view(), r.dq.view(),
+                     r.dk.view(), r.dv.view(), c.options);
+  return r;
+}
+
+double lse_err(const std::vector<float>& lse, const Tensor64& ref) {
+  std::vector<double> r(ref.data.begin(), ref.data.end());
+  return rel_err(lse, r);
+}
+
+// --- gradient check -----------------------------------------------------------------------------
+
+Outcome gradient_check(Isa isa, int threads) {
+  Outcome out;
+  const std::vector<Case> cases = {
+      {"", 2, 6, 6, 4, 2, 8, {}}, {"", 1, 4, 7, 3, 1, 6, {}},  // T_q < T_k bottom-right, MQA
+  };
+  std::mt19937_64 rng(7);
+  double worst = 0.0, worst_ref = 0.0;
+  for (Case c : cases) {
+    c.options.isa = isa;
+    c.options.threads = threads;
+    Tensor32 q({c.B, c.T_q, c.H_q, c.D}), k({c.B, c.T_k, c.H_kv, c.D}),
+        v({c.B, c.T_k, c.H_kv, c.D}), dout({c.B, c.T_q, c.H_q, c.D});
+    q.fill(rng), k.fill(rng), v.fill(rng), dout.fill(rng);
+    Ours ours = run_ours(c, q, k, v, dout);
+
+    Tensor64 q64 = q.to64(), k64 = k.to64(), v64 = v.to64();
+    const Tensor64 do64 = dout.to64();
+    const reference::Options ro = ref_options(c.options);
+    auto loss = [&]() {  // Σ dO ⊙ O, in double
+      const auto f = reference::attention_forward(q64, k64, v64, ro);
+      double s = 0.0;
+      for (std::size_t i = 0; i < f.out.data.size(); ++i) s += do64.data[i] * f.out.data[i];
+      return s;
+    };
+    const auto ref_bwd = reference::attention_backward(q64, k64, v64, do64, ro);
+    const double h = 1e-5;
+    auto numeric = [&](Tensor64& x) {
+      Tensor64 g(x.shape);
+      for (std::size_t i = 0; i < x.data.size(); ++i) {
+        const double keep = x.data[i];
+        x.data[i] = keep + h;
+        const double up = loss();
+        x.data[i] = keep - h;
+        const double down = loss();
+        x.data[i] = keep;
+        g.data[i] = (up - down) / (2 * h);
+      }
+      return g;
+    };
+    const Tensor64 gq = numeric(q64), gk = numeric(k64), gv = numeric(v64);
+    worst = std::max({worst, ours.dq.err(gq), ours.dk.err(gk), ours.dv.err(gv)});
+    auto ref_err = [](const Tensor64& a, const Tensor64& b) {
+      ErrorAccumulator acc;
+      for (std::size_t i = 0; i < a.data.size(); ++i) acc.add(a.data[i], b.data[i]);
+      return acc.value();
+    };
+    worst_ref = std::max(
+        {worst_ref, ref_err(ref_bwd.dq, gq), ref_err(ref_bwd.dk, gk), ref_err(ref_bwd.dv, gv)});
+  }
+  out.pass = within(worst, kGradCheckBound, out.detail, "ours vs differences");
+  out.pass =
+      within(worst_ref, kRefGradCheckBound, out.detail, "reference vs differences") && out.pass;
+  return out;
+}
+
+// --- softmax Jacobian
+// -----------------------------------------------------------------------------
+
+Outcome softmax_check() {
+  Outcome out;
+  const std::size_t n = 17, masked = 5;
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> dist(0.0f, 2.0f);
+  std::vector<float> z(n), a(n), J(n * n);
+  for (auto& x : z) x = dist(rng);
+  z[masked] = -std::numeric_limits<float>::infinity();
+  softmax_rows(z, a, 1, static_cast<std::int64_t>(n));
+  softmax_jacobian(a, J);
+
+  double asym = 0.0, row_sum = 0.0, masked_abs = 0.0;
+  for (std::size_t i = 0; i < n; ++i) {
+    double s = 0.0;
+    for (std::size_t j = 0; j < n; ++j) {
+      asym = std::max(asym, static_cast<double>(std::fabs(J[i * n + j] - J[j * n + i])));
+      s += J[i * n + j];
+      if (i == masked || j == masked)
+        masked_abs = std::max(masked_abs, std::fabs(1.0 * J[i * n + j]));
+    }
+    row_sum = std::max(row_sum, std::fabs(s));
+  }
+  // PSD: vᵀJv = Var_a(v) ≥ 0 for random v; compare with the variance computed in double.
+  double min_quad = std::numeric_limits<double>::infinity(), var_err = 0.0, jvp_err = 0.0;
+  std::vector<float> g(n), jg(n);
+  for (int trial = 0; trial < 200; ++trial) {
+    for (auto& x : g) x = dist(rng);
+    double quad = 0.0, mean = 0.0, mean_sq = 0.0;
+    std::vector<double> explicit_jg(n, 0.0);
+    for (std::size_t i = 0; i < n; ++i) {
+      for (std::size_t j = 0; j < n; ++j)
+        explicit_jg[i] += static_cast<double>(J[i * n + j]) * g[j];
+      quad += g[i] * explicit_jg[i];
+      mean += a[i] * static_cast<double>(g[i]);
+    }
+    for (std::size_t i = 0; i < n; ++i) mean_sq += a[i] * (g[i] - mean) * (g[i] - mean);
+    min_quad = std::min(min_quad, quad);
+    var_err = std::max(var_err, std::fabs(quad - mean_sq) / std::max(mean_sq, 1e-6));
+    softmax_jacobian_vector_product(a, g, jg);
+    jvp_err = std::max(jvp_err, rel_err(jg, explicit_jg));
+  }
+  // Fully masked row: zeros and −∞, never NaN.
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::vector<float> zm(4, ninf), am(4, 1.0f);
+  softmax_rows(zm, am, 1, 4);
+  const bool empty_ok = am == std::vector<float>(4, 0.0f) && logsumexp(zm) == ninf;
+
+  // Against the float64 oracle's explicit Jacobian.
+  std::vector<double> a64(a.begin(), a.end());
+  const double ref_err = rel_err(J, reference::softmax_jacobian(a64));
+
+  out.pass = asym <= 1e-7;
+  out.detail = "|J-J^T| " + e2(asym);
+  out.pass = within(row_sum, 1e-6, out.detail, "|J1|") && out.pass;
+  out.pass = (min_quad >= -1e-6) && out.pass;
+  out.detail += ", min v^T J v " + e2(min_quad);
+  out.pass = within(var_err, 1e-4, out.detail, "v^T J v vs Var_a(v)") && out.pass;
+  out.pass = within(jvp_err, 1e-6, out.detail, "Jg matrix-free vs explicit") && out.pass;
+  out.pass = within(ref_err, 1e-6, out.detail, "J vs reference") && out.pass;
+  out.pass = (masked_abs == 0.0) && empty_ok && out.pass;
+  if (masked_abs != 0.0) out.detail += ", masked entry has nonzero Jacobian";
+  if (!empty_ok) out.detail += ", all -inf row is not zeros/-inf";
+  return out;
+}
+
+// --- causality
+// ------------------------------------------------------------------------------------
+
+Outcome causality_check(Isa isa, int threads) {
+  Outcome out;
+  const std::int64_t B = 2, T = 70, Hq = 4, Hkv = 2, D = 64, p = 41;
+  Case c{"", B, T, T, Hq, Hkv, D, {}};
+  c.options.isa = isa;
+  c.options.threads = threads;
+  std::mt19937_64 rng(3);
+  Tensor32 q({B, T, Hq, D}), k({B, T, Hkv, D}), v({B, T, Hkv, D}), dout({B, T, Hq, D});
+  q.fill(rng), k.fill(rng), v.fill(rng), dout.fill(rng);
+  Ours before = run_ours(c, q, k, v, dout);
+  // Perturb every input at position p (queries, keys, values and the incoming gradient).
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t h = 0; h < Hq; ++h)
+      for (std::int64_t d = 0; d < D; ++d) q.at(b, p, h, d) += 1.5f, dout.at(b, p, h, d) -= 2.0f;
+    for (std::int64_t h = 0; h < Hkv; ++h)
+      for (std::int64_t d = 0; d < D; ++d) k.at(b, p, h, d) *= -3.0f, v.at(b, p, h, d) += 4.0f;
+  }
+  Ours after = run_ours(c, q, k, v, dout);
+
+  auto rows_equal = [&](Tensor32& x, Tensor32& y, std::int64_t t0, std::int64_t t1) {
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t t = t0; t < t1; ++t)
+        if (std::memcmp(&x.at(b, t, 0, 0), &y.at(b, t, 0, 0),
+                        static_cast<std::size_t>(x.shape[2] * D) * sizeof(float)) != 0)
+          return false;
+    return true;
+  };
+  bool lse_same = true;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < Hq; ++h)
+      lse_same = lse_same && std::memcmp(&before.lse[static_cast<std::size_t>((b * Hq + h) * T)],
+                                         &after.lse[static_cast<std::size_t>((b * Hq + h) * T)],
+                                         static_cast<std::size_t>(p) * sizeof(float)) == 0;
+  const bool out_same = rows_equal(before.out, after.out, 0, p);
+  const bool dq_same = rows_equal(before.dq, after.dq, 0, p);
+  // The check must be able to fail: the perturbation has to reach the output at t = p.
+  const bool changed = !rows_equal(before.out, after.out, p, p + 1);
+  out.pass = out_same && lse_same && dq_same && changed;
+  out.detail = "perturbed t=" + std::to_string(p) + " of T=" + std::to_string(T) +
+               ": O, L, dQ at t<" + std::to_string(p) +
+               (out_same && lse_same && dq_same ? " bitwise unchanged" : " CHANGED");
+  if (!changed) out.detail += ", but O at t=p did not change (perturbation ignored?)";
+  return out;
+}
+
+// --- forward / backward vs reference
+// --------------------------------------------------------------
+
+Outcome attention_check(const Case& base, Isa isa, int threads) {
+  Case c = base;
+  c.options.isa = isa;
+  c.options.threads = threads;
+  std::mt19937_64 rng(static_cast<std::uint64_t>(c.T_q * 131 + c.T_k * 7 + c.D));
+  Tensor32 q({c.B, c.T_q, c.H_q, c.D}, c.sdpa_layout), k({c.B, c.T_k, c.H_kv, c.D}, c.sdpa_layout),
+      v({c.B, c.T_k, c.H_kv, c.D}, c.sdpa_layout), dout({c.B, c.T_q, c.H_q, c.D}, c.sdpa_layout);
+  q.fill(rng), k.fill(rng), v.fill(rng), dout.fill(rng);
+  Ours ours = run_ours(c, q, k, v, dout);
+  const reference::Options ro = ref_options(c.options);
+  const Tensor64 q64 = q.to64(), k64 = k.to64(), v64 = v.to64(), do64 = dout.to64();
+  const auto f = reference::attention_forward(q64, k64, v64, ro);
+  const auto b = reference::attention_backward(q64, k64, v64, do64, ro);
+  Outcome out;
+  out.pass = within(ours.out.err(f.out), kForwardBound, out.detail, "O");
+  out.pass = within(lse_err(ours.lse, f.lse), kForwardBound, out.detail, "L") && out.pass;
+  const double db = std::max({ours.dq.err(b.dq), ours.dk.err(b.dk), ours.dv.err(b.dv)});
+  out.pass = within(db, kBackwardBound, out.detail, "dQ,dK,dV") && out.pass;
+  return out;
+}
+
+// --- layer vs reference
+// ---------------------------------------------------------------------------
+
+Outcome layer_check(std::optional<RopePairing> pairing, std::int64_t Hkv, Isa isa, int threads) {
+  const std::int64_t d = 48, Hq = 4, D = 12, B = 2, T = 9;
+  LayerConfig config;
+  config.d_model = d;
+  config.heads_q = Hq;
+  config.heads_kv = Hkv;
+  config.head_dim = D;
+  if (pairing) config.rope = RopeOptions{*pairing, 10000.0, 0};
+  config.attention.isa = isa;
+  config.attention.threads = threads;
+  CausalSelfAttention layer(config);
+  layer.init_random(99);
+  const std::vector<float> u = random_normal(static_cast<std::size_t>(B * T * d), 5);
+  const std::vector<float> d_out = random_normal(static_cast<std::size_t>(B * T * d), 6);
+  std::vector<float> o(u.size());
+  layer.forward(u, B, T, o);
+  LayerGradients grads;
+  layer.backward(d_out, grads);
+
+  reference::LayerWeights w;
+  w.d_model = d, w.heads_q = Hq, w.heads_kv = Hkv, w.head_dim = D;
+  w.use_rope = pairing.has_value();
+  w.pairing = pairing == RopePairing::interleaved ? reference::RopePairing::interleaved
+                                                  : reference::RopePairing::rotate_half;
+  w.rope_base = 10000.0;
+  auto to64 = [](std::span<const float> x) { return std::vector<double>(x.begin(), x.end()); };
+  w.w_q = to64(layer.w_q()), w.w_k = to64(layer.w_k()), w.w_v = to64(layer.w_v()),
+  w.w_o = to64(layer.w_o());
+  const std::vector<double> u64 = to64(u), do64 = to64(d_out);
+  const std::vector<double> ref_out = reference::layer_forward(w, u64, B, T);
+  const reference::LayerGrads g = reference::layer_backward(w, u64, B, T, do64);
+
+  Outcome out;
+  out.pass = within(rel_err(o, ref_out), kLayerBound, out.detail, "O");
+  const double eg = std::max({rel_err(grads.d_u, g.d_u), rel_err(grads.d_w_q, g.d_w_q),
+                              rel_err(grads.d_w_k, g.d_w_k), rel_err(grads.d_w_v, g.d_w_v),
+                              rel_err(grads.d_w_o, g.d_w_o)});
+  out.pass = within(eg, kLayerBound, out.detail, "dU,dW_Q,dW_K,dW_V,dW_O") && out.pass;
+  return out;
+}
+
+int run_check(const std::string& isa_name, int threads) {
+  std::vector<Isa> isas;
+  if (isa_name == "auto" || isa_name == "all") {
+    isas = available_isas();
+  } else {
+    const Isa isa = parse_isa(isa_name, "--isa");
+    isas = {resolve_isa(isa)};
+  }
+  apply_blas_threads(threads);
+  Reporter report;
+  report.run("softmax Jacobian (4.6-4.7)", [] { return softmax_check(); });
+
+  std::vector<Case> cases = {
+      {"1x1 head, T=1", 1, 1, 1, 1, 1, 8, {}},
+      {"GQA g=2, T=37, d_h=64", 2, 37, 37, 4, 2, 64, {}},
+      {"MQA g=8, T=130, d_h=128", 1, 130, 130, 8, 1, 128, {}},
+      {"T_q=5 < T_k=19 bottom-right", 1, 5, 19, 2, 2, 32, {}},
+      {"T_q=19 > T_k=5 bottom-right (empty rows)", 1, 19, 5, 2, 1, 16, {}},
+      {"T_q=9, T_k=14 top-left", 1, 9, 14, 2, 1, 24, {}},
+      {"no mask, scale 0.3, d_h=80", 2, 33, 33, 2, 2, 80, {}},
+      {"SDPA layout [B,H,T,d_h], T=65", 1, 65, 65, 4, 2, 32, {}, true},
+  };
+  cases[5].options.align = CausalAlign::top_left;
+  cases[6].options.causal = false;
+  cases[6].options.scale = 0.3;
+
+  for (Isa isa : isas) {
+    const std::string tag = std::string(" [") + to_string(isa) + "]";
+    report.run("gradient check" + tag, [&] { return gradient_check(isa, threads); });
+    report.run("causality" + tag, [&] { return causality_check(isa, threads); });
+    for (const Case& c : cases)
+      report.run("attention " + c.name + tag, [&] { return attention_check(c, isa, threads); });
+    report.run("layer GQA, RoPE rotate-half" + tag,
+               [&] { return layer_check(RopePairing::rotate_half, 2, isa, threads); });
+    report.run("layer MQA, RoPE interleaved" + tag,
+               [&] { return layer_check(RopePairing::interleaved, 1, isa, threads); });
+    report.run("layer MHA, no RoPE" + tag,
+               [&] { return layer_check(std::nullopt, 4, isa, threads); });
+  }
+  std::printf("%d of %d checks passed\n", report.total() - report.failures(), report.total());
+  return report.failures() == 0 ? kExitOk : kExitCheckFailed;
+}
+
+}  // namespace
+
+Command add_check_command(CLI::App& parent) {
+  CLI::App* sub = parent.add_subcommand(
+      "check",
+      "Run the built-in self-checks against the float64 reference, one PASS/FAIL line each, on "
+      "every kernel path this CPU supports; exit 1 if any fails");
+  struct Args {
+    std::string isa = "auto";
+    int threads = 0;
+  };
+  auto args = std::make_shared<Args>();
+  sub->add_option("--isa", args->isa,
+                  "Check only this kernel path (portable, avx2, avx512); auto = every available")
+      ->capture_default_str();
+  sub->add_option("--threads", args->threads, "Threads (0 = all)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 4096));
+  return {sub, [args] { return run_check(args->isa, args->threads); }};
+}
+
+}  // namespace tokenmix::cli

@@ -1,0 +1,42 @@
+// tools/cli/cmd_info.cpp — `tokenmix info`: version, CPU, ISA features, kernel paths, threads.
+#include <CLI/CLI.hpp>
+#include <iostream>
+#include <string>
+
+#include "common.hpp"
+
+namespace tokenmix::cli {
+namespace {
+
+int run_info() {
+  const Isa chosen = resolve_isa(Isa::automatic);  // may throw (bad TOKENMIX_ISA): before output
+  const CpuFeatures& cpu = cpu_features();
+  std::cout << "tokenmix " << version() << "\n";
+  std::cout << "cpu:             " << (cpu.model.empty() ? "(unknown)" : cpu.model) << "\n";
+  std::string flags;
+  for (const auto& f : cpu.flags()) flags += (flags.empty() ? "" : " ") + f;
+  std::cout << "cpu features:    " << (flags.empty() ? "(none of avx2_fma, avx512f, ...)" : flags)
+            << "\n";
+  std::cout << "available paths:";
+  for (Isa isa : available_isas()) std::cout << " " << to_string(isa);
+  std::cout << "\n";
+  for (Isa isa : available_isas())
+    std::cout << "  " << to_string(isa) << ": " << describe_kernel(isa) << "\n";
+  std::cout << "kernel path:     " << to_string(chosen) << " (automatic"
+            << (std::getenv("TOKENMIX_ISA") != nullptr
+                    ? std::string(", TOKENMIX_ISA=") + std::getenv("TOKENMIX_ISA")
+                    : std::string())
+            << ") - " << describe_kernel(chosen) << "\n";
+  std::cout << "threads:         " << default_threads() << " (default; --threads overrides)\n";
+  return kExitOk;
+}
+
+}  // namespace
+
+Command add_info_command(CLI::App& parent) {
+  CLI::App* sub = parent.add_subcommand(
+      "info", "Show the version, CPU model and features, kernel paths and the thread count");
+  return {sub, [] { return run_info(); }};
+}
+
+}  // namespace tokenmix::cli

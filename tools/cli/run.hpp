@@ -1,0 +1,29 @@
+// tools/cli/run.hpp — the two modes of `tokenmix run` (cmd_run.cpp parses and picks one).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "tokenmix/tokenmix.hpp"
+
+namespace tokenmix::cli {
+
+/// Default mode: one Llama-3-8B-shaped layer on seeded random weights and input.
+struct LayerRunOptions {
+  std::int64_t seq = 1024;
+  std::int64_t batch = 1;
+  std::uint64_t seed = 20240418;  ///< Llama-3 release date
+  int threads = 0;                ///< 0 = default_threads()
+  Isa isa = Isa::automatic;
+};
+int run_layer(const LayerRunOptions& options);
+
+/// File mode: attention forward (and optionally backward) on .npy tensors [B, T, H, d_h].
+struct NpyRunOptions {
+  std::string q, k, v, out, lse;
+  std::string dout, dq, dk, dv;  ///< all empty, or all set
+  AttentionOptions attention;
+};
+int run_npy(const NpyRunOptions& options);
+
+}  // namespace tokenmix::cli

@@ -358,7 +358,9 @@ TEST_P(FlashKernels, MaskedPositionsGetExactlyZeroGradient) {
       for (std::int64_t h = 0; h < c.Hq; ++h)
         for (std::int64_t e = 0; e < c.D; ++e) {
           ASSERT_TRUE(std::isfinite(r.dq.at(0, t, h, e)));
-          if (t < c.Tq - c.Tk) ASSERT_EQ(r.dq.at(0, t, h, e), 0.0f) << "t=" << t;
+          if (t < c.Tq - c.Tk) {
+            ASSERT_EQ(r.dq.at(0, t, h, e), 0.0f) << "t=" << t;
+          }
         }
   }
   // Causal T_q = T_k: dO at rows t < u cannot reach dK[u], dV[u].

@@ -9,7 +9,9 @@
 namespace tokenmix::detail {
 
 void fail(ErrorCode code, const char* fn, const std::string& message) {
-  throw ArgumentError(code, std::string(fn) + ": " + message);
+  std::string text(fn);
+  text.append(": ").append(message);
+  throw ArgumentError(code, text);
 }
 
 std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* fn, const char* what) {

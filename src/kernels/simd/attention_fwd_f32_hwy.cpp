@@ -49,11 +49,9 @@ void AttentionFwd(const ForwardArgs& args) {
   const hn::RebindToSigned<decltype(d)> di;
   using VF = hn::Vec<decltype(d)>;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = kV * N;
-  const std::int64_t dh = p.dh, g = p.group();
-  // Rows of a unit: gh heads × mq positions ≤ M lanes.
-  const std::int64_t gh = std::min(g, M), mq = std::max<std::int64_t>(1, M / gh);
-  const std::int64_t head_chunks = (g + gh - 1) / gh, qblocks = (p.tq + mq - 1) / mq;
-  const std::int64_t units = p.batch * p.hkv * head_chunks * qblocks;
+  const std::int64_t dh = p.dh;
+  const QueryUnits layout(p, M);
+  const std::int64_t units = layout.count, mq = layout.mq;
   if (units == 0) return;
   const int team = static_cast<int>(std::clamp<std::int64_t>(p.threads, 1, units));
 
@@ -64,18 +62,10 @@ void AttentionFwd(const ForwardArgs& args) {
   per_worker = (per_worker + 63) / 64 * 64;
   auto scratch = hwy::AllocateAligned<float>(static_cast<std::size_t>(team * per_worker));
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const bool pack_k = args.k.s3 != 1, pack_v = args.v.s3 != 1;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
   for (std::int64_t unit = 0; unit < units; ++unit) {
-    // Late query blocks see the most keys: hand them out first (causal load balance).
-    const std::int64_t qb = qblocks - 1 - unit % qblocks;
-    std::int64_t rest = unit / qblocks;
-    const std::int64_t hc = rest % head_chunks;
-    rest /= head_chunks;
-    const std::int64_t j = rest % p.hkv, b = rest / p.hkv;
-    const std::int64_t h0 = j * g + hc * gh, heads = std::min(gh, (j + 1) * g - h0);
-    const std::int64_t t0 = qb * mq, positions = std::min(mq, p.tq - t0);
+    const auto [b, j, h0, heads, t0, positions] = layout(p, unit);
 
     float* qt = scratch.get() + omp_get_thread_num() * per_worker;  // Qᵀ [dh][M], pre-scaled by s
     float* ot = qt + dh * M;                                      // Oᵀ [dh][M]
@@ -112,15 +102,8 @@ void AttentionFwd(const ForwardArgs& args) {
 
     for (std::int64_t u0 = 0; u0 < key_end; u0 += kKeyTile) {
       const std::int64_t nt = std::min(kKeyTile, key_end - u0);
-      // K rows u0.. of head j: read in place when d_h is contiguous, else packed.
-      const float* k_rows = args.k.row(b, u0, j);
-      std::int64_t ldk = args.k.s1;
-      if (pack_k) {
-        for (std::int64_t u = 0; u < nt; ++u)
-          for (std::int64_t x = 0; x < dh; ++x) k_tile[u * dh + x] = args.k.row(b, u0 + u, j)[x * args.k.s3];
-        k_rows = k_tile;
-        ldk = dh;
-      }
+      std::int64_t ldk = 0, ldv = 0;
+      const float* k_rows = RowsOf(args.k, b, u0, j, nt, dh, k_tile, ldk);
       // Sᵀ[u][i] = Σ_x K[u0+u][x] · (s·Q)[i][x]          (4.2)
       GemmRows(d, nt, k_rows, ldk, 1, qt, M, dh, st, M, false);
 
@@ -157,14 +140,7 @@ void AttentionFwd(const ForwardArgs& args) {
         }
       }
       // Oᵀ[x][i] += Σ_u V[u0+u][x] · Pᵀ[u][i]          (4.5)
-      const float* v_rows = args.v.row(b, u0, j);
-      std::int64_t ldv = args.v.s1;
-      if (pack_v) {
-        for (std::int64_t u = 0; u < nt; ++u)
-          for (std::int64_t x = 0; x < dh; ++x) v_tile[u * dh + x] = args.v.row(b, u0 + u, j)[x * args.v.s3];
-        v_rows = v_tile;
-        ldv = dh;
-      }
+      const float* v_rows = RowsOf(args.v, b, u0, j, nt, dh, v_tile, ldv);
       GemmRows(d, dh, v_rows, 1, ldv, st, M, nt, ot, M, true);
     }
 
@@ -191,16 +167,7 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace tokenmix::kernels {
 
-ForwardKernel simd_forward_kernel(Isa isa) {
-#if HWY_TARGETS & HWY_AVX3
-  if (isa == Isa::avx512) return &N_AVX3::AttentionFwd;
-#endif
-#if HWY_TARGETS & HWY_AVX2
-  if (isa == Isa::avx2) return &N_AVX2::AttentionFwd;
-#endif
-  (void)isa;
-  return nullptr;
-}
+ForwardKernel simd_forward_kernel(Isa isa) { return TOKENMIX_SIMD_KERNEL_FOR(isa, AttentionFwd); }
 
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

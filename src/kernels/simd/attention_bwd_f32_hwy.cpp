@@ -33,6 +33,7 @@
 
 #include "hwy/aligned_allocator.h"
 #include "kernels/attention_kernels.hpp"
+#include "kernels/simd/work_units.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace tokenmix::kernels::HWY_NAMESPACE {

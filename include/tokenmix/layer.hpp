@@ -19,6 +19,8 @@
 
 namespace tokenmix {
 
+class KVCache;  // tokenmix/kv_cache.hpp
+
 struct LayerConfig {
   std::int64_t d_model = 0;   ///< d
   std::int64_t heads_q = 0;   ///< H_q
@@ -68,6 +70,22 @@ class CausalSelfAttention {
   /// From dO [batch, seq, d] of the most recent forward, computes dU and the four weight
   /// gradients. Throws ArgumentError if no forward was run or d_out has the wrong size.
   void backward(std::span<const float> d_out, LayerGradients& grads);
+
+  /// Inference (nothing is saved for backward). For sequences first_seq … first_seq + batch − 1
+  /// of `cache`: computes Q, K, V of `seq` new tokens each, rotates them (RoPE position of new
+  /// token t of sequence b = cache.length(b, layer) + t), appends K and V to layer `layer` of the
+  /// cache and writes O for the new tokens, attending to everything cached with the bottom-right
+  /// causal mask (SPEC 4.3). u and out are [batch, seq, d]. A prefill into empty sequences runs
+  /// attention_forward on the fresh fp32 K/V; otherwise attention_decode reads the cache. Prefill
+  /// of P tokens followed by S step() calls gives forward() over P + S tokens (up to rounding,
+  /// and to the cache's element type). Throws, with the cache unchanged, if the cache does not
+  /// match the layer (heads_kv, head_dim), the layer index or sequences are out of range, a
+  /// sequence was released, or the new tokens do not fit.
+  void prefill(std::span<const float> u, std::int64_t batch, std::int64_t seq, KVCache& cache,
+               std::int64_t layer, std::span<float> out, std::int64_t first_seq = 0);
+  /// One new token per sequence (prefill with seq = 1): u and out are [batch, d].
+  void step(std::span<const float> u, std::int64_t batch, KVCache& cache, std::int64_t layer,
+            std::span<float> out, std::int64_t first_seq = 0);
 
   /// Attention-core tensors saved by the last forward (post-RoPE Q and K, V, the per-head
   /// output Y before W_O, and its row log-sum-exp). Exposed for checks and benchmarks.

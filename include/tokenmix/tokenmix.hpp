@@ -3,6 +3,7 @@
 
 #include "tokenmix/attention.hpp"
 #include "tokenmix/error.hpp"
+#include "tokenmix/kv_cache.hpp"
 #include "tokenmix/layer.hpp"
 #include "tokenmix/rope.hpp"
 #include "tokenmix/runtime.hpp"

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "api/validate.hpp"
+#include "tokenmix/kv_cache.hpp"
 
 namespace tokenmix {
 namespace {
@@ -202,6 +203,85 @@ void CausalSelfAttention::backward(std::span<const float> d_out, LayerGradients&
   gemm(false, true, rows, c.d_model, qw, dq.data(), w_q_.data(), g.d_u.data(), false);
   gemm(false, true, rows, c.d_model, kw, dk.data(), w_k_.data(), g.d_u.data(), true);
   gemm(false, true, rows, c.d_model, kw, dv.data(), w_v_.data(), g.d_u.data(), true);
+}
+
+void CausalSelfAttention::prefill(std::span<const float> u, std::int64_t batch, std::int64_t seq,
+                                  KVCache& cache, std::int64_t layer, std::span<float> out,
+                                  std::int64_t first_seq) {
+  constexpr const char* fn = "CausalSelfAttention::prefill";
+  const LayerConfig& c = config_;
+  const KVCacheConfig& kc = cache.config();
+  if (batch < 1) fail(ErrorCode::invalid_argument, fn, "batch must be >= 1; got " + std::to_string(batch));
+  if (seq < 1) fail(ErrorCode::invalid_argument, fn, "seq must be >= 1; got " + std::to_string(seq));
+  const std::int64_t rows = checked_mul(batch, seq, fn, "batch * seq");
+  const std::int64_t n_u = checked_mul(rows, c.d_model, fn, "batch * seq * d_model");
+  check_span(fn, "u", u.size(), n_u, "batch * seq * d_model");
+  check_span(fn, "out", out.size(), n_u, "batch * seq * d_model");
+  if (u.data() == nullptr || out.data() == nullptr) fail(ErrorCode::null_pointer, fn, "u and out must not be null");
+  if (out.data() < u.data() + u.size() && u.data() < out.data() + out.size()) {
+    fail(ErrorCode::aliasing, fn, "out overlaps u; the layer cannot run in place");
+  }
+  if (kc.heads_kv != c.heads_kv || kc.head_dim != c.head_dim) {
+    fail(ErrorCode::shape_mismatch, fn,
+         "cache (heads_kv = " + std::to_string(kc.heads_kv) + ", head_dim = " + std::to_string(kc.head_dim) +
+             ") must match the layer (heads_kv = " + std::to_string(c.heads_kv) +
+             ", head_dim = " + std::to_string(c.head_dim) + ")");
+  }
+  if (layer < 0 || layer >= kc.layers) {
+    fail(ErrorCode::invalid_argument, fn,
+         "layer must be in [0, cache layers = " + std::to_string(kc.layers) + "); got " + std::to_string(layer));
+  }
+  if (first_seq < 0 || first_seq > kc.batch || batch > kc.batch - first_seq) {
+    fail(ErrorCode::invalid_argument, fn,
+         "sequences [first_seq, first_seq + batch) must lie in [0, cache batch = " + std::to_string(kc.batch) +
+             "); got first_seq = " + std::to_string(first_seq) + ", batch = " + std::to_string(batch));
+  }
+  const std::int64_t qw = c.heads_q * c.head_dim, kw = c.heads_kv * c.head_dim;
+  std::vector<float> q(static_cast<std::size_t>(checked_mul(rows, qw, fn, "Q size")));
+  std::vector<float> k(static_cast<std::size_t>(checked_mul(rows, kw, fn, "K size"))), v(k.size()), y(q.size());
+  gemm(false, false, rows, qw, c.d_model, u.data(), w_q_.data(), q.data(), false);  // Q = U W_Q (4.1)
+  gemm(false, false, rows, kw, c.d_model, u.data(), w_k_.data(), k.data(), false);  // K = U W_K
+  gemm(false, false, rows, kw, c.d_model, u.data(), w_v_.data(), v.data(), false);  // V = U W_V
+  const auto qv = TensorView::bthd(q.data(), batch, seq, c.heads_q, c.head_dim);
+  const auto kv = TensorView::bthd(k.data(), batch, seq, c.heads_kv, c.head_dim);
+  const auto vv = TensorView::bthd(v.data(), batch, seq, c.heads_kv, c.head_dim);
+  bool fresh = true;  // every sequence empty in this layer
+  for (std::int64_t b = 0; b < batch; ++b) {
+    if (!cache.active(first_seq + b)) {
+      fail(ErrorCode::invalid_argument, fn,
+           "sequence " + std::to_string(first_seq + b) + " of the cache was released; reset it before reuse");
+    }
+    const std::int64_t len = cache.length(first_seq + b, layer);
+    fresh = fresh && len == 0;
+    if (c.rope) {  // positions len … len + seq − 1 of sequence b (4.1): one batch slice at a time
+      RopeOptions r = *c.rope;
+      r.position_offset = len;
+      TensorView qb = qv, kb = kv;
+      qb.shape[0] = kb.shape[0] = 1;
+      qb.data = q.data() + b * seq * qw;
+      kb.data = k.data() + b * seq * kw;
+      rope_forward(qb, r);
+      rope_forward(kb, r);
+    }
+  }
+  cache.append(layer, first_seq, kv, vv);  // validates everything (capacity, pool) before writing
+  const auto yv = TensorView::bthd(y.data(), batch, seq, c.heads_q, c.head_dim);
+  if (fresh) {
+    attention_forward(qv, kv, vv, yv, {}, c.attention);  // (4.2–4.5) on the fresh fp32 K/V
+  } else {
+    DecodeOptions o;
+    o.scale = c.attention.scale;
+    o.threads = c.attention.threads;
+    o.isa = c.attention.isa;
+    o.first_seq = first_seq;
+    attention_decode(qv, cache, layer, yv, {}, o);  // bottom-right against each sequence's length
+  }
+  gemm(false, false, rows, c.d_model, qw, y.data(), w_o_.data(), out.data(), false);  // O = [Y_1|…] W_O
+}
+
+void CausalSelfAttention::step(std::span<const float> u, std::int64_t batch, KVCache& cache, std::int64_t layer,
+                               std::span<float> out, std::int64_t first_seq) {
+  prefill(u, batch, 1, cache, layer, out, first_seq);
 }
 
 }  // namespace tokenmix

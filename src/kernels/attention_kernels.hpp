@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "tokenmix/attention.hpp"
+#include "tokenmix/tensor.hpp"
 
 namespace tokenmix::kernels {
 
@@ -71,5 +72,64 @@ BackwardKernel simd_backward_kernel(Isa isa);
 /// The kernels for a resolved ISA (portable if no SIMD kernel exists for it).
 ForwardKernel forward_kernel(Isa isa);
 BackwardKernel backward_kernel(Isa isa);
+
+// ---- Decode: attention of a few new queries against a KVCache (src/api/decode.cpp) ----
+// Cache layout (tokenmix/kv_cache.hpp): per layer, physical block p and KV head j hold
+//   K tiles [block_tokens / 64][d_h][64]   and   V rows [block_tokens][d_h]   (element type `dtype`).
+// Work unit = (sequence b, KV head j, query block, key chunk); units are independent and each
+// writes its own partial (unnormalised Õ = Σ_u e^{s_u − m} v_u, running max m, sum l = Σ_u e^{s_u − m})
+// for rows r = t_local · g + h_local. The caller merges the chunks of a row in chunk order
+// (SPEC "Merging partial results" with L = m + log l), so nothing depends on the thread count.
+struct DecodeArgs {
+  std::int64_t batch = 0, tnew = 0, hq = 0, hkv = 0, dh = 0;
+  float scale = 1.0f;
+  DType dtype = DType::f32;
+  const void* k_layer = nullptr;  // K region of the layer: [pool_blocks][H_kv][block_tokens · d_h]
+  const void* v_layer = nullptr;  // V region of the layer, same shape
+  std::int64_t block_tokens = 0;  // multiple of kDecodeKeyTile
+  const std::int32_t* table = nullptr;  // [batch][table_width] physical blocks of the call's sequences
+  std::int64_t table_width = 0;
+  const std::int64_t* lengths = nullptr;  // [batch] cached positions of each sequence (this layer)
+  In q;                                   // [batch, tnew, hq, dh]
+  std::int64_t qblock = 1;   // query positions per unit
+  std::int64_t qblocks = 1;  // ceil(tnew / qblock)
+  std::int64_t chunk = 0;    // keys per chunk (multiple of kDecodeKeyTile)
+  std::int64_t chunks = 0;   // chunks per (b, j, query block)
+  float* part_acc = nullptr;  // [units][rows_max][dh]
+  float* part_m = nullptr;    // [units][rows_max]
+  float* part_l = nullptr;    // [units][rows_max]
+  float* scratch = nullptr;   // [threads][scratch_floats()], 64-byte aligned, per worker
+  int threads = 1;
+  /// Per-worker scratch: s·Q rows (padded to 64 floats), the S/P tile [rows][64], and one K tile
+  /// plus 64 V rows widened to fp32 (portable kernel).
+  std::int64_t scratch_floats() const {
+    return (rows_max() * dh + 63) / 64 * 64 + rows_max() * 64 + 2 * 64 * dh;
+  }
+
+  std::int64_t group() const { return hq / hkv; }
+  std::int64_t rows_max() const { return group() * qblock; }
+  std::int64_t units() const { return batch * hkv * qblocks * chunks; }
+  /// Query t of sequence b sees keys [0, visible_end) (bottom-right, SPEC 4.3); may be ≤ 0.
+  std::int64_t visible_end(std::int64_t b, std::int64_t t) const { return lengths[b] - tnew + t + 1; }
+  /// Element offset of the K tile / V row holding key u of sequence b, KV head j.
+  std::int64_t k_tile_offset(std::int64_t b, std::int64_t j, std::int64_t u) const {
+    const std::int64_t blk = table[b * table_width + u / block_tokens], off = u % block_tokens;
+    return ((blk * hkv + j) * block_tokens + off / 64 * 64) * dh;
+  }
+  std::int64_t v_row_offset(std::int64_t b, std::int64_t j, std::int64_t u) const {
+    const std::int64_t blk = table[b * table_width + u / block_tokens], off = u % block_tokens;
+    return ((blk * hkv + j) * block_tokens + off) * dh;
+  }
+};
+inline constexpr std::int64_t kDecodeKeyTile = 64;  // = KVCache::kKeyTile
+// Decode kernels are called inside the caller's OpenMP parallel region (one region per call:
+// units, then the merge) and share out units with an orphaned `omp for` (a plain loop when
+// called outside a region); worker w uses scratch + w · scratch_floats().
+using DecodeKernel = void (*)(const DecodeArgs&);
+
+// Portable decode (src/kernels/portable/attention_decode_portable.cpp): plain C++, every CPU.
+void attention_decode_portable(const DecodeArgs& args);
+// SIMD decode (src/kernels/simd/attention_decode_hwy.cpp); nullptr if not built for `isa`.
+DecodeKernel simd_decode_kernel(Isa isa);
 
 }  // namespace tokenmix::kernels

@@ -2,8 +2,10 @@
 #include "bench.hpp"
 
 #include <cblas.h>
+#include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -14,8 +16,10 @@
 #include <random>
 #include <sstream>
 
+#include "kernels/kv_element.hpp"
 #include "reference/reference.hpp"
 #include "tokenmix/error.hpp"
+#include "tokenmix/kv_cache.hpp"
 #include "tokenmix/runtime.hpp"
 
 namespace tokenmix::bench {
@@ -103,6 +107,32 @@ double sgemm_ceiling_gflops(int threads, int repeats) {
   return best;
 }
 
+double stream_read_gbps(int threads, std::size_t bytes, int repeats) {
+  const std::size_t n = bytes / sizeof(float);
+  std::vector<float> buf(n);  // value-initialised once; first-touched again below by the team
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::size_t i = 0; i < n; ++i) buf[i] = static_cast<float>(i & 7);
+  double best = 0.0, sink = 0.0;
+  for (int r = 0; r < repeats + 1; ++r) {  // first run is a warm-up
+    const auto t0 = Clock::now();
+    double total = 0.0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : total)
+    for (std::size_t blk = 0; blk < n / 4096; ++blk) {  // 16 KiB per iteration, 16 independent sums
+      float acc[16] = {};
+      const float* p = buf.data() + blk * 4096;
+      for (std::size_t i = 0; i < 4096; i += 16)
+#pragma omp simd
+        for (int j = 0; j < 16; ++j) acc[j] += p[i + j];
+      for (float a : acc) total += a;
+    }
+    const double s = seconds_since(t0);
+    sink += total;
+    if (r > 0) best = std::max(best, static_cast<double>(n / 4096 * 4096 * sizeof(float)) / s * 1e-9);
+  }
+  if (sink == -1.0) std::cerr << "";  // keep the sums observable
+  return best;
+}
+
 std::string to_json(const BenchResult& r) {
   std::ostringstream os;
   os << std::setprecision(6) << "{\"op\": \"" << r.op << "\", \"batch\": " << r.batch << ", \"tq\": " << r.tq
@@ -111,19 +141,156 @@ std::string to_json(const BenchResult& r) {
      << (r.causal ? "true" : "false") << ", \"align\": \"" << r.align << "\", \"seconds\": " << r.seconds
      << ", \"gflops\": " << r.gflops << ", \"ceiling_gflops\": " << r.ceiling_gflops
      << ", \"ratio\": " << r.ratio << ", \"max_rel_err\": " << r.max_rel_err
-     << ", \"extra_bytes\": " << r.extra_bytes << ", \"cpu\": \"" << cpu_features().model << "\"}";
+     << ", \"extra_bytes\": " << r.extra_bytes;
+  if (r.op == "decode") {
+    os << ", \"cache_dtype\": \"" << r.cache_dtype << "\", \"gbps\": " << r.gbps << ", \"ceiling_gbps\": " << r.ceiling_gbps;
+  }
+  os << ", \"cpu\": \"" << cpu_features().model << "\"}";
   return os.str();
 }
 
+namespace {
+
+// `tokenmix bench decode`: one attention_decode step (T_new queries per sequence) against a
+// contiguous KVCache holding T_k positions per sequence, for each (T_k, cache dtype, threads,
+// isa). Reports K/V bytes read per second next to the streaming read bandwidth measured in the
+// same run, and the max relative error of the group of KV head 0 (sequence 0) vs float64.
+std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
+  if (cfg.tnew < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --tnew must be >= 1");
+  if (cfg.hq % cfg.hkv != 0) throw ArgumentError(ErrorCode::invalid_argument, "bench: --hkv must divide --hq");
+  struct DecodeCase {
+    std::int64_t tk;
+    DType dtype;
+    int threads;
+    Isa isa;
+  };
+  std::vector<DecodeCase> cases;
+  for (std::int64_t tk : cfg.cache_tokens)
+    for (DType dt : cfg.cache_dtypes)
+      for (int th : cfg.threads)
+        for (Isa isa : cfg.isas) {
+          if (tk < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --tk must be >= 1");
+          if (th < 0) throw ArgumentError(ErrorCode::invalid_argument, "bench: --threads must be >= 0");
+          cases.push_back({tk, dt, th == 0 ? default_threads() : th, resolve_isa(isa)});
+        }
+  if (!cfg.json) {
+    out << "tokenmix bench decode on " << cpu_features().model << "\n";
+    out << "  op       T_new    T_k  H_q H_kv d_h thr isa     cache     ms     GB/s  ceiling  ratio  max_rel_err  extra_MiB\n";
+  }
+  const std::int64_t B = cfg.batch, Hq = cfg.hq, Hkv = cfg.hkv, D = cfg.dh, Tn = cfg.tnew, g = Hq / Hkv;
+  std::map<int, double> ceilings;
+  std::vector<BenchResult> results;
+  constexpr std::int64_t kFill = 4096;  // positions appended per call while filling the cache
+  std::vector<float> kv_k(static_cast<std::size_t>(B * kFill * Hkv * D)), kv_v(kv_k.size());
+  fill(kv_k, 21);
+  fill(kv_v, 22);
+  std::vector<float> q(static_cast<std::size_t>(B * Tn * Hq * D)), o(q.size()), lse(static_cast<std::size_t>(B * Hq * Tn));
+  fill(q, 23);
+  for (const DecodeCase& c : cases) {
+    if (!ceilings.count(c.threads)) {
+      if (cfg.progress) std::cerr << "[bench] measuring streaming read bandwidth (1 GiB), " << c.threads << " thread(s)\n";
+      ceilings[c.threads] = stream_read_gbps(c.threads);
+    }
+    if (cfg.progress) {
+      std::cerr << "[bench] decode T_k=" << c.tk << " cache=" << to_string(c.dtype) << " threads=" << c.threads
+                << " isa=" << to_string(c.isa) << "\n";
+    }
+    KVCache cache({1, B, Hkv, D, c.tk, c.dtype, 0, 0});
+    for (std::int64_t t0 = 0; t0 < c.tk; t0 += kFill) {  // the 4096-position pattern repeats
+      const std::int64_t n = std::min(kFill, c.tk - t0);
+      const std::array<std::int64_t, 4> st{kFill * Hkv * D, Hkv * D, D, 1};
+      cache.append(0, 0, ConstTensorView{kv_k.data(), DType::f32, 4, {B, n, Hkv, D}, st},
+                   ConstTensorView{kv_v.data(), DType::f32, 4, {B, n, Hkv, D}, st});
+    }
+    DecodeOptions opt;
+    opt.threads = c.threads;
+    opt.isa = c.isa;
+    const auto Q = ConstTensorView::bthd(q.data(), B, Tn, Hq, D);
+    const auto O = TensorView::bthd(o.data(), B, Tn, Hq, D);
+    const auto L = TensorView::bht(lse.data(), B, Hq, Tn);
+    attention_decode(Q, cache, 0, O, L, opt);  // warm-up
+    const std::int64_t rss_before = status_kib("VmRSS:");
+    const bool peak_ok = reset_peak_rss();
+    std::vector<double> times;
+    for (int r = 0; r < cfg.repeats; ++r) {
+      const auto t0 = Clock::now();
+      attention_decode(Q, cache, 0, O, L, opt);
+      times.push_back(seconds_since(t0));
+    }
+    const std::int64_t peak = status_kib("VmHWM:");
+    BenchResult res{};
+    res.op = "decode";
+    res.batch = B;
+    res.tq = Tn;
+    res.tk = c.tk;
+    res.hq = Hq;
+    res.hkv = Hkv;
+    res.dh = D;
+    res.threads = c.threads;
+    res.isa = to_string(c.isa);
+    res.causal = true;
+    res.align = "bottom-right";
+    res.seconds = median(times);
+    res.gflops = 4.0 * D * Hq * static_cast<double>(c.tk) * Tn * B / res.seconds * 1e-9;
+    res.ceiling_gflops = 0.0;
+    res.cache_dtype = to_string(c.dtype);
+    res.gbps = static_cast<double>(decode_bytes(cache, 0, 0, B)) / res.seconds * 1e-9;
+    res.ceiling_gbps = ceilings[c.threads];
+    res.ratio = res.gbps / res.ceiling_gbps;
+    res.extra_bytes = peak_ok && peak >= 0 && rss_before >= 0 ? std::max<std::int64_t>(0, peak - rss_before) * 1024 : -1;
+
+    // Error: sequence 0, the g query heads of KV head 0, against the float64 oracle on the
+    // values as stored (fp32 rounded to the cache dtype).
+    Tensor64 q64({1, Tn, g, D}), k64({1, c.tk, 1, D}), v64({1, c.tk, 1, D});
+    for (std::int64_t t = 0; t < Tn; ++t)
+      for (std::int64_t h = 0; h < g; ++h)
+        for (std::int64_t x = 0; x < D; ++x) q64.at(0, t, h, x) = q[static_cast<std::size_t>((t * Hq + h) * D + x)];
+    auto rounded = [&](float x) {  // as the cache stores it (round to nearest even), widened
+      std::uint32_t slot = 0;
+      kernels::store_element(c.dtype, &slot, 0, x);
+      return static_cast<double>(kernels::load_element(c.dtype, &slot, 0));
+    };
+    for (std::int64_t t = 0; t < c.tk; ++t)
+      for (std::int64_t x = 0; x < D; ++x) {
+        const std::size_t src = static_cast<std::size_t>(((t % kFill) * Hkv) * D + x);
+        k64.at(0, t, 0, x) = rounded(kv_k[src]);
+        v64.at(0, t, 0, x) = rounded(kv_v[src]);
+      }
+    const auto ref = reference::attention_forward(q64, k64, v64);
+    ErrAcc err;
+    for (std::int64_t t = 0; t < Tn; ++t)
+      for (std::int64_t h = 0; h < g; ++h)
+        for (std::int64_t x = 0; x < D; ++x) err.add(o[static_cast<std::size_t>((t * Hq + h) * D + x)], ref.out.at(0, t, h, x));
+    res.max_rel_err = err.rel();
+    results.push_back(res);
+    if (cfg.json) {
+      out << to_json(res) << "\n";
+    } else {
+      char line[256];
+      std::snprintf(line, sizeof line, "  %-8s %5lld %6lld %4lld %4lld %3lld %3d %-7s %-5s %8.2f %8.1f %8.1f %6.3f %12.2e %10.1f\n",
+                    "decode", static_cast<long long>(Tn), static_cast<long long>(c.tk), static_cast<long long>(Hq),
+                    static_cast<long long>(Hkv), static_cast<long long>(D), res.threads, res.isa.c_str(),
+                    res.cache_dtype.c_str(), res.seconds * 1e3, res.gbps, res.ceiling_gbps, res.ratio, res.max_rel_err,
+                    res.extra_bytes < 0 ? -1.0 : res.extra_bytes / 1048576.0);
+      out << line;
+    }
+    out.flush();
+  }
+  return results;
+}
+
+}  // namespace
+
 std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
-  if (cfg.op != "forward" && cfg.op != "backward") {
-    throw ArgumentError(ErrorCode::invalid_argument, "bench: op must be forward or backward; got '" + cfg.op + "'");
+  if (cfg.op != "forward" && cfg.op != "backward" && cfg.op != "decode") {
+    throw ArgumentError(ErrorCode::invalid_argument, "bench: op must be forward, backward or decode; got '" + cfg.op + "'");
   }
   for (auto [name, v] : {std::pair{"--batch", cfg.batch}, std::pair{"--hq", cfg.hq}, std::pair{"--hkv", cfg.hkv},
                          std::pair{"--dh", cfg.dh}, std::pair{"--tk", cfg.tk + 1}}) {
     if (v < 1) throw ArgumentError(ErrorCode::invalid_argument, std::string("bench: ") + name + " must be >= 1");
   }
   if (cfg.repeats < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --repeats must be >= 1");
+  if (cfg.op == "decode") return run_decode(cfg, out);
   const bool backward = cfg.op == "backward";
   std::vector<Case> cases;
   for (std::int64_t tq : cfg.tq)

@@ -2,21 +2,25 @@
 //
 // Every figure is a ratio to a ceiling measured in the same run on the same machine:
 //   forward/backward: useful GFLOP/s (SPEC "Useful-work counts") / OpenBLAS sgemm 2048³ GFLOP/s
+//   decode: K/V bytes read per second (SPEC "decode bytes") / streaming read bandwidth (a
+//           multi-threaded sum over a 1 GiB buffer, ≫ L3), one attention_decode step on a KVCache
 // Times are medians of several repetitions after a warm-up; each case also reports the max
 // relative error against the float64 reference on a slice of rows, and the peak extra memory.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <ostream>
 #include <string>
 #include <vector>
 
 #include "tokenmix/attention.hpp"
+#include "tokenmix/tensor.hpp"
 
 namespace tokenmix::bench {
 
 struct BenchConfig {
-  std::string op = "forward";  ///< "forward" or "backward"
+  std::string op = "forward";  ///< "forward", "backward" or "decode"
   std::int64_t batch = 1, hq = 32, hkv = 8, dh = 128;
   std::vector<std::int64_t> tq = {512, 2048, 8192};  ///< one case per entry
   std::int64_t tk = 0;                              ///< 0 = same as each tq
@@ -27,6 +31,10 @@ struct BenchConfig {
   int repeats = 5;                                  ///< timed runs per case (median reported)
   bool json = false;                                ///< one JSON object per line per case
   bool progress = true;                             ///< progress lines on stderr
+  // decode only: one case per (cache_tokens, cache_dtype, threads, isa); tq is not used.
+  std::vector<std::int64_t> cache_tokens = {4096, 32768, 131072};  ///< T_k: cached positions per sequence
+  std::vector<DType> cache_dtypes = {DType::f32, DType::bf16, DType::f16};
+  std::int64_t tnew = 1;                            ///< new queries per sequence (T_new; > 1: speculative)
 };
 
 struct BenchResult {
@@ -42,10 +50,18 @@ struct BenchResult {
   double ratio;           ///< gflops / ceiling_gflops
   double max_rel_err;     ///< vs float64 reference on a slice: max|x − r| / max|r|
   std::int64_t extra_bytes;  ///< peak resident memory growth during the call
+  // decode only (to_json writes them for op "decode"; there gflops counts 4·d_h·H_q·T_k·T_new·B,
+  // ceiling_gflops is 0 and ratio = gbps / ceiling_gbps):
+  std::string cache_dtype;   ///< element type of the KV cache
+  double gbps = 0.0;         ///< K/V bytes read per second (SPEC "decode bytes") / 1e9
+  double ceiling_gbps = 0.0; ///< streaming read bandwidth, best of several, same thread count
 };
 
 /// sgemm 2048×2048×2048 through OpenBLAS with `threads` threads: best GFLOP/s of `repeats`.
 double sgemm_ceiling_gflops(int threads, int repeats = 5);
+
+/// Streaming read bandwidth: `threads` threads sum a `bytes` buffer (≫ L3); best GB/s of `repeats`.
+double stream_read_gbps(int threads, std::size_t bytes = std::size_t{1} << 30, int repeats = 5);
 
 /// Runs every case of `config`, printing a table (or JSON lines) to `out` as it goes.
 std::vector<BenchResult> run(const BenchConfig& config, std::ostream& out);

@@ -1,0 +1,159 @@
+// tokenmix/kv_cache.hpp — the key/value cache of autoregressive inference (SPEC 4.3, 4.8) and the
+// decode attention that reads it.
+//
+// A KVCache holds, for n layers and B sequences, the post-RoPE keys K and values V of every
+// cached position of every KV head: [n, B, T, H_kv, d_h] each, in fp32, bf16 or f16 (converted
+// on write with round-to-nearest-even; read back and accumulated in fp32). Its storage is
+// SPEC 4.8's figure, 2 · n · B · T_max · H_kv · d_h · sizeof(element) (kv_cache_bytes in
+// layer.hpp), plus the block tables and lengths (memory_bytes() reports the total).
+//
+// Storage is in blocks of `block_tokens` positions. A block holds, per layer and KV head,
+//   K as key tiles [block_tokens / 64][d_h][64]   (64 keys of a tile are contiguous SIMD lanes)
+//   V as rows      [block_tokens][d_h]
+// which is what the decode kernel reads (scores S = q Kᵀ with keys in lanes, then O += P V with
+// features in lanes), so nothing is repacked per step. Two flavours share that layout and the
+// kernels:
+//   contiguous  one block of T_max (rounded up to 64) positions per sequence, fixed;
+//   paged       a shared pool of fixed-size blocks; each sequence has a block table and takes
+//               blocks as it grows; truncate / release / reset return blocks to the pool.
+//
+// Lengths are kept per (layer, sequence): prefill/step of layer l advances layer l's length, so
+// a model appends layer by layer and every layer sees its own consistent length. RoPE positions
+// of new tokens start at the sequence's current length.
+//
+// Every mutating method validates all of its arguments before it changes anything: on a typed
+// error (ArgumentError / UnsupportedError, error.hpp) the cache is unchanged, byte for byte.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "tokenmix/attention.hpp"
+#include "tokenmix/tensor.hpp"
+
+namespace tokenmix {
+
+/// Sizes and element type of a KVCache.
+struct KVCacheConfig {
+  std::int64_t layers = 0;     ///< n
+  std::int64_t batch = 0;      ///< B (sequence slots)
+  std::int64_t heads_kv = 0;   ///< H_kv
+  std::int64_t head_dim = 0;   ///< d_h
+  std::int64_t capacity = 0;   ///< T_max: most positions one sequence may hold
+  DType dtype = DType::f32;    ///< element type of K and V in the cache
+  /// 0 = contiguous (one block of T_max rounded up to 64 per sequence). Otherwise paged: block
+  /// size in positions, a positive multiple of KVCache::kKeyTile (64).
+  std::int64_t block_tokens = 0;
+  /// Paged only: blocks in the shared pool; 0 = enough for every sequence at T_max.
+  std::int64_t pool_blocks = 0;
+};
+
+class KVCache;
+namespace detail {
+struct KVCacheAccess;  // read access for the decode kernels (src/api/decode.cpp)
+}
+
+class KVCache {
+ public:
+  /// Positions per key tile: K is stored transposed in tiles of this many keys (SIMD lanes).
+  static constexpr std::int64_t kKeyTile = 64;
+
+  /// Validates the configuration (positive sizes, known dtype, block size a multiple of 64, no
+  /// overflow) and allocates zeroed storage. Every sequence starts active with length 0.
+  explicit KVCache(const KVCacheConfig& config);
+
+  const KVCacheConfig& config() const noexcept { return config_; }
+  bool paged() const noexcept { return config_.block_tokens != 0; }
+  /// Positions per block (T_max rounded up to 64 for a contiguous cache).
+  std::int64_t block_tokens() const noexcept { return block_tokens_; }
+  /// Blocks in the pool (B for a contiguous cache) and how many are not held by a sequence.
+  std::int64_t pool_blocks() const noexcept { return pool_blocks_; }
+  std::int64_t free_blocks() const noexcept { return static_cast<std::int64_t>(free_list_.size()); }
+
+  /// Cached positions of sequence `seq` in layer `layer`.
+  std::int64_t length(std::int64_t seq, std::int64_t layer = 0) const;
+  /// False after release(seq) until reset(seq).
+  bool active(std::int64_t seq) const;
+
+  /// Appends T_new positions to sequences first_seq … first_seq + B' − 1 of layer `layer`:
+  /// k, v are f32 [B', T_new, H_kv, d_h] views (any strides), already RoPE-rotated. Position
+  /// length(seq, layer) + t receives k[b, t]. Throws (cache unchanged) on: bad layer or sequence
+  /// range, released sequence, head count or width mismatch, non-f32 view, positions past
+  /// capacity or overflowing, too few free blocks in the pool.
+  void append(std::int64_t layer, std::int64_t first_seq, ConstTensorView k, ConstTensorView v);
+
+  /// Rewinds sequence `seq` to at most `new_length` positions in every layer (speculative
+  /// decoding: drop rejected tokens); layers already shorter keep their length. new_length must
+  /// be in [0, longest layer length]. Dropped positions are zeroed (the storage then equals that
+  /// of a cache that never held them) and blocks no longer needed return to the pool.
+  void truncate(std::int64_t seq, std::int64_t new_length);
+  /// Marks `seq` finished: its blocks return to the pool; reading or appending it throws until
+  /// reset(seq).
+  void release(std::int64_t seq);
+  /// Empties (and reactivates) sequence `seq`.
+  void reset(std::int64_t seq);
+  /// Empties every sequence.
+  void reset();
+
+  /// Bytes of K/V storage (SPEC 4.8): contiguous 2 · n · B · T · H_kv · d_h · sizeof(element)
+  /// with T = T_max rounded up to 64 (= kv_cache_bytes(n, B, T, …)); paged the same with
+  /// B · T replaced by pool_blocks · block_tokens.
+  std::uint64_t storage_bytes() const noexcept { return static_cast<std::uint64_t>(storage_.size()); }
+  /// All memory the cache holds: storage plus block tables, lengths and bookkeeping.
+  std::uint64_t memory_bytes() const noexcept;
+
+  /// Raw K/V storage (tests compare it before and after a failing call).
+  std::span<const std::byte> raw_storage() const noexcept { return storage_; }
+
+ private:
+  friend struct detail::KVCacheAccess;
+
+  void check_seq(const char* fn, std::int64_t seq) const;
+  void check_layer(const char* fn, std::int64_t layer) const;
+  std::int64_t blocks_needed(std::int64_t tokens) const noexcept;
+  std::int64_t max_length(std::int64_t seq) const noexcept;
+  void shrink(std::int64_t seq, std::int64_t new_length);
+  /// Byte offset of element (layer, physical block, head) of the K or V region.
+  std::size_t k_offset(std::int64_t layer, std::int64_t block, std::int64_t head) const noexcept;
+  std::size_t v_offset(std::int64_t layer, std::int64_t block, std::int64_t head) const noexcept;
+
+  KVCacheConfig config_;
+  std::int64_t block_tokens_ = 0, pool_blocks_ = 0, table_width_ = 0;
+  std::size_t elem_ = 4;             // bytes per element
+  std::size_t head_block_elems_ = 0; // block_tokens · d_h: one (layer, block, head) of K or of V
+  std::vector<std::byte> storage_;   // [K | V], each [n][pool_blocks][H_kv][block_tokens · d_h]
+  std::vector<std::int32_t> table_;  // [B][table_width]: physical block of logical block i, or −1
+  std::vector<std::int64_t> lengths_;  // [n][B]
+  std::vector<std::uint8_t> active_;   // [B]
+  std::vector<std::int32_t> free_list_;  // free physical blocks (paged), popped from the back
+};
+
+/// Options of attention_decode. Decoding is always causal, bottom-right aligned (SPEC 4.3).
+struct DecodeOptions {
+  std::optional<double> scale;  ///< s in (4.2); default 1/sqrt(d_h). Must be finite.
+  int threads = 0;              ///< 0 = all; results are bitwise identical for any count
+  Isa isa = Isa::automatic;     ///< force a kernel path, as for attention_forward
+  std::int64_t first_seq = 0;   ///< q's batch row b is cache sequence first_seq + b
+};
+
+/// Attention of T_new new queries per sequence against the cached keys/values of layer `layer`.
+///   q   [B', T_new, H_q, d_h] f32, any strides; H_q a multiple of the cache's H_kv
+///   out [B', T_new, H_q, d_h] f32;  lse [B', H_q, T_new] f32 or empty
+/// The new queries are the last T_new positions of each sequence (their K/V already appended):
+/// query t of sequence b (length L_b) sees keys u ≤ L_b − T_new + t (bottom-right, SPEC 4.3);
+/// sequences may have different lengths. All g = H_q / H_kv query heads of a KV head are served
+/// by one pass over that head's K/V. Keys are split into fixed chunks (flash-decoding) whose
+/// partial results are merged in a fixed order (SPEC "Merging partial results"), so the
+/// result does not depend on the thread count. A row that sees no key gives O = 0, L = −∞.
+void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t layer, TensorView out,
+                      TensorView lse = {}, const DecodeOptions& options = {});
+
+/// Bytes of K and V one attention_decode call reads (SPEC "Useful-work counts", decode bytes):
+/// 2 · Σ_b L_b · H_kv · d_h · sizeof(element) over the sequences of the call.
+std::uint64_t decode_bytes(const KVCache& cache, std::int64_t layer, std::int64_t first_seq,
+                           std::int64_t batch);
+
+}  // namespace tokenmix

@@ -1,0 +1,206 @@
+// src/api/decode.cpp — attention_decode: validate, split the keys into fixed chunks, run the
+// kernel of the chosen ISA on every (sequence, KV head, query block, chunk) unit, then merge the
+// chunks of each row in chunk order (SPEC "Merging partial results").
+//
+// Merge in the kernels' (m, l, Õ) form, with L = m + log l (4.4):
+//   m = max(m¹, m²),  l = l¹ e^{m¹−m} + l² e^{m²−m},  Õ = Õ¹ e^{m¹−m} + Õ² e^{m²−m}
+// which is L = log(e^{L¹} + e^{L²}), O = e^{L¹−L} O¹ + e^{L²−L} O² with O = Õ / l; a part with
+// m = −∞ (no visible key) contributes nothing. The chunk size depends only on the problem, never
+// on the thread count, and each row is merged left to right by one thread: the result is
+// bitwise identical for any number of threads.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "api/validate.hpp"
+#include "kernels/attention_kernels.hpp"
+#include "tokenmix/error.hpp"
+#include "tokenmix/kv_cache.hpp"
+
+namespace tokenmix {
+namespace detail {
+
+struct KVCacheAccess {
+  static const KVCache& c(const KVCache& x) { return x; }
+  static const void* k_layer(const KVCache& x, std::int64_t layer) { return x.storage_.data() + x.k_offset(layer, 0, 0); }
+  static const void* v_layer(const KVCache& x, std::int64_t layer) { return x.storage_.data() + x.v_offset(layer, 0, 0); }
+  static const std::int32_t* table(const KVCache& x, std::int64_t seq) {
+    return x.table_.data() + seq * x.table_width_;
+  }
+  static std::int64_t table_width(const KVCache& x) { return x.table_width_; }
+  static const std::int64_t* lengths(const KVCache& x, std::int64_t layer) {
+    return x.lengths_.data() + layer * x.config_.batch;
+  }
+};
+
+}  // namespace detail
+
+namespace {
+
+using detail::fail;
+using Access = detail::KVCacheAccess;
+std::string str(std::int64_t x) { return std::to_string(x); }
+
+constexpr std::int64_t kChunkKeys = 1024;  // keys per split (16 key tiles): fixed, see top
+constexpr std::int64_t kMaxRows = 128;     // g · query positions per unit (bounds unit scratch)
+
+template <class V>
+auto strided(const V& v) {
+  using Ptr = std::conditional_t<std::is_same_v<decltype(v.data), const void*>, const float*, float*>;
+  return kernels::Strided<Ptr>{static_cast<Ptr>(v.data), v.strides[0], v.strides[1], v.strides[2], v.strides[3]};
+}
+
+// Per-thread reusable partials buffer (the decode step runs every token: no allocation, no
+// page faults once warm).
+std::vector<float>& partials_buffer() {
+  thread_local std::vector<float> buf;
+  return buf;
+}
+
+}  // namespace
+
+std::uint64_t decode_bytes(const KVCache& cache, std::int64_t layer, std::int64_t first_seq, std::int64_t batch) {
+  const KVCacheConfig& c = cache.config();
+  std::uint64_t tokens = 0;
+  for (std::int64_t b = first_seq; b < first_seq + batch; ++b) tokens += static_cast<std::uint64_t>(cache.length(b, layer));
+  // 2 · Σ_b L_b · H_kv · d_h · sizeof  (SPEC "Useful-work counts", decode bytes)
+  return 2 * tokens * static_cast<std::uint64_t>(c.heads_kv * c.head_dim) * size_of(c.dtype);
+}
+
+void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t layer, TensorView out,
+                      TensorView lse, const DecodeOptions& o) {
+  constexpr const char* fn = "attention_decode";
+  const KVCacheConfig& cc = cache.config();
+  if (layer < 0 || layer >= cc.layers) {
+    fail(ErrorCode::invalid_argument, fn, "layer must be in [0, layers = " + str(cc.layers) + "); got " + str(layer));
+  }
+  detail::check_view(q, 4, fn, "q");
+  kernels::DecodeArgs a;
+  a.batch = q.dim(0);
+  a.tnew = q.dim(1);
+  a.hq = q.dim(2);
+  a.dh = q.dim(3);
+  a.hkv = cc.heads_kv;
+  if (o.first_seq < 0 || o.first_seq > cc.batch || a.batch > cc.batch - o.first_seq) {
+    fail(ErrorCode::invalid_argument, fn,
+         "sequences [options.first_seq, options.first_seq + q.shape[0]) must lie in [0, batch = " + str(cc.batch) +
+             "); got first_seq = " + str(o.first_seq) + ", q.shape[0] = " + str(a.batch));
+  }
+  if (a.hq < a.hkv || a.hq % a.hkv != 0) {
+    fail(ErrorCode::shape_mismatch, fn,
+         "q.shape[2] (H_q) must be a multiple of the cache's heads_kv = " + str(a.hkv) + " (SPEC 4.8); got H_q = " +
+             str(a.hq));
+  }
+  detail::check_dim(q, 3, cc.head_dim, fn, "q", "d_h", "the cache's head_dim");
+  detail::check_view(out, 4, fn, "out");
+  for (int axis = 0; axis < 4; ++axis) {
+    const char* names[] = {"B", "T_new", "H_q", "d_h"};
+    detail::check_dim(out, axis, q.dim(axis), fn, "out", names[axis], ("q.shape[" + str(axis) + "]").c_str());
+  }
+  if (!lse.empty()) {
+    detail::check_view(lse, 3, fn, "lse");
+    detail::check_dim(lse, 0, a.batch, fn, "lse", "B", "q.shape[0]");
+    detail::check_dim(lse, 1, a.hq, fn, "lse", "H_q", "q.shape[2]");
+    detail::check_dim(lse, 2, a.tnew, fn, "lse", "T_new", "q.shape[1]");
+  }
+  detail::check_no_overlap(fn, {{"out", out}, {"lse", lse}}, {{"q", q}});
+  // The cache's storage is owned by the cache: outputs cannot overlap it unless the caller
+  // points them into raw_storage(), which is const.
+  std::int64_t max_len = 0;
+  for (std::int64_t b = o.first_seq; b < o.first_seq + a.batch; ++b) {
+    if (!cache.active(b)) {
+      fail(ErrorCode::invalid_argument, fn,
+           "sequence " + str(b) + " was released; its keys and values are gone (reset it to reuse the slot)");
+    }
+    max_len = std::max(max_len, cache.length(b, layer));
+  }
+  const double scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(a.dh)));
+  if (!std::isfinite(scale) || !std::isfinite(static_cast<float>(scale))) {
+    fail(ErrorCode::invalid_argument, fn, "options.scale must be finite in float32; got " + std::to_string(scale));
+  }
+  if (o.threads < 0) fail(ErrorCode::invalid_argument, fn, "options.threads must be >= 0 (0 = all); got " + str(o.threads));
+  const Isa isa = resolve_isa(o.isa);  // the one dispatch decision of this call
+  if (a.batch == 0 || a.tnew == 0 || a.hq == 0) return;
+
+  a.scale = static_cast<float>(scale);
+  a.dtype = cc.dtype;
+  a.k_layer = Access::k_layer(cache, layer);
+  a.v_layer = Access::v_layer(cache, layer);
+  a.block_tokens = cache.block_tokens();
+  a.table = Access::table(cache, o.first_seq);
+  a.table_width = Access::table_width(cache);
+  a.lengths = Access::lengths(cache, layer) + o.first_seq;
+  a.q = strided(q);
+  const std::int64_t g = a.group();
+  a.qblock = std::max<std::int64_t>(1, std::min(a.tnew, kMaxRows / g));
+  a.qblocks = (a.tnew + a.qblock - 1) / a.qblock;
+  a.chunk = kChunkKeys;
+  a.chunks = std::max<std::int64_t>(1, (max_len + a.chunk - 1) / a.chunk);
+  a.threads = o.threads == 0 ? default_threads() : o.threads;
+  const std::int64_t units = a.units(), rows = a.rows_max();
+  const int team = static_cast<int>(std::clamp<std::int64_t>(a.threads, 1, units));
+  // One buffer, allocated here (an allocation failure throws in the caller's thread) and reused
+  // across calls: per-worker scratch (64-byte aligned), then the partials (Õ, m, l) of every unit.
+  const std::int64_t scratch = detail::checked_mul(team, a.scratch_floats(), fn, "decode scratch");
+  const std::int64_t partials = detail::checked_mul(units, rows * (a.dh + 2), fn, "decode partials");
+  const std::size_t need = static_cast<std::size_t>(scratch + partials + 16);
+  std::vector<float>& buf = partials_buffer();
+  if (buf.size() < need) buf.resize(need);
+  a.scratch = buf.data() + (16 - reinterpret_cast<std::uintptr_t>(buf.data()) / sizeof(float) % 16) % 16;
+  a.part_acc = a.scratch + scratch;
+  a.part_m = a.part_acc + units * rows * a.dh;
+  a.part_l = a.part_m + units * rows;
+  const kernels::DecodeKernel simd = kernels::simd_decode_kernel(isa);
+  const kernels::DecodeKernel kernel = isa != Isa::portable && simd != nullptr ? simd : &kernels::attention_decode_portable;
+
+  auto* po = static_cast<float*>(out.data);
+  auto* pl = static_cast<float*>(lse.data);
+  const std::int64_t groups = a.batch * a.hkv * a.qblocks;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  // One parallel region per call (waking workers is the costly part on a busy machine): the
+  // kernel shares out the units (its `omp for` ends with a barrier), then the merge.
+#pragma omp parallel num_threads(team)
+  {
+    kernel(a);
+    // Merge the chunks of every row in chunk order and normalise: O = Õ / l, L = m + log l.
+    std::vector<float> acc(static_cast<std::size_t>(a.dh));
+#pragma omp for schedule(static)
+    for (std::int64_t grp = 0; grp < groups; ++grp) {
+      const std::int64_t qb = grp % a.qblocks, j = (grp / a.qblocks) % a.hkv, b = grp / (a.qblocks * a.hkv);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const std::int64_t t = qb * a.qblock + r / g, h = j * g + r % g;
+        if (t >= a.tnew) break;
+        float m = kNegInf, l = 0.0f;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (std::int64_t c = 0; c < a.chunks; ++c) {
+          const std::int64_t unit = grp * a.chunks + c;
+          const float mc = a.part_m[unit * rows + r];
+          if (mc == kNegInf) continue;  // empty part: contributes nothing
+          const float* oc = a.part_acc + (unit * rows + r) * a.dh;
+          const float lc = a.part_l[unit * rows + r];
+          if (m == kNegInf) {
+            m = mc;
+            l = lc;
+            std::copy(oc, oc + a.dh, acc.begin());
+            continue;
+          }
+          const float mn = std::max(m, mc), w1 = std::exp(m - mn), w2 = std::exp(mc - mn);
+          l = l * w1 + lc * w2;
+          for (std::int64_t x = 0; x < a.dh; ++x) acc[static_cast<std::size_t>(x)] = acc[static_cast<std::size_t>(x)] * w1 + oc[x] * w2;
+          m = mn;
+        }
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        float* orow = po + b * out.strides[0] + t * out.strides[1] + h * out.strides[2];
+        for (std::int64_t x = 0; x < a.dh; ++x) orow[x * out.strides[3]] = acc[static_cast<std::size_t>(x)] * inv;
+        if (pl != nullptr) {
+          pl[b * lse.strides[0] + h * lse.strides[1] + t * lse.strides[2]] = l > 0.0f ? m + std::log(l) : kNegInf;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace tokenmix

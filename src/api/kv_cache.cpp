@@ -1,0 +1,269 @@
+// src/api/kv_cache.cpp — KVCache: contiguous and paged K/V storage for decoding (SPEC 4.8).
+// Layout and guarantees: tokenmix/kv_cache.hpp. Every method validates first and mutates after,
+// so a throwing call leaves the cache byte-for-byte unchanged.
+#include "tokenmix/kv_cache.hpp"
+
+#include <algorithm>
+#include <string>
+
+#include "api/validate.hpp"
+#include "kernels/kv_element.hpp"
+#include "tokenmix/error.hpp"
+#include "tokenmix/layer.hpp"
+
+namespace tokenmix {
+namespace {
+
+using detail::checked_mul;
+using detail::fail;
+
+std::string str(std::int64_t x) { return std::to_string(x); }
+
+}  // namespace
+
+KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
+  constexpr const char* fn = "KVCache";
+  const std::pair<const char*, std::int64_t> sizes[] = {{"config.layers", c.layers},
+                                                        {"config.batch", c.batch},
+                                                        {"config.heads_kv", c.heads_kv},
+                                                        {"config.head_dim", c.head_dim},
+                                                        {"config.capacity", c.capacity}};
+  for (auto [name, x] : sizes) {
+    if (x < 1) fail(ErrorCode::invalid_argument, fn, std::string(name) + " must be >= 1; got " + str(x));
+  }
+  if (c.dtype != DType::f32 && c.dtype != DType::bf16 && c.dtype != DType::f16) {
+    fail(ErrorCode::invalid_argument, fn,
+         "config.dtype must be f32, bf16 or f16; got the value " + str(static_cast<int>(c.dtype)));
+  }
+  if (c.block_tokens < 0 || c.block_tokens % kKeyTile != 0) {
+    fail(ErrorCode::invalid_argument, fn,
+         "config.block_tokens must be 0 (contiguous) or a positive multiple of " + str(kKeyTile) + "; got " +
+             str(c.block_tokens));
+  }
+  if (c.pool_blocks < 0) {
+    fail(ErrorCode::invalid_argument, fn, "config.pool_blocks must be >= 0; got " + str(c.pool_blocks));
+  }
+  if (c.block_tokens == 0 && c.pool_blocks != 0) {
+    fail(ErrorCode::invalid_argument, fn,
+         "config.pool_blocks applies to a paged cache only (config.block_tokens > 0); got pool_blocks = " +
+             str(c.pool_blocks));
+  }
+  if (c.capacity > INT64_MAX - kKeyTile) fail(ErrorCode::overflow, fn, "config.capacity is too large");
+  elem_ = size_of(c.dtype);
+  if (c.block_tokens == 0) {  // contiguous: one block of T_max (rounded up to a key tile) per sequence
+    block_tokens_ = (c.capacity + kKeyTile - 1) / kKeyTile * kKeyTile;
+    pool_blocks_ = c.batch;
+  } else {
+    block_tokens_ = c.block_tokens;
+    pool_blocks_ = c.pool_blocks != 0
+                       ? c.pool_blocks
+                       : checked_mul(c.batch, (c.capacity + block_tokens_ - 1) / block_tokens_, fn, "pool size");
+  }
+  if (pool_blocks_ > INT32_MAX) fail(ErrorCode::overflow, fn, "the pool exceeds 2^31 - 1 blocks");
+  table_width_ = (c.capacity + block_tokens_ - 1) / block_tokens_;
+  // Storage = SPEC 4.8's figure with B · T = pool_blocks · block_tokens (kv_cache_bytes checks overflow).
+  const std::uint64_t bytes = kv_cache_bytes(c.layers, pool_blocks_, block_tokens_, c.heads_kv, c.head_dim, elem_);
+  checked_mul(c.batch, table_width_, fn, "block table size");
+  head_block_elems_ = static_cast<std::size_t>(checked_mul(block_tokens_, c.head_dim, fn, "block size"));
+  storage_.assign(static_cast<std::size_t>(bytes), std::byte{0});
+  table_.assign(static_cast<std::size_t>(c.batch * table_width_), -1);
+  lengths_.assign(static_cast<std::size_t>(checked_mul(c.layers, c.batch, fn, "lengths")), 0);
+  active_.assign(static_cast<std::size_t>(c.batch), 1);
+  if (!paged()) {
+    for (std::int64_t b = 0; b < c.batch; ++b) table_[static_cast<std::size_t>(b * table_width_)] = static_cast<std::int32_t>(b);
+  } else {
+    free_list_.reserve(static_cast<std::size_t>(pool_blocks_));
+    // Popped from the back: block 0 is handed out first.
+    for (std::int64_t p = pool_blocks_ - 1; p >= 0; --p) free_list_.push_back(static_cast<std::int32_t>(p));
+  }
+}
+
+std::uint64_t KVCache::memory_bytes() const noexcept {
+  return storage_.size() + table_.capacity() * sizeof(std::int32_t) + lengths_.capacity() * sizeof(std::int64_t) +
+         active_.capacity() + free_list_.capacity() * sizeof(std::int32_t) + sizeof(KVCache);
+}
+
+void KVCache::check_seq(const char* fn, std::int64_t seq) const {
+  if (seq < 0 || seq >= config_.batch) {
+    fail(ErrorCode::invalid_argument, fn,
+         "seq must be in [0, batch = " + str(config_.batch) + "); got " + str(seq));
+  }
+}
+
+void KVCache::check_layer(const char* fn, std::int64_t layer) const {
+  if (layer < 0 || layer >= config_.layers) {
+    fail(ErrorCode::invalid_argument, fn,
+         "layer must be in [0, layers = " + str(config_.layers) + "); got " + str(layer));
+  }
+}
+
+std::int64_t KVCache::length(std::int64_t seq, std::int64_t layer) const {
+  check_seq("KVCache::length", seq);
+  check_layer("KVCache::length", layer);
+  return lengths_[static_cast<std::size_t>(layer * config_.batch + seq)];
+}
+
+bool KVCache::active(std::int64_t seq) const {
+  check_seq("KVCache::active", seq);
+  return active_[static_cast<std::size_t>(seq)] != 0;
+}
+
+std::int64_t KVCache::blocks_needed(std::int64_t tokens) const noexcept {
+  return (tokens + block_tokens_ - 1) / block_tokens_;
+}
+
+std::int64_t KVCache::max_length(std::int64_t seq) const noexcept {
+  std::int64_t m = 0;
+  for (std::int64_t l = 0; l < config_.layers; ++l) m = std::max(m, lengths_[static_cast<std::size_t>(l * config_.batch + seq)]);
+  return m;
+}
+
+std::size_t KVCache::k_offset(std::int64_t layer, std::int64_t block, std::int64_t head) const noexcept {
+  return static_cast<std::size_t>((layer * pool_blocks_ + block) * config_.heads_kv + head) * head_block_elems_ * elem_;
+}
+
+std::size_t KVCache::v_offset(std::int64_t layer, std::int64_t block, std::int64_t head) const noexcept {
+  return storage_.size() / 2 + k_offset(layer, block, head);
+}
+
+void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView k, ConstTensorView v) {
+  constexpr const char* fn = "KVCache::append";
+  check_layer(fn, layer);
+  detail::check_view(k, 4, fn, "k");
+  detail::check_view(v, 4, fn, "v");
+  const std::int64_t nb = k.dim(0), tnew = k.dim(1);
+  if (first_seq < 0 || first_seq > config_.batch || nb > config_.batch - first_seq) {
+    fail(ErrorCode::invalid_argument, fn,
+         "sequences [first_seq, first_seq + k.shape[0]) must lie in [0, batch = " + str(config_.batch) +
+             "); got first_seq = " + str(first_seq) + ", k.shape[0] = " + str(nb));
+  }
+  detail::check_dim(k, 2, config_.heads_kv, fn, "k", "H_kv", "the cache's heads_kv");
+  detail::check_dim(k, 3, config_.head_dim, fn, "k", "d_h", "the cache's head_dim");
+  for (int axis = 0; axis < 4; ++axis) {
+    const char* names[] = {"B", "T_new", "H_kv", "d_h"};
+    detail::check_dim(v, axis, k.dim(axis), fn, "v", names[axis], ("k.shape[" + str(axis) + "]").c_str());
+  }
+  // Positions, capacity and (paged) free blocks for every sequence, before anything is written.
+  std::int64_t new_blocks = 0;
+  for (std::int64_t b = first_seq; b < first_seq + nb; ++b) {
+    if (!active_[static_cast<std::size_t>(b)]) {
+      fail(ErrorCode::invalid_argument, fn,
+           "sequence " + str(b) + " was released; reset(" + str(b) + ") it before appending");
+    }
+    const std::int64_t len = lengths_[static_cast<std::size_t>(layer * config_.batch + b)];
+    std::int64_t end = 0;
+    if (__builtin_add_overflow(len, tnew, &end)) {
+      fail(ErrorCode::overflow, fn,
+           "position length + T_new of sequence " + str(b) + " overflows 64-bit arithmetic (" + str(len) + " + " +
+               str(tnew) + ")");
+    }
+    if (end > config_.capacity) {
+      fail(ErrorCode::invalid_argument, fn,
+           "appending T_new = " + str(tnew) + " positions to sequence " + str(b) + " (length " + str(len) +
+               ") exceeds the capacity T_max = " + str(config_.capacity));
+    }
+    if (paged()) new_blocks += std::max<std::int64_t>(0, blocks_needed(end) - blocks_needed(max_length(b)));
+  }
+  if (new_blocks > free_blocks()) {
+    fail(ErrorCode::invalid_argument, fn,
+         "the block pool has " + str(free_blocks()) + " free blocks of " + str(block_tokens_) +
+             " positions; this append needs " + str(new_blocks));
+  }
+  if (tnew == 0 || nb == 0) return;
+
+  const auto* kp = static_cast<const float*>(k.data);
+  const auto* vp = static_cast<const float*>(v.data);
+  const std::int64_t H = config_.heads_kv, D = config_.head_dim;
+  for (std::int64_t bi = 0; bi < nb; ++bi) {
+    const std::int64_t b = first_seq + bi;
+    std::int64_t& len = lengths_[static_cast<std::size_t>(layer * config_.batch + b)];
+    if (paged()) {  // take blocks for positions beyond what any layer already holds
+      for (std::int64_t i = blocks_needed(max_length(b)); i < blocks_needed(len + tnew); ++i) {
+        table_[static_cast<std::size_t>(b * table_width_ + i)] = free_list_.back();
+        free_list_.pop_back();
+      }
+    }
+    for (std::int64_t t = 0; t < tnew; ++t) {
+      const std::int64_t pos = len + t;
+      const std::int64_t blk = table_[static_cast<std::size_t>(b * table_width_ + pos / block_tokens_)];
+      const std::int64_t off = pos % block_tokens_;
+      for (std::int64_t h = 0; h < H; ++h) {
+        // K: tile [d_h][64] of the key's tile, lane off % 64;  V: row off, [d_h].
+        void* kd = storage_.data() + k_offset(layer, blk, h);
+        void* vd = storage_.data() + v_offset(layer, blk, h);
+        const std::int64_t k0 = off / kKeyTile * kKeyTile * D + off % kKeyTile, v0 = off * D;
+        const float* krow = kp + bi * k.strides[0] + t * k.strides[1] + h * k.strides[2];
+        const float* vrow = vp + bi * v.strides[0] + t * v.strides[1] + h * v.strides[2];
+        for (std::int64_t x = 0; x < D; ++x) {
+          kernels::store_element(config_.dtype, kd, k0 + x * kKeyTile, krow[x * k.strides[3]]);
+          kernels::store_element(config_.dtype, vd, v0 + x, vrow[x * v.strides[3]]);
+        }
+      }
+    }
+    len += tnew;
+  }
+}
+
+// Zeroes positions ≥ new_length of `seq` in every layer, sets lengths, returns unneeded blocks.
+void KVCache::shrink(std::int64_t seq, std::int64_t new_length) {
+  const std::int64_t H = config_.heads_kv, D = config_.head_dim;
+  for (std::int64_t l = 0; l < config_.layers; ++l) {
+    std::int64_t& len = lengths_[static_cast<std::size_t>(l * config_.batch + seq)];
+    for (std::int64_t pos = new_length; pos < len; ++pos) {
+      const std::int64_t blk = table_[static_cast<std::size_t>(seq * table_width_ + pos / block_tokens_)];
+      const std::int64_t off = pos % block_tokens_;
+      for (std::int64_t h = 0; h < H; ++h) {
+        std::byte* kd = storage_.data() + k_offset(l, blk, h);
+        std::byte* vd = storage_.data() + v_offset(l, blk, h);
+        const std::int64_t k0 = off / kKeyTile * kKeyTile * D + off % kKeyTile;
+        for (std::int64_t x = 0; x < D; ++x) {
+          std::fill_n(kd + static_cast<std::size_t>(k0 + x * kKeyTile) * elem_, elem_, std::byte{0});
+        }
+        std::fill_n(vd + static_cast<std::size_t>(off * D) * elem_, static_cast<std::size_t>(D) * elem_, std::byte{0});
+      }
+    }
+    len = std::min(len, new_length);
+  }
+  if (paged()) {
+    for (std::int64_t i = blocks_needed(new_length); i < table_width_; ++i) {
+      std::int32_t& entry = table_[static_cast<std::size_t>(seq * table_width_ + i)];
+      if (entry >= 0) {
+        free_list_.push_back(entry);
+        entry = -1;
+      }
+    }
+  }
+}
+
+void KVCache::truncate(std::int64_t seq, std::int64_t new_length) {
+  constexpr const char* fn = "KVCache::truncate";
+  check_seq(fn, seq);
+  if (!active_[static_cast<std::size_t>(seq)]) {
+    fail(ErrorCode::invalid_argument, fn, "sequence " + str(seq) + " was released; reset(" + str(seq) + ") it first");
+  }
+  const std::int64_t longest = max_length(seq);
+  if (new_length < 0 || new_length > longest) {
+    fail(ErrorCode::invalid_argument, fn,
+         "new_length must be in [0, " + str(longest) + "] (the length of sequence " + str(seq) +
+             "; truncate cannot extend); got " + str(new_length));
+  }
+  shrink(seq, new_length);
+}
+
+void KVCache::release(std::int64_t seq) {
+  check_seq("KVCache::release", seq);
+  shrink(seq, 0);
+  active_[static_cast<std::size_t>(seq)] = 0;
+}
+
+void KVCache::reset(std::int64_t seq) {
+  check_seq("KVCache::reset", seq);
+  shrink(seq, 0);
+  active_[static_cast<std::size_t>(seq)] = 1;
+}
+
+void KVCache::reset() {
+  for (std::int64_t b = 0; b < config_.batch; ++b) reset(b);
+}
+
+}  // namespace tokenmix

@@ -1,0 +1,175 @@
+// src/kernels/simd/attention_decode_hwy.cpp — decode attention over a KVCache, SIMD (Highway),
+// compiled once per x86 target (AVX-512 = AVX3, AVX2+FMA) and selected explicitly per call
+// (simd_decode_kernel(Isa)), like attention_fwd_f32_hwy.cpp. Unit contract: DecodeArgs in
+// attention_kernels.hpp; chunks are merged by src/api/decode.cpp.
+//
+// A unit is (sequence b, KV head j, query block, chunk of ≤ 1024 keys). Its rows are all g query
+// heads of group j × the block's query positions (r = t_local · g + h_local), so each K/V tile is
+// read from memory once for the whole group (GQA: bytes do not grow with g). Per 64-key tile,
+// both products are the shared register-blocked microkernel (microkernel-inl.h), with the cache
+// element type (fp32 / bf16 / f16) as its B operand, widened to fp32 in registers:
+//   S[r][u]  = Σ_x (s·q_r)[x] · Kᵀ[x][u]   A = s·Q rows (broadcast), B = K tile [d_h][64]  (4.2)
+//   Õ[r][x] += Σ_u P[r][u] · V[u][x]        A = P rows (broadcast),   B = V rows [64][d_h]  (4.5)
+// Keys are lanes in the first product and features in the second — the cache stores K tiles
+// transposed and V row-major for exactly this, so nothing is repacked per step. Between them,
+// the online softmax per row (4.4): mask keys u ≥ visible_end(r) to −∞ (4.3), m' = max(m, max S),
+// P = e^{S − m'}, l ← l e^{m − m'} + Σ P, Õ ← Õ e^{m − m'} (only when m grows).
+// exp: Highway's contrib Exp (1 ULP), exactly 0 for −∞.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/simd/attention_decode_hwy.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// clang-format: the includes below must follow foreach_target.h
+#include "hwy/highway.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "kernels/simd/microkernel-inl.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include <omp.h>
+
+#include "kernels/attention_kernels.hpp"
+#include "kernels/kv_element.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace tokenmix::kernels::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Register blocking of the decode products: kRD rows × kVD vectors (kVD·Lanes must divide 64).
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr int kRD = 6, kVD = 4;  // 24 accumulators + 4 B vectors of 32 zmm; 64 lanes
+#elif HWY_TARGET == HWY_AVX2
+constexpr int kRD = 2, kVD = 4;  // 8 accumulators + 4 B vectors of 16 ymm; 32 lanes
+#else
+constexpr int kRD = 2, kVD = 1;  // fallback targets (not dispatched to by tokenmix)
+#endif
+
+template <class TB>
+void DecodeUnits(const DecodeArgs& a) {
+  const hn::ScalableTag<float> d;
+  const hn::RebindToSigned<decltype(d)> di;
+  using VF = hn::Vec<decltype(d)>;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), W = kVD * N;
+  constexpr std::int64_t T = kDecodeKeyTile;
+  const std::int64_t units = a.units(), rows = a.rows_max(), dh = a.dh, g = a.group();
+  // Per worker: s·Q rows [rows][d_h] and S/P tile [rows][64] (aligned, reused every unit).
+  const std::int64_t q_floats = (rows * dh + 63) / 64 * 64;  // keeps the S tile 64-float aligned
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const TB* k_layer = static_cast<const TB*>(a.k_layer);
+  const TB* v_layer = static_cast<const TB*>(a.v_layer);
+  const std::int64_t dh_full = dh / W * W, dh_vec = dh / N * N;  // d_h: chunks, whole vectors, tail
+
+#pragma omp for schedule(dynamic, 1)
+  for (std::int64_t unit = 0; unit < units; ++unit) {
+    const std::int64_t c = unit % a.chunks, qb = (unit / a.chunks) % a.qblocks;
+    const std::int64_t j = (unit / (a.chunks * a.qblocks)) % a.hkv, b = unit / (a.chunks * a.qblocks * a.hkv);
+    float* qs = a.scratch + omp_get_thread_num() * a.scratch_floats();  // s·Q [rows][d_h]
+    float* st = qs + q_floats;                                     // S, then P [rows][64]
+    float* acc = a.part_acc + unit * rows * dh;                    // Õ [rows][d_h]
+    float* m_run = a.part_m + unit * rows;
+    float* l_run = a.part_l + unit * rows;
+
+    const std::int64_t t0 = qb * a.qblock, nrows = std::min(a.qblock, a.tnew - t0) * g;
+    std::int64_t kend = 0, kfull = INT64_MAX;  // keys some row sees / every row sees
+    for (std::int64_t r = 0; r < nrows; ++r) {
+      const float* q = a.q.row(b, t0 + r / g, j * g + r % g);
+      for (std::int64_t x = 0; x < dh; ++x) qs[r * dh + x] = a.scale * q[x * a.q.s3];
+      const std::int64_t e = a.visible_end(b, t0 + r / g);
+      kend = std::max(kend, e);
+      kfull = std::min(kfull, e);
+      m_run[r] = kNegInf;
+      l_run[r] = 0.0f;
+    }
+    const std::int64_t k0 = c * a.chunk, k1 = std::min(k0 + a.chunk, kend);
+    if (k0 >= k1) continue;  // nothing visible in this chunk: m = −∞ marks the part empty
+    std::fill(acc, acc + nrows * dh, 0.0f);
+
+    for (std::int64_t u0 = k0; u0 < k1; u0 += T) {
+      const std::int64_t nt = std::min(T, k1 - u0);
+      const TB* kt = k_layer + a.k_tile_offset(b, j, u0);  // Kᵀ tile [d_h][64]
+      const TB* vt = v_layer + a.v_row_offset(b, j, u0);   // V rows [nt][d_h]
+
+      // S = (s·Q) Kᵀ over the whole 64-key tile (lanes past the data are masked below)  (4.2)
+      for (std::int64_t c0 = 0; c0 < T; c0 += W) {
+        GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, T, dh, st + c0, T, false);
+      }
+
+      // Mask (4.3) and online softmax (4.4), row by row.
+      for (std::int64_t r = 0; r < nrows; ++r) {
+        float* s = st + r * T;
+        const std::int64_t end = a.visible_end(b, t0 + r / g);
+        if (u0 + T > kfull) {  // tile crosses some row's end: −∞ for lanes u0 + i ≥ end
+          const auto lim = hn::Set(di, static_cast<std::int32_t>(std::clamp<std::int64_t>(end - u0, 0, T)));
+          for (std::int64_t i = 0; i < T; i += N) {
+            const auto visible = hn::RebindMask(d, hn::Lt(hn::Iota(di, static_cast<std::int32_t>(i)), lim));
+            hn::Store(hn::IfThenElse(visible, hn::Load(d, s + i), hn::Set(d, kNegInf)), d, s + i);
+          }
+        }
+        VF vmax = hn::Load(d, s);
+        for (std::int64_t i = N; i < T; i += N) vmax = hn::Max(vmax, hn::Load(d, s + i));
+        const float m_old = m_run[r], m_new = std::max(m_old, hn::GetLane(hn::MaxOfLanes(d, vmax)));
+        // A row with nothing visible yet keeps P = 0 (shift 0: e^{−∞} = 0).
+        const VF shift = hn::Set(d, m_new == kNegInf ? 0.0f : m_new);
+        VF vsum = hn::Zero(d);
+        for (std::int64_t i = 0; i < T; i += N) {
+          const VF p = hn::Exp(d, hn::Sub(hn::Load(d, s + i), shift));
+          hn::Store(p, d, s + i);
+          vsum = hn::Add(vsum, p);
+        }
+        if (m_new > m_old && m_old != kNegInf) {  // rescale Õ and l by e^{m − m'}
+          const float alpha = std::exp(m_old - m_new);
+          float* o = acc + r * dh;
+          const VF va = hn::Set(d, alpha);
+          std::int64_t x = 0;
+          for (; x < dh_vec; x += N) hn::StoreU(hn::Mul(hn::LoadU(d, o + x), va), d, o + x);
+          for (; x < dh; ++x) o[x] *= alpha;
+          l_run[r] *= alpha;
+        }
+        l_run[r] += hn::GetLane(hn::SumOfLanes(d, vsum));
+        m_run[r] = m_new;
+      }
+
+      // Õ += P V over the tile's nt keys, d_h in chunks of W lanes, then single vectors, then
+      // a scalar tail (d_h % Lanes)  (4.5)
+      std::int64_t x0 = 0;
+      for (; x0 < dh_full; x0 += W) GemmRows<kRD, kVD>(d, nrows, st, T, 1, vt + x0, dh, nt, acc + x0, dh, true);
+      for (; x0 < dh_vec; x0 += N) GemmRows<kRD, 1>(d, nrows, st, T, 1, vt + x0, dh, nt, acc + x0, dh, true);
+      if (x0 < dh) {
+        for (std::int64_t r = 0; r < nrows; ++r)
+          for (std::int64_t u = 0; u < nt; ++u) {
+            const float p = st[r * T + u];
+            for (std::int64_t x = x0; x < dh; ++x) acc[r * dh + x] += p * load_element(a.dtype, vt, u * dh + x);
+          }
+      }
+    }
+  }
+}
+
+void AttentionDecode(const DecodeArgs& a) {
+  switch (a.dtype) {
+    case DType::f32: return DecodeUnits<float>(a);
+    case DType::bf16: return DecodeUnits<hwy::bfloat16_t>(a);
+    case DType::f16: return DecodeUnits<hwy::float16_t>(a);
+  }
+}
+
+}  // namespace tokenmix::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace tokenmix::kernels {
+
+DecodeKernel simd_decode_kernel(Isa isa) {
+#if HWY_TARGETS & HWY_AVX3
+  if (isa == Isa::avx512) return &N_AVX3::AttentionDecode;
+#endif
+#if HWY_TARGETS & HWY_AVX2
+  if (isa == Isa::avx2) return &N_AVX2::AttentionDecode;
+#endif
+  (void)isa;
+  return nullptr;
+}
+
+}  // namespace tokenmix::kernels
+#endif  // HWY_ONCE

@@ -1,0 +1,361 @@
+// tests/unit/test_kv_cache.cpp — KVCache (tokenmix/kv_cache.hpp) and the layer's inference mode
+// (CausalSelfAttention::prefill / step): element conversions, memory (SPEC 4.8), paging,
+// truncate / release / reset, prefill + steps against one full forward, and every bad input
+// rejected with a typed error and the cache unchanged byte for byte.
+//
+// Bounds for prefill(P) + S × step vs forward(P + S) (rel_err of test_util.hpp over all outputs):
+//   fp32 cache: 1e-5 — the same fp32 arithmetic in another order (decode splits keys in chunks
+//     and merges; the projections see different row counts), errors ~d·u with u = 6e-8.
+//   bf16 / f16 cache: K and V are rounded to nearest on write, relative error ≤ u_e = 2^-9
+//     (bf16) or 2^-12 (f16) per element. The output of a step is a convex combination of V rows
+//     (error ≤ u_e·max|v|) with weights from scores s·⟨q, k⟩ = O(1), each perturbed by ≲ u_e
+//     (relative change of the weights ≲ u_e); W_O (normalised, fan-in H_q·d_h) keeps the error
+//     relative. Both effects add: bound 2·u_e, i.e. bf16 ≤ 2^-8 ≈ 3.9e-3, f16 ≤ 2^-11 ≈ 4.9e-4
+//     (measured: ≤ 1.2e-3 and ≤ 2.0e-4). The fresh prefill rows use fp32 K/V and are as exact as
+//     the fp32 case; the bound is set by the rows that read the rounded cache.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/kv_element.hpp"
+#include "test_util.hpp"
+
+namespace tokenmix::testing {
+namespace {
+
+using kernels::bf16_to_f32;
+using kernels::f16_to_f32;
+using kernels::f32_to_bf16;
+using kernels::f32_to_f16;
+
+// ---- element conversions ----
+
+TEST(KVCacheElements, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(f32_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(f32_to_bf16(std::bit_cast<float>(0x3f808000u)), 0x3f80);  // tie → even (down)
+  EXPECT_EQ(f32_to_bf16(std::bit_cast<float>(0x3f818000u)), 0x3f82);  // tie → even (up)
+  EXPECT_EQ(f32_to_bf16(std::bit_cast<float>(0x3f808001u)), 0x3f81);  // above the tie
+  EXPECT_EQ(f32_to_bf16(-2.5f), 0xc020);
+  EXPECT_EQ(f32_to_bf16(std::bit_cast<float>(0x7f7fffffu)), 0x7f80);  // FLT_MAX rounds to ∞
+  EXPECT_EQ(f32_to_bf16(INFINITY), 0x7f80);
+  EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(NAN))));
+  EXPECT_EQ(bf16_to_f32(0x3f82), std::bit_cast<float>(0x3f820000u));
+}
+
+TEST(KVCacheElements, F16RoundsToNearestEven) {
+  EXPECT_EQ(f32_to_f16(1.0f), 0x3c00);
+  EXPECT_EQ(f32_to_f16(1.0f + 0x1.0p-11f), 0x3c00);                 // tie → even (down)
+  EXPECT_EQ(f32_to_f16(1.0f + 3 * 0x1.0p-11f), 0x3c02);             // tie → even (up)
+  EXPECT_EQ(f32_to_f16(65504.0f), 0x7bff);                          // largest finite
+  EXPECT_EQ(f32_to_f16(65519.0f), 0x7bff);                          // below the tie to ∞
+  EXPECT_EQ(f32_to_f16(65520.0f), 0x7c00);                          // tie → ∞
+  EXPECT_EQ(f32_to_f16(-0x1.0p-24f), 0x8001);                       // smallest subnormal
+  EXPECT_EQ(f32_to_f16(0x1.0p-25f), 0x0000);                        // tie → even (zero)
+  EXPECT_EQ(f32_to_f16(0x1.8p-24f), 0x0002);                        // 1.5 ulp → 2 (even)
+  EXPECT_EQ(f32_to_f16(0x1.ffcp-15f), 0x0400);                      // carries into the normals
+  EXPECT_TRUE(std::isnan(f16_to_f32(f32_to_f16(NAN))));
+  // Every f16 value round-trips exactly through fp32.
+  for (std::uint32_t h = 0; h < 0x10000; ++h) {
+    if (((h >> 10) & 0x1f) == 0x1f && (h & 0x3ff)) continue;  // NaNs
+    ASSERT_EQ(f32_to_f16(f16_to_f32(static_cast<std::uint16_t>(h))), h) << h;
+  }
+}
+
+// ---- memory, paging, truncate ----
+
+TEST(KVCache, MemoryIsSpecFigurePlusSmallConstant) {
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    KVCache c({4, 3, 8, 64, 256, dt, 0, 0});
+    EXPECT_EQ(c.storage_bytes(), kv_cache_bytes(4, 3, 256, 8, 64, size_of(dt)));
+    EXPECT_GE(c.memory_bytes(), c.storage_bytes());
+    EXPECT_LE(c.memory_bytes() - c.storage_bytes(), 1024u);  // tables, lengths: not ∝ T or d_h
+  }
+  KVCache paged({2, 4, 2, 64, 1000, DType::bf16, 128, 10});
+  EXPECT_EQ(paged.storage_bytes(), kv_cache_bytes(2, 10, 128, 2, 64, 2));
+  EXPECT_EQ(paged.free_blocks(), 10);
+}
+
+std::vector<float> random_vec(std::size_t n, std::mt19937_64& rng) {
+  std::normal_distribution<float> dist;
+  std::vector<float> x(n);
+  for (float& e : x) e = dist(rng);
+  return x;
+}
+
+void append_rows(KVCache& c, std::int64_t layer, std::int64_t seq, const std::vector<float>& kv, std::int64_t t0,
+                 std::int64_t n) {
+  const auto H = c.config().heads_kv, D = c.config().head_dim;
+  const auto view = ConstTensorView::bthd(kv.data() + t0 * H * D, 1, n, H, D);
+  c.append(layer, seq, view, view);
+}
+
+TEST(KVCache, PagedGrowsWithoutReallocationAndReturnsBlocks) {
+  std::mt19937_64 rng(3);
+  KVCache c({1, 3, 2, 32, 1000, DType::bf16, 64, 12});
+  const std::byte* base = c.raw_storage().data();
+  const auto kv = random_vec(1000 * 2 * 32, rng);
+  append_rows(c, 0, 0, kv, 0, 65);  // 2 blocks
+  append_rows(c, 0, 1, kv, 0, 64);  // 1 block
+  append_rows(c, 0, 0, kv, 65, 63);  // fills block 2 of sequence 0 exactly
+  EXPECT_EQ(c.free_blocks(), 9);
+  append_rows(c, 0, 2, kv, 0, 300);  // 5 blocks
+  EXPECT_EQ(c.free_blocks(), 4);
+  EXPECT_EQ(c.raw_storage().data(), base);  // never reallocated
+  c.release(0);
+  EXPECT_EQ(c.free_blocks(), 6);
+  EXPECT_FALSE(c.active(0));
+  c.truncate(2, 100);  // 5 → 2 blocks
+  EXPECT_EQ(c.free_blocks(), 9);
+  EXPECT_EQ(c.length(2), 100);
+  c.reset(0);
+  EXPECT_TRUE(c.active(0));
+  append_rows(c, 0, 0, kv, 0, 500);  // reuses freed blocks
+  EXPECT_EQ(c.free_blocks(), 1);
+  c.reset();
+  EXPECT_EQ(c.free_blocks(), 12);
+  for (std::byte x : c.raw_storage()) ASSERT_EQ(x, std::byte{0});  // reset zeroes what it drops
+}
+
+// Speculative decoding: append draft tokens, reject them (truncate), append the real ones —
+// identical to never having appended the drafts (storage bytes for a contiguous cache, decode
+// results for both kinds).
+TEST(KVCache, TruncateThenAppendEqualsNeverAppended) {
+  std::mt19937_64 rng(4);
+  const auto real = random_vec(200 * 2 * 16, rng), draft = random_vec(200 * 2 * 16, rng);
+  for (std::int64_t block : {0, 64}) {
+    for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+      KVCache a({2, 2, 2, 16, 200, dt, block, 0}), b({2, 2, 2, 16, 200, dt, block, 0});
+      for (KVCache* c : {&a, &b})
+        for (std::int64_t l = 0; l < 2; ++l) {
+          append_rows(*c, l, 0, real, 0, 60);
+          append_rows(*c, l, 1, real, 0, 10);
+        }
+      for (std::int64_t l = 0; l < 2; ++l) append_rows(a, l, 0, draft, 60, 7);  // crosses a tile edge
+      a.truncate(0, 60);
+      for (KVCache* c : {&a, &b})
+        for (std::int64_t l = 0; l < 2; ++l) append_rows(*c, l, 0, real, 60, 5);
+      EXPECT_EQ(a.length(0, 1), 65);
+      if (block == 0) {
+        ASSERT_EQ(a.raw_storage().size(), b.raw_storage().size());
+        EXPECT_EQ(0, std::memcmp(a.raw_storage().data(), b.raw_storage().data(), a.raw_storage().size()));
+      }
+      std::vector<float> q = random_vec(2 * 1 * 4 * 16, rng), oa(q.size()), ob(q.size());
+      attention_decode(ConstTensorView::bthd(q.data(), 2, 1, 4, 16), a, 1, TensorView::bthd(oa.data(), 2, 1, 4, 16));
+      attention_decode(ConstTensorView::bthd(q.data(), 2, 1, 4, 16), b, 1, TensorView::bthd(ob.data(), 2, 1, 4, 16));
+      EXPECT_EQ(0, std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)));
+    }
+  }
+}
+
+// ---- the layer in inference mode ----
+
+struct LayerCase {
+  std::int64_t hq, hkv;
+};
+
+// prefill(P_b) per sequence (different lengths), one speculative-style chunk of 3 tokens for
+// both sequences, then S single steps; compared with one forward over all P_b + 3 + S tokens.
+double prefill_steps_vs_forward(DType dtype, std::int64_t block, LayerCase lc, Isa isa) {
+  const std::int64_t d = 64, dh = 16, S = 5, chunk = 3;
+  const std::int64_t P[2] = {37, 70};
+  LayerConfig cfg;
+  cfg.d_model = d;
+  cfg.heads_q = lc.hq;
+  cfg.heads_kv = lc.hkv;
+  cfg.head_dim = dh;
+  cfg.rope = RopeOptions{RopePairing::rotate_half, 10000.0, 0};
+  cfg.attention.isa = isa;
+  CausalSelfAttention layer(cfg);
+  layer.init_random(42 + static_cast<std::uint64_t>(lc.hq * 10 + lc.hkv));
+  std::mt19937_64 rng(9);
+  std::vector<float> u[2], got[2];
+  for (int b = 0; b < 2; ++b) {
+    u[b] = random_vec(static_cast<std::size_t>((P[b] + chunk + S) * d), rng);
+    got[b].assign(u[b].size(), kPoison);
+  }
+  KVCache cache({2, 2, lc.hkv, dh, 128, dtype, block, 0});
+  for (int b = 0; b < 2; ++b) {  // prefill each sequence on its own (different lengths)
+    layer.prefill(std::span(u[b]).first(static_cast<std::size_t>(P[b] * d)), 1, P[b], cache, 1,
+                  std::span(got[b]).first(static_cast<std::size_t>(P[b] * d)), b);
+  }
+  // Chunk of 3 tokens for both sequences at once (T_new = 3 against different lengths).
+  std::vector<float> ub(static_cast<std::size_t>(2 * chunk * d)), ob(ub.size());
+  for (int b = 0; b < 2; ++b) std::copy_n(u[b].begin() + P[b] * d, chunk * d, ub.begin() + b * chunk * d);
+  layer.prefill(ub, 2, chunk, cache, 1, ob);
+  for (int b = 0; b < 2; ++b) std::copy_n(ob.begin() + b * chunk * d, chunk * d, got[b].begin() + P[b] * d);
+  for (std::int64_t s = 0; s < S; ++s) {
+    std::vector<float> us(static_cast<std::size_t>(2 * d)), os(us.size());
+    for (int b = 0; b < 2; ++b) std::copy_n(u[b].begin() + (P[b] + chunk + s) * d, d, us.begin() + b * d);
+    layer.step(us, 2, cache, 1, os);
+    for (int b = 0; b < 2; ++b) std::copy_n(os.begin() + b * d, d, got[b].begin() + (P[b] + chunk + s) * d);
+  }
+  EXPECT_EQ(cache.length(0, 1), P[0] + chunk + S);
+  EXPECT_EQ(cache.length(1, 1), P[1] + chunk + S);
+  EXPECT_EQ(cache.length(0, 0), 0);
+  double err = 0.0;
+  for (int b = 0; b < 2; ++b) {
+    std::vector<float> full(u[b].size());
+    layer.forward(u[b], 1, P[b] + chunk + S, full);
+    err = std::max(err, rel_err_flat(got[b], full));
+  }
+  return err;
+}
+
+class KVCacheLayer : public ::testing::TestWithParam<Isa> {
+ protected:
+  void SetUp() override {
+    const auto avail = available_isas();
+    if (std::find(avail.begin(), avail.end(), GetParam()) == avail.end()) {
+      GTEST_SKIP() << "ISA " << to_string(GetParam()) << " is not available on this CPU/build";
+    }
+  }
+};
+
+TEST_P(KVCacheLayer, PrefillThenStepsEqualsFullForward) {
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+    const double bound = dtype == DType::f32 ? 1e-5 : dtype == DType::bf16 ? 0x1.0p-8 : 0x1.0p-11;
+    for (std::int64_t block : {0, 64})
+      for (LayerCase lc : {LayerCase{4, 4}, LayerCase{8, 2}, LayerCase{8, 1}, LayerCase{32, 1}}) {
+        SCOPED_TRACE(std::string(to_string(dtype)) + " block=" + std::to_string(block) + " H_q=" +
+                     std::to_string(lc.hq) + " H_kv=" + std::to_string(lc.hkv));
+        const double err = prefill_steps_vs_forward(dtype, block, lc, GetParam());
+        EXPECT_LE(err, bound);
+        if (std::getenv("TOKENMIX_TEST_VERBOSE")) std::printf("  %s block=%lld H_q=%lld H_kv=%lld rel_err=%.3g\n", to_string(dtype), (long long)block, (long long)lc.hq, (long long)lc.hkv, err);
+      }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, KVCacheLayer, ::testing::Values(Isa::portable, Isa::avx2, Isa::avx512),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+// ---- bad input: typed error, message names the argument, cache unchanged ----
+
+struct Snapshot {
+  std::vector<std::byte> bytes;
+  std::vector<std::int64_t> lengths;
+  std::vector<bool> active;
+  std::int64_t free_blocks;
+  explicit Snapshot(const KVCache& c) : bytes(c.raw_storage().begin(), c.raw_storage().end()), free_blocks(c.free_blocks()) {
+    for (std::int64_t l = 0; l < c.config().layers; ++l)
+      for (std::int64_t b = 0; b < c.config().batch; ++b) lengths.push_back(c.length(b, l));
+    for (std::int64_t b = 0; b < c.config().batch; ++b) active.push_back(c.active(b));
+  }
+  bool operator==(const Snapshot&) const = default;
+};
+
+template <class Err, class F>
+void expect_rejected(KVCache& c, F&& f, ErrorCode code, const std::string& needle) {
+  const Snapshot before(c);
+  try {
+    f();
+    ADD_FAILURE() << "no error thrown; expected one mentioning '" << needle << "'";
+  } catch (const Err& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(Snapshot(c) == before) << "cache changed by a failing call (" << needle << ")";
+}
+
+TEST(KVCacheErrors, BadInputLeavesCacheUnchanged) {
+  std::mt19937_64 rng(5);
+  KVCache c({2, 2, 2, 16, 100, DType::bf16, 64, 3});  // pool of 3 blocks of 64
+  const auto kv = random_vec(200 * 2 * 16, rng);
+  append_rows(c, 0, 0, kv, 0, 90);   // 2 blocks
+  append_rows(c, 1, 0, kv, 0, 90);
+  append_rows(c, 0, 1, kv, 0, 10);   // 1 block: pool exhausted
+  const auto K = [&](std::int64_t T, std::int64_t H = 2, std::int64_t D = 16) {
+    return ConstTensorView::bthd(kv.data(), 1, T, H, D);
+  };
+  using AE = ArgumentError;
+  expect_rejected<AE>(c, [&] { c.append(0, 0, K(11), K(11)); }, ErrorCode::invalid_argument, "capacity");
+  expect_rejected<AE>(c, [&] { c.append(0, 1, K(60), K(60)); }, ErrorCode::invalid_argument, "pool");
+  expect_rejected<AE>(c, [&] { c.append(2, 0, K(1), K(1)); }, ErrorCode::invalid_argument, "layer");
+  expect_rejected<AE>(c, [&] { c.append(-1, 0, K(1), K(1)); }, ErrorCode::invalid_argument, "layer");
+  expect_rejected<AE>(c, [&] { c.append(0, 2, K(1), K(1)); }, ErrorCode::invalid_argument, "first_seq");
+  expect_rejected<AE>(c, [&] { c.append(0, 0, K(1, 4), K(1, 4)); }, ErrorCode::shape_mismatch, "H_kv");
+  expect_rejected<AE>(c, [&] { c.append(0, 0, K(1, 2, 8), K(1, 2, 8)); }, ErrorCode::shape_mismatch, "d_h");
+  expect_rejected<AE>(c, [&] { c.append(0, 0, K(1), K(2)); }, ErrorCode::shape_mismatch, "v.shape[1]");
+  ConstTensorView half = K(1);
+  half.dtype = DType::bf16;
+  expect_rejected<UnsupportedError>(c, [&] { c.append(0, 0, half, K(1)); }, ErrorCode::unsupported, "dtype");
+  expect_rejected<AE>(c, [&] { c.truncate(0, 91); }, ErrorCode::invalid_argument, "new_length");
+  expect_rejected<AE>(c, [&] { c.truncate(0, -1); }, ErrorCode::invalid_argument, "new_length");
+  expect_rejected<AE>(c, [&] { c.truncate(5, 0); }, ErrorCode::invalid_argument, "seq");
+
+  // Decode: bad layer, widths, head ratio, sequence range.
+  std::vector<float> q(2 * 1 * 4 * 16), o(q.size());
+  auto Q = [&](std::int64_t B, std::int64_t H, std::int64_t D) { return ConstTensorView::bthd(q.data(), B, 1, H, D); };
+  auto O = [&](std::int64_t B, std::int64_t H, std::int64_t D) { return TensorView::bthd(o.data(), B, 1, H, D); };
+  expect_rejected<AE>(c, [&] { attention_decode(Q(2, 4, 16), c, 2, O(2, 4, 16)); }, ErrorCode::invalid_argument, "layer");
+  expect_rejected<AE>(c, [&] { attention_decode(Q(2, 4, 8), c, 0, O(2, 4, 8)); }, ErrorCode::shape_mismatch, "d_h");
+  expect_rejected<AE>(c, [&] { attention_decode(Q(2, 3, 16), c, 0, O(2, 3, 16)); }, ErrorCode::shape_mismatch, "H_q");
+  expect_rejected<AE>(c, [&] { attention_decode(Q(2, 4, 16), c, 0, O(1, 4, 16)); }, ErrorCode::shape_mismatch, "out");
+  DecodeOptions shifted;
+  shifted.first_seq = 1;
+  expect_rejected<AE>(c, [&] { attention_decode(Q(2, 4, 16), c, 0, O(2, 4, 16), {}, shifted); },
+                      ErrorCode::invalid_argument, "first_seq");
+
+  // A released sequence can be neither read nor appended to until reset.
+  c.release(1);
+  EXPECT_EQ(c.free_blocks(), 1);
+  expect_rejected<AE>(c, [&] { attention_decode(Q(2, 4, 16), c, 0, O(2, 4, 16)); }, ErrorCode::invalid_argument, "released");
+  expect_rejected<AE>(c, [&] { c.append(0, 1, K(1), K(1)); }, ErrorCode::invalid_argument, "released");
+  expect_rejected<AE>(c, [&] { c.truncate(1, 0); }, ErrorCode::invalid_argument, "released");
+
+  // The layer: mismatched cache, bad layer index, released sequence, capacity.
+  LayerConfig cfg;
+  cfg.d_model = 32;
+  cfg.heads_q = 4;
+  cfg.heads_kv = 2;
+  cfg.head_dim = 16;
+  CausalSelfAttention layer(cfg);
+  layer.init_random(1);
+  std::vector<float> u(32 * 20), out(u.size());
+  expect_rejected<AE>(c, [&] { layer.step(std::span(u).first(32), 1, c, 2, std::span(out).first(32)); },
+                      ErrorCode::invalid_argument, "layer");
+  expect_rejected<AE>(c, [&] { layer.step(std::span(u).first(32), 1, c, 0, std::span(out).first(32), 1); },
+                      ErrorCode::invalid_argument, "released");
+  expect_rejected<AE>(c, [&] { layer.prefill(std::span(u).first(32 * 11), 1, 11, c, 0, std::span(out).first(32 * 11)); },
+                      ErrorCode::invalid_argument, "capacity");
+  cfg.heads_kv = 4;
+  CausalSelfAttention wide(cfg);
+  expect_rejected<AE>(c, [&] { wide.step(std::span(u).first(32), 1, c, 0, std::span(out).first(32)); },
+                      ErrorCode::shape_mismatch, "heads_kv");
+
+  // Positions that overflow 64-bit arithmetic (a zero-stride view of 2^63 − 1 positions).
+  KVCache tiny({1, 1, 1, 1, 10, DType::f32, 0, 0});
+  float one = 1.0f;
+  tiny.append(0, 0, ConstTensorView{&one, DType::f32, 4, {1, 1, 1, 1}, {0, 0, 0, 0}},
+              ConstTensorView{&one, DType::f32, 4, {1, 1, 1, 1}, {0, 0, 0, 0}});
+  const ConstTensorView huge{&one, DType::f32, 4, {1, INT64_MAX, 1, 1}, {0, 0, 0, 0}};
+  expect_rejected<AE>(tiny, [&] { tiny.append(0, 0, huge, huge); }, ErrorCode::overflow, "overflow");
+}
+
+TEST(KVCacheErrors, BadConfigIsRejected) {
+  auto bad = [](KVCacheConfig cfg, ErrorCode code, const char* needle) {
+    try {
+      KVCache c(cfg);
+      ADD_FAILURE() << "accepted a bad config (" << needle << ")";
+    } catch (const ArgumentError& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  bad({0, 1, 1, 16, 10, DType::f32, 0, 0}, ErrorCode::invalid_argument, "config.layers");
+  bad({1, 1, 1, 16, 0, DType::f32, 0, 0}, ErrorCode::invalid_argument, "config.capacity");
+  bad({1, 1, 1, 16, 10, static_cast<DType>(9), 0, 0}, ErrorCode::invalid_argument, "config.dtype");
+  bad({1, 1, 1, 16, 10, DType::f32, 100, 0}, ErrorCode::invalid_argument, "config.block_tokens");
+  bad({1, 1, 1, 16, 10, DType::f32, 0, 4}, ErrorCode::invalid_argument, "config.pool_blocks");
+  bad({1 << 20, 1 << 20, 1 << 20, 1 << 20, 1 << 20, DType::f32, 0, 0}, ErrorCode::overflow, "overflow");
+}
+
+}  // namespace
+}  // namespace tokenmix::testing

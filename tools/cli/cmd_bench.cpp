@@ -1,5 +1,6 @@
-// tools/cli/cmd_bench.cpp — `tokenmix bench forward|backward`: our kernels next to the
-// machine's fp32 GEMM ceiling measured in the same run (tools/bench).
+// tools/cli/cmd_bench.cpp — `tokenmix bench forward|backward|decode`: our kernels next to the
+// machine's ceilings measured in the same run (tools/bench): fp32 GEMM (OpenBLAS sgemm) for
+// forward/backward, streaming read bandwidth for decode.
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <string>
@@ -13,18 +14,20 @@ namespace tokenmix::cli {
 Command add_bench_command(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "bench",
-      "Benchmark a kernel against the machine's ceilings measured in the same run (useful "
-      "GFLOP/s vs OpenBLAS sgemm 2048^3; error vs the float64 reference on a slice)");
+      "Benchmark a kernel against the machine's ceilings measured in the same run (forward, "
+      "backward: useful GFLOP/s vs OpenBLAS sgemm 2048^3; decode: KV bytes read per second vs "
+      "streaming read bandwidth; error vs the float64 reference on a slice)");
   struct Options {
     std::string op = "forward";
     bench::BenchConfig config;
     std::vector<std::string> isas{"auto"};
     std::string align = "bottom-right";
     bool no_causal = false;
+    std::vector<std::string> cache_dtypes{"f32", "bf16", "f16"};
   };
   auto o = std::make_shared<Options>();
-  app->add_option("op", o->op, "What to measure: forward or backward")
-      ->check(CLI::IsMember({"forward", "backward"}))
+  app->add_option("op", o->op, "What to measure: forward, backward or decode")
+      ->check(CLI::IsMember({"forward", "backward", "decode"}))
       ->capture_default_str();
   app->add_option("--batch", o->config.batch, "Batch size B")->capture_default_str();
   app->add_option("--tq,--t", o->config.tq, "Query lengths T_q, one case each (comma-separated)")
@@ -46,6 +49,16 @@ Command add_bench_command(CLI::App& parent) {
   app->add_option("--repeats", o->config.repeats, "Timed runs per case (the median is reported)")
       ->capture_default_str();
   app->add_flag("--json", o->config.json, "One JSON object per line per case instead of a table");
+  app->add_option("--cache-tokens", o->config.cache_tokens,
+                  "decode: cached positions T_k per sequence, one case each (comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app->add_option("--cache-dtype", o->cache_dtypes, "decode: KV-cache element types f32, bf16, f16")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+      ->capture_default_str();
+  app->add_option("--tnew", o->config.tnew, "decode: new query positions per sequence (T_new)")
+      ->capture_default_str();
 
   return {app, [o]() {
             bench::BenchConfig cfg = o->config;
@@ -54,6 +67,10 @@ Command add_bench_command(CLI::App& parent) {
             cfg.align = parse_align(o->align);
             cfg.isas.clear();
             for (const std::string& name : o->isas) cfg.isas.push_back(parse_isa(name, "--isa"));
+            cfg.cache_dtypes.clear();
+            for (const std::string& name : o->cache_dtypes) {
+              cfg.cache_dtypes.push_back(name == "f32" ? DType::f32 : name == "bf16" ? DType::bf16 : DType::f16);
+            }
             bench::run(cfg, std::cout);
             return kExitOk;
           }};

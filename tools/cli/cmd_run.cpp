@@ -26,6 +26,7 @@ struct RunArgs {
   std::string align = "bottom-right";
   int threads = 0;
   std::string isa = "auto";
+  std::string cache_dtype = "bf16";
 };
 
 std::string join_missing(const std::vector<std::string>& names) {
@@ -46,7 +47,8 @@ int run_command(CLI::App& sub, RunArgs& a) {
   const std::vector<std::string> file_opts = {"--q",    "--k",  "--v",  "--out", "--lse",
                                               "--dout", "--dq", "--dk", "--dv"};
   const std::vector<std::string> attention_opts = {"--scale", "--no-causal", "--align"};
-  const std::vector<std::string> layer_opts = {"--seq", "--batch", "--seed"};
+  const std::vector<std::string> layer_opts = {"--seq", "--batch", "--seed", "--decode-steps",
+                                               "--cache-dtype"};
   auto given = [&](const std::string& name) { return sub.count(name) > 0; };
 
   bool file_mode = false;
@@ -60,6 +62,7 @@ int run_command(CLI::App& sub, RunArgs& a) {
                     "run always uses the causal bottom-right mask and scale 1/sqrt(d_h)");
     a.layer.threads = a.threads;
     a.layer.isa = isa;
+    a.layer.cache_dtype = a.cache_dtype == "f32" ? DType::f32 : a.cache_dtype == "f16" ? DType::f16 : DType::bf16;
     return run_layer(a.layer);
   }
 
@@ -118,6 +121,13 @@ Command add_run_command(CLI::App& parent) {
       ->check(CLI::Range(0, 4096));
   sub->add_option("--isa", a.isa, "Kernel path: auto, portable, avx2, avx512")
       ->capture_default_str();
+  sub->add_option("--decode-steps", a.layer.decode_steps,
+                  "Tokens generated one at a time with the KV cache after the prefill (0 = no decode phase)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 16));
+  sub->add_option("--cache-dtype", a.cache_dtype, "KV-cache element type of the decode phase: f32, bf16, f16")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}));
 
   auto* files = "Files (.npy, float32 or float64, C order)";
   sub->add_option("--q", a.files.q, "Queries [B, T_q, H_q, d_h]")->group(files);

@@ -4,7 +4,12 @@
 // rotate-half with base 500000; seeded random weights (CausalSelfAttention::init_random), input
 // U ~ N(0, 1) [B, T, d] and upstream gradient dO ~ N(0, 1) [B, T, d].
 //
-// Phases: forward, backward, check. The check recomputes slices in float64 with the oracle
+// Phases: forward, backward, check, decode. The decode phase prefills the T tokens into a KV
+// cache (KVCache, bf16 by default) and generates --decode-steps more one at a time
+// (CausalSelfAttention::step), then checks the generated outputs against one forward over all
+// T + steps tokens: the cache must give the same attention (SPEC 4.3 bottom-right, 4.8).
+//
+// The check: The check recomputes slices in float64 with the oracle
 // (src/reference) from the tensors the forward saved (CausalSelfAttention::saved()), so it
 // measures this run's kernels and GEMMs, not a second float32 computation:
 //   - attention Y and L of all heads on three windows of query rows (start, middle, end): with
@@ -43,6 +48,11 @@ constexpr double kRopeBase = 500000.0;
 constexpr double kErrorBound = 1e-4;
 /// Longest sequence for which the check runs the oracle's full-length backward (see below).
 constexpr std::int64_t kFullCheckMaxT = 256;
+/// Bound for decode-vs-forward with a bf16/f16 cache: K and V are rounded to 8 (bf16) or 11
+/// (f16) significant bits on write, a relative error of at most 2^-9 per element that enters
+/// both the scores and the values; 2·2^-9 ≈ 4e-3 (tests/unit/test_kv_cache.cpp uses the same).
+/// With an fp32 cache the bound is kErrorBound.
+constexpr double kDecodeBoundLowPrecision = 4e-3;
 
 struct CheckRow {
   std::string what;
@@ -356,6 +366,53 @@ int run_layer(const LayerRunOptions& o) {
   const std::vector<CheckRow> checks = check_layer(layer, out, d_out, grads);
   const double check_s = check_clock.seconds();
 
+  // Decode: prefill, then one token per step, against one forward over T + S tokens.
+  const std::int64_t S = o.decode_steps;
+  double prefill_s = 0.0, steps_s = 0.0, decode_err = 0.0;
+  std::uint64_t cache_bytes = 0;
+  if (S > 0) {
+    progress("decode: prefill " + std::to_string(T) + " tokens into a " + to_string(o.cache_dtype) +
+             " KV cache, then " + std::to_string(S) + " steps of one token");
+    KVCacheConfig kc;
+    kc.layers = 1;
+    kc.batch = B;
+    kc.heads_kv = kHeadsKv;
+    kc.head_dim = kHeadDim;
+    kc.capacity = T + S;
+    kc.dtype = o.cache_dtype;
+    KVCache cache(kc);
+    cache_bytes = cache.memory_bytes();
+    const std::vector<float> u_new = random_normal(static_cast<std::size_t>(B * S * d), o.seed * 2654435761u + 3);
+    std::vector<float> prefill_out(n), step_in(static_cast<std::size_t>(B * d)),
+        step_out(static_cast<std::size_t>(B * d)), generated(static_cast<std::size_t>(B * S * d));
+    Stopwatch prefill_clock;
+    layer.prefill(u, B, T, cache, 0, prefill_out);
+    prefill_s = prefill_clock.seconds();
+    Stopwatch steps_clock;
+    for (std::int64_t s = 0; s < S; ++s) {
+      for (std::int64_t b = 0; b < B; ++b)  // token s of every sequence: u_new [B, S, d]
+        std::copy_n(u_new.begin() + (b * S + s) * d, d, step_in.begin() + b * d);
+      layer.step(step_in, B, cache, 0, step_out);
+      for (std::int64_t b = 0; b < B; ++b)
+        std::copy_n(step_out.begin() + b * d, d, generated.begin() + (b * S + s) * d);
+    }
+    steps_s = steps_clock.seconds();
+
+    progress("decode check: one forward over all " + std::to_string(T + S) + " tokens");
+    std::vector<float> all_u(static_cast<std::size_t>(B * (T + S) * d)), all_out(all_u.size());
+    for (std::int64_t b = 0; b < B; ++b) {
+      std::copy_n(u.begin() + b * T * d, T * d, all_u.begin() + b * (T + S) * d);
+      std::copy_n(u_new.begin() + b * S * d, S * d, all_u.begin() + (b * (T + S) + T) * d);
+    }
+    layer.forward(all_u, B, T + S, all_out);
+    ErrorAccumulator acc;
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t i = 0; i < S * d; ++i)
+        acc.add(generated[static_cast<std::size_t>(b * S * d + i)],
+                all_out[static_cast<std::size_t>((b * (T + S) + T) * d + i)]);
+    decode_err = acc.value();
+  }
+
   // Useful work (SPEC "Useful-work counts"): attention 4·d_h·H_q·P·B forward, 2.5× backward;
   // projections 2·B·T·d·(2·H_q·d_h + 2·H_kv·d_h) forward (Q, K, V, O), 2× that backward.
   const double attn_f = forward_flops(B, T, T, kHeadsQ, kHeadDim, true, CausalAlign::bottom_right);
@@ -382,6 +439,13 @@ int run_layer(const LayerRunOptions& o) {
   std::printf("%-10s %10.3f %16.2f %17.2f %12.1f\n", "backward", bwd_s, attn_b * 1e-9,
               proj_b * 1e-9, (attn_b + proj_b) / std::max(bwd_s, 1e-9) * 1e-9);
   std::printf("%-10s %10.3f %16s %17s %12s\n", "check", check_s, "-", "-", "-");
+  if (S > 0) {
+    std::printf("%-10s %10.3f %16s %17s %12s   %.0f tokens/s\n", "prefill", prefill_s, "-", "-", "-",
+                static_cast<double>(B * T) / std::max(prefill_s, 1e-9));
+    std::printf("%-10s %10.3f %16s %17s %12s   %.1f tokens/s (%lld steps x B=%lld, %.2f ms/step)\n",
+                "decode", steps_s, "-", "-", "-", static_cast<double>(B * S) / std::max(steps_s, 1e-9),
+                static_cast<long long>(S), static_cast<long long>(B), steps_s / static_cast<double>(S) * 1e3);
+  }
   std::printf(
       "  (useful FLOPs, SPEC \"Useful-work counts\": attention 4*d_h*H_q*P*B forward with\n"
       "   P = T(T+1)/2, 2.5x backward; projections 2*B*T*d*(2*H_q*d_h + 2*H_kv*d_h) "
@@ -397,7 +461,15 @@ int run_layer(const LayerRunOptions& o) {
     std::printf("  %-56s %12.2e\n", c.what.c_str(), c.error);
     worst = std::isnan(c.error) ? INFINITY : std::max(worst, c.error);
   }
-  const bool pass = worst <= kErrorBound;
+  bool pass = worst <= kErrorBound;
+  if (S > 0) {
+    const double bound = o.cache_dtype == DType::f32 ? kErrorBound : kDecodeBoundLowPrecision;
+    const bool ok = decode_err <= bound;
+    std::printf("  %-56s %12.2e  (bound %.0e: %s)\n",
+                ("decode: " + std::to_string(S) + " steps on a " + to_string(o.cache_dtype) + " cache vs forward").c_str(),
+                decode_err, bound, ok ? "PASS" : "FAIL");
+    pass = pass && ok;
+  }
   std::printf("  %-56s %12.2e  (bound %.0e: %s)\n", "max", worst, kErrorBound,
               pass ? "PASS" : "FAIL");
   if (T <= kFullCheckMaxT)
@@ -416,6 +488,11 @@ int run_layer(const LayerRunOptions& o) {
   }
   std::printf("  GQA holds %lldx less than MHA for the same layer\n",
               static_cast<long long>(kHeadsQ / kHeadsKv));
+  if (S > 0) {
+    std::printf("  decode-phase cache: %s, B=%lld x T_max=%lld positions: %s (KVCache::memory_bytes)\n",
+                to_string(o.cache_dtype), static_cast<long long>(B), static_cast<long long>(T + S),
+                human_bytes(cache_bytes).c_str());
+  }
   std::fflush(stdout);
   if (!pass) {
     std::fprintf(stderr, "tokenmix: error: max relative error %.2e exceeds the bound %.0e\n", worst,

@@ -39,8 +39,10 @@ HWY_BEFORE_NAMESPACE();
 namespace tokenmix::kernels::HWY_NAMESPACE {
 
 constexpr std::int64_t kTile = 64;  // keys per tile (pass 1) / query rows per chunk (pass 2)
+constexpr std::int64_t kBlocksPerUnit = 4;  // pass 1: lane blocks sharing each K/V tile
 
-// Pass 1: D and dQ. Mirrors the forward kernel's unit layout.
+// Pass 1: D and dQ. Mirrors the forward kernel's unit layout (kBlocksPerUnit lane blocks share
+// each packed K/V tile).
 void BackwardQueries(const BackwardArgs& args, float* delta) {
   const AttentionProblem& p = args.p;
   const hn::ScalableTag<float> d;
@@ -48,87 +50,113 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
   using VF = hn::Vec<decltype(d)>;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = kV * N;
   const std::int64_t dh = p.dh;
-  const QueryUnits layout(p, M);
-  const std::int64_t units = layout.count, mq = layout.mq;
+  const QueryUnits layout(p, M, kBlocksPerUnit);
+  const std::int64_t units = layout.count, mq = layout.mq, nb = layout.blocks;
   if (units == 0) return;
   const int team = static_cast<int>(std::clamp<std::int64_t>(p.threads, 1, units));
-  std::int64_t per_worker = 3 * dh * M + 2 * kTile * M + 2 * kTile * dh + 3 * M;
+  // Per lane block: s·Qᵀ, dOᵀ, dQᵀ [dh][M] and lane vectors L, D, visible end [M]; shared:
+  // Sᵀ and dPᵀ [kTile][M], packed K and V tiles [kTile][dh].
+  const std::int64_t per_block = 3 * dh * M + 3 * M;
+  std::int64_t per_worker = nb * per_block + 2 * kTile * M + 2 * kTile * dh;
   per_worker = (per_worker + 63) / 64 * 64;
   auto scratch = hwy::AllocateAligned<float>(static_cast<std::size_t>(team * per_worker));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
   for (std::int64_t unit = 0; unit < units; ++unit) {
-    const auto [b, j, h0, heads, t0, positions] = layout(p, unit);
-
-    float* qt = scratch.get() + omp_get_thread_num() * per_worker;  // s·Qᵀ [dh][M]
-    float* dot = qt + dh * M;                                     // dOᵀ [dh][M]
-    float* dqt = dot + dh * M;                                    // dQᵀ [dh][M]
-    float* st = dqt + dh * M;                                     // Sᵀ → Pᵀ → dSᵀ [kTile][M]
-    float* dpt = st + kTile * M;                                  // dPᵀ [kTile][M]
-    float* k_tile = dpt + kTile * M;                              // packed K/V tiles if needed
-    float* v_tile = k_tile + kTile * dh;
-    float* lse_lane = v_tile + kTile * dh;                        // L per lane [M]
-    float* delta_lane = lse_lane + M;                             // D per lane [M]
-    auto* end_lane = reinterpret_cast<std::int32_t*>(delta_lane + M);
-
-    std::int64_t key_end = 0, full_end = p.tk;
-    for (std::int64_t i = 0; i < M; ++i) {
-      const std::int64_t hl = i / mq, tl = i % mq;
-      const bool valid = hl < heads && tl < positions;
-      std::int64_t e = 0;
-      if (valid) {
-        const std::int64_t h = h0 + hl, t = t0 + tl;
-        e = std::max<std::int64_t>(0, p.visible_end(t));
-        key_end = std::max(key_end, e);
-        full_end = std::min(full_end, e);
-        const float* q = args.q.row(b, t, h);
-        const float* dout = args.dout.row(b, t, h);
-        const float* o = args.out.row(b, t, h);
-        float dsum = 0.0f;  // D_t = ⟨dO_t, O_t⟩
-        for (std::int64_t x = 0; x < dh; ++x) {
-          qt[x * M + i] = p.scale * q[x * args.q.s3];
-          dot[x * M + i] = dout[x * args.dout.s3];
-          dsum += dout[x * args.dout.s3] * o[x * args.out.s3];
-        }
-        delta[(b * p.hq + h) * p.tq + t] = e > 0 ? dsum : 0.0f;
-        delta_lane[i] = dsum;
-        lse_lane[i] = e > 0 ? args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2] : 0.0f;
-      } else {
-        for (std::int64_t x = 0; x < dh; ++x) qt[x * M + i] = dot[x * M + i] = 0.0f;
-        delta_lane[i] = lse_lane[i] = 0.0f;
-      }
-      end_lane[i] = static_cast<std::int32_t>(e);  // padding lanes see nothing: P = 0
-    }
-    std::fill(dqt, dqt + dh * M, 0.0f);
-
-    for (std::int64_t u0 = 0; u0 < key_end; u0 += kTile) {
-      const std::int64_t nt = std::min(kTile, key_end - u0);
-      std::int64_t ldk = 0, ldv = 0;
-      const float* k_rows = RowsOf(args.k, b, u0, j, nt, dh, k_tile, ldk);
-      const float* v_rows = RowsOf(args.v, b, u0, j, nt, dh, v_tile, ldv);
-      GemmRows(d, nt, k_rows, ldk, 1, qt, M, dh, st, M, false);    // Sᵀ = K (s·Q)ᵀ      (4.2)
-      GemmRows(d, nt, v_rows, ldv, 1, dot, M, dh, dpt, M, false);  // dPᵀ = V dOᵀ = dAᵀ
-      const bool crosses = u0 + nt > full_end;
-      for (std::int64_t i = 0; i < M; i += N) {
-        const VF lse = hn::Load(d, lse_lane + i), dl = hn::Load(d, delta_lane + i);
-        const auto ends = hn::Load(di, end_lane + i);
-        for (std::int64_t u = 0; u < nt; ++u) {
-          VF pu = hn::Exp(d, hn::Sub(hn::Load(d, st + u * M + i), lse));  // A = e^{S − L}  (4.4)
-          if (crosses) {                                                 // causal mask   (4.3)
-            const auto visible = hn::RebindMask(d, hn::Lt(hn::Set(di, static_cast<std::int32_t>(u0 + u)), ends));
-            pu = hn::IfThenElseZero(visible, pu);
+    float* base = scratch.get() + omp_get_thread_num() * per_worker;
+    float* st = base + nb * per_block;       // Sᵀ → Pᵀ → dSᵀ [kTile][M]
+    float* dpt = st + kTile * M;             // dPᵀ [kTile][M]
+    float* k_tile = dpt + kTile * M;         // K rows u0.. packed [kTile][dh]
+    float* v_tile = k_tile + kTile * dh;     // V rows u0.. packed [kTile][dh]
+    struct BlockState {
+      QueryUnits::Block blk;
+      float *qt, *dot, *dqt, *lse_lane, *delta_lane;
+      std::int32_t* end_lane;
+      std::int64_t key_end, full_end;
+    };
+    BlockState blocks[kBlocksPerUnit];
+    std::int64_t unit_key_end = 0;
+    for (std::int64_t s = 0; s < nb; ++s) {
+      BlockState& bs = blocks[s];
+      bs.blk = layout(p, unit, s);
+      bs.qt = base + s * per_block;  // s·Qᵀ [dh][M]
+      bs.dot = bs.qt + dh * M;       // dOᵀ [dh][M]
+      bs.dqt = bs.dot + dh * M;      // dQᵀ [dh][M]
+      bs.lse_lane = bs.dqt + dh * M;
+      bs.delta_lane = bs.lse_lane + M;
+      bs.end_lane = reinterpret_cast<std::int32_t*>(bs.delta_lane + M);
+      bs.key_end = 0;
+      bs.full_end = p.tk;
+      const auto& [b, j, h0, heads, t0, positions] = bs.blk;
+      if (positions <= 0) continue;
+      for (std::int64_t i = 0; i < M; ++i) {
+        const std::int64_t hl = i / mq, tl = i % mq;
+        std::int64_t e = 0;
+        if (hl < heads && tl < positions) {
+          const std::int64_t h = h0 + hl, t = t0 + tl;
+          e = std::max<std::int64_t>(0, p.visible_end(t));
+          bs.key_end = std::max(bs.key_end, e);
+          bs.full_end = std::min(bs.full_end, e);
+          const float* q = args.q.row(b, t, h);
+          const float* dout = args.dout.row(b, t, h);
+          const float* o = args.out.row(b, t, h);
+          float dsum = 0.0f;  // D_t = ⟨dO_t, O_t⟩
+          for (std::int64_t x = 0; x < dh; ++x) {
+            bs.qt[x * M + i] = p.scale * q[x * args.q.s3];
+            bs.dot[x * M + i] = dout[x * args.dout.s3];
+            dsum += dout[x * args.dout.s3] * o[x * args.out.s3];
           }
-          // dS = A ⊙ (dA − D)
-          hn::Store(hn::Mul(pu, hn::Sub(hn::Load(d, dpt + u * M + i), dl)), d, st + u * M + i);
+          delta[(b * p.hq + h) * p.tq + t] = e > 0 ? dsum : 0.0f;
+          bs.delta_lane[i] = dsum;
+          bs.lse_lane[i] = e > 0 ? args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2] : 0.0f;
+        } else {
+          for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = bs.dot[x * M + i] = 0.0f;
+          bs.delta_lane[i] = bs.lse_lane[i] = 0.0f;
         }
+        bs.end_lane[i] = static_cast<std::int32_t>(e);  // padding lanes see nothing: P = 0
       }
-      GemmRows(d, dh, k_rows, 1, ldk, st, M, nt, dqt, M, true);  // dQᵀ += Kᵀ dSᵀ
+      std::fill(bs.dqt, bs.dqt + dh * M, 0.0f);
+      unit_key_end = std::max(unit_key_end, bs.key_end);
+    }
+    const std::int64_t b = blocks[0].blk.b, j = blocks[0].blk.j;
+
+    for (std::int64_t u0 = 0; u0 < unit_key_end; u0 += kTile) {
+      const std::int64_t tile = std::min(kTile, unit_key_end - u0);
+      PackRows(args.k.row(b, u0, j), args.k.s1, args.k.s3, tile, dh, k_tile);
+      PackRows(args.v.row(b, u0, j), args.v.s1, args.v.s3, tile, dh, v_tile);
+      for (std::int64_t s = 0; s < nb; ++s) {
+        BlockState& bs = blocks[s];
+        if (u0 >= bs.key_end) continue;
+        const std::int64_t nt = std::min(tile, bs.key_end - u0);
+        GemmRows(d, nt, k_tile, dh, 1, bs.qt, M, dh, st, M, false);    // Sᵀ = K (s·Q)ᵀ   (4.2)
+        GemmRows(d, nt, v_tile, dh, 1, bs.dot, M, dh, dpt, M, false);  // dPᵀ = V dOᵀ = dAᵀ
+        const bool crosses = u0 + nt > bs.full_end;
+        for (std::int64_t i = 0; i < M; i += N) {
+          const VF lse = hn::Load(d, bs.lse_lane + i), dl = hn::Load(d, bs.delta_lane + i);
+          const auto ends = hn::Load(di, bs.end_lane + i);
+          for (std::int64_t u = 0; u < nt; ++u) {
+            VF pu = hn::Exp(d, hn::Sub(hn::Load(d, st + u * M + i), lse));  // A = e^{S − L} (4.4)
+            if (crosses) {                                                 // causal mask  (4.3)
+              const auto visible =
+                  hn::RebindMask(d, hn::Lt(hn::Set(di, static_cast<std::int32_t>(u0 + u)), ends));
+              pu = hn::IfThenElseZero(visible, pu);
+            }
+            // dS = A ⊙ (dA − D)
+            hn::Store(hn::Mul(pu, hn::Sub(hn::Load(d, dpt + u * M + i), dl)), d, st + u * M + i);
+          }
+        }
+        GemmRows(d, dh, k_tile, 1, dh, st, M, nt, bs.dqt, M, true);  // dQᵀ += Kᵀ dSᵀ
+      }
     }
 
-    for (std::int64_t i = 0; i < heads * mq; ++i) {  // dQ = s · (dQᵀ)ᵀ
-      const std::int64_t hl = i / mq, tl = i % mq;
-      if (tl >= positions) continue;
-      float* dq = args.dq.row(b, t0 + tl, h0 + hl);
-      for (std::int64_t x = 0; x < dh; ++x) dq[x * args.dq.s3] = p.scale * dqt[x * M + i];
+    for (std::int64_t s = 0; s < nb; ++s) {  // dQ = s · (dQᵀ)ᵀ
+      const BlockState& bs = blocks[s];
+      const auto& [bb, jj, h0, heads, t0, positions] = bs.blk;
+      for (std::int64_t i = 0; i < heads * mq; ++i) {
+        const std::int64_t hl = i / mq, tl = i % mq;
+        if (tl >= positions) continue;
+        float* dq = args.dq.row(bb, t0 + tl, h0 + hl);
+        for (std::int64_t x = 0; x < dh; ++x) dq[x * args.dq.s3] = p.scale * bs.dqt[x * M + i];
+      }
     }
   }
 }

@@ -9,29 +9,34 @@
 
 namespace tokenmix::kernels {
 
-// The query-lane work unit of the forward kernel and of the backward's dQ pass: (batch b,
-// KV head j, a chunk of the g query heads of group j, a block of query positions). Its rows —
-// every (head, position) pair — fill the M SIMD lanes: lane i ↦ (head h0 + i / mq, position
-// t0 + i % mq). All heads of a group share each K/V tile (SPEC 4.8).
+// The query-lane work of the forward kernel and of the backward's dQ pass. A lane block is
+// (batch b, KV head j, a chunk of the g query heads of group j, a block of query positions); its
+// rows — every (head, position) pair — fill the M SIMD lanes: lane i ↦ (head h0 + i / mq,
+// position t0 + i % mq). All heads of a group share each K/V tile (SPEC 4.8). A work unit is
+// `blocks` consecutive lane blocks of the same (b, j, head chunk), so every K/V tile it loads
+// serves blocks · M query rows: fewer passes over K/V (and over their pages: with K/V rows
+// H_kv·d_h floats apart, each row can sit on its own page, and TLB misses dominate long
+// sequences otherwise).
 struct QueryUnits {
-  std::int64_t lanes, g, gh, mq, head_chunks, qblocks, count;
+  std::int64_t lanes, g, gh, mq, head_chunks, qblocks, blocks, qgroups, count;
 
-  QueryUnits(const AttentionProblem& p, std::int64_t M)
+  QueryUnits(const AttentionProblem& p, std::int64_t M, std::int64_t blocks_per_unit)
       : lanes(M), g(p.group()), gh(std::min(g, M)), mq(std::max<std::int64_t>(1, M / gh)),
         head_chunks((g + gh - 1) / gh), qblocks((p.tq + mq - 1) / mq),
-        count(p.batch * p.hkv * head_chunks * qblocks) {}
+        blocks(std::max<std::int64_t>(1, std::min(blocks_per_unit, qblocks))),
+        qgroups((qblocks + blocks - 1) / blocks), count(p.batch * p.hkv * head_chunks * qgroups) {}
 
-  struct Unit {
-    std::int64_t b, j, h0, heads, t0, positions;
+  struct Block {
+    std::int64_t b, j, h0, heads, t0, positions;  // positions ≤ 0: past T_q, nothing to do
   };
-  // Units are numbered so that late query blocks, which see the most keys, come first
-  // (causal load balance under dynamic scheduling).
-  Unit operator()(const AttentionProblem& p, std::int64_t unit) const {
-    const std::int64_t qb = qblocks - 1 - unit % qblocks;
-    std::int64_t rest = unit / qblocks;
+  // Lane block `sub` (< blocks) of unit `unit`. Units are numbered so that late query blocks,
+  // which see the most keys, come first (causal load balance under dynamic scheduling).
+  Block operator()(const AttentionProblem& p, std::int64_t unit, std::int64_t sub) const {
+    const std::int64_t qb = (qgroups - 1 - unit % qgroups) * blocks + sub;
+    std::int64_t rest = unit / qgroups;
     const std::int64_t hc = rest % head_chunks;
     rest /= head_chunks;
-    Unit u;
+    Block u;
     u.j = rest % p.hkv;
     u.b = rest / p.hkv;
     u.h0 = u.j * g + hc * gh;

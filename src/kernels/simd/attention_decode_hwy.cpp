@@ -45,6 +45,8 @@ constexpr int kRD = 2, kVD = 4;  // 8 accumulators + 4 B vectors of 16 ymm; 32 l
 constexpr int kRD = 2, kVD = 1;  // fallback targets (not dispatched to by tokenmix)
 #endif
 
+constexpr std::int64_t kSub = 16;  // keys per V sub-tile in the P·V product
+
 template <class TB>
 void DecodeUnits(const DecodeArgs& a) {
   const hn::ScalableTag<float> d;
@@ -133,8 +135,15 @@ void DecodeUnits(const DecodeArgs& a) {
       // Õ += P V over the tile's nt keys, d_h in chunks of W lanes, then single vectors, then
       // a scalar tail (d_h % Lanes)  (4.5)
       std::int64_t x0 = 0;
-      for (; x0 < dh_full; x0 += W) GemmRows<kRD, kVD>(d, nrows, st, T, 1, vt + x0, dh, nt, acc + x0, dh, true);
-      for (; x0 < dh_vec; x0 += N) GemmRows<kRD, 1>(d, nrows, st, T, 1, vt + x0, dh, nt, acc + x0, dh, true);
+      // The V tile is consumed in sub-tiles of kSub keys, all d_h chunks of a sub-tile before the
+      // next, so memory is read front to back (row-strided passes over the whole tile halve the
+      // DRAM bandwidth a core gets).
+      for (std::int64_t k0 = 0; k0 < nt; k0 += kSub) {
+        const std::int64_t nk = std::min(kSub, nt - k0);
+        const TB* vk = vt + k0 * dh;
+        for (x0 = 0; x0 < dh_full; x0 += W) GemmRows<kRD, kVD>(d, nrows, st + k0, T, 1, vk + x0, dh, nk, acc + x0, dh, true);
+        for (; x0 < dh_vec; x0 += N) GemmRows<kRD, 1>(d, nrows, st + k0, T, 1, vk + x0, dh, nk, acc + x0, dh, true);
+      }
       if (x0 < dh) {
         for (std::int64_t r = 0; r < nrows; ++r)
           for (std::int64_t u = 0; u < nt; ++u) {

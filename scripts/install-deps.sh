@@ -17,9 +17,11 @@ packages=(
   libcli11-dev        # command-line parsing for tools/cli
   libgtest-dev        # GoogleTest (tests/unit); pulls the `googletest` sources package
   libbenchmark-dev    # Google Benchmark (benchmarks)
-  libhwy-dev          # Highway, for the planned AVX2/AVX-512 kernels
+  libhwy-dev          # Highway: the AVX2/AVX-512 flash, backward and decode kernels
   git
-  python3             # helper scripts
+  python3             # the Python package (python/) and helper scripts
+  python3-venv        # the persistent virtual environment of python/run-tests.sh
+  python3-dev         # Python.h for the nanobind extension
 )
 
 missing=()

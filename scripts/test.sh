@@ -2,8 +2,11 @@
 # README command 2, and what CI runs (.ci/run). From a fresh Debian 12 machine:
 #   1. install the Debian packages (scripts/install-deps.sh; does nothing if all are there);
 #   2. Release build of everything in build/release, then ctest;
-#   3. Debug build with AddressSanitizer + UBSan (-DTOKENMIX_SANITIZE=ON) in build/sanitize, then
-#      ctest under the sanitizers.
+#   3. Debug build with AddressSanitizer + UBSan (-DTOKENMIX_SANITIZE=ON) of the library, tools
+#      and tests (not the benchmarks) in build/sanitize, then ctest under the sanitizers.
+#   4. Python package (python/run-tests.sh): `pip wheel .` into a persistent virtual environment
+#      (${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv; NumPy and PyTorch installed from PyPI once,
+#      when missing), then pytest on python/tests (exit status 5, "no tests ran", is a failure).
 # Both ctest runs include the install test `install.consumer` (tests/consumer: `cmake --install`
 # into a scratch prefix, then a standalone find_package(tokenmix) project built against it with
 # the shared and the static library) and `readme.example` (the C++ example in README.md).
@@ -145,12 +148,30 @@ export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
 if [[ -f tests/sanitizer/lsan.supp ]]; then
   export LSAN_OPTIONS="suppressions=$root/tests/sanitizer/lsan.supp:print_suppressions=0"
 fi
+#    Benchmarks are not tests, and the Release stage already built them: skip them here.
 if build_stage "sanitize: configure + build" "$sanitize_dir" \
-     -DCMAKE_BUILD_TYPE=Debug -DTOKENMIX_SANITIZE=ON; then
+     -DCMAKE_BUILD_TYPE=Debug -DTOKENMIX_SANITIZE=ON -DTOKENMIX_BUILD_BENCHMARKS=OFF; then
   test_stage "sanitize: ctest" "$sanitize_dir"
 else
   skip "sanitize: ctest" "build failed"
 fi
+
+# 4. Python package and its tests against PyTorch; independent of the C++ stages above.
+python_stage() {
+  local name="python: wheel + pytest" start=$SECONDS log="$logs/python-pytest.log" rc note
+  banner "$name"
+  env -u ASAN_OPTIONS -u UBSAN_OPTIONS -u LSAN_OPTIONS TOKENMIX_JOBS="$jobs" \
+    bash python/run-tests.sh 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  note=$(grep -E '^=+ .*(passed|failed|errors?|no tests ran).* in [0-9.]+s' "$log" | tail -n 1 | tr -d '=')
+  note=$(echo ${note:-no pytest summary})
+  if [[ $rc -eq 0 ]]; then
+    record "$name" passed $((SECONDS - start)) "$note"
+  else
+    record "$name" FAILED $((SECONDS - start)) "$note (exit $rc)"
+  fi
+}
+python_stage
 
 summary
 exit $failed

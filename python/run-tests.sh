@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The Python stage of scripts/test.sh (CI): builds the tokenmix wheel (`pip wheel .`, the same
+# CMake project with TOKENMIX_BUILD_PYTHON=ON), installs it into a virtual environment, runs
+# pytest on python/tests, then a one-round smoke run of `python -m tokenmix.bench`.
+#
+# The virtual environment is persistent, outside the work tree:
+#   ${TOKENMIX_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv}
+# so NumPy, PyTorch, pytest, scikit-build-core and nanobind are downloaded from PyPI once per
+# machine and only when missing (PyPI's Linux torch wheel is the CUDA build: ~0.5 GB plus
+# ~3 GB of nvidia-* wheels that `import torch` needs even on a CPU-only machine; PyPI carries no
+# CPU-only torch wheel). Later runs reuse it and need no network. No test is ever skipped for a
+# missing package: a package that cannot be installed fails this stage.
+#
+# Environment: TOKENMIX_JOBS (build jobs, default 2), TOKENMIX_VENV, PYTHON (default python3).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+jobs=${TOKENMIX_JOBS:-2}
+python=${PYTHON:-python3}
+venv=${TOKENMIX_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv}
+wheel_dir=build/python/wheel
+
+as_root() {
+  if [[ $(id -u) -eq 0 ]]; then "$@"; elif command -v sudo >/dev/null 2>&1; then sudo "$@"; else
+    echo "python/run-tests.sh: need root to run: $*" >&2; return 1; fi
+}
+
+# Debian's own python3 lacks venv (ensurepip) and the C headers unless python3-venv and
+# python3-dev are installed; other interpreters (pyenv, ...) ship both.
+if ! "$python" - <<'PY'
+import ensurepip, os, sys, sysconfig
+sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else 1)
+PY
+then
+  echo "== installing python3-venv and python3-dev (Debian packages) for $python"
+  as_root apt-get update -q
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-venv python3-dev
+fi
+
+# A venv whose interpreter vanished or changed version is rebuilt.
+want=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+have=$("$venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true)
+if [[ "$have" != "$want" ]]; then
+  echo "== creating virtual environment $venv (Python $want)"
+  rm -rf "$venv"
+  mkdir -p "$(dirname "$venv")"
+  "$python" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+fi
+py="$venv/bin/python"
+echo "== virtual environment: $venv ($("$py" --version))"
+
+# Packages, installed only when missing (module name = requirement).
+missing=()
+for spec in numpy:numpy torch:torch pytest:pytest scikit_build_core:scikit-build-core \
+            nanobind:nanobind; do
+  "$py" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
+done
+if [[ ${#missing[@]} -gt 0 ]]; then
+  echo "== pip install ${missing[*]}"
+  start=$SECONDS
+  "$py" -m pip install --progress-bar off "${missing[@]}"
+  echo "== installed in $((SECONDS - start)) s"
+fi
+"$py" -c 'import numpy, torch; print("numpy", numpy.__version__, "| torch", torch.__version__)'
+
+# Build the wheel (incremental in build/python/<tag>) and install it.
+echo "== pip wheel ."
+rm -rf "$wheel_dir"
+CMAKE_BUILD_PARALLEL_LEVEL=$jobs "$py" -m pip wheel --no-build-isolation --no-deps -w "$wheel_dir" .
+wheel=$(ls "$wheel_dir"/tokenmix-*.whl)
+"$py" -m pip install --force-reinstall --no-deps "$wheel"
+
+# Tests run against the installed package (pytest's rootdir is the repository; the source
+# tree's python/tokenmix is not on sys.path).
+echo "== pytest"
+"$py" -m pytest python/tests -p no:cacheprovider -ra
+
+echo "== benchmark smoke run"
+(cd /tmp && "$py" -m tokenmix.bench --seq 128 --repeats 1 --heads-q 4 --heads-kv 2 --head-dim 32)

@@ -1,0 +1,116 @@
+"""Type stubs of the native extension tokenmix._tokenmix (python/src/module.cpp).
+
+Use the ``tokenmix`` package: its functions allocate outputs, handle layouts and call these.
+Arrays are float32 NumPy arrays or CPU torch tensors ("Array"), passed without copying, any
+non-negative strides. Attention tensors are logical [B, T, H, d_h]; log-sum-exp [B, H, T].
+"""
+
+from typing import Any, Optional
+
+Array = Any  # numpy.ndarray[float32] | torch.Tensor (CPU, float32)
+
+class ArgumentError(ValueError):
+    """Invalid arguments; ``code`` is the tokenmix ErrorCode name ("shape_mismatch", ...)."""
+    code: str
+
+class UnsupportedError(NotImplementedError):
+    """A valid request this build or CPU cannot serve (e.g. a forced ISA)."""
+    code: str
+
+class FileError(OSError):
+    code: str
+
+def attention_forward(q: Array, k: Array, v: Array, out: Array, lse: Optional[Array],
+                      scale: Optional[float], causal: bool, align: str, threads: int,
+                      isa: str) -> None:
+    """q [B,T_q,H_q,d_h], k/v [B,T_k,H_kv,d_h] → out [B,T_q,H_q,d_h], lse [B,H_q,T_q] (SPEC 4.2–4.5)."""
+def attention_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
+                       dq: Array, dk: Array, dv: Array, scale: Optional[float], causal: bool,
+                       align: str, threads: int, isa: str) -> None:
+    """Writes dq [B,T_q,H_q,d_h], dk/dv [B,T_k,H_kv,d_h] (SPEC "Backward pass")."""
+def merge_partials(o1: Array, lse1: Array, o2: Array, lse2: Array, out: Array,
+                   lse_out: Array) -> None:
+    """o [B,T,H,d_h], lse [B,H,T]: L = log(e^L1 + e^L2), O = e^(L1−L) O1 + e^(L2−L) O2."""
+def visible_keys(t: int, T_q: int, T_k: int, causal: bool, align: str) -> int: ...
+def visible_pairs(T_q: int, T_k: int, causal: bool, align: str) -> int: ...
+def forward_flops(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
+                  align: str) -> float: ...
+def rope_forward(x: Array, pairing: str, base: float, position_offset: int) -> None:
+    """Rotates x [B,T,H,d_h] in place (SPEC 4.1, RoPE)."""
+def rope_backward(dx: Array, pairing: str, base: float, position_offset: int) -> None:
+    """Inverse rotation of dx [B,T,H,d_h] in place."""
+def logsumexp(z: Array) -> float:
+    """z [n], C-contiguous."""
+def softmax_rows(z: Array, a: Array) -> None:
+    """z, a [rows, n], C-contiguous (SPEC 4.4)."""
+def softmax_jacobian(a: Array, jacobian: Array) -> None:
+    """a [n] → J [n, n] = diag(a) − a aᵀ (4.6)."""
+def softmax_jacobian_vector_product(a: Array, g: Array, out: Array) -> None:
+    """a, g, out [n]: J g = a ⊙ (g − ⟨a, g⟩) (4.7)."""
+def version() -> str: ...
+def default_threads() -> int: ...
+def available_isas() -> list[str]: ...
+def resolve_isa(isa: str) -> str: ...
+def describe_kernel(isa: str) -> str: ...
+def cpu_features() -> dict[str, Any]:
+    """{"model": str, "avx2_fma": bool, "avx512f": bool, "avx512_bf16": bool, "amx_tile": bool,
+    "flags": list[str]}"""
+def kv_cache_bytes(n_layers: int, batch: int, tokens: int, heads_kv: int, head_dim: int,
+                   element_bytes: int) -> int:
+    """2 · n · B · T · H_kv · d_h · sizeof(element) (SPEC 4.8)."""
+
+class KVCache:
+    """Keys/values of n layers × B sequences, [n, B, T, H_kv, d_h] each, in "f32", "bf16" or
+    "f16" (SPEC 4.8). block_tokens = 0: contiguous; else paged with blocks of that many
+    positions (a multiple of 64) from a pool of pool_blocks (0 = enough for all at capacity).
+    Every mutating method validates first: on error the cache is unchanged."""
+    def __init__(self, layers: int, batch: int, heads_kv: int, head_dim: int, capacity: int,
+                 dtype: str = "f32", block_tokens: int = 0, pool_blocks: int = 0) -> None: ...
+    layers: int
+    batch: int
+    heads_kv: int
+    head_dim: int
+    capacity: int
+    dtype: str
+    paged: bool
+    block_tokens: int
+    pool_blocks: int
+    free_blocks: int
+    storage_bytes: int
+    memory_bytes: int
+    def length(self, seq: int, layer: int = 0) -> int: ...
+    def active(self, seq: int) -> bool: ...
+    def append(self, layer: int, k: Array, v: Array, first_seq: int = 0) -> None:
+        """k, v [B', T_new, H_kv, d_h] float32 (post-RoPE) for sequences first_seq … first_seq+B'−1."""
+    def truncate(self, seq: int, new_length: int) -> None: ...
+    def release(self, seq: int) -> None: ...
+    def reset(self, seq: Optional[int] = None) -> None: ...
+    def decode_bytes(self, layer: int, first_seq: int, batch: int) -> int: ...
+
+def attention_decode(q: Array, cache: KVCache, layer: int, out: Array, lse: Optional[Array],
+                     scale: Optional[float], threads: int, isa: str, first_seq: int) -> None:
+    """q/out [B',T_new,H_q,d_h], lse [B',H_q,T_new]; bottom-right causal against the cache."""
+
+class CausalSelfAttention:
+    def __init__(self, d_model: int, heads_q: int, heads_kv: int, head_dim: int,
+                 rope: Optional[str], rope_base: float, scale: Optional[float], threads: int,
+                 isa: str) -> None: ...
+    d_model: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    scale: Optional[float]
+    rope: Optional[str]
+    rope_base: float
+    w_q: Any  # numpy view [d, H_q·d_h]
+    w_k: Any  # [d, H_kv·d_h]
+    w_v: Any  # [d, H_kv·d_h]
+    w_o: Any  # [H_q·d_h, d]
+    def init_random(self, seed: int) -> None: ...
+    def forward(self, u: Array, out: Array) -> None:
+        """u, out [B, T, d] C-contiguous."""
+    def backward(self, d_out: Array) -> tuple[Any, Any, Any, Any, Any]:
+        """→ (d_u [B,T,d], d_w_q, d_w_k, d_w_v, d_w_o) as NumPy arrays."""
+    def prefill(self, u: Array, cache: KVCache, layer: int, out: Array, first_seq: int) -> None: ...
+    def step(self, u: Array, cache: KVCache, layer: int, out: Array, first_seq: int) -> None: ...
+    def saved(self) -> dict[str, Any]: ...

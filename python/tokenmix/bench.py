@@ -1,0 +1,191 @@
+"""Side-by-side benchmark: PyTorch's CPU SDPA vs tokenmix's drop-in, in one process.
+
+    python -m tokenmix.bench                       # T = 512, 2048, 8192; forward and fwd+bwd
+    python -m tokenmix.bench --seq 2048 --repeats 7 --threads 2 --markdown
+
+Shapes (SPEC "Names and shapes"): B=1, H_q=32, H_kv=8, d_h=128 by default (grouped-query,
+g = 4), causal, float32, PyTorch's layout [B, H, T, d_h]. Both sides get the same tensors and
+the same thread count (``torch.set_num_threads``; tokenmix's drop-in uses
+``torch.get_num_threads()``). PyTorch runs ``F.scaled_dot_product_attention(..., is_causal=True,
+enable_gqa=True)``; ``--torch-expanded`` also times PyTorch on K/V repeated to H_q heads
+(plain multi-head, expanded outside the timing) and compares against the faster of the two.
+
+Each case: one warm-up call per side, then ``--repeats`` rounds; a round times PyTorch and then
+tokenmix back to back (alternating order each round), so slow phases of a shared machine hit
+both sides alike. Reported: the median time of each side, the ratio of the medians
+(``speedup`` = torch / tokenmix, > 1 means tokenmix is faster), the median of the per-round
+ratios, and tokenmix's useful FLOP/s (forward 4·d_h·H_q·P·B with P = T(T+1)/2, backward 2.5×
+that; SPEC "Useful-work counts"). The load average before and after is printed, since other
+processes on the machine change the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+import tokenmix
+from tokenmix.torch import scaled_dot_product_attention as tm_sdpa
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return tokenmix.cpu_features().get("model") or platform.processor() or "unknown"
+
+
+def _loadavg() -> str:
+    try:
+        return "%.2f %.2f %.2f" % os.getloadavg()
+    except OSError:
+        return "n/a"
+
+
+def _time(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
+    """Times one (T, mode) case; mode is "fwd" or "fwd+bwd"."""
+    B, Hq, Hkv, D = args.batch, args.heads_q, args.heads_kv, args.head_dim
+    gen = torch.Generator().manual_seed(1234 + T)
+    q = torch.randn(B, Hq, T, D, generator=gen)
+    k = torch.randn(B, Hkv, T, D, generator=gen)
+    v = torch.randn(B, Hkv, T, D, generator=gen)
+    g = torch.randn(B, Hq, T, D, generator=gen)
+    gqa = Hq != Hkv
+
+    def torch_gqa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    def torch_expanded(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def ours(q, k, v):
+        return tm_sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    sides = {"torch": (torch_gqa, k, v), "tokenmix": (ours, k, v)}
+    if args.torch_expanded and gqa:
+        ke = k.repeat_interleave(Hq // Hkv, dim=1).contiguous()
+        ve = v.repeat_interleave(Hq // Hkv, dim=1).contiguous()
+        sides["torch_expanded"] = (torch_expanded, ke, ve)
+
+    def make(fn, kk, vv) -> Callable[[], None]:
+        if mode == "fwd":
+            def call() -> None:
+                with torch.no_grad():
+                    fn(q, kk, vv)
+        else:
+            qq = q.clone().requires_grad_()
+            kg = kk.clone().requires_grad_()
+            vg = vv.clone().requires_grad_()
+
+            def call() -> None:
+                qq.grad = kg.grad = vg.grad = None
+                fn(qq, kg, vg).backward(g)
+        return call
+
+    calls = {name: make(*spec) for name, spec in sides.items()}
+    # Agreement check (forward) so a fast wrong answer cannot pass unnoticed.
+    with torch.no_grad():
+        err = (torch_gqa(q, k, v) - ours(q, k, v)).abs().max().item()
+    for call in calls.values():  # warm-up
+        call()
+    times: Dict[str, List[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for r in range(args.repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            times[name].append(_time(calls[name]))
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    best_torch = min(v for n, v in med.items() if n.startswith("torch"))
+    torch_rounds = [min(times[n][i] for n in names if n.startswith("torch")) for i in range(args.repeats)]
+    ratios = [t / o for t, o in zip(torch_rounds, times["tokenmix"])]
+    flops = tokenmix.forward_flops(B, T, T, Hq, D, True, "top_left") * (1.0 if mode == "fwd" else 3.5)
+    return {
+        "torch": med["torch"],
+        "torch_expanded": med.get("torch_expanded", float("nan")),
+        "tokenmix": med["tokenmix"],
+        "best_torch": best_torch,
+        "speedup": best_torch / med["tokenmix"],
+        "speedup_rounds": statistics.median(ratios),
+        "gflops": flops / med["tokenmix"] / 1e9,
+        "torch_gflops": flops / best_torch / 1e9,
+        "max_abs_err": err,
+    }
+
+
+def main(argv: List[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tokenmix.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, nargs="+", default=[512, 2048, 8192], help="sequence lengths T")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads-q", type=int, default=32)
+    p.add_argument("--heads-kv", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--threads", type=int, default=0, help="threads for both sides (0 = torch's default)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per case (median reported)")
+    p.add_argument("--mode", choices=["fwd", "fwd+bwd", "both"], default="both")
+    p.add_argument("--torch-expanded", action="store_true",
+                   help="also time PyTorch on K/V expanded to H_q heads; compare with the faster")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    modes = ["fwd", "fwd+bwd"] if args.mode == "both" else [args.mode]
+
+    print(f"CPU: {_cpu_model()} ({os.cpu_count()} logical CPUs)")
+    print(f"torch {torch.__version__}, tokenmix {tokenmix.__version__} (kernel path "
+          f"{tokenmix.resolve_isa()}), Python {platform.python_version()}")
+    print(f"threads: {threads} (both sides); B={args.batch} H_q={args.heads_q} "
+          f"H_kv={args.heads_kv} d_h={args.head_dim}, causal, float32, layout [B,H,T,d_h]; "
+          f"median of {args.repeats} rounds")
+    print(f"load average before: {_loadavg()}")
+    sys.stdout.flush()
+
+    rows = []
+    for T in args.seq:
+        for mode in modes:
+            r = run_case(T, args, mode)
+            rows.append((T, mode, r))
+            if not args.markdown:
+                exp = "" if r["torch_expanded"] != r["torch_expanded"] else \
+                    f"  torch(expanded KV) {r['torch_expanded'] * 1e3:9.1f} ms"
+                print(f"T={T:6d} {mode:8s} torch {r['torch'] * 1e3:9.1f} ms{exp}  tokenmix "
+                      f"{r['tokenmix'] * 1e3:9.1f} ms  speedup {r['speedup']:.2f}x "
+                      f"(per-round median {r['speedup_rounds']:.2f}x)  tokenmix "
+                      f"{r['gflops']:.1f} GFLOP/s, torch {r['torch_gflops']:.1f}  "
+                      f"max|diff| {r['max_abs_err']:.1e}")
+                sys.stdout.flush()
+    if args.markdown:
+        print()
+        print("| T | pass | PyTorch SDPA, best (ms) | tokenmix (ms) | speedup | per-round median | "
+              "tokenmix GFLOP/s | PyTorch GFLOP/s |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for T, mode, r in rows:
+            print(f"| {T} | {mode} | {r['best_torch'] * 1e3:.1f} | {r['tokenmix'] * 1e3:.1f} | "
+                  f"{r['speedup']:.2f}x | {r['speedup_rounds']:.2f}x | {r['gflops']:.1f} | "
+                  f"{r['torch_gflops']:.1f} |")
+    print(f"load average after: {_loadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -54,6 +54,22 @@ void check_span(const char* fn, const char* name, std::size_t got, std::int64_t 
   }
 }
 
+// Validates the [batch, seq, d] input and output of forward/prefill; returns batch · seq.
+std::int64_t check_layer_io(const char* fn, std::span<const float> u, std::span<float> out,
+                            std::int64_t batch, std::int64_t seq, std::int64_t d_model) {
+  if (batch < 1) fail(ErrorCode::invalid_argument, fn, "batch must be >= 1; got " + std::to_string(batch));
+  if (seq < 1) fail(ErrorCode::invalid_argument, fn, "seq must be >= 1; got " + std::to_string(seq));
+  const std::int64_t rows = checked_mul(batch, seq, fn, "batch * seq");
+  const std::int64_t n_u = checked_mul(rows, d_model, fn, "batch * seq * d_model");
+  check_span(fn, "u", u.size(), n_u, "batch * seq * d_model");
+  check_span(fn, "out", out.size(), n_u, "batch * seq * d_model");
+  if (u.data() == nullptr || out.data() == nullptr) fail(ErrorCode::null_pointer, fn, "u and out must not be null");
+  if (out.data() < u.data() + u.size() && u.data() < out.data() + out.size()) {
+    fail(ErrorCode::aliasing, fn, "out overlaps u; the layer cannot run in place");
+  }
+  return rows;
+}
+
 }  // namespace
 
 std::uint64_t kv_cache_bytes(std::int64_t n_layers, std::int64_t batch, std::int64_t tokens,
@@ -122,16 +138,7 @@ void CausalSelfAttention::forward(std::span<const float> u, std::int64_t batch, 
                                   std::span<float> out) {
   constexpr const char* fn = "CausalSelfAttention::forward";
   const LayerConfig& c = config_;
-  if (batch < 1) fail(ErrorCode::invalid_argument, fn, "batch must be >= 1; got " + std::to_string(batch));
-  if (seq < 1) fail(ErrorCode::invalid_argument, fn, "seq must be >= 1; got " + std::to_string(seq));
-  const std::int64_t rows = checked_mul(batch, seq, fn, "batch * seq");
-  const std::int64_t n_u = checked_mul(rows, c.d_model, fn, "batch * seq * d_model");
-  check_span(fn, "u", u.size(), n_u, "batch * seq * d_model");
-  check_span(fn, "out", out.size(), n_u, "batch * seq * d_model");
-  if (u.data() == nullptr || out.data() == nullptr) fail(ErrorCode::null_pointer, fn, "u and out must not be null");
-  if (out.data() < u.data() + u.size() && u.data() < out.data() + out.size()) {
-    fail(ErrorCode::aliasing, fn, "out overlaps u; the layer cannot run in place");
-  }
+  const std::int64_t rows = check_layer_io(fn, u, out, batch, seq, c.d_model);
   const std::int64_t qw = c.heads_q * c.head_dim, kw = c.heads_kv * c.head_dim;
   Saved s;
   s.batch = batch;
@@ -211,16 +218,7 @@ void CausalSelfAttention::prefill(std::span<const float> u, std::int64_t batch, 
   constexpr const char* fn = "CausalSelfAttention::prefill";
   const LayerConfig& c = config_;
   const KVCacheConfig& kc = cache.config();
-  if (batch < 1) fail(ErrorCode::invalid_argument, fn, "batch must be >= 1; got " + std::to_string(batch));
-  if (seq < 1) fail(ErrorCode::invalid_argument, fn, "seq must be >= 1; got " + std::to_string(seq));
-  const std::int64_t rows = checked_mul(batch, seq, fn, "batch * seq");
-  const std::int64_t n_u = checked_mul(rows, c.d_model, fn, "batch * seq * d_model");
-  check_span(fn, "u", u.size(), n_u, "batch * seq * d_model");
-  check_span(fn, "out", out.size(), n_u, "batch * seq * d_model");
-  if (u.data() == nullptr || out.data() == nullptr) fail(ErrorCode::null_pointer, fn, "u and out must not be null");
-  if (out.data() < u.data() + u.size() && u.data() < out.data() + out.size()) {
-    fail(ErrorCode::aliasing, fn, "out overlaps u; the layer cannot run in place");
-  }
+  const std::int64_t rows = check_layer_io(fn, u, out, batch, seq, c.d_model);
   if (kc.heads_kv != c.heads_kv || kc.head_dim != c.head_dim) {
     fail(ErrorCode::shape_mismatch, fn,
          "cache (heads_kv = " + std::to_string(kc.heads_kv) + ", head_dim = " + std::to_string(kc.head_dim) +

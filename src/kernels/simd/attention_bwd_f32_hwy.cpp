@@ -40,6 +40,8 @@ namespace tokenmix::kernels::HWY_NAMESPACE {
 
 constexpr std::int64_t kTile = 64;  // keys per tile (pass 1) / query rows per chunk (pass 2)
 constexpr std::int64_t kBlocksPerUnit = 4;  // pass 1: lane blocks sharing each K/V tile
+// B·H_kv at which the one-pass backward is used (its units are (b, KV head) pairs).
+constexpr std::int64_t kOnePassMinUnits = 8;
 
 // Pass 1: D and dQ. Mirrors the forward kernel's unit layout (kBlocksPerUnit lane blocks share
 // each packed K/V tile).
@@ -161,27 +163,39 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
   }
 }
 
-// Pass 2: dK and dV, keys in lanes.
-void BackwardKeys(const BackwardArgs& args, const float* delta) {
+// Pass 2: dK and dV, keys in lanes — and, in one-pass mode, dQ and D as well.
+//
+// Two-pass mode (kOnePass = false): one unit per (b, KV head j, key block of M keys); pass 1 has
+// already written dQ and D. One-pass mode: one unit per (b, j) walking its key blocks in order,
+// which also owns dQ of the g heads of group j, so it accumulates dQᵀ += Kᵀ dSᵀ per block into
+// a per-unit buffer [g][d_h][T_q] (O(T·d_h) per head) — 5 products per score tile instead of 7,
+// and still exactly one owner per output row (deterministic for any thread count).
+template <bool kOnePass>
+void BackwardKeys(const BackwardArgs& args, float* delta) {
   const AttentionProblem& p = args.p;
   const hn::ScalableTag<float> d;
   using VF = hn::Vec<decltype(d)>;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = kV * N;
   const std::int64_t dh = p.dh, g = p.group();
   const std::int64_t kblocks = (p.tk + M - 1) / M;
-  const std::int64_t units = p.batch * p.hkv * kblocks;
+  const std::int64_t units = kOnePass ? p.batch * p.hkv : p.batch * p.hkv * kblocks;
   if (units == 0) return;
   const int team = static_cast<int>(std::clamp<std::int64_t>(p.threads, 1, units));
-  std::int64_t per_worker = 4 * dh * M + 2 * kTile * M + 2 * kTile * dh;
+  // Query rows per chunk: kTile, or M in one-pass mode (a chunk is then one lane block of dQᵀ).
+  const std::int64_t chunk = kOnePass ? M : kTile;
+  const std::int64_t tq_pad = (p.tq + M - 1) / M * M;
+  const std::int64_t dq_floats = kOnePass ? g * dh * tq_pad : 0;
+  std::int64_t per_worker = 4 * dh * M + 2 * kTile * M + 2 * kTile * dh + (kOnePass ? M * dh + M * M : 0) + dq_floats;
   per_worker = (per_worker + 63) / 64 * 64;
   auto scratch = hwy::AllocateAligned<float>(static_cast<std::size_t>(team * per_worker));
   const std::int64_t shift = p.align == CausalAlign::bottom_right ? p.tk - p.tq : 0;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
   for (std::int64_t unit = 0; unit < units; ++unit) {
-    const std::int64_t kb = unit % kblocks;  // early key blocks are seen by the most queries
-    const std::int64_t j = (unit / kblocks) % p.hkv, b = unit / (kblocks * p.hkv);
-    const std::int64_t u0 = kb * M, keys = std::min(M, p.tk - u0);
+    const std::int64_t kb_first = kOnePass ? 0 : unit % kblocks;  // early key blocks: most work
+    const std::int64_t kb_end = kOnePass ? kblocks : kb_first + 1;
+    const std::int64_t j = (kOnePass ? unit : unit / kblocks) % p.hkv;
+    const std::int64_t b = (kOnePass ? unit : unit / kblocks) / p.hkv;
 
     float* kt = scratch.get() + omp_get_thread_num() * per_worker;  // s·Kᵀ [dh][M]
     float* vt = kt + dh * M;                                      // Vᵀ [dh][M]
@@ -191,49 +205,93 @@ void BackwardKeys(const BackwardArgs& args, const float* delta) {
     float* dp = s + kTile * M;                                    // dP → dS [kTile][M]
     float* q_pack = dp + kTile * M;                               // [kTile][dh] if needed
     float* do_pack = q_pack + kTile * dh;
+    float* k_nat = do_pack + kTile * dh;                          // one-pass: K block [M][dh]
+    float* dst = k_nat + M * dh;                                  // one-pass: dSᵀ [M keys][M rows]
+    float* dqt = dst + M * M;                                     // one-pass: dQᵀ [g][dh][tq_pad]
 
-    std::fill(kt, kt + 4 * dh * M, 0.0f);  // zero padding lanes (keys ≥ T_k) and accumulators
-    PackTransposed(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, p.scale, kt, M);
-    PackTransposed(args.v.row(b, u0, j), args.v.s1, args.v.s3, keys, dh, 1.0f, vt, M);
+    if constexpr (kOnePass) {  // D_t = ⟨dO_t, O_t⟩ for the group's rows; dQᵀ = 0
+      for (std::int64_t h = j * g; h < (j + 1) * g; ++h)
+        for (std::int64_t t = 0; t < p.tq; ++t) {
+          const float* dout = args.dout.row(b, t, h);
+          const float* o = args.out.row(b, t, h);
+          float dsum = 0.0f;
+          for (std::int64_t x = 0; x < dh; ++x) dsum += dout[x * args.dout.s3] * o[x * args.out.s3];
+          delta[(b * p.hq + h) * p.tq + t] = p.visible_end(t) > 0 ? dsum : 0.0f;
+        }
+      std::fill(dqt, dqt + dq_floats, 0.0f);
+    }
 
-    // Queries that see any key of the block: t ≥ u0 − shift (causal), all otherwise.
-    const std::int64_t t_first = p.causal ? std::max<std::int64_t>(0, u0 - shift) : 0;
-    for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {  // the g query heads of group j (4.8)
-      for (std::int64_t c0 = t_first; c0 < p.tq; c0 += kTile) {
-        const std::int64_t rows = std::min(kTile, p.tq - c0);
-        // Q and dO rows are read in place (packing them per chunk measured slower: 0.61 vs 0.64
-        // of sgemm per CPU-second at T = 2048); only a non-unit d_h stride forces a copy.
-        std::int64_t ldq = 0, lddo = 0;
-        const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq);
-        const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo);
-        GemmRows(d, rows, q_rows, ldq, 1, kt, M, dh, s, M, false);     // S = Q (s·K)ᵀ   (4.2)
-        GemmRows(d, rows, do_rows, lddo, 1, vt, M, dh, dp, M, false);  // dP = dO Vᵀ
-        for (std::int64_t r = 0; r < rows; ++r) {
-          const std::int64_t t = c0 + r;
-          const std::int64_t visible = p.visible_end(t) - u0;  // lanes < visible are unmasked
-          const float lse = args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2];
-          const VF l = hn::Set(d, visible > 0 ? lse : 0.0f);
-          const VF dl = hn::Set(d, delta[(b * p.hq + h) * p.tq + t]);
-          for (std::int64_t i = 0; i < M; i += N) {
-            VF pu = hn::Exp(d, hn::Sub(hn::Load(d, s + r * M + i), l));  // A = e^{S − L}
-            if (visible < i + N) {                                       // causal mask (4.3)
-              const std::int64_t n_vis = std::clamp<std::int64_t>(visible - i, 0, N);
-              pu = hn::IfThenElseZero(hn::FirstN(d, static_cast<std::size_t>(n_vis)), pu);
+    for (std::int64_t kb = kb_first; kb < kb_end; ++kb) {
+      const std::int64_t u0 = kb * M, keys = std::min(M, p.tk - u0);
+      std::fill(kt, kt + 4 * dh * M, 0.0f);  // zero padding lanes (keys ≥ T_k) and accumulators
+      PackTransposed(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, p.scale, kt, M);
+      PackTransposed(args.v.row(b, u0, j), args.v.s1, args.v.s3, keys, dh, 1.0f, vt, M);
+      if constexpr (kOnePass) {
+        PackRows(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, k_nat);
+        std::fill(k_nat + keys * dh, k_nat + M * dh, 0.0f);
+      }
+
+      // Queries that see any key of the block: t ≥ u0 − shift (causal), all otherwise. One-pass
+      // chunks start on a multiple of M (they are lane blocks of dQᵀ); rows before t_first are
+      // fully masked there and contribute exactly 0.
+      const std::int64_t t_first = p.causal ? std::max<std::int64_t>(0, u0 - shift) : 0;
+      const std::int64_t c_begin = kOnePass ? t_first / M * M : t_first;
+      for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {  // the g query heads of group j (4.8)
+        for (std::int64_t c0 = c_begin; c0 < p.tq; c0 += chunk) {
+          const std::int64_t rows = std::min(chunk, p.tq - c0);
+          // Q and dO rows are read in place (packing them per chunk measured slower: 0.61 vs
+          // 0.64 of sgemm per CPU-second at T = 2048); only a non-unit d_h stride forces a copy.
+          std::int64_t ldq = 0, lddo = 0;
+          const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq);
+          const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo);
+          GemmRows(d, rows, q_rows, ldq, 1, kt, M, dh, s, M, false);     // S = Q (s·K)ᵀ   (4.2)
+          GemmRows(d, rows, do_rows, lddo, 1, vt, M, dh, dp, M, false);  // dP = dO Vᵀ
+          for (std::int64_t r = 0; r < rows; ++r) {
+            const std::int64_t t = c0 + r;
+            const std::int64_t visible = p.visible_end(t) - u0;  // lanes < visible are unmasked
+            const float lse = args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2];
+            const VF l = hn::Set(d, visible > 0 ? lse : 0.0f);
+            const VF dl = hn::Set(d, delta[(b * p.hq + h) * p.tq + t]);
+            for (std::int64_t i = 0; i < M; i += N) {
+              VF pu = hn::Exp(d, hn::Sub(hn::Load(d, s + r * M + i), l));  // A = e^{S − L}
+              if (visible < i + N) {                                       // causal mask (4.3)
+                const std::int64_t n_vis = std::clamp<std::int64_t>(visible - i, 0, N);
+                pu = hn::IfThenElseZero(hn::FirstN(d, static_cast<std::size_t>(n_vis)), pu);
+              }
+              hn::Store(pu, d, s + r * M + i);
+              hn::Store(hn::Mul(pu, hn::Sub(hn::Load(d, dp + r * M + i), dl)), d, dp + r * M + i);  // dS
             }
-            hn::Store(pu, d, s + r * M + i);
-            hn::Store(hn::Mul(pu, hn::Sub(hn::Load(d, dp + r * M + i), dl)), d, dp + r * M + i);  // dS
+          }
+          GemmRows(d, dh, do_rows, 1, lddo, s, M, rows, dvt, M, true);  // dVᵀ += dOᵀ P
+          GemmRows(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true);   // dKᵀ += Qᵀ dS
+          if constexpr (kOnePass) {
+            // dQᵀ[x][c0 + r] += Σ_u K[u][x] dS[r][u]: dS transposed to [key][row] (rows past
+            // T_q zeroed), then the microkernel with B = dSᵀ, C = the chunk's columns of dQᵀ.
+            for (std::int64_t u = 0; u < M; ++u) {
+              for (std::int64_t r = 0; r < rows; ++r) dst[u * M + r] = dp[r * M + u];
+              for (std::int64_t r = rows; r < M; ++r) dst[u * M + r] = 0.0f;
+            }
+            GemmRows(d, dh, k_nat, 1, dh, dst, M, keys, dqt + (h - j * g) * dh * tq_pad + c0, tq_pad, true);
           }
         }
-        GemmRows(d, dh, do_rows, 1, lddo, s, M, rows, dvt, M, true);  // dVᵀ += dOᵀ P
-        GemmRows(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true);   // dKᵀ += Qᵀ dS
+      }
+      for (std::int64_t u = 0; u < keys; ++u) {  // dK = s · (dKᵀ)ᵀ, dV = (dVᵀ)ᵀ
+        float* dk = args.dk.row(b, u0 + u, j);
+        float* dv = args.dv.row(b, u0 + u, j);
+        for (std::int64_t x = 0; x < dh; ++x) {
+          dk[x * args.dk.s3] = p.scale * dkt[x * M + u];
+          dv[x * args.dv.s3] = dvt[x * M + u];
+        }
       }
     }
-    for (std::int64_t u = 0; u < keys; ++u) {  // dK = s · (dKᵀ)ᵀ, dV = (dVᵀ)ᵀ
-      float* dk = args.dk.row(b, u0 + u, j);
-      float* dv = args.dv.row(b, u0 + u, j);
-      for (std::int64_t x = 0; x < dh; ++x) {
-        dk[x * args.dk.s3] = p.scale * dkt[x * M + u];
-        dv[x * args.dv.s3] = dvt[x * M + u];
+
+    if constexpr (kOnePass) {  // dQ = s · (dQᵀ)ᵀ
+      for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {
+        const float* src = dqt + (h - j * g) * dh * tq_pad;
+        for (std::int64_t t = 0; t < p.tq; ++t) {
+          float* dq = args.dq.row(b, t, h);
+          for (std::int64_t x = 0; x < dh; ++x) dq[x * args.dq.s3] = p.scale * src[x * tq_pad + t];
+        }
       }
     }
   }
@@ -242,8 +300,15 @@ void BackwardKeys(const BackwardArgs& args, const float* delta) {
 void AttentionBwd(const BackwardArgs& args) {
   const AttentionProblem& p = args.p;
   std::vector<float> delta(static_cast<std::size_t>(p.batch * p.hq * p.tq));  // D [B, H_q, T_q]
-  BackwardQueries(args, delta.data());
-  BackwardKeys(args, delta.data());
+  // One pass (5 products) when there are enough (b, KV head) units to share among threads;
+  // the choice depends on the shape only, never on the thread count, so results stay bitwise
+  // independent of it.
+  if (p.batch * p.hkv >= kOnePassMinUnits) {
+    BackwardKeys<true>(args, delta.data());
+  } else {
+    BackwardQueries(args, delta.data());
+    BackwardKeys<false>(args, delta.data());
+  }
 }
 
 }  // namespace tokenmix::kernels::HWY_NAMESPACE

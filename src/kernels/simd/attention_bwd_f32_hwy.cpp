@@ -168,7 +168,8 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
 // Two-pass mode (kOnePass = false): one unit per (b, KV head j, key block of M keys); pass 1 has
 // already written dQ and D. One-pass mode: one unit per (b, j) walking its key blocks in order,
 // which also owns dQ of the g heads of group j, so it accumulates dQᵀ += Kᵀ dSᵀ per block into
-// a per-unit buffer [g][d_h][T_q] (O(T·d_h) per head) — 5 products per score tile instead of 7,
+// a per-unit buffer of g × T_q/M lane blocks [d_h][M] (O(T·d_h) per head; blocked so each
+// chunk's dQᵀ is contiguous) — 5 products per score tile instead of 7,
 // and still exactly one owner per output row (deterministic for any thread count).
 template <bool kOnePass>
 void BackwardKeys(const BackwardArgs& args, float* delta) {
@@ -207,7 +208,7 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
     float* do_pack = q_pack + kTile * dh;
     float* k_nat = do_pack + kTile * dh;                          // one-pass: K block [M][dh]
     float* dst = k_nat + M * dh;                                  // one-pass: dSᵀ [M keys][M rows]
-    float* dqt = dst + M * M;                                     // one-pass: dQᵀ [g][dh][tq_pad]
+    float* dqt = dst + M * M;  // one-pass: dQᵀ [g][tq_pad / M][dh][M]
 
     if constexpr (kOnePass) {  // D_t = ⟨dO_t, O_t⟩ for the group's rows; dQᵀ = 0
       for (std::int64_t h = j * g; h < (j + 1) * g; ++h)
@@ -271,7 +272,7 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
               for (std::int64_t r = 0; r < rows; ++r) dst[u * M + r] = dp[r * M + u];
               for (std::int64_t r = rows; r < M; ++r) dst[u * M + r] = 0.0f;
             }
-            GemmRows(d, dh, k_nat, 1, dh, dst, M, keys, dqt + (h - j * g) * dh * tq_pad + c0, tq_pad, true);
+            GemmRows(d, dh, k_nat, 1, dh, dst, M, keys, dqt + ((h - j * g) * tq_pad + c0) * dh, M, true);
           }
         }
       }
@@ -287,10 +288,11 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
 
     if constexpr (kOnePass) {  // dQ = s · (dQᵀ)ᵀ
       for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {
-        const float* src = dqt + (h - j * g) * dh * tq_pad;
+        const float* src = dqt + (h - j * g) * tq_pad * dh;
         for (std::int64_t t = 0; t < p.tq; ++t) {
+          const float* blk = src + (t / M) * M * dh + t % M;  // lane block t / M: [dh][M]
           float* dq = args.dq.row(b, t, h);
-          for (std::int64_t x = 0; x < dh; ++x) dq[x * args.dq.s3] = p.scale * src[x * tq_pad + t];
+          for (std::int64_t x = 0; x < dh; ++x) dq[x * args.dq.s3] = p.scale * blk[x * M];
         }
       }
     }

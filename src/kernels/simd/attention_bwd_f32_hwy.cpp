@@ -123,14 +123,14 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
 
     for (std::int64_t u0 = 0; u0 < unit_key_end; u0 += kTile) {
       const std::int64_t tile = std::min(kTile, unit_key_end - u0);
-      PackRows(args.k.row(b, u0, j), args.k.s1, args.k.s3, tile, dh, k_tile);
-      PackRows(args.v.row(b, u0, j), args.v.s1, args.v.s3, tile, dh, v_tile);
+      const float* k_rows = DenseRows(args.k, b, u0, j, tile, dh, k_tile);  // [tile][dh]
+      const float* v_rows = DenseRows(args.v, b, u0, j, tile, dh, v_tile);  // [tile][dh]
       for (std::int64_t s = 0; s < nb; ++s) {
         BlockState& bs = blocks[s];
         if (u0 >= bs.key_end) continue;
         const std::int64_t nt = std::min(tile, bs.key_end - u0);
-        GemmRows(d, nt, k_tile, dh, 1, bs.qt, M, dh, st, M, false);    // Sᵀ = K (s·Q)ᵀ   (4.2)
-        GemmRows(d, nt, v_tile, dh, 1, bs.dot, M, dh, dpt, M, false);  // dPᵀ = V dOᵀ = dAᵀ
+        GemmRows(d, nt, k_rows, dh, 1, bs.qt, M, dh, st, M, false);    // Sᵀ = K (s·Q)ᵀ   (4.2)
+        GemmRows(d, nt, v_rows, dh, 1, bs.dot, M, dh, dpt, M, false);  // dPᵀ = V dOᵀ = dAᵀ
         const bool crosses = u0 + nt > bs.full_end;
         for (std::int64_t i = 0; i < M; i += N) {
           const VF lse = hn::Load(d, bs.lse_lane + i), dl = hn::Load(d, bs.delta_lane + i);
@@ -146,7 +146,7 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
             hn::Store(hn::Mul(pu, hn::Sub(hn::Load(d, dpt + u * M + i), dl)), d, st + u * M + i);
           }
         }
-        GemmRows(d, dh, k_tile, 1, dh, st, M, nt, bs.dqt, M, true);  // dQᵀ += Kᵀ dSᵀ
+        GemmRows(d, dh, k_rows, 1, dh, st, M, nt, bs.dqt, M, true);  // dQᵀ += Kᵀ dSᵀ
       }
     }
 

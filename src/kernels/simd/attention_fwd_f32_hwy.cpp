@@ -120,14 +120,14 @@ void AttentionFwd(const ForwardArgs& args) {
     for (std::int64_t u0 = 0; u0 < unit_key_end; u0 += kKeyTile) {
       // The tile's K and V rows, packed contiguous once for all lane blocks of the unit.
       const std::int64_t tile = std::min(kKeyTile, unit_key_end - u0);
-      PackRows(args.k.row(b, u0, j), args.k.s1, args.k.s3, tile, dh, k_tile);
-      PackRows(args.v.row(b, u0, j), args.v.s1, args.v.s3, tile, dh, v_tile);
+      const float* k_rows = DenseRows(args.k, b, u0, j, tile, dh, k_tile);  // [tile][dh]
+      const float* v_rows = DenseRows(args.v, b, u0, j, tile, dh, v_tile);  // [tile][dh]
       for (std::int64_t s = 0; s < nb; ++s) {
         BlockState& bs = blocks[s];
         if (u0 >= bs.key_end) continue;  // tile entirely above this block's causal diagonal
         const std::int64_t nt = std::min(tile, bs.key_end - u0);
         // Sᵀ[u][i] = Σ_x K[u0+u][x] · (s·Q)[i][x]          (4.2)
-        GemmRows(d, nt, k_tile, dh, 1, bs.qt, M, dh, st, M, false);
+        GemmRows(d, nt, k_rows, dh, 1, bs.qt, M, dh, st, M, false);
 
         // Mask keys beyond each lane's visible end (only tiles crossing the diagonal)   (4.3)
         if (u0 + nt > bs.full_end) {
@@ -164,7 +164,7 @@ void AttentionFwd(const ForwardArgs& args) {
           }
         }
         // Oᵀ[x][i] += Σ_u V[u0+u][x] · Pᵀ[u][i]          (4.5)
-        GemmRows(d, dh, v_tile, 1, dh, st, M, nt, bs.ot, M, true);
+        GemmRows(d, dh, v_rows, 1, dh, st, M, nt, bs.ot, M, true);
       }
     }
 

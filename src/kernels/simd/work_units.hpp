@@ -72,6 +72,17 @@ inline void PackTransposed(const float* src, std::int64_t ld, std::int64_t cs, s
   }
 }
 
+// Rows [row0, row0 + rows) of head `head` of a [B, T, H, d_h] tensor as a dense [rows][d_h]
+// matrix: in place when they already are (e.g. the [B, H, T, d_h] layout), else packed into
+// `scratch`. Dense rows keep a tile on few pages and cache sets (in [B, T, H, d_h], rows of one
+// head are H·d_h floats apart: one page each for H·d_h·4 ≥ 4 KiB).
+inline const float* DenseRows(const In& x, std::int64_t b, std::int64_t row0, std::int64_t head,
+                              std::int64_t rows, std::int64_t dh, float* scratch) {
+  if (x.s3 == 1 && (x.s1 == dh || rows <= 1)) return x.row(b, row0, head);
+  PackRows(x.row(b, row0, head), x.s1, x.s3, rows, dh, scratch);
+  return scratch;
+}
+
 // Rows [row0, row0 + rows) of head `head` of a [B, T, H, d_h] tensor as a row-major matrix the
 // microkernel can broadcast from: in place when d_h is the unit-stride axis, else packed into
 // `scratch` ([rows][d_h]). Sets `ld` to the row stride of the returned matrix.

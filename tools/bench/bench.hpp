@@ -57,8 +57,9 @@ struct BenchResult {
   double ceiling_gbps = 0.0; ///< streaming read bandwidth, best of several, same thread count
 };
 
-/// sgemm 2048×2048×2048 through OpenBLAS with `threads` threads: best GFLOP/s of `repeats`.
-double sgemm_ceiling_gflops(int threads, int repeats = 5);
+/// sgemm 2048×2048×2048 through OpenBLAS with `threads` threads: best GFLOP/s of `repeats`
+/// (OpenBLAS's two-thread rate varies a lot from run to run on a shared VM: take enough).
+double sgemm_ceiling_gflops(int threads, int repeats = 10);
 
 /// Streaming read bandwidth: `threads` threads sum a `bytes` buffer (≫ L3); best GB/s of `repeats`.
 double stream_read_gbps(int threads, std::size_t bytes = std::size_t{1} << 30, int repeats = 5);

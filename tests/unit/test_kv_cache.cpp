@@ -357,5 +357,28 @@ TEST(KVCacheErrors, BadConfigIsRejected) {
   bad({1 << 20, 1 << 20, 1 << 20, 1 << 20, 1 << 20, DType::f32, 0, 0}, ErrorCode::overflow, "overflow");
 }
 
+// Large caches are re-backed by huge pages after allocation (madvise + collapse on Linux, an
+// advisory step that must not change a byte): a fresh 8 MiB cache reads as all zeros, and what
+// is appended reads back exactly.
+TEST(KVCache, HugePageBackingKeepsContents) {
+  KVCache cache({1, 1, 8, 128, 2048, DType::f32, 0, 0});
+  const auto raw = cache.raw_storage();
+  ASSERT_EQ(raw.size(), 2u * 2048 * 8 * 128 * 4);
+  EXPECT_TRUE(std::all_of(raw.begin(), raw.end(), [](std::byte b) { return b == std::byte{0}; }));
+  std::vector<float> k(3 * 8 * 128), v(k.size());
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    k[i] = static_cast<float>(i) * 0.25f;
+    v[i] = -static_cast<float>(i);
+  }
+  cache.append(0, 0, ConstTensorView::bthd(k.data(), 1, 3, 8, 128), ConstTensorView::bthd(v.data(), 1, 3, 8, 128));
+  EXPECT_EQ(cache.length(0), 3);
+  // Every appended value is somewhere in the storage, bit for bit (the layout is the kernel's).
+  std::vector<float> stored(raw.size() / 4);
+  std::memcpy(stored.data(), cache.raw_storage().data(), raw.size());
+  for (float x : {k[1], k[1000], k.back(), v[5], v.back()}) {
+    EXPECT_NE(std::find(stored.begin(), stored.end(), x), stored.end()) << x;
+  }
+}
+
 }  // namespace
 }  // namespace tokenmix::testing

@@ -255,18 +255,21 @@ struct BackwardRun {
   }
 };
 
+// dQ, dK, dV of case `c` on `isa` against the float64 oracle's backward.
+void ExpectBackwardMatchesReference(const SimdCase& c, Isa isa, std::mt19937_64& rng) {
+  SCOPED_TRACE(case_name(c));
+  BackwardRun r(c, rng);
+  r.run(c, isa);
+  const auto ref = reference::attention_backward(r.q.to64(), r.k.to64(), r.v.to64(), r.dout.to64(), ref_options(c));
+  const double floor = max_abs(r.dout) * max_abs(r.v) / std::sqrt(static_cast<double>(c.D));
+  EXPECT_LE(grad_err(r.dq, ref.dq, floor), kBackwardBound) << "dq";
+  EXPECT_LE(grad_err(r.dk, ref.dk, floor), kBackwardBound) << "dk";
+  EXPECT_LE(grad_err(r.dv, ref.dv, floor), kBackwardBound) << "dv";
+}
+
 TEST_P(FlashKernels, BackwardMatchesFloat64ReferenceAcrossTileEdges) {
   std::mt19937_64 rng(4321);
-  for (const SimdCase& c : simd_cases()) {
-    SCOPED_TRACE(case_name(c));
-    BackwardRun r(c, rng);
-    r.run(c, GetParam());
-    const auto ref = reference::attention_backward(r.q.to64(), r.k.to64(), r.v.to64(), r.dout.to64(), ref_options(c));
-    const double floor = max_abs(r.dout) * max_abs(r.v) / std::sqrt(static_cast<double>(c.D));
-    EXPECT_LE(grad_err(r.dq, ref.dq, floor), kBackwardBound) << "dq";
-    EXPECT_LE(grad_err(r.dk, ref.dk, floor), kBackwardBound) << "dk";
-    EXPECT_LE(grad_err(r.dv, ref.dv, floor), kBackwardBound) << "dv";
-  }
+  for (const SimdCase& c : simd_cases()) ExpectBackwardMatchesReference(c, GetParam(), rng);
 }
 
 // The backward runs in one pass (5 products, units = (b, KV head)) when B·H_kv ≥ 8, else in two
@@ -292,14 +295,7 @@ TEST_P(FlashKernels, BackwardOnePassMatchesFloat64Reference) {
   std::mt19937_64 rng(2024);
   for (const SimdCase& c : one_pass_cases()) {
     ASSERT_GE(c.B * c.Hkv, 8) << "case must take the one-pass path";
-    SCOPED_TRACE(case_name(c));
-    BackwardRun r(c, rng);
-    r.run(c, GetParam());
-    const auto ref = reference::attention_backward(r.q.to64(), r.k.to64(), r.v.to64(), r.dout.to64(), ref_options(c));
-    const double floor = max_abs(r.dout) * max_abs(r.v) / std::sqrt(static_cast<double>(c.D));
-    EXPECT_LE(grad_err(r.dq, ref.dq, floor), kBackwardBound) << "dq";
-    EXPECT_LE(grad_err(r.dk, ref.dk, floor), kBackwardBound) << "dk";
-    EXPECT_LE(grad_err(r.dv, ref.dv, floor), kBackwardBound) << "dv";
+    ExpectBackwardMatchesReference(c, GetParam(), rng);
   }
 }
 

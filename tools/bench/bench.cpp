@@ -164,6 +164,30 @@ std::string to_json(const BenchResult& r) {
 }
 
 namespace {
+// One line per case: JSON, or a table row (decode rows show bytes/s, the others FLOP/s).
+void print_result(std::ostream& out, const BenchResult& r, bool json) {
+  if (json) {
+    out << to_json(r) << "\n";
+    return;
+  }
+  char line[256];
+  const double extra_mib = r.extra_bytes < 0 ? -1.0 : r.extra_bytes / 1048576.0;
+  if (r.op == "decode") {
+    std::snprintf(line, sizeof line, "  %-8s %5lld %6lld %4lld %4lld %3lld %3d %-7s %-5s %8.2f %8.1f %8.1f %6.3f %12.2e %10.1f\n",
+                  "decode", static_cast<long long>(r.tq), static_cast<long long>(r.tk), static_cast<long long>(r.hq),
+                  static_cast<long long>(r.hkv), static_cast<long long>(r.dh), r.threads, r.isa.c_str(),
+                  r.cache_dtype.c_str(), r.seconds * 1e3, r.gbps, r.ceiling_gbps, r.ratio, r.max_rel_err, extra_mib);
+  } else {
+    std::snprintf(line, sizeof line, "  %-8s %6lld %6lld %4lld %4lld %3lld %3d %-7s %9.2f %9.1f %6.1f %6.3f %12.2e %10.1f\n",
+                  r.op.c_str(), static_cast<long long>(r.tq), static_cast<long long>(r.tk), static_cast<long long>(r.hq),
+                  static_cast<long long>(r.hkv), static_cast<long long>(r.dh), r.threads, r.isa.c_str(), r.seconds * 1e3,
+                  r.gflops, r.ceiling_gflops, r.ratio, r.max_rel_err, extra_mib);
+  }
+  out << line;
+}
+}  // namespace
+
+namespace {
 
 // `tokenmix bench decode`: one attention_decode step (T_new queries per sequence) against a
 // contiguous KVCache holding T_k positions per sequence, for each (T_k, cache dtype, threads,
@@ -277,17 +301,7 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
         for (std::int64_t x = 0; x < D; ++x) err.add(o[static_cast<std::size_t>((t * Hq + h) * D + x)], ref.out.at(0, t, h, x));
     res.max_rel_err = err.rel();
     results.push_back(res);
-    if (cfg.json) {
-      out << to_json(res) << "\n";
-    } else {
-      char line[256];
-      std::snprintf(line, sizeof line, "  %-8s %5lld %6lld %4lld %4lld %3lld %3d %-7s %-5s %8.2f %8.1f %8.1f %6.3f %12.2e %10.1f\n",
-                    "decode", static_cast<long long>(Tn), static_cast<long long>(c.tk), static_cast<long long>(Hq),
-                    static_cast<long long>(Hkv), static_cast<long long>(D), res.threads, res.isa.c_str(),
-                    res.cache_dtype.c_str(), res.seconds * 1e3, res.gbps, res.ceiling_gbps, res.ratio, res.max_rel_err,
-                    res.extra_bytes < 0 ? -1.0 : res.extra_bytes / 1048576.0);
-      out << line;
-    }
+    print_result(out, res, cfg.json);
     out.flush();
   }
   return results;
@@ -431,17 +445,7 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
     }
     res.max_rel_err = err.rel();
     results.push_back(res);
-    if (cfg.json) {
-      out << to_json(res) << "\n";
-    } else {
-      char line[256];
-      std::snprintf(line, sizeof line, "  %-8s %6lld %6lld %4lld %4lld %3lld %3d %-7s %9.2f %9.1f %6.1f %6.3f %12.2e %10.1f\n",
-                    res.op.c_str(), static_cast<long long>(res.tq), static_cast<long long>(res.tk),
-                    static_cast<long long>(Hq), static_cast<long long>(Hkv), static_cast<long long>(D), res.threads,
-                    res.isa.c_str(), res.seconds * 1e3, res.gflops, res.ceiling_gflops, res.ratio, res.max_rel_err,
-                    res.extra_bytes < 0 ? -1.0 : res.extra_bytes / 1048576.0);
-      out << line;
-    }
+    print_result(out, res, cfg.json);
     out.flush();
   }
   return results;

@@ -31,6 +31,7 @@
 
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kv_element.hpp"
+#include "kernels/simd/work_units.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace tokenmix::kernels::HWY_NAMESPACE {
@@ -169,16 +170,7 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace tokenmix::kernels {
 
-DecodeKernel simd_decode_kernel(Isa isa) {
-#if HWY_TARGETS & HWY_AVX3
-  if (isa == Isa::avx512) return &N_AVX3::AttentionDecode;
-#endif
-#if HWY_TARGETS & HWY_AVX2
-  if (isa == Isa::avx2) return &N_AVX2::AttentionDecode;
-#endif
-  (void)isa;
-  return nullptr;
-}
+DecodeKernel simd_decode_kernel(Isa isa) { return TOKENMIX_SIMD_KERNEL_FOR(isa, AttentionDecode); }
 
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

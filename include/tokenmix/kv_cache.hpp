@@ -7,12 +7,15 @@
 // SPEC 4.8's figure, 2 · n · B · T_max · H_kv · d_h · sizeof(element) (kv_cache_bytes in
 // layer.hpp), plus the block tables and lengths (memory_bytes() reports the total).
 //
-// Storage is in blocks of `block_tokens` positions. A block holds, per layer and KV head,
-//   K as key tiles [block_tokens / 64][d_h][64]   (64 keys of a tile are contiguous SIMD lanes)
-//   V as rows      [block_tokens][d_h]
+// Storage is in blocks of `block_tokens` positions. A block holds, per layer and KV head, tiles
+// of 64 positions, a K tile and then its V tile, alternating:
+//   K tile [d_h][64]   (the 64 keys of a feature are contiguous SIMD lanes)
+//   V tile [64][d_h]   (rows)
 // which is what the decode kernel reads (scores S = q Kᵀ with keys in lanes, then O += P V with
-// features in lanes), so nothing is repacked per step. Two flavours share that layout and the
-// kernels:
+// features in lanes), in the order it reads them: one (sequence, KV head) is a single forward
+// stream through memory, so nothing is repacked per step and the hardware prefetcher follows
+// one stream per thread (separate K and V regions were 25 % slower per thread, docs/
+// performance.md). Two flavours share that layout and the kernels:
 //   contiguous  one block of T_max (rounded up to 64) positions per sequence, fixed;
 //   paged       a shared pool of fixed-size blocks; each sequence has a block table and takes
 //               blocks as it grows; truncate / release / reset return blocks to the pool.
@@ -119,11 +122,13 @@ class KVCache {
   /// Byte offset of element (layer, physical block, head) of the K or V region.
   std::size_t k_offset(std::int64_t layer, std::int64_t block, std::int64_t head) const noexcept;
   std::size_t v_offset(std::int64_t layer, std::int64_t block, std::int64_t head) const noexcept;
+  std::int64_t key_element(std::int64_t off, std::int64_t x) const noexcept;
+  std::int64_t value_element(std::int64_t off, std::int64_t x) const noexcept;
 
   KVCacheConfig config_;
   std::int64_t block_tokens_ = 0, pool_blocks_ = 0, table_width_ = 0;
   std::size_t elem_ = 4;             // bytes per element
-  std::size_t head_block_elems_ = 0; // block_tokens · d_h: one (layer, block, head) of K or of V
+  std::size_t head_block_elems_ = 0; // block_tokens · d_h: the K (or the V) of one (layer, block, head)
   std::vector<std::byte> storage_;   // [K | V], each [n][pool_blocks][H_kv][block_tokens · d_h]
   std::vector<std::int32_t> table_;  // [B][table_width]: physical block of logical block i, or −1
   std::vector<std::int64_t> lengths_;  // [n][B]

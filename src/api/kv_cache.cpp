@@ -147,11 +147,22 @@ std::int64_t KVCache::max_length(std::int64_t seq) const noexcept {
 }
 
 std::size_t KVCache::k_offset(std::int64_t layer, std::int64_t block, std::int64_t head) const noexcept {
-  return static_cast<std::size_t>((layer * pool_blocks_ + block) * config_.heads_kv + head) * head_block_elems_ * elem_;
+  return static_cast<std::size_t>((layer * pool_blocks_ + block) * config_.heads_kv + head) * 2 * head_block_elems_ * elem_;
 }
 
 std::size_t KVCache::v_offset(std::int64_t layer, std::int64_t block, std::int64_t head) const noexcept {
-  return storage_.size() / 2 + k_offset(layer, block, head);
+  return k_offset(layer, block, head) + static_cast<std::size_t>(kKeyTile * config_.head_dim) * elem_;
+}
+
+// Element offsets of (position off of a block, feature x) from k_offset / v_offset: tile
+// off / 64 starts 2 · 64 · d_h elements after the previous one on either side (K and V tiles
+// alternate), K [d_h][64] keys in lanes, V [64][d_h] rows.
+std::int64_t KVCache::key_element(std::int64_t off, std::int64_t x) const noexcept {
+  return off / kKeyTile * 2 * kKeyTile * config_.head_dim + x * kKeyTile + off % kKeyTile;
+}
+
+std::int64_t KVCache::value_element(std::int64_t off, std::int64_t x) const noexcept {
+  return off / kKeyTile * 2 * kKeyTile * config_.head_dim + off % kKeyTile * config_.head_dim + x;
 }
 
 void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView k, ConstTensorView v) {
@@ -216,15 +227,14 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
       const std::int64_t blk = table_[static_cast<std::size_t>(b * table_width_ + pos / block_tokens_)];
       const std::int64_t off = pos % block_tokens_;
       for (std::int64_t h = 0; h < H; ++h) {
-        // K: tile [d_h][64] of the key's tile, lane off % 64;  V: row off, [d_h].
+        // K: lane off % 64 of its tile's [d_h][64];  V: row off % 64 of its tile's [64][d_h].
         void* kd = storage_.data() + k_offset(layer, blk, h);
         void* vd = storage_.data() + v_offset(layer, blk, h);
-        const std::int64_t k0 = off / kKeyTile * kKeyTile * D + off % kKeyTile, v0 = off * D;
         const float* krow = kp + bi * k.strides[0] + t * k.strides[1] + h * k.strides[2];
         const float* vrow = vp + bi * v.strides[0] + t * v.strides[1] + h * v.strides[2];
         for (std::int64_t x = 0; x < D; ++x) {
-          kernels::store_element(config_.dtype, kd, k0 + x * kKeyTile, krow[x * k.strides[3]]);
-          kernels::store_element(config_.dtype, vd, v0 + x, vrow[x * v.strides[3]]);
+          kernels::store_element(config_.dtype, kd, key_element(off, x), krow[x * k.strides[3]]);
+          kernels::store_element(config_.dtype, vd, value_element(off, x), vrow[x * v.strides[3]]);
         }
       }
     }
@@ -243,11 +253,11 @@ void KVCache::shrink(std::int64_t seq, std::int64_t new_length) {
       for (std::int64_t h = 0; h < H; ++h) {
         std::byte* kd = storage_.data() + k_offset(l, blk, h);
         std::byte* vd = storage_.data() + v_offset(l, blk, h);
-        const std::int64_t k0 = off / kKeyTile * kKeyTile * D + off % kKeyTile;
         for (std::int64_t x = 0; x < D; ++x) {
-          std::fill_n(kd + static_cast<std::size_t>(k0 + x * kKeyTile) * elem_, elem_, std::byte{0});
+          std::fill_n(kd + static_cast<std::size_t>(key_element(off, x)) * elem_, elem_, std::byte{0});
         }
-        std::fill_n(vd + static_cast<std::size_t>(off * D) * elem_, static_cast<std::size_t>(D) * elem_, std::byte{0});
+        std::fill_n(vd + static_cast<std::size_t>(value_element(off, 0)) * elem_, static_cast<std::size_t>(D) * elem_,
+                    std::byte{0});
       }
     }
     len = std::min(len, new_length);

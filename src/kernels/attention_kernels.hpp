@@ -75,7 +75,7 @@ BackwardKernel backward_kernel(Isa isa);
 
 // ---- Decode: attention of a few new queries against a KVCache (src/api/decode.cpp) ----
 // Cache layout (tokenmix/kv_cache.hpp): per layer, physical block p and KV head j hold
-//   K tiles [block_tokens / 64][d_h][64]   and   V rows [block_tokens][d_h]   (element type `dtype`).
+// block_tokens / 64 pairs of tiles, K tile [d_h][64] then V tile [64][d_h] (element type `dtype`).
 // Work unit = (sequence b, KV head j, query block, key chunk); units are independent and each
 // writes its own partial (unnormalised Õ = Σ_u e^{s_u − m} v_u, running max m, sum l = Σ_u e^{s_u − m})
 // for rows r = t_local · g + h_local. The caller merges the chunks of a row in chunk order
@@ -84,8 +84,8 @@ struct DecodeArgs {
   std::int64_t batch = 0, tnew = 0, hq = 0, hkv = 0, dh = 0;
   float scale = 1.0f;
   DType dtype = DType::f32;
-  const void* k_layer = nullptr;  // K region of the layer: [pool_blocks][H_kv][block_tokens · d_h]
-  const void* v_layer = nullptr;  // V region of the layer, same shape
+  const void* k_layer = nullptr;  // the layer: [pool_blocks][H_kv][block_tokens / 64][K tile, V tile]
+  const void* v_layer = nullptr;  // = k_layer + 64 · d_h elements (the first V tile)
   std::int64_t block_tokens = 0;  // multiple of kDecodeKeyTile
   const std::int32_t* table = nullptr;  // [batch][table_width] physical blocks of the call's sequences
   std::int64_t table_width = 0;
@@ -114,11 +114,10 @@ struct DecodeArgs {
   /// Element offset of the K tile / V row holding key u of sequence b, KV head j.
   std::int64_t k_tile_offset(std::int64_t b, std::int64_t j, std::int64_t u) const {
     const std::int64_t blk = table[b * table_width + u / block_tokens], off = u % block_tokens;
-    return ((blk * hkv + j) * block_tokens + off / 64 * 64) * dh;
+    return ((blk * hkv + j) * 2 * block_tokens + 2 * (off / 64 * 64)) * dh;
   }
-  std::int64_t v_row_offset(std::int64_t b, std::int64_t j, std::int64_t u) const {
-    const std::int64_t blk = table[b * table_width + u / block_tokens], off = u % block_tokens;
-    return ((blk * hkv + j) * block_tokens + off) * dh;
+  std::int64_t v_row_offset(std::int64_t b, std::int64_t j, std::int64_t u) const {  // from v_layer
+    return k_tile_offset(b, j, u) + u % block_tokens % 64 * dh;
   }
 };
 inline constexpr std::int64_t kDecodeKeyTile = 64;  // = KVCache::kKeyTile

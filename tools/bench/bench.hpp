@@ -54,15 +54,26 @@ struct BenchResult {
   // ceiling_gflops is 0 and ratio = gbps / ceiling_gbps):
   std::string cache_dtype;   ///< element type of the KV cache
   double gbps = 0.0;         ///< K/V bytes read per second (SPEC "decode bytes") / 1e9
-  double ceiling_gbps = 0.0; ///< streaming read bandwidth, best of several, same thread count
+  double ceiling_gbps = 0.0; ///< streaming read bandwidth (StreamRead), median of passes interleaved with the steps
 };
 
 /// sgemm 2048×2048×2048 through OpenBLAS with `threads` threads: best GFLOP/s of `repeats`
 /// (OpenBLAS's two-thread rate varies a lot from run to run on a shared VM: take enough).
 double sgemm_ceiling_gflops(int threads, int repeats = 10);
 
-/// Streaming read bandwidth: `threads` threads sum a `bytes` buffer (≫ L3); best GB/s of `repeats`.
-double stream_read_gbps(int threads, std::size_t bytes = std::size_t{1} << 30, int repeats = 5);
+/// Streaming read bandwidth: `threads` threads sum a buffer of `bytes` (≫ L3), backed by
+/// transparent huge pages like the KV cache. Each pass_gbps() is one timed read; the decode bench
+/// interleaves passes with its timed steps and reports the median of each, so load that drifts
+/// during a run (a shared VM) weighs on the ceiling and the kernel alike.
+class StreamRead {
+ public:
+  explicit StreamRead(std::size_t bytes = std::size_t{1} << 30);
+  double pass_gbps(int threads);
+
+ private:
+  std::vector<float> buf_;
+  double sink_ = 0.0;  // keeps the sums observable
+};
 
 /// Runs every case of `config`, printing a table (or JSON lines) to `out` as it goes.
 std::vector<BenchResult> run(const BenchConfig& config, std::ostream& out);

@@ -16,7 +16,9 @@ both sides alike. Reported: the median time of each side, the ratio of the media
 (``speedup`` = torch / tokenmix, > 1 means tokenmix is faster), the median of the per-round
 ratios, and tokenmix's useful FLOP/s (forward 4·d_h·H_q·P·B with P = T(T+1)/2, backward 2.5×
 that; SPEC "Useful-work counts"). The load average before and after is printed, since other
-processes on the machine change the figures.
+processes on the machine change the figures. The fp32 GEMM ceiling of the same run (``torch.mm``
+of 2048 x 2048 matrices, same threads, best of 5) is printed too, and each side's FLOP/s as a
+fraction of it: an exact fp32 attention cannot run much above it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,16 @@ def _time(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def gemm_ceiling_gflops(repeats: int = 5, n: int = 2048) -> float:
+    """fp32 GEMM rate of this process's torch (same threads): best GFLOP/s of ``repeats``."""
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randn(n, n, generator=gen)
+    b = torch.randn(n, n, generator=gen)
+    torch.mm(a, b)  # warm-up
+    best = min(_time(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2.0 * n ** 3 / best / 1e9
 
 
 def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
@@ -159,6 +171,9 @@ def main(argv: List[str] | None = None) -> int:
           f"median of {args.repeats} rounds")
     print(f"load average before: {_loadavg()}")
     sys.stdout.flush()
+    ceiling = gemm_ceiling_gflops()
+    print(f"fp32 GEMM ceiling (torch.mm 2048^3, same threads, best of 5): {ceiling:.1f} GFLOP/s")
+    sys.stdout.flush()
 
     rows = []
     for T in args.seq:
@@ -171,18 +186,19 @@ def main(argv: List[str] | None = None) -> int:
                 print(f"T={T:6d} {mode:8s} torch {r['torch'] * 1e3:9.1f} ms{exp}  tokenmix "
                       f"{r['tokenmix'] * 1e3:9.1f} ms  speedup {r['speedup']:.2f}x "
                       f"(per-round median {r['speedup_rounds']:.2f}x)  tokenmix "
-                      f"{r['gflops']:.1f} GFLOP/s, torch {r['torch_gflops']:.1f}  "
+                      f"{r['gflops']:.1f} GFLOP/s ({r['gflops'] / ceiling:.2f} of GEMM), torch "
+                      f"{r['torch_gflops']:.1f} ({r['torch_gflops'] / ceiling:.2f})  "
                       f"max|diff| {r['max_abs_err']:.1e}")
                 sys.stdout.flush()
     if args.markdown:
         print()
         print("| T | pass | PyTorch SDPA, best (ms) | tokenmix (ms) | speedup | per-round median | "
-              "tokenmix GFLOP/s | PyTorch GFLOP/s |")
+              "tokenmix GFLOP/s (of GEMM) | PyTorch GFLOP/s (of GEMM) |")
         print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for T, mode, r in rows:
             print(f"| {T} | {mode} | {r['best_torch'] * 1e3:.1f} | {r['tokenmix'] * 1e3:.1f} | "
-                  f"{r['speedup']:.2f}x | {r['speedup_rounds']:.2f}x | {r['gflops']:.1f} | "
-                  f"{r['torch_gflops']:.1f} |")
+                  f"{r['speedup']:.2f}x | {r['speedup_rounds']:.2f}x | {r['gflops']:.1f} "
+                  f"({r['gflops'] / ceiling:.2f}) | {r['torch_gflops']:.1f} ({r['torch_gflops'] / ceiling:.2f}) |")
     print(f"load average after: {_loadavg()}")
     return 0
 

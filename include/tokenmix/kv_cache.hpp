@@ -128,8 +128,8 @@ class KVCache {
   KVCacheConfig config_;
   std::int64_t block_tokens_ = 0, pool_blocks_ = 0, table_width_ = 0;
   std::size_t elem_ = 4;             // bytes per element
-  std::size_t head_block_elems_ = 0; // block_tokens · d_h: the K (or the V) of one (layer, block, head)
-  std::vector<std::byte> storage_;   // [K | V], each [n][pool_blocks][H_kv][block_tokens · d_h]
+  std::size_t head_block_elems_ = 0;  // block_tokens · d_h: the K (or V) of a (layer, block, head)
+  std::vector<std::byte> storage_;    // [n][pool_blocks][H_kv][block_tokens / 64][K tile, V tile]
   std::vector<std::int32_t> table_;  // [B][table_width]: physical block of logical block i, or −1
   std::vector<std::int64_t> lengths_;  // [n][B]
   std::vector<std::uint8_t> active_;   // [B]

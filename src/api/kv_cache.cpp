@@ -147,11 +147,13 @@ std::int64_t KVCache::max_length(std::int64_t seq) const noexcept {
 }
 
 std::size_t KVCache::k_offset(std::int64_t layer, std::int64_t block, std::int64_t head) const noexcept {
-  return static_cast<std::size_t>((layer * pool_blocks_ + block) * config_.heads_kv + head) * 2 * head_block_elems_ * elem_;
+  return static_cast<std::size_t>((layer * pool_blocks_ + block) * config_.heads_kv + head) * 2 *
+         head_block_elems_ * elem_;
 }
 
 std::size_t KVCache::v_offset(std::int64_t layer, std::int64_t block, std::int64_t head) const noexcept {
-  return k_offset(layer, block, head) + static_cast<std::size_t>(kKeyTile * config_.head_dim) * elem_;
+  return k_offset(layer, block, head) +
+         static_cast<std::size_t>(kKeyTile * config_.head_dim) * elem_;
 }
 
 // Element offsets of (position off of a block, feature x) from k_offset / v_offset: tile
@@ -254,10 +256,11 @@ void KVCache::shrink(std::int64_t seq, std::int64_t new_length) {
         std::byte* kd = storage_.data() + k_offset(l, blk, h);
         std::byte* vd = storage_.data() + v_offset(l, blk, h);
         for (std::int64_t x = 0; x < D; ++x) {
-          std::fill_n(kd + static_cast<std::size_t>(key_element(off, x)) * elem_, elem_, std::byte{0});
+          std::fill_n(kd + static_cast<std::size_t>(key_element(off, x)) * elem_, elem_,
+                      std::byte{0});
         }
-        std::fill_n(vd + static_cast<std::size_t>(value_element(off, 0)) * elem_, static_cast<std::size_t>(D) * elem_,
-                    std::byte{0});
+        std::fill_n(vd + static_cast<std::size_t>(value_element(off, 0)) * elem_,
+                    static_cast<std::size_t>(D) * elem_, std::byte{0});
       }
     }
     len = std::min(len, new_length);

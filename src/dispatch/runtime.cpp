@@ -99,7 +99,8 @@ std::string describe_kernel(Isa isa) {
       if (!compiled(isa)) return std::string(to_string(isa)) + ": not compiled in this build";
       return std::string("attention_fwd_f32_") + to_string(isa) +
              ": fused flash forward (Highway), GQA heads stacked in SIMD lanes, online softmax "
-             "over 64-key tiles, causal tile skipping; attention_bwd_f32_" + to_string(isa) +
+             "over 64-key tiles, causal tile skipping; attention_bwd_f32_" +
+             to_string(isa) +
              ": flash backward recomputing tiles (one pass owning dK/dV/dQ per KV head when "
              "B*H_kv >= 8, else two passes: dQ with queries in lanes, dK/dV with keys in lanes)";
     case Isa::automatic: return describe_kernel(resolve_isa(Isa::automatic));

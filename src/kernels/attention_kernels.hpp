@@ -77,14 +77,16 @@ BackwardKernel backward_kernel(Isa isa);
 // Cache layout (tokenmix/kv_cache.hpp): per layer, physical block p and KV head j hold
 // block_tokens / 64 pairs of tiles, K tile [d_h][64] then V tile [64][d_h] (element type `dtype`).
 // Work unit = (sequence b, KV head j, query block, key chunk); units are independent and each
-// writes its own partial (unnormalised Õ = Σ_u e^{s_u − m} v_u, running max m, sum l = Σ_u e^{s_u − m})
-// for rows r = t_local · g + h_local. The caller merges the chunks of a row in chunk order
-// (SPEC "Merging partial results" with L = m + log l), so nothing depends on the thread count.
+// writes its own partial (unnormalised Õ = Σ_u e^{s_u − m} v_u, running max m,
+// sum l = Σ_u e^{s_u − m}) for rows r = t_local · g + h_local. The caller merges the chunks of a
+// row in chunk order (SPEC "Merging partial results" with L = m + log l), so nothing depends on
+// the thread count.
 struct DecodeArgs {
   std::int64_t batch = 0, tnew = 0, hq = 0, hkv = 0, dh = 0;
   float scale = 1.0f;
   DType dtype = DType::f32;
-  const void* k_layer = nullptr;  // the layer: [pool_blocks][H_kv][block_tokens / 64][K tile, V tile]
+  const void* k_layer =
+      nullptr;  // the layer: [pool_blocks][H_kv][block_tokens / 64][K tile, V tile]
   const void* v_layer = nullptr;  // = k_layer + 64 · d_h elements (the first V tile)
   std::int64_t block_tokens = 0;  // multiple of kDecodeKeyTile
   const std::int32_t* table = nullptr;  // [batch][table_width] physical blocks of the call's sequences

@@ -5,13 +5,13 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
-#include <cstdint>
 #include <omp.h>
 
 #include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <iomanip>
@@ -216,9 +216,10 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     out << "tokenmix bench decode on " << cpu_features().model << "\n";
     out << "  op       T_new    T_k  H_q H_kv d_h thr isa     cache     ms     GB/s  ceiling  ratio  max_rel_err  extra_MiB\n";
   }
-  const std::int64_t B = cfg.batch, Hq = cfg.hq, Hkv = cfg.hkv, D = cfg.dh, Tn = cfg.tnew, g = Hq / Hkv;
+  const std::int64_t B = cfg.batch, Hq = cfg.hq, Hkv = cfg.hkv, D = cfg.dh, Tn = cfg.tnew,
+                     g = Hq / Hkv;
   std::vector<BenchResult> results;
-  std::optional<StreamRead> stream;  // 1 GiB, allocated once
+  std::optional<StreamRead> stream;     // 1 GiB, allocated once
   constexpr std::int64_t kFill = 4096;  // positions appended per call while filling the cache
   std::vector<float> kv_k(static_cast<std::size_t>(B * kFill * Hkv * D)), kv_v(kv_k.size());
   fill(kv_k, 21);
@@ -227,7 +228,8 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   fill(q, 23);
   for (const DecodeCase& c : cases) {
     if (!stream) {
-      if (cfg.progress) std::cerr << "[bench] allocating the 1 GiB streaming-read buffer (the ceiling)\n";
+      if (cfg.progress)
+        std::cerr << "[bench] allocating the 1 GiB streaming-read buffer (the ceiling)\n";
       stream.emplace();
     }
     if (cfg.progress) {

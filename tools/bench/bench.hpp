@@ -54,7 +54,8 @@ struct BenchResult {
   // ceiling_gflops is 0 and ratio = gbps / ceiling_gbps):
   std::string cache_dtype;   ///< element type of the KV cache
   double gbps = 0.0;         ///< K/V bytes read per second (SPEC "decode bytes") / 1e9
-  double ceiling_gbps = 0.0; ///< streaming read bandwidth (StreamRead), median of passes interleaved with the steps
+  double ceiling_gbps =
+      0.0;  ///< streaming read bandwidth (StreamRead), median of passes interleaved with the steps
 };
 
 /// sgemm 2048×2048×2048 through OpenBLAS with `threads` threads: best GFLOP/s of `repeats`

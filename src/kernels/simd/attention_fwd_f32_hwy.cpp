@@ -58,10 +58,10 @@ void AttentionFwd(const ForwardArgs& args) {
   const int team = static_cast<int>(std::clamp<std::int64_t>(p.threads, 1, units));
 
   // Per-worker scratch (aligned): per lane block Qᵀ [dh][M], Oᵀ [dh][M] and lane vectors
-  // (running max, running sum, visible end); shared Sᵀ/Pᵀ [kKeyTile][M] and the packed K and V
-  // tile [kKeyTile][dh].
+  // (running max, running sum, visible end); shared Sᵀ/Pᵀ [kKeyTile][M], the packed K and V
+  // tile [kKeyTile][dh] and the tile's rescale factors [M].
   const std::int64_t per_block = 2 * dh * M + 3 * M;
-  std::int64_t per_worker = nb * per_block + kKeyTile * M + 2 * kKeyTile * dh;
+  std::int64_t per_worker = nb * per_block + kKeyTile * M + 2 * kKeyTile * dh + M;
   per_worker = (per_worker + 63) / 64 * 64;
   auto scratch = hwy::AllocateAligned<float>(static_cast<std::size_t>(team * per_worker));
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -72,6 +72,7 @@ void AttentionFwd(const ForwardArgs& args) {
     float* st = base + nb * per_block;      // Sᵀ, then Pᵀ [kKeyTile][M]
     float* k_tile = st + kKeyTile * M;      // K rows u0.. packed [kKeyTile][dh]
     float* v_tile = k_tile + kKeyTile * dh;  // V rows u0.. packed [kKeyTile][dh]
+    float* alphas = v_tile + kKeyTile * dh;  // e^{m − m'} per lane [M] of the current tile
     struct BlockState {
       QueryUnits::Block blk;
       float *qt, *ot, *m_run, *l_run;  // s·Qᵀ [dh][M], Oᵀ [dh][M], max and sum per lane [M]
@@ -157,14 +158,11 @@ void AttentionFwd(const ForwardArgs& args) {
           }
           hn::Store(hn::MulAdd(hn::Load(d, bs.l_run + i), alpha, sum), d, bs.l_run + i);
           hn::Store(m_new, d, bs.m_run + i);
-          if (u0 > 0) {
-            for (std::int64_t x = 0; x < dh; ++x) {
-              hn::Store(hn::Mul(hn::Load(d, bs.ot + x * M + i), alpha), d, bs.ot + x * M + i);
-            }
-          }
+          hn::Store(alpha, d, alphas + i);
         }
-        // Oᵀ[x][i] += Σ_u V[u0+u][x] · Pᵀ[u][i]          (4.5)
-        GemmRows(d, dh, v_rows, 1, dh, st, M, nt, bs.ot, M, true);
+        // Oᵀ[x][i] ← Oᵀ[x][i] · e^{m − m'}[i] + Σ_u V[u0+u][x] · Pᵀ[u][i]   (4.4, 4.5; the
+        // rescale rides on the microkernel's load of Oᵀ; Oᵀ is still zero on the first tile)
+        GemmRows(d, dh, v_rows, 1, dh, st, M, nt, bs.ot, M, true, u0 > 0 ? alphas : nullptr);
       }
     }
 

@@ -52,12 +52,19 @@ HWY_INLINE hn::Vec<D> LoadB(D d, const hwy::float16_t* HWY_RESTRICT p) {
 template <int R, int VN = kV, class TB = float, class D>
 HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row, std::int64_t a_k,
                             const TB* HWY_RESTRICT b, std::int64_t ldb, std::int64_t K,
-                            float* HWY_RESTRICT c, std::int64_t ldc, bool accumulate) {
+                            float* HWY_RESTRICT c, std::int64_t ldc, bool accumulate,
+                            const float* HWY_RESTRICT c_scale) {
   using V = hn::Vec<D>;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   V acc[R][VN];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < VN; ++v) acc[r][v] = accumulate ? hn::LoadU(d, c + r * ldc + v * N) : hn::Zero(d);
+  if (c_scale != nullptr) {  // C ← C · diag(c_scale) before accumulating (lane-wise rescale)
+    for (int v = 0; v < VN; ++v) {
+      const V sv = hn::LoadU(d, c_scale + v * N);
+      for (int r = 0; r < R; ++r) acc[r][v] = hn::Mul(acc[r][v], sv);
+    }
+  }
   for (std::int64_t k = 0; k < K; ++k) {
     V bv[VN];
     for (int v = 0; v < VN; ++v) bv[v] = LoadB(d, b + k * ldb + v * N);
@@ -71,21 +78,23 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
 }
 
 // C[rows][M] (+)= A B over any number of rows: blocks of R (default kR), then one remainder
-// block. VN and TB as for MicroKernel.
+// block. VN and TB as for MicroKernel. With accumulate and c_scale ([M] lane factors), C is
+// first scaled lane-wise: C ← C · diag(c_scale) + A B (the online softmax's rescale of Õ,
+// fused into the load of C).
 template <int R = kR, int VN = kV, bool kTop = true, class TB = float, class D>
 HWY_INLINE void GemmRows(D d, std::int64_t rows, const float* a, std::int64_t a_row, std::int64_t a_k,
                          const TB* b, std::int64_t ldb, std::int64_t K, float* c, std::int64_t ldc,
-                         bool accumulate) {
+                         bool accumulate, const float* c_scale = nullptr) {
   if constexpr (kTop) {
     for (; rows >= R; rows -= R, a += R * a_row, c += R * ldc) {
-      MicroKernel<R, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate);
+      MicroKernel<R, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale);
     }
   }
   if constexpr (R > 1) {
     if (rows == R - 1) {
-      MicroKernel<R - 1, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate);
+      MicroKernel<R - 1, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale);
     } else {
-      GemmRows<R - 1, VN, false>(d, rows, a, a_row, a_k, b, ldb, K, c, ldc, accumulate);
+      GemmRows<R - 1, VN, false>(d, rows, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale);
     }
   }
 }

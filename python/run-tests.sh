@@ -53,7 +53,7 @@ echo "== virtual environment: $venv ($("$py" --version))"
 # Packages, installed only when missing (module name = requirement).
 missing=()
 for spec in numpy:numpy torch:torch pytest:pytest scikit_build_core:scikit-build-core \
-            nanobind:nanobind; do
+            nanobind:nanobind threadpoolctl:threadpoolctl; do
   "$py" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
 done
 if [[ ${#missing[@]} -gt 0 ]]; then

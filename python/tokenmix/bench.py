@@ -16,9 +16,11 @@ both sides alike. Reported: the median time of each side, the ratio of the media
 (``speedup`` = torch / tokenmix, > 1 means tokenmix is faster), the median of the per-round
 ratios, and tokenmix's useful FLOP/s (forward 4·d_h·H_q·P·B with P = T(T+1)/2, backward 2.5×
 that; SPEC "Useful-work counts"). The load average before and after is printed, since other
-processes on the machine change the figures. The fp32 GEMM ceiling of the same run (``torch.mm``
-of 2048 x 2048 matrices, same threads, best of 5) is printed too, and each side's FLOP/s as a
-fraction of it: an exact fp32 attention cannot run much above it.
+processes on the machine change the figures. The fp32 GEMM ceiling of the same run (OpenBLAS
+sgemm through NumPy's ``matmul`` on 2048 x 2048 matrices, limited to the same threads with
+threadpoolctl, best of 10) is printed too, and each side's FLOP/s as a fraction of it. (PyTorch's
+own ``torch.mm`` is not used: on the AMD machine of docs/performance.md it moved between 98 and
+173 GFLOP/s within one run, OpenBLAS between 193 and 204.)
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ import sys
 import time
 from typing import Callable, Dict, List
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from threadpoolctl import threadpool_limits
 
 import tokenmix
 from tokenmix.torch import scaled_dot_product_attention as tm_sdpa
@@ -62,13 +66,15 @@ def _time(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def gemm_ceiling_gflops(repeats: int = 5, n: int = 2048) -> float:
-    """fp32 GEMM rate of this process's torch (same threads): best GFLOP/s of ``repeats``."""
-    gen = torch.Generator().manual_seed(7)
-    a = torch.randn(n, n, generator=gen)
-    b = torch.randn(n, n, generator=gen)
-    torch.mm(a, b)  # warm-up
-    best = min(_time(lambda: torch.mm(a, b)) for _ in range(repeats))
+def gemm_ceiling_gflops(threads: int, repeats: int = 10, n: int = 2048) -> float:
+    """fp32 GEMM rate of NumPy's BLAS (OpenBLAS) on ``threads`` threads: best GFLOP/s of ``repeats``."""
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    with threadpool_limits(limits=threads, user_api="blas"):
+        np.matmul(a, b)  # warm-up
+        best = min(_time(lambda: np.matmul(a, b)) for _ in range(repeats))
+    time.sleep(1.0)  # OpenBLAS's workers spin for a while after a call: let them go idle first
     return 2.0 * n ** 3 / best / 1e9
 
 
@@ -171,8 +177,9 @@ def main(argv: List[str] | None = None) -> int:
           f"median of {args.repeats} rounds")
     print(f"load average before: {_loadavg()}")
     sys.stdout.flush()
-    ceiling = gemm_ceiling_gflops()
-    print(f"fp32 GEMM ceiling (torch.mm 2048^3, same threads, best of 5): {ceiling:.1f} GFLOP/s")
+    ceiling = gemm_ceiling_gflops(threads)
+    print(f"fp32 GEMM ceiling (OpenBLAS sgemm via numpy.matmul 2048^3, {threads} thread(s), best of 10): "
+          f"{ceiling:.1f} GFLOP/s")
     sys.stdout.flush()
 
     rows = []

@@ -3,14 +3,12 @@
 // so a throwing call leaves the cache byte-for-byte unchanged.
 #include "tokenmix/kv_cache.hpp"
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 #include <cstdint>
 
 #include <algorithm>
 #include <string>
 
+#include "api/huge_pages.hpp"
 #include "api/validate.hpp"
 #include "kernels/kv_element.hpp"
 #include "tokenmix/error.hpp"
@@ -18,28 +16,6 @@
 
 namespace tokenmix {
 namespace {
-
-// The K/V storage is swept front to back by every decode step; backing it with transparent huge
-// pages (Linux: advise, then collapse the already-zeroed range) lets that sweep run without a
-// page walk every 4 KiB. Measured on the development machine (1 thread, bf16, T_k = 32768):
-// 13.3–14.1 → 15.5–16.1 GB/s. Advisory only: any failure (older kernel, THP disabled) is ignored.
-void back_with_huge_pages(void* data, std::size_t bytes) {
-#if defined(__linux__)
-  constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
-  const auto begin = (reinterpret_cast<std::uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const auto end = (reinterpret_cast<std::uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (end <= begin) return;
-  void* p = reinterpret_cast<void*>(begin);
-  if (madvise(p, end - begin, MADV_HUGEPAGE) != 0) return;
-#ifndef MADV_COLLAPSE
-#define MADV_COLLAPSE 25
-#endif
-  (void)madvise(p, end - begin, MADV_COLLAPSE);
-#else
-  (void)data;
-  (void)bytes;
-#endif
-}
 
 using detail::checked_mul;
 using detail::fail;
@@ -93,7 +69,7 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
   checked_mul(c.batch, table_width_, fn, "block table size");
   head_block_elems_ = static_cast<std::size_t>(checked_mul(block_tokens_, c.head_dim, fn, "block size"));
   storage_.assign(static_cast<std::size_t>(bytes), std::byte{0});
-  back_with_huge_pages(storage_.data(), storage_.size());
+  detail::back_with_huge_pages(storage_.data(), storage_.size());  // swept by every decode step
   table_.assign(static_cast<std::size_t>(c.batch * table_width_), -1);
   lengths_.assign(static_cast<std::size_t>(checked_mul(c.layers, c.batch, fn, "lengths")), 0);
   active_.assign(static_cast<std::size_t>(c.batch), 1);

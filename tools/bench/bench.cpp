@@ -2,9 +2,6 @@
 #include "bench.hpp"
 
 #include <cblas.h>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 #include <omp.h>
 
 #include <algorithm>
@@ -21,6 +18,7 @@
 #include <random>
 #include <sstream>
 
+#include "api/huge_pages.hpp"
 #include "kernels/kv_element.hpp"
 #include "reference/reference.hpp"
 #include "tokenmix/error.hpp"
@@ -114,16 +112,8 @@ double sgemm_ceiling_gflops(int threads, int repeats) {
 
 StreamRead::StreamRead(std::size_t bytes) : buf_(bytes / sizeof(float) / 4096 * 4096) {
   const std::size_t n = buf_.size();
-#if defined(__linux__)
-  {  // same page treatment as the KV cache (huge pages), so the ceiling is not handicapped
-    constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
-    const auto b0 = (reinterpret_cast<std::uintptr_t>(buf_.data()) + kHuge - 1) & ~(kHuge - 1);
-    const auto e0 = (reinterpret_cast<std::uintptr_t>(buf_.data() + n)) & ~(kHuge - 1);
-    if (e0 > b0 && madvise(reinterpret_cast<void*>(b0), e0 - b0, MADV_HUGEPAGE) == 0) {
-      (void)madvise(reinterpret_cast<void*>(b0), e0 - b0, 25 /* MADV_COLLAPSE */);
-    }
-  }
-#endif
+  // Same page treatment as the KV cache, so the ceiling is not handicapped.
+  detail::back_with_huge_pages(buf_.data(), n * sizeof(float));
   float* buf = buf_.data();
 #pragma omp parallel for schedule(static)
   for (std::size_t i = 0; i < n; ++i) buf[i] = static_cast<float>(i & 7);

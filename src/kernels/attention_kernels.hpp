@@ -113,13 +113,11 @@ struct DecodeArgs {
   std::int64_t units() const { return batch * hkv * qblocks * chunks; }
   /// Query t of sequence b sees keys [0, visible_end) (bottom-right, SPEC 4.3); may be ≤ 0.
   std::int64_t visible_end(std::int64_t b, std::int64_t t) const { return lengths[b] - tnew + t + 1; }
-  /// Element offset of the K tile / V row holding key u of sequence b, KV head j.
-  std::int64_t k_tile_offset(std::int64_t b, std::int64_t j, std::int64_t u) const {
+  /// Element offset, from k_layer for the K tile and from v_layer for its V tile, of the tile
+  /// holding key u of sequence b, KV head j.
+  std::int64_t tile_offset(std::int64_t b, std::int64_t j, std::int64_t u) const {
     const std::int64_t blk = table[b * table_width + u / block_tokens], off = u % block_tokens;
     return ((blk * hkv + j) * 2 * block_tokens + 2 * (off / 64 * 64)) * dh;
-  }
-  std::int64_t v_row_offset(std::int64_t b, std::int64_t j, std::int64_t u) const {  // from v_layer
-    return k_tile_offset(b, j, u) + u % block_tokens % 64 * dh;
   }
 };
 inline constexpr std::int64_t kDecodeKeyTile = 64;  // = KVCache::kKeyTile

@@ -52,8 +52,9 @@ void attention_decode_portable(const DecodeArgs& a) {
 
     for (std::int64_t u0 = k0; u0 < k1; u0 += T) {
       const std::int64_t nt = std::min(T, k1 - u0);
-      const auto* kt = static_cast<const std::byte*>(a.k_layer) + a.k_tile_offset(b, j, u0) * esz;
-      const auto* vt = static_cast<const std::byte*>(a.v_layer) + a.v_row_offset(b, j, u0) * esz;
+      const std::int64_t tile = a.tile_offset(b, j, u0) * static_cast<std::int64_t>(esz);
+      const auto* kt = static_cast<const std::byte*>(a.k_layer) + tile;  // K tile [d_h][64]
+      const auto* vt = static_cast<const std::byte*>(a.v_layer) + tile;  // V tile [64][d_h]
       for (std::int64_t i = 0; i < dh * T; ++i) kf[i] = load_element(a.dtype, kt, i);
       for (std::int64_t i = 0; i < nt * dh; ++i) vf[i] = load_element(a.dtype, vt, i);
       for (std::int64_t r = 0; r < nrows; ++r) {

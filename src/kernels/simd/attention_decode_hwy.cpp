@@ -90,8 +90,9 @@ void DecodeUnits(const DecodeArgs& a) {
 
     for (std::int64_t u0 = k0; u0 < k1; u0 += T) {
       const std::int64_t nt = std::min(T, k1 - u0);
-      const TB* kt = k_layer + a.k_tile_offset(b, j, u0);  // Kᵀ tile [d_h][64]
-      const TB* vt = v_layer + a.v_row_offset(b, j, u0);   // V rows [nt][d_h]
+      const std::int64_t tile = a.tile_offset(b, j, u0);
+      const TB* kt = k_layer + tile;  // Kᵀ tile [d_h][64]
+      const TB* vt = v_layer + tile;  // V rows [nt][d_h]
 
       // S = (s·Q) Kᵀ over the whole 64-key tile (lanes past the data are masked below)  (4.2)
       for (std::int64_t c0 = 0; c0 < T; c0 += W) {

@@ -238,41 +238,29 @@ double scale_of(const Case& c) {
   return c.scale.value_or(1.0 / std::sqrt(static_cast<double>(c.D)));
 }
 
-/// max |S_tu| over visible pairs (b, h, t, u), in float64 from the fp32 inputs.
-double max_abs_score(const Problem& p) {
+/// max over (b, h, t, u) of |s · ⟨x[b, t, h], y[b, u, j(h)]⟩| with j(h) = h / g, in float64;
+/// only over visible pairs when `visible_only`.
+double max_abs_pair_dot(const Problem& p, const Tensor64& x, const Tensor64& y, double s, bool visible_only) {
   const Case& c = p.c;
-  const double s = scale_of(c);
   const std::int64_t g = c.Hq / c.Hkv;
   double m = 0.0;
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t h = 0; h < c.Hq; ++h)
       for (std::int64_t t = 0; t < c.Tq; ++t)
         for (std::int64_t u = 0; u < c.Tk; ++u) {
-          if (!ref::visible(t, u, c.Tq, c.Tk, ref_options(c))) continue;
+          if (visible_only && !ref::visible(t, u, c.Tq, c.Tk, ref_options(c))) continue;
           double dot = 0.0;
-          for (std::int64_t e = 0; e < c.D; ++e)
-            dot += p.q64.at(b, t, h, e) * p.k64.at(b, u, h / g, e);
+          for (std::int64_t e = 0; e < c.D; ++e) dot += x.at(b, t, h, e) * y.at(b, u, h / g, e);
           m = std::max(m, std::fabs(s * dot));
         }
   return m;
 }
 
+/// max |S_tu| over visible pairs (b, h, t, u), from the fp32 inputs (4.2).
+double max_abs_score(const Problem& p) { return max_abs_pair_dot(p, p.q64, p.k64, scale_of(p.c), true); }
+
 /// max_{b,h,t,u} |dO_t · V_u| over the head pairs (b, h, j(h)).
-double max_abs_dA(const Problem& p) {
-  const Case& c = p.c;
-  const std::int64_t g = c.Hq / c.Hkv;
-  double m = 0.0;
-  for (std::int64_t b = 0; b < c.B; ++b)
-    for (std::int64_t h = 0; h < c.Hq; ++h)
-      for (std::int64_t t = 0; t < c.Tq; ++t)
-        for (std::int64_t u = 0; u < c.Tk; ++u) {
-          double dot = 0.0;
-          for (std::int64_t e = 0; e < c.D; ++e)
-            dot += p.dout64.at(b, t, h, e) * p.v64.at(b, u, h / g, e);
-          m = std::max(m, std::fabs(dot));
-        }
-  return m;
-}
+double max_abs_dA(const Problem& p) { return max_abs_pair_dot(p, p.dout64, p.v64, 1.0, false); }
 
 double max_abs(const Tensor64& x) {
   double m = 0.0;

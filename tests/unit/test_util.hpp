@@ -89,8 +89,9 @@ struct StridedTensor {
   }
 };
 
-/// rel_err as defined at the top of this file, over the logical elements of `x`.
-inline double rel_err(StridedTensor& x, const Tensor64& r) {
+/// rel_err as defined at the top of this file, over the logical elements of `x`; the
+/// denominator is at least `floor` (a gradient that is ≈ 0 everywhere is judged absolutely).
+inline double rel_err(StridedTensor& x, const Tensor64& r, double floor = 1e-30) {
   double max_diff = 0.0, max_ref = 0.0;
   const auto& s = x.view.shape;
   for (std::int64_t b = 0; b < s[0]; ++b)
@@ -102,7 +103,7 @@ inline double rel_err(StridedTensor& x, const Tensor64& r) {
           max_diff = std::max(max_diff, diff);
           max_ref = std::max(max_ref, std::fabs(rv));
         }
-  return max_diff / std::max(max_ref, 1e-30);
+  return max_diff / std::max(max_ref, floor);
 }
 
 /// rel_err for flat arrays (same definition); NaN in x counts as infinite error.

@@ -1,70 +1,70 @@
-// benchmarks/bench_attention.cpp — Google Benchmark view of the same measurements as
-// `tokenmix bench`: the sgemm ceiling and our forward, with useful GFLOP/s as a counter.
+// benchmarks/bench_attention.cpp — Google Benchmark view of the `tokenmix bench` measurements,
+// on the same machinery (tools/bench): the sgemm ceiling (bench::SgemmCeiling), and forward and
+// backward (bench::AttentionRun: the bench's inputs, call and useful-FLOP count) on the bench's
+// default shapes (bench::BenchConfig: B = 1, H_q = 32, H_kv = 8, d_h = 128, causal, T_q = T_k
+// in its default list), with useful GFLOP/s as a counter.
 //   tokenmix_benchmarks --benchmark_filter=Forward --benchmark_repetitions=5
 #include <benchmark/benchmark.h>
-#include <cblas.h>
 
-#include <random>
+#include <string>
 #include <vector>
 
+#include "bench.hpp"
+#include "testkit.hpp"
 #include "tokenmix/tokenmix.hpp"
 
 namespace {
 
-std::vector<float> random_vector(std::size_t n, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist;
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
+using tokenmix::bench::AttentionRun;
+using tokenmix::bench::BenchConfig;
+using tokenmix::bench::SgemmCeiling;
 
 // C = A B, 2048³ fp32 through OpenBLAS: the ceiling every attention figure is compared to.
 void BM_SgemmCeiling(benchmark::State& state) {
-  const int n = 2048;
-  auto a = random_vector(std::size_t(n) * n, 1), b = random_vector(std::size_t(n) * n, 2);
-  std::vector<float> c(a.size());
-  for (auto _ : state) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f,
-                c.data(), n);
-    benchmark::DoNotOptimize(c.data());
-  }
-  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * n * n * n, benchmark::Counter::kIsIterationInvariantRate,
-                                                 benchmark::Counter::kIs1000);
+  SgemmCeiling sgemm;
+  for (auto _ : state) sgemm.run_once();
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(SgemmCeiling::flops(), benchmark::Counter::kIsIterationInvariantRate,
+                         benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_SgemmCeiling)->Unit(benchmark::kMillisecond)->UseRealTime();
 
-// Causal forward, B=1, H_q=32, H_kv=8, d_h=128; argument: T; second argument: isa index.
-void BM_Forward(benchmark::State& state) {
-  const std::int64_t T = state.range(0), Hq = 32, Hkv = 8, D = 128;
+// One bench case; arguments: T (= T_q = T_k) and the isa index.
+void run_case(benchmark::State& state, bool backward) {
   const auto isa = static_cast<tokenmix::Isa>(state.range(1));
-  tokenmix::AttentionOptions opt;
-  try {
-    opt.isa = tokenmix::resolve_isa(isa);
-  } catch (const tokenmix::Error& e) {
-    state.SkipWithError(e.what());
+  if (const std::string why = tokenmix::testkit::isa_unavailable_reason(isa); !why.empty()) {
+    state.SkipWithError(why.c_str());
     return;
   }
-  auto q = random_vector(std::size_t(T * Hq * D), 3), k = random_vector(std::size_t(T * Hkv * D), 4),
-       v = random_vector(std::size_t(T * Hkv * D), 5);
-  std::vector<float> o(q.size()), lse(std::size_t(Hq * T));
-  for (auto _ : state) {
-    tokenmix::attention_forward(tokenmix::ConstTensorView::bthd(q.data(), 1, T, Hq, D),
-                                tokenmix::ConstTensorView::bthd(k.data(), 1, T, Hkv, D),
-                                tokenmix::ConstTensorView::bthd(v.data(), 1, T, Hkv, D),
-                                tokenmix::TensorView::bthd(o.data(), 1, T, Hq, D),
-                                tokenmix::TensorView::bht(lse.data(), 1, Hq, T), opt);
-    benchmark::DoNotOptimize(o.data());
-  }
-  const double flops = tokenmix::forward_flops(1, T, T, Hq, D, true, tokenmix::CausalAlign::bottom_right);
+  const BenchConfig defaults;
+  const tokenmix::testkit::AttentionShape shape{defaults.batch,  state.range(0), state.range(0),
+                                                defaults.hq,     defaults.hkv,   defaults.dh,
+                                                defaults.causal, defaults.align};
+  AttentionRun run(shape, backward, isa, /*threads=*/0);
+  run.forward();
+  for (auto _ : state) run.call();
   state.counters["GFLOP/s"] =
-      benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
-  state.SetLabel(tokenmix::to_string(opt.isa));
+      benchmark::Counter(run.useful_flops(), benchmark::Counter::kIsIterationInvariantRate,
+                         benchmark::Counter::kIs1000);
+  state.SetLabel(tokenmix::to_string(isa));
 }
-BENCHMARK(BM_Forward)
-    ->ArgsProduct({{512, 2048, 8192}, {int(tokenmix::Isa::portable), int(tokenmix::Isa::avx2), int(tokenmix::Isa::avx512)}})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
+
+void BM_Forward(benchmark::State& state) {
+  run_case(state, false);
+}
+void BM_Backward(benchmark::State& state) {
+  run_case(state, true);
+}
+
+// The bench's default T list times every concrete kernel path.
+void bench_args(benchmark::internal::Benchmark* b) {
+  std::vector<std::int64_t> isas;
+  for (tokenmix::Isa isa : tokenmix::testkit::concrete_isas())
+    isas.push_back(static_cast<int>(isa));
+  b->ArgsProduct({BenchConfig{}.tq, isas})->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+BENCHMARK(BM_Forward)->Apply(bench_args);
+BENCHMARK(BM_Backward)->Apply(bench_args);
 
 }  // namespace
 

@@ -56,6 +56,10 @@ std::int64_t visible_keys(std::int64_t t, std::int64_t T_q, std::int64_t T_k, bo
 std::int64_t visible_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align) noexcept;
 double forward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
                      std::int64_t d_h, bool causal, CausalAlign align) noexcept;
+/// Backward FLOPs = 2.5 × forward_flops (SPEC "Useful-work counts": five products instead of
+/// two, the convention of the FlashAttention papers).
+double backward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
+                      std::int64_t d_h, bool causal, CausalAlign align) noexcept;
 
 /// Merge two partial attentions over disjoint key sets (SPEC "Merging partial results"):
 ///   L = log(e^{L¹} + e^{L²}),  O = e^{L¹−L} O¹ + e^{L²−L} O².

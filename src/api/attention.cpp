@@ -167,4 +167,10 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   (int32_lanes_fit ? kernels::backward_kernel(isa) : &kernels::attention_bwd_f32_portable)(args);
 }
 
+double backward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
+                      std::int64_t d_h, bool causal, CausalAlign align) noexcept {
+  // SPEC "Useful-work counts": backward = 2.5 × forward (five products instead of two).
+  return 2.5 * forward_flops(B, T_q, T_k, H_q, d_h, causal, align);
+}
+
 }  // namespace tokenmix

@@ -524,28 +524,17 @@ TEST(Attention, BackwardMatchesFiniteDifferencesOfReferenceForward) {
 // Isa so each shows up by name; a path this CPU cannot run is reported as skipped with the
 // reason (and forcing it must throw UnsupportedError, not crash).
 
+// Not PerIsaTest: before skipping, an unavailable path must be refused with UnsupportedError.
 class AttentionPerIsa : public ::testing::TestWithParam<Isa> {};
-
-bool cpu_has(Isa isa) {
-  const CpuFeatures& f = cpu_features();
-  return isa == Isa::portable || (isa == Isa::avx2 && f.avx2_fma) ||
-         (isa == Isa::avx512 && f.avx512f);
-}
 
 TEST_P(AttentionPerIsa, MatchesReference) {
   const Isa isa = GetParam();
-  const auto avail = available_isas();
-  if (std::find(avail.begin(), avail.end(), isa) == avail.end()) {
+  if (const std::string why = testkit::isa_unavailable_reason(isa); !why.empty()) {
     Problem p({"unavailable", 1, 2, 2, 1, 1, 8}, 51);
     AttentionOptions o;
     o.isa = isa;
     EXPECT_THROW(run_library(p, o), UnsupportedError);
-    if (!cpu_has(isa)) {
-      GTEST_SKIP() << "this CPU/OS does not support " << to_string(isa)
-                   << " (CPU: " << cpu_features().model << ")";
-    }
-    GTEST_SKIP() << "this build has no " << to_string(isa) << " kernels, although the CPU ("
-                 << cpu_features().model << ") supports them";
+    GTEST_SKIP() << why;
   }
   const Case cases[] = {
       {"isa_T17_B3_GQA8x2_d80", 3, 17, 17, 8, 2, 80, kMixA},
@@ -565,11 +554,7 @@ TEST_P(AttentionPerIsa, MatchesReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Paths, AttentionPerIsa,
-                         ::testing::Values(Isa::portable, Isa::avx2, Isa::avx512),
-                         [](const ::testing::TestParamInfo<Isa>& info) {
-                           return std::string(to_string(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Paths, AttentionPerIsa, AllIsas(), IsaName);
 
 }  // namespace
 }  // namespace tokenmix::testing

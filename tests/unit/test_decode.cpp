@@ -109,15 +109,7 @@ std::vector<DecodeCase> decode_cases() {
   return cases;
 }
 
-class Decode : public ::testing::TestWithParam<Isa> {
- protected:
-  void SetUp() override {
-    const auto avail = available_isas();
-    if (std::find(avail.begin(), avail.end(), GetParam()) == avail.end()) {
-      GTEST_SKIP() << "ISA " << to_string(GetParam()) << " is not available on this CPU/build";
-    }
-  }
-};
+class Decode : public PerIsaTest {};
 
 TEST_P(Decode, MatchesFloat64ReferenceAllDtypesAndCaches) {
   std::mt19937_64 rng(2024);
@@ -234,8 +226,7 @@ TEST_P(Decode, SequenceSubsetMatchesFullBatch) {
   EXPECT_EQ(0, std::memcmp(&all.at(1, 0, 0, 0), part.storage.data(), part.storage.size() * sizeof(float)));
 }
 
-INSTANTIATE_TEST_SUITE_P(AllIsas, Decode, ::testing::Values(Isa::portable, Isa::avx2, Isa::avx512),
-                         [](const auto& info) { return std::string(to_string(info.param)); });
+INSTANTIATE_TEST_SUITE_P(AllIsas, Decode, AllIsas(), IsaName);
 
 // GQA: bytes read per step are those of the H_kv heads once (SPEC "decode bytes"), not g times.
 TEST(DecodeBytes, CountsEachKvHeadOnce) {

@@ -79,15 +79,7 @@ reference::Options ref_options(const SimdCase& c) {
 }
 
 // Every ISA path the build knows, as gtest parameters; those this CPU lacks are skipped visibly.
-class FlashKernels : public ::testing::TestWithParam<Isa> {
- protected:
-  void SetUp() override {
-    const auto avail = available_isas();
-    if (std::find(avail.begin(), avail.end(), GetParam()) == avail.end()) {
-      GTEST_SKIP() << "ISA " << to_string(GetParam()) << " is not available on this CPU/build";
-    }
-  }
-};
+class FlashKernels : public PerIsaTest {};
 
 TEST_P(FlashKernels, MatchesFloat64ReferenceAcrossTileEdges) {
   std::mt19937_64 rng(1234);
@@ -451,8 +443,7 @@ TEST_P(FlashKernels, TrainingLoopLossDecreasesMonotonically) {
   EXPECT_LT(previous, 0.95 * first) << "the loop must make real progress, not just avoid increases";
 }
 
-INSTANTIATE_TEST_SUITE_P(AllIsas, FlashKernels, ::testing::Values(Isa::portable, Isa::avx2, Isa::avx512),
-                         [](const ::testing::TestParamInfo<Isa>& info) { return std::string(to_string(info.param)); });
+INSTANTIATE_TEST_SUITE_P(AllIsas, FlashKernels, AllIsas(), IsaName);
 
 }  // namespace
 }  // namespace tokenmix::testing

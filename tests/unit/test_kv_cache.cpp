@@ -209,15 +209,7 @@ double prefill_steps_vs_forward(DType dtype, std::int64_t block, LayerCase lc, I
   return err;
 }
 
-class KVCacheLayer : public ::testing::TestWithParam<Isa> {
- protected:
-  void SetUp() override {
-    const auto avail = available_isas();
-    if (std::find(avail.begin(), avail.end(), GetParam()) == avail.end()) {
-      GTEST_SKIP() << "ISA " << to_string(GetParam()) << " is not available on this CPU/build";
-    }
-  }
-};
+class KVCacheLayer : public PerIsaTest {};
 
 TEST_P(KVCacheLayer, PrefillThenStepsEqualsFullForward) {
   for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
@@ -233,8 +225,7 @@ TEST_P(KVCacheLayer, PrefillThenStepsEqualsFullForward) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllIsas, KVCacheLayer, ::testing::Values(Isa::portable, Isa::avx2, Isa::avx512),
-                         [](const auto& info) { return std::string(to_string(info.param)); });
+INSTANTIATE_TEST_SUITE_P(AllIsas, KVCacheLayer, AllIsas(), IsaName);
 
 // ---- bad input: typed error, message names the argument, cache unchanged ----
 

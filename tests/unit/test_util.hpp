@@ -1,7 +1,9 @@
-// tests/unit/test_util.hpp — shared helpers for the unit tests: random strided tensors, poison,
-// conversion to the float64 oracle's Tensor64, and the error metric used by every bound.
+// tests/unit/test_util.hpp — the unit tests' side of the testing toolkit (tools/testkit): random
+// strided tensors, poison, conversion to the float64 oracle's Tensor64, the error metric over
+// them, and the per-kernel-path fixture.
 //
-// Error metric (used everywhere, stated once): for a result x and its float64 reference r,
+// Error metric (used everywhere; defined once, in testkit::ErrorAccumulator): for a result x and
+// its float64 reference r,
 //   rel_err(x, r) = max_i |x_i − r_i| / max(max_i |r_i|, 1e-30)
 // i.e. the max-norm error relative to the max-norm of the reference. It is insensitive to
 // individual tiny reference entries (where element-wise relative error is meaningless).
@@ -13,14 +15,17 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "reference/reference.hpp"
+#include "testkit.hpp"
 #include "tokenmix/tokenmix.hpp"
 
 namespace tokenmix::testing {
 
 using reference::Tensor64;
+using testkit::ErrorAccumulator;
 
 /// Value written to outputs before a call: any element the call fails to write stays NaN and
 /// fails every comparison.
@@ -69,7 +74,9 @@ struct StridedTensor {
     std::normal_distribution<float> dist(0.0f, static_cast<float>(sigma));
     for_each([&](float& x) { x = dist(rng); });
   }
-  void poison() { for_each([](float& x) { x = kPoison; }); }
+  void poison() {
+    for_each([](float& x) { x = kPoison; });
+  }
   template <class F>
   void for_each(F&& f) {
     const auto& s = view.shape;
@@ -92,30 +99,38 @@ struct StridedTensor {
 /// rel_err as defined at the top of this file, over the logical elements of `x`; the
 /// denominator is at least `floor` (a gradient that is ≈ 0 everywhere is judged absolutely).
 inline double rel_err(StridedTensor& x, const Tensor64& r, double floor = 1e-30) {
-  double max_diff = 0.0, max_ref = 0.0;
+  ErrorAccumulator acc;
   const auto& s = x.view.shape;
   for (std::int64_t b = 0; b < s[0]; ++b)
     for (std::int64_t t = 0; t < s[1]; ++t)
       for (std::int64_t h = 0; h < s[2]; ++h)
-        for (std::int64_t d = 0; d < s[3]; ++d) {
-          const double xv = x.at(b, t, h, d), rv = r.at(b, t, h, d);
-          const double diff = std::isnan(xv) ? std::numeric_limits<double>::infinity() : std::fabs(xv - rv);
-          max_diff = std::max(max_diff, diff);
-          max_ref = std::max(max_ref, std::fabs(rv));
-        }
-  return max_diff / std::max(max_ref, floor);
+        for (std::int64_t d = 0; d < s[3]; ++d) acc.add(x.at(b, t, h, d), r.at(b, t, h, d));
+  return acc.value(floor);
 }
 
-/// rel_err for flat arrays (same definition); NaN in x counts as infinite error.
+/// rel_err for flat arrays of the same length (vectors, spans, Tensor64::data).
 template <class A, class B>
 double rel_err_flat(const A& x, const B& r) {
-  double max_diff = 0.0, max_ref = 0.0;
-  for (std::size_t i = 0; i < r.size(); ++i) {
-    const double xv = x[i], rv = r[i];
-    max_diff = std::max(max_diff, std::isnan(xv) ? std::numeric_limits<double>::infinity() : std::fabs(xv - rv));
-    max_ref = std::max(max_ref, std::fabs(rv));
+  return testkit::rel_err(x, r);
+}
+
+/// Fixture of the tests run once per concrete kernel path, each forced in turn:
+///   class Suite : public PerIsaTest {};  TEST_P(Suite, ...) { ... GetParam() ... }
+///   INSTANTIATE_TEST_SUITE_P(AllIsas, Suite, AllIsas(), IsaName);
+/// A path this machine cannot run is skipped, visibly, with the reason (CPU or build).
+class PerIsaTest : public ::testing::TestWithParam<Isa> {
+ protected:
+  void SetUp() override {
+    const std::string why = testkit::isa_unavailable_reason(GetParam());
+    if (!why.empty()) GTEST_SKIP() << why;
   }
-  return max_diff / std::max(max_ref, 1e-30);
+};
+/// Every concrete path (portable, avx2, avx512), as gtest parameters named after the path.
+inline auto AllIsas() {
+  return ::testing::ValuesIn(testkit::concrete_isas());
+}
+inline std::string IsaName(const ::testing::TestParamInfo<Isa>& info) {
+  return to_string(info.param);
 }
 
 }  // namespace tokenmix::testing

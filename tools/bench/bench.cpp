@@ -21,6 +21,7 @@
 #include "api/huge_pages.hpp"
 #include "kernels/kv_element.hpp"
 #include "reference/reference.hpp"
+#include "testkit.hpp"
 #include "tokenmix/error.hpp"
 #include "tokenmix/kv_cache.hpp"
 #include "tokenmix/runtime.hpp"
@@ -55,59 +56,133 @@ bool reset_peak_rss() {
   return static_cast<bool>(out.flush());
 }
 
-void fill(std::vector<float>& x, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (float& e : x) e = dist(rng);
-}
-
 using reference::Tensor64;
+using testkit::random_normal;
 
-// Copies rows [t0, t0 + rows) of heads [h0, h0 + heads) of a contiguous [B,T,H,D] tensor (batch 0).
-Tensor64 slice64(const std::vector<float>& x, std::int64_t T, std::int64_t H, std::int64_t D,
-                 std::int64_t t0, std::int64_t rows, std::int64_t h0, std::int64_t heads) {
-  Tensor64 r({1, rows, heads, D});
-  for (std::int64_t t = 0; t < rows; ++t)
-    for (std::int64_t h = 0; h < heads; ++h)
-      for (std::int64_t d = 0; d < D; ++d) r.at(0, t, h, d) = x[((t0 + t) * H + h0 + h) * D + d];
-  (void)T;
-  return r;
-}
-
-// max |x − r| and max |r| accumulated over a slice.
-struct ErrAcc {
-  double diff = 0.0, ref = 0.0;
-  void add(double x, double r) {
-    diff = std::max(diff, std::isnan(x) ? INFINITY : std::fabs(x - r));
-    ref = std::max(ref, std::fabs(r));
-  }
-  double rel() const { return diff / std::max(ref, 1e-30); }
-};
-
+/// Forward and backward cases: one shape per (T_q, threads, isa).
 struct Case {
-  std::int64_t tq, tk;
+  testkit::AttentionShape shape;
   int threads;
   Isa isa;
 };
 
 }  // namespace
 
-double sgemm_ceiling_gflops(int threads, int repeats) {
-  const int n = 2048;
-  std::vector<float> a(static_cast<std::size_t>(n) * n), b(a.size()), c(a.size());
-  fill(a, 1);
-  fill(b, 2);
+SgemmCeiling::SgemmCeiling()
+    : a_(random_normal(std::size_t{kN} * kN, 1)), b_(random_normal(a_.size(), 2)), c_(a_.size()) {}
+
+void SgemmCeiling::run_once() {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, kN, kN, kN, 1.0f, a_.data(), kN, b_.data(),
+              kN, 0.0f, c_.data(), kN);
+}
+
+double SgemmCeiling::best_gflops(int threads, int repeats) {
   openblas_set_num_threads(threads);
   double best = 0.0;
   for (int r = 0; r < repeats + 1; ++r) {  // first run is a warm-up
     const auto t0 = Clock::now();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
-                0.0f, c.data(), n);
+    run_once();
     const double s = seconds_since(t0);
-    if (r > 0) best = std::max(best, 2.0 * n * n * n / s * 1e-9);
+    if (r > 0) best = std::max(best, flops() / s * 1e-9);
   }
   openblas_set_num_threads(default_threads());
   return best;
+}
+
+double sgemm_ceiling_gflops(int threads, int repeats) {
+  return SgemmCeiling().best_gflops(threads, repeats);
+}
+
+AttentionRun::AttentionRun(const testkit::AttentionShape& shape, bool backward, Isa isa,
+                           int threads)
+    : shape_(shape), backward_(backward) {
+  const std::int64_t B = shape.B, Hq = shape.H_q, Hkv = shape.H_kv, D = shape.d_h;
+  q_ = random_normal(static_cast<std::size_t>(B * shape.T_q * Hq * D), 11);
+  k_ = random_normal(static_cast<std::size_t>(B * shape.T_k * Hkv * D), 12);
+  v_ = random_normal(k_.size(), 13);
+  o_.assign(q_.size(), 0.0f);
+  lse_.assign(static_cast<std::size_t>(B * Hq * shape.T_q), 0.0f);
+  if (backward) {
+    dout_ = random_normal(q_.size(), 14);
+    dq_.assign(q_.size(), 0.0f);
+    dk_.assign(k_.size(), 0.0f);
+    dv_.assign(k_.size(), 0.0f);
+  }
+  options_.causal = shape.causal;
+  options_.align = shape.align;
+  options_.threads = threads;
+  options_.isa = isa;
+}
+
+void AttentionRun::forward() {
+  const testkit::AttentionShape& s = shape_;
+  attention_forward(ConstTensorView::bthd(q_.data(), s.B, s.T_q, s.H_q, s.d_h),
+                    ConstTensorView::bthd(k_.data(), s.B, s.T_k, s.H_kv, s.d_h),
+                    ConstTensorView::bthd(v_.data(), s.B, s.T_k, s.H_kv, s.d_h),
+                    TensorView::bthd(o_.data(), s.B, s.T_q, s.H_q, s.d_h),
+                    TensorView::bht(lse_.data(), s.B, s.H_q, s.T_q), options_);
+}
+
+void AttentionRun::call() {
+  if (!backward_) return forward();
+  const testkit::AttentionShape& s = shape_;
+  attention_backward(ConstTensorView::bthd(q_.data(), s.B, s.T_q, s.H_q, s.d_h),
+                     ConstTensorView::bthd(k_.data(), s.B, s.T_k, s.H_kv, s.d_h),
+                     ConstTensorView::bthd(v_.data(), s.B, s.T_k, s.H_kv, s.d_h),
+                     ConstTensorView::bthd(o_.data(), s.B, s.T_q, s.H_q, s.d_h),
+                     ConstTensorView::bht(lse_.data(), s.B, s.H_q, s.T_q),
+                     ConstTensorView::bthd(dout_.data(), s.B, s.T_q, s.H_q, s.d_h),
+                     TensorView::bthd(dq_.data(), s.B, s.T_q, s.H_q, s.d_h),
+                     TensorView::bthd(dk_.data(), s.B, s.T_k, s.H_kv, s.d_h),
+                     TensorView::bthd(dv_.data(), s.B, s.T_k, s.H_kv, s.d_h), options_);
+}
+
+double AttentionRun::useful_flops() const {
+  return backward_ ? shape_.backward_flops() : shape_.forward_flops();
+}
+
+// Error on a slice: batch 0, the g query heads of KV head 0, R query rows — the last R for
+// bottom-right alignment (they see the most keys), the first R for top-left — against the
+// float64 oracle. For causal bottom-right with T_q = T_k the last R keys are seen only by those
+// rows, so dK/dV of those keys are checked exactly too.
+double AttentionRun::slice_error() const {
+  const std::int64_t Tq = shape_.T_q, Tk = shape_.T_k, Hq = shape_.H_q, Hkv = shape_.H_kv,
+                     D = shape_.d_h;
+  const std::int64_t g = Hq / Hkv, R = std::min<std::int64_t>(Tq, 32);
+  const bool last_rows = shape_.align == CausalAlign::bottom_right;
+  const std::int64_t t0 = last_rows ? Tq - R : 0;
+  reference::Options ro;
+  ro.causal = shape_.causal;
+  ro.align = testkit::to_reference(shape_.align);
+  const Tensor64 q64 = testkit::slice64(q_, 1, Tq, Hq, D, t0, R, 0, g);
+  const Tensor64 k64 = testkit::slice64(k_, 1, Tk, Hkv, D, 0, Tk, 0, 1);
+  const Tensor64 v64 = testkit::slice64(v_, 1, Tk, Hkv, D, 0, Tk, 0, 1);
+  auto at = [](const std::vector<float>& x, std::int64_t i) {
+    return static_cast<double>(x[static_cast<std::size_t>(i)]);
+  };
+  testkit::ErrorAccumulator err;
+  if (!backward_) {
+    const auto ref = reference::attention_forward(q64, k64, v64, ro);
+    for (std::int64_t t = 0; t < R; ++t)
+      for (std::int64_t h = 0; h < g; ++h)
+        for (std::int64_t d = 0; d < D; ++d)
+          err.add(at(o_, ((t0 + t) * Hq + h) * D + d), ref.out.at(0, t, h, d));
+  } else {
+    const Tensor64 do64 = testkit::slice64(dout_, 1, Tq, Hq, D, t0, R, 0, g);
+    const auto ref = reference::attention_backward(q64, k64, v64, do64, ro);
+    for (std::int64_t t = 0; t < R; ++t)
+      for (std::int64_t h = 0; h < g; ++h)
+        for (std::int64_t d = 0; d < D; ++d)
+          err.add(at(dq_, ((t0 + t) * Hq + h) * D + d), ref.dq.at(0, t, h, d));
+    if (shape_.causal && last_rows && Tq == Tk) {
+      for (std::int64_t u = Tk - R; u < Tk; ++u)
+        for (std::int64_t d = 0; d < D; ++d) {
+          err.add(at(dk_, (u * Hkv) * D + d), ref.dk.at(0, u, 0, d));
+          err.add(at(dv_, (u * Hkv) * D + d), ref.dv.at(0, u, 0, d));
+        }
+    }
+  }
+  return err.value();
 }
 
 StreamRead::StreamRead(std::size_t bytes) : buf_(bytes / sizeof(float) / 4096 * 4096) {
@@ -140,15 +215,17 @@ double StreamRead::pass_gbps(int threads) {
 
 std::string to_json(const BenchResult& r) {
   std::ostringstream os;
-  os << std::setprecision(6) << "{\"op\": \"" << r.op << "\", \"batch\": " << r.batch << ", \"tq\": " << r.tq
-     << ", \"tk\": " << r.tk << ", \"hq\": " << r.hq << ", \"hkv\": " << r.hkv << ", \"dh\": " << r.dh
-     << ", \"threads\": " << r.threads << ", \"isa\": \"" << r.isa << "\", \"causal\": "
-     << (r.causal ? "true" : "false") << ", \"align\": \"" << r.align << "\", \"seconds\": " << r.seconds
+  os << std::setprecision(6) << "{\"op\": \"" << r.op << "\", \"batch\": " << r.batch
+     << ", \"tq\": " << r.tq << ", \"tk\": " << r.tk << ", \"hq\": " << r.hq
+     << ", \"hkv\": " << r.hkv << ", \"dh\": " << r.dh << ", \"threads\": " << r.threads
+     << ", \"isa\": \"" << r.isa << "\", \"causal\": " << (r.causal ? "true" : "false")
+     << ", \"align\": \"" << r.align << "\", \"seconds\": " << r.seconds
      << ", \"gflops\": " << r.gflops << ", \"ceiling_gflops\": " << r.ceiling_gflops
      << ", \"ratio\": " << r.ratio << ", \"max_rel_err\": " << r.max_rel_err
      << ", \"extra_bytes\": " << r.extra_bytes;
   if (r.op == "decode") {
-    os << ", \"cache_dtype\": \"" << r.cache_dtype << "\", \"gbps\": " << r.gbps << ", \"ceiling_gbps\": " << r.ceiling_gbps;
+    os << ", \"cache_dtype\": \"" << r.cache_dtype << "\", \"gbps\": " << r.gbps
+       << ", \"ceiling_gbps\": " << r.ceiling_gbps;
   }
   os << ", \"cpu\": \"" << cpu_features().model << "\"}";
   return os.str();
@@ -164,15 +241,21 @@ void print_result(std::ostream& out, const BenchResult& r, bool json) {
   char line[256];
   const double extra_mib = r.extra_bytes < 0 ? -1.0 : r.extra_bytes / 1048576.0;
   if (r.op == "decode") {
-    std::snprintf(line, sizeof line, "  %-8s %5lld %6lld %4lld %4lld %3lld %3d %-7s %-5s %8.2f %8.1f %8.1f %6.3f %12.2e %10.1f\n",
-                  "decode", static_cast<long long>(r.tq), static_cast<long long>(r.tk), static_cast<long long>(r.hq),
-                  static_cast<long long>(r.hkv), static_cast<long long>(r.dh), r.threads, r.isa.c_str(),
-                  r.cache_dtype.c_str(), r.seconds * 1e3, r.gbps, r.ceiling_gbps, r.ratio, r.max_rel_err, extra_mib);
+    std::snprintf(line, sizeof line,
+                  "  %-8s %5lld %6lld %4lld %4lld %3lld %3d %-7s %-5s %8.2f %8.1f %8.1f %6.3f "
+                  "%12.2e %10.1f\n",
+                  "decode", static_cast<long long>(r.tq), static_cast<long long>(r.tk),
+                  static_cast<long long>(r.hq), static_cast<long long>(r.hkv),
+                  static_cast<long long>(r.dh), r.threads, r.isa.c_str(), r.cache_dtype.c_str(),
+                  r.seconds * 1e3, r.gbps, r.ceiling_gbps, r.ratio, r.max_rel_err, extra_mib);
   } else {
-    std::snprintf(line, sizeof line, "  %-8s %6lld %6lld %4lld %4lld %3lld %3d %-7s %9.2f %9.1f %6.1f %6.3f %12.2e %10.1f\n",
-                  r.op.c_str(), static_cast<long long>(r.tq), static_cast<long long>(r.tk), static_cast<long long>(r.hq),
-                  static_cast<long long>(r.hkv), static_cast<long long>(r.dh), r.threads, r.isa.c_str(), r.seconds * 1e3,
-                  r.gflops, r.ceiling_gflops, r.ratio, r.max_rel_err, extra_mib);
+    std::snprintf(
+        line, sizeof line,
+        "  %-8s %6lld %6lld %4lld %4lld %3lld %3d %-7s %9.2f %9.1f %6.1f %6.3f %12.2e %10.1f\n",
+        r.op.c_str(), static_cast<long long>(r.tq), static_cast<long long>(r.tk),
+        static_cast<long long>(r.hq), static_cast<long long>(r.hkv), static_cast<long long>(r.dh),
+        r.threads, r.isa.c_str(), r.seconds * 1e3, r.gflops, r.ceiling_gflops, r.ratio,
+        r.max_rel_err, extra_mib);
   }
   out << line;
 }
@@ -186,7 +269,8 @@ namespace {
 // same run, and the max relative error of the group of KV head 0 (sequence 0) vs float64.
 std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   if (cfg.tnew < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --tnew must be >= 1");
-  if (cfg.hq % cfg.hkv != 0) throw ArgumentError(ErrorCode::invalid_argument, "bench: --hkv must divide --hq");
+  if (cfg.hq % cfg.hkv != 0)
+    throw ArgumentError(ErrorCode::invalid_argument, "bench: --hkv must divide --hq");
   struct DecodeCase {
     std::int64_t tk;
     DType dtype;
@@ -199,23 +283,24 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
       for (int th : cfg.threads)
         for (Isa isa : cfg.isas) {
           if (tk < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --tk must be >= 1");
-          if (th < 0) throw ArgumentError(ErrorCode::invalid_argument, "bench: --threads must be >= 0");
+          if (th < 0)
+            throw ArgumentError(ErrorCode::invalid_argument, "bench: --threads must be >= 0");
           cases.push_back({tk, dt, th == 0 ? default_threads() : th, resolve_isa(isa)});
         }
   if (!cfg.json) {
     out << "tokenmix bench decode on " << cpu_features().model << "\n";
-    out << "  op       T_new    T_k  H_q H_kv d_h thr isa     cache     ms     GB/s  ceiling  ratio  max_rel_err  extra_MiB\n";
+    out << "  op       T_new    T_k  H_q H_kv d_h thr isa     cache     ms     GB/s  ceiling  "
+           "ratio  max_rel_err  extra_MiB\n";
   }
   const std::int64_t B = cfg.batch, Hq = cfg.hq, Hkv = cfg.hkv, D = cfg.dh, Tn = cfg.tnew,
                      g = Hq / Hkv;
   std::vector<BenchResult> results;
   std::optional<StreamRead> stream;     // 1 GiB, allocated once
   constexpr std::int64_t kFill = 4096;  // positions appended per call while filling the cache
-  std::vector<float> kv_k(static_cast<std::size_t>(B * kFill * Hkv * D)), kv_v(kv_k.size());
-  fill(kv_k, 21);
-  fill(kv_v, 22);
-  std::vector<float> q(static_cast<std::size_t>(B * Tn * Hq * D)), o(q.size()), lse(static_cast<std::size_t>(B * Hq * Tn));
-  fill(q, 23);
+  const std::vector<float> kv_k = random_normal(static_cast<std::size_t>(B * kFill * Hkv * D), 21),
+                           kv_v = random_normal(kv_k.size(), 22),
+                           q = random_normal(static_cast<std::size_t>(B * Tn * Hq * D), 23);
+  std::vector<float> o(q.size()), lse(static_cast<std::size_t>(B * Hq * Tn));
   for (const DecodeCase& c : cases) {
     if (!stream) {
       if (cfg.progress)
@@ -223,8 +308,8 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
       stream.emplace();
     }
     if (cfg.progress) {
-      std::cerr << "[bench] decode T_k=" << c.tk << " cache=" << to_string(c.dtype) << " threads=" << c.threads
-                << " isa=" << to_string(c.isa) << "\n";
+      std::cerr << "[bench] decode T_k=" << c.tk << " cache=" << to_string(c.dtype)
+                << " threads=" << c.threads << " isa=" << to_string(c.isa) << "\n";
     }
     KVCache cache({1, B, Hkv, D, c.tk, c.dtype, 0, 0});
     for (std::int64_t t0 = 0; t0 < c.tk; t0 += kFill) {  // the 4096-position pattern repeats
@@ -270,14 +355,14 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     res.gbps = static_cast<double>(decode_bytes(cache, 0, 0, B)) / res.seconds * 1e-9;
     res.ceiling_gbps = median(ceiling);
     res.ratio = res.gbps / res.ceiling_gbps;
-    res.extra_bytes = peak_ok && peak >= 0 && rss_before >= 0 ? std::max<std::int64_t>(0, peak - rss_before) * 1024 : -1;
+    res.extra_bytes = peak_ok && peak >= 0 && rss_before >= 0
+                          ? std::max<std::int64_t>(0, peak - rss_before) * 1024
+                          : -1;
 
     // Error: sequence 0, the g query heads of KV head 0, against the float64 oracle on the
     // values as stored (fp32 rounded to the cache dtype).
-    Tensor64 q64({1, Tn, g, D}), k64({1, c.tk, 1, D}), v64({1, c.tk, 1, D});
-    for (std::int64_t t = 0; t < Tn; ++t)
-      for (std::int64_t h = 0; h < g; ++h)
-        for (std::int64_t x = 0; x < D; ++x) q64.at(0, t, h, x) = q[static_cast<std::size_t>((t * Hq + h) * D + x)];
+    const Tensor64 q64 = testkit::slice64(q, 1, Tn, Hq, D, 0, Tn, 0, g);
+    Tensor64 k64({1, c.tk, 1, D}), v64({1, c.tk, 1, D});
     auto rounded = [&](float x) {  // as the cache stores it (round to nearest even), widened
       std::uint32_t slot = 0;
       kernels::store_element(c.dtype, &slot, 0, x);
@@ -290,11 +375,8 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
         v64.at(0, t, 0, x) = rounded(kv_v[src]);
       }
     const auto ref = reference::attention_forward(q64, k64, v64);
-    ErrAcc err;
-    for (std::int64_t t = 0; t < Tn; ++t)
-      for (std::int64_t h = 0; h < g; ++h)
-        for (std::int64_t x = 0; x < D; ++x) err.add(o[static_cast<std::size_t>((t * Hq + h) * D + x)], ref.out.at(0, t, h, x));
-    res.max_rel_err = err.rel();
+    res.max_rel_err =
+        testkit::rel_err(testkit::slice64(o, 1, Tn, Hq, D, 0, Tn, 0, g).data, ref.out.data);
     results.push_back(res);
     print_result(out, res, cfg.json);
     out.flush();
@@ -306,13 +388,18 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
 
 std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
   if (cfg.op != "forward" && cfg.op != "backward" && cfg.op != "decode") {
-    throw ArgumentError(ErrorCode::invalid_argument, "bench: op must be forward, backward or decode; got '" + cfg.op + "'");
+    throw ArgumentError(ErrorCode::invalid_argument,
+                        "bench: op must be forward, backward or decode; got '" + cfg.op + "'");
   }
-  for (auto [name, v] : {std::pair{"--batch", cfg.batch}, std::pair{"--hq", cfg.hq}, std::pair{"--hkv", cfg.hkv},
-                         std::pair{"--dh", cfg.dh}, std::pair{"--tk", cfg.tk + 1}}) {
-    if (v < 1) throw ArgumentError(ErrorCode::invalid_argument, std::string("bench: ") + name + " must be >= 1");
+  for (auto [name, v] :
+       {std::pair{"--batch", cfg.batch}, std::pair{"--hq", cfg.hq}, std::pair{"--hkv", cfg.hkv},
+        std::pair{"--dh", cfg.dh}, std::pair{"--tk", cfg.tk + 1}}) {
+    if (v < 1)
+      throw ArgumentError(ErrorCode::invalid_argument,
+                          std::string("bench: ") + name + " must be >= 1");
   }
-  if (cfg.repeats < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --repeats must be >= 1");
+  if (cfg.repeats < 1)
+    throw ArgumentError(ErrorCode::invalid_argument, "bench: --repeats must be >= 1");
   if (cfg.op == "decode") return run_decode(cfg, out);
   const bool backward = cfg.op == "backward";
   std::vector<Case> cases;
@@ -320,125 +407,67 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
     for (int th : cfg.threads)
       for (Isa isa : cfg.isas) {
         if (tq < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --tq must be >= 1");
-        if (th < 0) throw ArgumentError(ErrorCode::invalid_argument, "bench: --threads must be >= 0");
-        cases.push_back({tq, cfg.tk > 0 ? cfg.tk : tq, th == 0 ? default_threads() : th, resolve_isa(isa)});
+        if (th < 0)
+          throw ArgumentError(ErrorCode::invalid_argument, "bench: --threads must be >= 0");
+        const testkit::AttentionShape shape{cfg.batch,  tq,       cfg.tk > 0 ? cfg.tk : tq,
+                                            cfg.hq,     cfg.hkv,  cfg.dh,
+                                            cfg.causal, cfg.align};
+        cases.push_back({shape, th == 0 ? default_threads() : th, resolve_isa(isa)});
       }
 
   if (!cfg.json) {
     out << "tokenmix bench " << cfg.op << " on " << cpu_features().model << "\n";
-    out << "  op        T_q    T_k  H_q H_kv d_h thr isa          ms   GFLOP/s  sgemm  ratio  max_rel_err  extra_MiB\n";
+    out << "  op        T_q    T_k  H_q H_kv d_h thr isa          ms   GFLOP/s  sgemm  ratio  "
+           "max_rel_err  extra_MiB\n";
   }
   std::map<int, double> ceilings;
   std::vector<BenchResult> results;
-  const std::int64_t B = cfg.batch, Hq = cfg.hq, Hkv = cfg.hkv, D = cfg.dh;
   for (const Case& c : cases) {
+    const testkit::AttentionShape& sh = c.shape;
     if (!ceilings.count(c.threads)) {
-      if (cfg.progress) std::cerr << "[bench] measuring sgemm 2048^3 ceiling, " << c.threads << " thread(s)\n";
+      if (cfg.progress)
+        std::cerr << "[bench] measuring sgemm 2048^3 ceiling, " << c.threads << " thread(s)\n";
       ceilings[c.threads] = sgemm_ceiling_gflops(c.threads);
     }
     if (cfg.progress) {
-      std::cerr << "[bench] " << cfg.op << " T_q=" << c.tq << " T_k=" << c.tk << " threads=" << c.threads
-                << " isa=" << to_string(c.isa) << "\n";
+      std::cerr << "[bench] " << cfg.op << " T_q=" << sh.T_q << " T_k=" << sh.T_k
+                << " threads=" << c.threads << " isa=" << to_string(c.isa) << "\n";
     }
-    std::vector<float> q(static_cast<std::size_t>(B * c.tq * Hq * D)), k(static_cast<std::size_t>(B * c.tk * Hkv * D)),
-        v(k.size()), o(q.size()), lse(static_cast<std::size_t>(B * Hq * c.tq));
-    fill(q, 11);
-    fill(k, 12);
-    fill(v, 13);
-    std::vector<float> dout, dq, dk, dv;
-    AttentionOptions opt;
-    opt.causal = cfg.causal;
-    opt.align = cfg.align;
-    opt.threads = c.threads;
-    opt.isa = c.isa;
-    const auto Q = ConstTensorView::bthd(q.data(), B, c.tq, Hq, D);
-    const auto K = ConstTensorView::bthd(k.data(), B, c.tk, Hkv, D);
-    const auto V = ConstTensorView::bthd(v.data(), B, c.tk, Hkv, D);
-    const auto O = TensorView::bthd(o.data(), B, c.tq, Hq, D);
-    const auto L = TensorView::bht(lse.data(), B, Hq, c.tq);
-    if (backward) {
-      dout.resize(q.size());
-      fill(dout, 14);
-      dq.assign(q.size(), 0.0f);
-      dk.assign(k.size(), 0.0f);
-      dv.assign(k.size(), 0.0f);
-    }
+    AttentionRun run(sh, backward, c.isa, c.threads);
     // Peak extra memory: resident-set growth over every call of this case (for backward, the
     // forward that produces O and L too), measured from here, where all inputs and outputs are
     // allocated and touched, so only the kernels' own scratch counts.
     const std::int64_t rss_before = status_kib("VmRSS:");
     const bool peak_ok = reset_peak_rss();
-    attention_forward(Q, K, V, O, L, opt);
-    auto call = [&] {
-      if (backward) {
-        attention_backward(Q, K, V, O, L, ConstTensorView::bthd(dout.data(), B, c.tq, Hq, D),
-                           TensorView::bthd(dq.data(), B, c.tq, Hq, D), TensorView::bthd(dk.data(), B, c.tk, Hkv, D),
-                           TensorView::bthd(dv.data(), B, c.tk, Hkv, D), opt);
-      } else {
-        attention_forward(Q, K, V, O, L, opt);
-      }
-    };
-    call();  // warm-up
+    run.forward();
+    run.call();  // warm-up
     std::vector<double> times;
     for (int r = 0; r < cfg.repeats; ++r) {
       const auto t0 = Clock::now();
-      call();
+      run.call();
       times.push_back(seconds_since(t0));
     }
     const std::int64_t peak = status_kib("VmHWM:");
     BenchResult res{};
     res.op = cfg.op;
-    res.batch = B;
-    res.tq = c.tq;
-    res.tk = c.tk;
-    res.hq = Hq;
-    res.hkv = Hkv;
-    res.dh = D;
+    res.batch = sh.B;
+    res.tq = sh.T_q;
+    res.tk = sh.T_k;
+    res.hq = sh.H_q;
+    res.hkv = sh.H_kv;
+    res.dh = sh.d_h;
     res.threads = c.threads;
     res.isa = to_string(c.isa);
-    res.causal = cfg.causal;
-    res.align = cfg.align == CausalAlign::bottom_right ? "bottom-right" : "top-left";
+    res.causal = sh.causal;
+    res.align = sh.align_name();
     res.seconds = median(times);
-    const double flops = forward_flops(B, c.tq, c.tk, Hq, D, cfg.causal, cfg.align) * (backward ? 2.5 : 1.0);
-    res.gflops = flops / res.seconds * 1e-9;
+    res.gflops = run.useful_flops() / res.seconds * 1e-9;
     res.ceiling_gflops = ceilings[c.threads];
     res.ratio = res.gflops / res.ceiling_gflops;
-    res.extra_bytes = peak_ok && peak >= 0 && rss_before >= 0 ? std::max<std::int64_t>(0, peak - rss_before) * 1024 : -1;
-
-    // Error on a slice: batch 0, the g query heads of KV head 0, R query rows — the last R for
-    // bottom-right alignment (they see the most keys), the first R for top-left — against
-    // the float64 oracle. For causal bottom-right with T_q = T_k the last R keys are seen only
-    // by those rows, so dK/dV of those keys are checked exactly too.
-    const std::int64_t g = Hq / Hkv, R = std::min<std::int64_t>(c.tq, 32);
-    const bool last_rows = cfg.align == CausalAlign::bottom_right;
-    const std::int64_t t0 = last_rows ? c.tq - R : 0;
-    reference::Options ro;
-    ro.causal = cfg.causal;
-    ro.align = last_rows ? reference::Align::bottom_right : reference::Align::top_left;
-    const Tensor64 q64 = slice64(q, c.tq, Hq, D, t0, R, 0, g);
-    const Tensor64 k64 = slice64(k, c.tk, Hkv, D, 0, c.tk, 0, 1);
-    const Tensor64 v64 = slice64(v, c.tk, Hkv, D, 0, c.tk, 0, 1);
-    ErrAcc err;
-    if (!backward) {
-      const auto ref = reference::attention_forward(q64, k64, v64, ro);
-      for (std::int64_t t = 0; t < R; ++t)
-        for (std::int64_t h = 0; h < g; ++h)
-          for (std::int64_t d = 0; d < D; ++d) err.add(o[((t0 + t) * Hq + h) * D + d], ref.out.at(0, t, h, d));
-    } else {
-      const Tensor64 do64 = slice64(dout, c.tq, Hq, D, t0, R, 0, g);
-      const auto ref = reference::attention_backward(q64, k64, v64, do64, ro);
-      for (std::int64_t t = 0; t < R; ++t)
-        for (std::int64_t h = 0; h < g; ++h)
-          for (std::int64_t d = 0; d < D; ++d) err.add(dq[((t0 + t) * Hq + h) * D + d], ref.dq.at(0, t, h, d));
-      if (cfg.causal && last_rows && c.tq == c.tk) {
-        for (std::int64_t u = c.tk - R; u < c.tk; ++u)
-          for (std::int64_t d = 0; d < D; ++d) {
-            err.add(dk[(u * Hkv) * D + d], ref.dk.at(0, u, 0, d));
-            err.add(dv[(u * Hkv) * D + d], ref.dv.at(0, u, 0, d));
-          }
-      }
-    }
-    res.max_rel_err = err.rel();
+    res.extra_bytes = peak_ok && peak >= 0 && rss_before >= 0
+                          ? std::max<std::int64_t>(0, peak - rss_before) * 1024
+                          : -1;
+    res.max_rel_err = run.slice_error();
     results.push_back(res);
     print_result(out, res, cfg.json);
     out.flush();

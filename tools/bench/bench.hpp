@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "testkit.hpp"
 #include "tokenmix/attention.hpp"
 #include "tokenmix/tensor.hpp"
 
@@ -23,18 +24,19 @@ struct BenchConfig {
   std::string op = "forward";  ///< "forward", "backward" or "decode"
   std::int64_t batch = 1, hq = 32, hkv = 8, dh = 128;
   std::vector<std::int64_t> tq = {512, 2048, 8192};  ///< one case per entry
-  std::int64_t tk = 0;                              ///< 0 = same as each tq
-  std::vector<int> threads = {0};                   ///< 0 = all; one case per entry
+  std::int64_t tk = 0;                               ///< 0 = same as each tq
+  std::vector<int> threads = {0};                    ///< 0 = all; one case per entry
   bool causal = true;
   CausalAlign align = CausalAlign::bottom_right;
   std::vector<Isa> isas = {Isa::automatic};
-  int repeats = 5;                                  ///< timed runs per case (median reported)
-  bool json = false;                                ///< one JSON object per line per case
-  bool progress = true;                             ///< progress lines on stderr
+  int repeats = 5;       ///< timed runs per case (median reported)
+  bool json = false;     ///< one JSON object per line per case
+  bool progress = true;  ///< progress lines on stderr
   // decode only: one case per (cache_tokens, cache_dtype, threads, isa); tq is not used.
-  std::vector<std::int64_t> cache_tokens = {4096, 32768, 131072};  ///< T_k: cached positions per sequence
+  std::vector<std::int64_t> cache_tokens = {4096, 32768,
+                                            131072};  ///< T_k: cached positions per sequence
   std::vector<DType> cache_dtypes = {DType::f32, DType::bf16, DType::f16};
-  std::int64_t tnew = 1;                            ///< new queries per sequence (T_new; > 1: speculative)
+  std::int64_t tnew = 1;  ///< new queries per sequence (T_new; > 1: speculative)
 };
 
 struct BenchResult {
@@ -44,23 +46,59 @@ struct BenchResult {
   std::string isa;
   bool causal;
   std::string align;
-  double seconds;         ///< median wall time of one call
-  double gflops;          ///< useful GFLOP/s
-  double ceiling_gflops;  ///< OpenBLAS sgemm 2048³, best of several, same thread count
-  double ratio;           ///< gflops / ceiling_gflops
-  double max_rel_err;     ///< vs float64 reference on a slice: max|x − r| / max|r|
+  double seconds;            ///< median wall time of one call
+  double gflops;             ///< useful GFLOP/s
+  double ceiling_gflops;     ///< SgemmCeiling, best of several, same thread count
+  double ratio;              ///< gflops / ceiling_gflops
+  double max_rel_err;        ///< vs float64 reference on a slice: max|x − r| / max|r|
   std::int64_t extra_bytes;  ///< peak resident memory growth during the call
   // decode only (to_json writes them for op "decode"; there gflops counts 4·d_h·H_q·T_k·T_new·B,
   // ceiling_gflops is 0 and ratio = gbps / ceiling_gbps):
-  std::string cache_dtype;   ///< element type of the KV cache
-  double gbps = 0.0;         ///< K/V bytes read per second (SPEC "decode bytes") / 1e9
+  std::string cache_dtype;  ///< element type of the KV cache
+  double gbps = 0.0;        ///< K/V bytes read per second (SPEC "decode bytes") / 1e9
   double ceiling_gbps =
       0.0;  ///< streaming read bandwidth (StreamRead), median of passes interleaved with the steps
 };
 
-/// sgemm 2048×2048×2048 through OpenBLAS with `threads` threads: best GFLOP/s of `repeats`
-/// (OpenBLAS's two-thread rate varies a lot from run to run on a shared VM: take enough).
+/// The fp32 GEMM ceiling of forward and backward: C = A B, n = 2048, through OpenBLAS, on seeded
+/// N(0, 1) inputs. `tokenmix bench` and benchmarks/ (Google Benchmark) both time this one.
+class SgemmCeiling {
+ public:
+  static constexpr int kN = 2048;
+  SgemmCeiling();
+  void run_once();                                                ///< one cblas_sgemm call
+  static constexpr double flops() { return 2.0 * kN * kN * kN; }  ///< per call
+  /// Best GFLOP/s of `repeats` calls after a warm-up, with `threads` OpenBLAS threads (OpenBLAS's
+  /// two-thread rate varies a lot from run to run on a shared VM: take enough).
+  double best_gflops(int threads, int repeats = 10);
+
+ private:
+  std::vector<float> a_, b_, c_;
+};
+
+/// sgemm 2048×2048×2048 through OpenBLAS with `threads` threads: best GFLOP/s of `repeats`.
 double sgemm_ceiling_gflops(int threads, int repeats = 10);
+
+/// One forward or backward case of the bench: seeded contiguous [B, T, H, d_h] inputs and
+/// outputs of `shape`, the call that is timed, its useful FLOPs (SPEC "Useful-work counts", from
+/// the case's shape) and its error against the float64 oracle on a slice of rows.
+/// `tokenmix bench forward|backward` and benchmarks/ (Google Benchmark) both time this one.
+class AttentionRun {
+ public:
+  AttentionRun(const testkit::AttentionShape& shape, bool backward, Isa isa, int threads);
+  void forward();  ///< attention_forward: O and L (what backward starts from)
+  void call();     ///< the timed call: forward, or backward from the O and L of forward()
+  double useful_flops() const;
+  /// rel_err (testkit) of batch 0, the g query heads of KV head 0, 32 query rows (dQ, and for
+  /// causal bottom-right T_q = T_k also dK, dV of the last 32 keys) vs reference::attention_*.
+  double slice_error() const;
+
+ private:
+  testkit::AttentionShape shape_;
+  bool backward_;
+  AttentionOptions options_;
+  std::vector<float> q_, k_, v_, o_, lse_, dout_, dq_, dk_, dv_;
+};
 
 /// Streaming read bandwidth: `threads` threads sum a buffer of `bytes` (≫ L3), backed by
 /// transparent huge pages like the KV cache. Each pass_gbps() is one timed read; the decode bench

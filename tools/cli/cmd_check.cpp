@@ -30,9 +30,8 @@ namespace {
 
 using reference::Tensor64;
 
-// Bounds on max|x − r| / max|r| (float32 results vs float64).
-constexpr double kForwardBound = 2e-5;
-constexpr double kBackwardBound = 2e-4;
+// Bounds on max|x − r| / max|r| (float32 results vs float64). The attention cases carry theirs
+// in the case table (testkit::Tolerance: 2e-5 forward, 2e-4 backward).
 constexpr double kGradCheckBound = 2e-4;     // our float32 backward vs float64 differences
 constexpr double kRefGradCheckBound = 1e-7;  // float64 reference backward vs differences
 constexpr double kLayerBound = 2e-4;
@@ -116,20 +115,18 @@ struct Tensor32 {
   }
 };
 
-reference::Options ref_options(const AttentionOptions& o) {
-  reference::Options r;
-  r.scale = o.scale;
-  r.causal = o.causal;
-  r.align = o.align == CausalAlign::top_left ? reference::Align::top_left
-                                             : reference::Align::bottom_right;
-  return r;
-}
+using testkit::AttentionCase;
 
-struct Case {
-  std::string name;
-  std::int64_t B, T_q, T_k, H_q, H_kv, D;
-  AttentionOptions options;
-  bool sdpa_layout = false;
+/// q, k, v and dout of one case, filled from `rng`.
+struct Inputs {
+  Tensor32 q, k, v, dout;
+  Inputs(const AttentionCase& c, std::mt19937_64& rng)
+      : q({c.shape.B, c.shape.T_q, c.shape.H_q, c.shape.d_h}, c.sdpa_layout),
+        k({c.shape.B, c.shape.T_k, c.shape.H_kv, c.shape.d_h}, c.sdpa_layout),
+        v({c.shape.B, c.shape.T_k, c.shape.H_kv, c.shape.d_h}, c.sdpa_layout),
+        dout({c.shape.B, c.shape.T_q, c.shape.H_q, c.shape.d_h}, c.sdpa_layout) {
+    q.fill(rng), k.fill(rng), v.fill(rng), dout.fill(rng);
+  }
 };
 
 /// Our forward + backward of one case; returns out, lse, dq, dk, dv.
@@ -137,17 +134,19 @@ struct Ours {
   Tensor32 out, dq, dk, dv;
   std::vector<float> lse;
 };
-Ours run_ours(const Case& c, Tensor32& q, Tensor32& k, Tensor32& v, Tensor32& dout) {
-  Ours r{Tensor32(q.shape, c.sdpa_layout),
-         Tensor32(q.shape, c.sdpa_layout),
-         Tensor32(k.shape, c.sdpa_layout),
-         Tensor32(v.shape, c.sdpa_layout),
+Ours run_ours(const AttentionCase& c, Isa isa, int threads, Inputs& in) {
+  const AttentionOptions options = c.options(isa, threads);
+  const testkit::AttentionShape& s = c.shape;
+  Ours r{Tensor32(in.q.shape, c.sdpa_layout),
+         Tensor32(in.q.shape, c.sdpa_layout),
+         Tensor32(in.k.shape, c.sdpa_layout),
+         Tensor32(in.v.shape, c.sdpa_layout),
          {}};
-  r.lse.assign(static_cast<std::size_t>(c.B * c.H_q * c.T_q), std::nanf(""));
-  const TensorView lse = TensorView::bht(r.lse.data(), c.B, c.H_q, c.T_q);
-  attention_forward(q.view(), k.view(), v.view(), r.out.view(), lse, c.options);
-  attention_backward(q.view(), k.view(), v.view(), r.out.view(), lse, dout.view(), r.dq.view(),
-                     r.dk.view(), r.dv.view(), c.options);
+  r.lse.assign(static_cast<std::size_t>(s.B * s.H_q * s.T_q), std::nanf(""));
+  const TensorView lse = TensorView::bht(r.lse.data(), s.B, s.H_q, s.T_q);
+  attention_forward(in.q.view(), in.k.view(), in.v.view(), r.out.view(), lse, options);
+  attention_backward(in.q.view(), in.k.view(), in.v.view(), r.out.view(), lse, in.dout.view(),
+                     r.dq.view(), r.dk.view(), r.dv.view(), options);
   return r;
 }
 
@@ -160,22 +159,19 @@ double lse_err(const std::vector<float>& lse, const Tensor64& ref) {
 
 Outcome gradient_check(Isa isa, int threads) {
   Outcome out;
-  const std::vector<Case> cases = {
-      {"", 2, 6, 6, 4, 2, 8, {}}, {"", 1, 4, 7, 3, 1, 6, {}},  // T_q < T_k bottom-right, MQA
+  const std::vector<AttentionCase> cases = {
+      {"GQA", {2, 6, 6, 4, 2, 8}},
+      {"T_q < T_k bottom-right, MQA", {1, 4, 7, 3, 1, 6}},
   };
   std::mt19937_64 rng(7);
   double worst = 0.0, worst_ref = 0.0;
-  for (Case c : cases) {
-    c.options.isa = isa;
-    c.options.threads = threads;
-    Tensor32 q({c.B, c.T_q, c.H_q, c.D}), k({c.B, c.T_k, c.H_kv, c.D}),
-        v({c.B, c.T_k, c.H_kv, c.D}), dout({c.B, c.T_q, c.H_q, c.D});
-    q.fill(rng), k.fill(rng), v.fill(rng), dout.fill(rng);
-    Ours ours = run_ours(c, q, k, v, dout);
+  for (const AttentionCase& c : cases) {
+    Inputs in(c, rng);
+    Ours ours = run_ours(c, isa, threads, in);
 
-    Tensor64 q64 = q.to64(), k64 = k.to64(), v64 = v.to64();
-    const Tensor64 do64 = dout.to64();
-    const reference::Options ro = ref_options(c.options);
+    Tensor64 q64 = in.q.to64(), k64 = in.k.to64(), v64 = in.v.to64();
+    const Tensor64 do64 = in.dout.to64();
+    const reference::Options ro = c.reference_options();
     auto loss = [&]() {  // Σ dO ⊙ O, in double
       const auto f = reference::attention_forward(q64, k64, v64, ro);
       double s = 0.0;
@@ -287,13 +283,11 @@ Outcome softmax_check() {
 Outcome causality_check(Isa isa, int threads) {
   Outcome out;
   const std::int64_t B = 2, T = 70, Hq = 4, Hkv = 2, D = 64, p = 41;
-  Case c{"", B, T, T, Hq, Hkv, D, {}};
-  c.options.isa = isa;
-  c.options.threads = threads;
+  const AttentionCase c{"causality", {B, T, T, Hq, Hkv, D}};
   std::mt19937_64 rng(3);
-  Tensor32 q({B, T, Hq, D}), k({B, T, Hkv, D}), v({B, T, Hkv, D}), dout({B, T, Hq, D});
-  q.fill(rng), k.fill(rng), v.fill(rng), dout.fill(rng);
-  Ours before = run_ours(c, q, k, v, dout);
+  Inputs in(c, rng);
+  Tensor32 &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
+  Ours before = run_ours(c, isa, threads, in);
   // Perturb every input at position p (queries, keys, values and the incoming gradient).
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t h = 0; h < Hq; ++h)
@@ -301,7 +295,7 @@ Outcome causality_check(Isa isa, int threads) {
     for (std::int64_t h = 0; h < Hkv; ++h)
       for (std::int64_t d = 0; d < D; ++d) k.at(b, p, h, d) *= -3.0f, v.at(b, p, h, d) += 4.0f;
   }
-  Ours after = run_ours(c, q, k, v, dout);
+  Ours after = run_ours(c, isa, threads, in);
 
   auto rows_equal = [&](Tensor32& x, Tensor32& y, std::int64_t t0, std::int64_t t1) {
     for (std::int64_t b = 0; b < B; ++b)
@@ -332,24 +326,20 @@ Outcome causality_check(Isa isa, int threads) {
 // --- forward / backward vs reference
 // --------------------------------------------------------------
 
-Outcome attention_check(const Case& base, Isa isa, int threads) {
-  Case c = base;
-  c.options.isa = isa;
-  c.options.threads = threads;
-  std::mt19937_64 rng(static_cast<std::uint64_t>(c.T_q * 131 + c.T_k * 7 + c.D));
-  Tensor32 q({c.B, c.T_q, c.H_q, c.D}, c.sdpa_layout), k({c.B, c.T_k, c.H_kv, c.D}, c.sdpa_layout),
-      v({c.B, c.T_k, c.H_kv, c.D}, c.sdpa_layout), dout({c.B, c.T_q, c.H_q, c.D}, c.sdpa_layout);
-  q.fill(rng), k.fill(rng), v.fill(rng), dout.fill(rng);
-  Ours ours = run_ours(c, q, k, v, dout);
-  const reference::Options ro = ref_options(c.options);
-  const Tensor64 q64 = q.to64(), k64 = k.to64(), v64 = v.to64(), do64 = dout.to64();
+Outcome attention_check(const AttentionCase& c, Isa isa, int threads) {
+  const testkit::AttentionShape& s = c.shape;
+  std::mt19937_64 rng(static_cast<std::uint64_t>(s.T_q * 131 + s.T_k * 7 + s.d_h));
+  Inputs in(c, rng);
+  Ours ours = run_ours(c, isa, threads, in);
+  const reference::Options ro = c.reference_options();
+  const Tensor64 q64 = in.q.to64(), k64 = in.k.to64(), v64 = in.v.to64(), do64 = in.dout.to64();
   const auto f = reference::attention_forward(q64, k64, v64, ro);
   const auto b = reference::attention_backward(q64, k64, v64, do64, ro);
   Outcome out;
-  out.pass = within(ours.out.err(f.out), kForwardBound, out.detail, "O");
-  out.pass = within(lse_err(ours.lse, f.lse), kForwardBound, out.detail, "L") && out.pass;
+  out.pass = within(ours.out.err(f.out), c.tolerance.forward, out.detail, "O");
+  out.pass = within(lse_err(ours.lse, f.lse), c.tolerance.forward, out.detail, "L") && out.pass;
   const double db = std::max({ours.dq.err(b.dq), ours.dk.err(b.dk), ours.dv.err(b.dv)});
-  out.pass = within(db, kBackwardBound, out.detail, "dQ,dK,dV") && out.pass;
+  out.pass = within(db, c.tolerance.backward, out.detail, "dQ,dK,dV") && out.pass;
   return out;
 }
 
@@ -409,25 +399,25 @@ int run_check(const std::string& isa_name, int threads) {
   Reporter report;
   report.run("softmax Jacobian (4.6-4.7)", [] { return softmax_check(); });
 
-  std::vector<Case> cases = {
-      {"1x1 head, T=1", 1, 1, 1, 1, 1, 8, {}},
-      {"GQA g=2, T=37, d_h=64", 2, 37, 37, 4, 2, 64, {}},
-      {"MQA g=8, T=130, d_h=128", 1, 130, 130, 8, 1, 128, {}},
-      {"T_q=5 < T_k=19 bottom-right", 1, 5, 19, 2, 2, 32, {}},
-      {"T_q=19 > T_k=5 bottom-right (empty rows)", 1, 19, 5, 2, 1, 16, {}},
-      {"T_q=9, T_k=14 top-left", 1, 9, 14, 2, 1, 24, {}},
-      {"no mask, scale 0.3, d_h=80", 2, 33, 33, 2, 2, 80, {}},
-      {"SDPA layout [B,H,T,d_h], T=65", 1, 65, 65, 4, 2, 32, {}, true},
+  // The attention case table: name, shape {B, T_q, T_k, H_q, H_kv, d_h, causal, align}, scale,
+  // SDPA layout; every case has the default tolerance (2e-5 forward, 2e-4 backward).
+  constexpr CausalAlign kTopLeft = CausalAlign::top_left;
+  const std::vector<AttentionCase> cases = {
+      {"1x1 head, T=1", {1, 1, 1, 1, 1, 8}},
+      {"GQA g=2, T=37, d_h=64", {2, 37, 37, 4, 2, 64}},
+      {"MQA g=8, T=130, d_h=128", {1, 130, 130, 8, 1, 128}},
+      {"T_q=5 < T_k=19 bottom-right", {1, 5, 19, 2, 2, 32}},
+      {"T_q=19 > T_k=5 bottom-right (empty rows)", {1, 19, 5, 2, 1, 16}},
+      {"T_q=9, T_k=14 top-left", {1, 9, 14, 2, 1, 24, true, kTopLeft}},
+      {"no mask, scale 0.3, d_h=80", {2, 33, 33, 2, 2, 80, false}, 0.3},
+      {"SDPA layout [B,H,T,d_h], T=65", {1, 65, 65, 4, 2, 32}, 0.0, true},
   };
-  cases[5].options.align = CausalAlign::top_left;
-  cases[6].options.causal = false;
-  cases[6].options.scale = 0.3;
 
   for (Isa isa : isas) {
     const std::string tag = std::string(" [") + to_string(isa) + "]";
     report.run("gradient check" + tag, [&] { return gradient_check(isa, threads); });
     report.run("causality" + tag, [&] { return causality_check(isa, threads); });
-    for (const Case& c : cases)
+    for (const AttentionCase& c : cases)
       report.run("attention " + c.name + tag, [&] { return attention_check(c, isa, threads); });
     report.run("layer GQA, RoPE rotate-half" + tag,
                [&] { return layer_check(RopePairing::rotate_half, 2, isa, threads); });

@@ -1,16 +1,15 @@
 // tools/cli/common.hpp — what the subcommands of the `tokenmix` tool share: how a subcommand is
-// registered, progress lines, timing, the error metric and conversions to the float64 oracle.
+// registered, progress lines, timing, formatting and option parsing (the error metric and the
+// rest of the checking scaffolding is the testing toolkit's, tools/testkit).
 #pragma once
 
-#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
-#include <span>
 #include <string>
-#include <vector>
 
 #include "reference/reference.hpp"
+#include "testkit.hpp"
 #include "tokenmix/tokenmix.hpp"
 
 namespace CLI {
@@ -51,21 +50,11 @@ class Stopwatch {
   std::chrono::steady_clock::time_point start_;
 };
 
-/// The error metric of every check: max_i |x_i − r_i| / max_i |r_i| (max-norm error relative to
-/// the max-norm of the reference; 0/0 counts as 0). A NaN in x counts as an infinite error.
-struct ErrorAccumulator {
-  double max_diff = 0.0;
-  double max_ref = 0.0;
-  void add(double x, double r);
-  double value() const;
-};
-double rel_err(std::span<const float> x, std::span<const double> r);
-
-/// Copies a contiguous float tensor of `shape` (rank ≤ 4, padded with 1s) into the oracle's type.
-reference::Tensor64 to_tensor64(std::span<const float> data, std::array<std::int64_t, 4> shape);
-
-/// Seeded N(0, sigma) values.
-std::vector<float> random_normal(std::size_t n, std::uint64_t seed, double sigma = 1.0);
+/// The error metric, seeded inputs and the case table come from the testing toolkit
+/// (tools/testkit), shared with the unit tests and the benchmarks.
+using testkit::ErrorAccumulator;
+using testkit::random_normal;
+using testkit::rel_err;
 
 /// "1.23e-06"-style and fixed formatting helpers.
 std::string fmt(double value, const char* format);

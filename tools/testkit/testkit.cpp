@@ -1,0 +1,73 @@
+// tools/testkit/testkit.cpp — see testkit.hpp.
+#include "testkit.hpp"
+
+#include <algorithm>
+#include <random>
+
+namespace tokenmix::testkit {
+
+reference::Align to_reference(CausalAlign align) {
+  return align == CausalAlign::top_left ? reference::Align::top_left
+                                        : reference::Align::bottom_right;
+}
+
+AttentionOptions AttentionCase::options(Isa isa, int threads) const {
+  AttentionOptions o;
+  o.scale = scale;
+  o.causal = shape.causal;
+  o.align = shape.align;
+  o.isa = isa;
+  o.threads = threads;
+  return o;
+}
+
+reference::Options AttentionCase::reference_options() const {
+  reference::Options r;
+  r.scale = scale;
+  r.causal = shape.causal;
+  r.align = to_reference(shape.align);
+  return r;
+}
+
+reference::Tensor64 slice64(std::span<const float> x, std::int64_t B, std::int64_t T,
+                            std::int64_t H, std::int64_t D, std::int64_t t0, std::int64_t nt,
+                            std::int64_t h0, std::int64_t nh) {
+  if (nt < 0) nt = T - t0;
+  if (nh < 0) nh = H - h0;
+  reference::Tensor64 r({B, nt, nh, D});
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t t = 0; t < nt; ++t)
+      for (std::int64_t h = 0; h < nh; ++h)
+        for (std::int64_t d = 0; d < D; ++d)
+          r.at(b, t, h, d) = x[static_cast<std::size_t>(((b * T + t0 + t) * H + h0 + h) * D + d)];
+  return r;
+}
+
+std::vector<float> random_normal(std::size_t n, std::uint64_t seed, double sigma) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> dist(0.0, sigma);
+  std::vector<float> out(n);
+  for (auto& x : out) x = static_cast<float>(dist(rng));
+  return out;
+}
+
+const std::vector<Isa>& concrete_isas() {
+  static const std::vector<Isa> isas = {Isa::portable, Isa::avx2, Isa::avx512};
+  return isas;
+}
+
+std::string isa_unavailable_reason(Isa isa) {
+  const std::vector<Isa> avail = available_isas();
+  if (std::find(avail.begin(), avail.end(), isa) != avail.end()) return {};
+  const CpuFeatures& f = cpu_features();
+  const bool cpu_has =
+      isa == Isa::portable || (isa == Isa::avx2 && f.avx2_fma) || (isa == Isa::avx512 && f.avx512f);
+  if (!cpu_has) {
+    return std::string("this CPU/OS does not support ") + to_string(isa) + " (CPU: " + f.model +
+           ")";
+  }
+  return std::string("this build has no ") + to_string(isa) + " kernels, although the CPU (" +
+         f.model + ") supports them";
+}
+
+}  // namespace tokenmix::testkit

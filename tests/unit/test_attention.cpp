@@ -493,26 +493,8 @@ TEST(Attention, BackwardMatchesFiniteDifferencesOfReferenceForward) {
     Problem p(c, 41);
     LibResult r = run_library(p, lib_options(c));
     const ref::Options ro = ref_options(c);
-    auto loss = [&] {
-      const auto f = ref::attention_forward(p.q64, p.k64, p.v64, ro);
-      double l = 0.0;
-      for (std::size_t i = 0; i < f.out.data.size(); ++i) l += p.dout64.data[i] * f.out.data[i];
-      return l;
-    };
-    auto fd = [&](Tensor64& x) {
-      Tensor64 g(x.shape);
-      const double h = 1e-5;
-      for (std::size_t i = 0; i < x.data.size(); ++i) {
-        const double saved = x.data[i];
-        x.data[i] = saved + h;
-        const double lp = loss();
-        x.data[i] = saved - h;
-        const double lm = loss();
-        x.data[i] = saved;
-        g.data[i] = (lp - lm) / (2 * h);
-      }
-      return g;
-    };
+    auto loss = [&] { return testkit::attention_loss(p.q64, p.k64, p.v64, p.dout64, ro); };
+    auto fd = [&](Tensor64& x) { return testkit::central_differences(x, loss, 1e-5); };
     EXPECT_LT(rel_err(r.dq, fd(p.q64)), kBackwardBound) << "dq";
     EXPECT_LT(rel_err(r.dk, fd(p.k64)), kBackwardBound) << "dk";
     EXPECT_LT(rel_err(r.dv, fd(p.v64)), kBackwardBound) << "dv";

@@ -146,29 +146,11 @@ TEST(Layer, BackwardMatchesReferenceAndFiniteDifferences) {
       return s;
     };
     auto fd_of = [&](std::vector<double>& param) {
-      std::vector<double> g(param.size());
-      for (std::size_t i = 0; i < param.size(); ++i) {
-        const double keep = param[i];
-        param[i] = keep + kFdStep;
-        const double fp = loss(w, u64);
-        param[i] = keep - kFdStep;
-        const double fm = loss(w, u64);
-        param[i] = keep;
-        g[i] = (fp - fm) / (2 * kFdStep);
-      }
-      return g;
+      return testkit::central_differences(param, [&] { return loss(w, u64); }, kFdStep);
     };
     std::vector<double> u_var = u64;
-    std::vector<double> fd_u(u_var.size());
-    for (std::size_t i = 0; i < u_var.size(); ++i) {
-      const double keep = u_var[i];
-      u_var[i] = keep + kFdStep;
-      const double fp = loss(w, u_var);
-      u_var[i] = keep - kFdStep;
-      const double fm = loss(w, u_var);
-      u_var[i] = keep;
-      fd_u[i] = (fp - fm) / (2 * kFdStep);
-    }
+    const std::vector<double> fd_u =
+        testkit::central_differences(u_var, [&] { return loss(w, u_var); }, kFdStep);
     const auto fd_wq = fd_of(w.w_q), fd_wk = fd_of(w.w_k), fd_wv = fd_of(w.w_v),
                fd_wo = fd_of(w.w_o);
     // The oracle's analytic backward agrees with its finite differences to ~1e-9 ...

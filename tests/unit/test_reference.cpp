@@ -279,21 +279,8 @@ TEST(Reference, JacobianProperties) {
 // ---------------------------------------------------------------------------------------------
 // Backward vs central finite differences of the forward (float64)
 
-/// Central-difference gradient of loss(x) = f(x) at every entry of x.
-std::vector<double> numeric_grad(std::vector<double>& x, const std::function<double()>& loss,
-                                 double h = 1e-5) {
-  std::vector<double> g(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    const double saved = x[i];
-    x[i] = saved + h;
-    const double lp = loss();
-    x[i] = saved - h;
-    const double lm = loss();
-    x[i] = saved;
-    g[i] = (lp - lm) / (2 * h);
-  }
-  return g;
-}
+/// Central-difference gradient of loss(x) = f(x) at every entry of x (testing toolkit).
+using testkit::central_differences;
 
 struct FdCase {
   const char* what;
@@ -324,16 +311,11 @@ TEST(Reference, BackwardMatchesFiniteDifferences) {
     o.align = c.align;
     o.scale = c.scale;
     // loss = Σ dout ⊙ out, so ∂loss/∂out = dout.
-    auto loss = [&] {
-      const auto f = ref::attention_forward(q, k, v, o);
-      double l = 0.0;
-      for (std::size_t i = 0; i < f.out.data.size(); ++i) l += dout.data[i] * f.out.data[i];
-      return l;
-    };
+    auto loss = [&] { return testkit::attention_loss(q, k, v, dout, o); };
     const auto g = ref::attention_backward(q, k, v, dout, o);
-    EXPECT_LT(rel_err_flat(g.dq.data, numeric_grad(q.data, loss)), 1e-8);
-    EXPECT_LT(rel_err_flat(g.dk.data, numeric_grad(k.data, loss)), 1e-8);
-    EXPECT_LT(rel_err_flat(g.dv.data, numeric_grad(v.data, loss)), 1e-8);
+    EXPECT_LT(rel_err_flat(g.dq.data, central_differences(q.data, loss)), 1e-8);
+    EXPECT_LT(rel_err_flat(g.dk.data, central_differences(k.data, loss)), 1e-8);
+    EXPECT_LT(rel_err_flat(g.dv.data, central_differences(v.data, loss)), 1e-8);
   }
 }
 
@@ -495,11 +477,11 @@ TEST(Reference, LayerBackwardMatchesFiniteDifferences) {
       return l;
     };
     const auto g = ref::layer_backward(w, u, B, T, dout);
-    EXPECT_LT(rel_err_flat(g.d_u, numeric_grad(u, loss)), 1e-8);
-    EXPECT_LT(rel_err_flat(g.d_w_q, numeric_grad(w.w_q, loss)), 1e-8);
-    EXPECT_LT(rel_err_flat(g.d_w_k, numeric_grad(w.w_k, loss)), 1e-8);
-    EXPECT_LT(rel_err_flat(g.d_w_v, numeric_grad(w.w_v, loss)), 1e-8);
-    EXPECT_LT(rel_err_flat(g.d_w_o, numeric_grad(w.w_o, loss)), 1e-8);
+    EXPECT_LT(rel_err_flat(g.d_u, central_differences(u, loss)), 1e-8);
+    EXPECT_LT(rel_err_flat(g.d_w_q, central_differences(w.w_q, loss)), 1e-8);
+    EXPECT_LT(rel_err_flat(g.d_w_k, central_differences(w.w_k, loss)), 1e-8);
+    EXPECT_LT(rel_err_flat(g.d_w_v, central_differences(w.w_v, loss)), 1e-8);
+    EXPECT_LT(rel_err_flat(g.d_w_o, central_differences(w.w_o, loss)), 1e-8);
   }
 }
 

@@ -53,6 +53,11 @@ TEST(UsefulWork, CaseTableShapeUsesThePublicCounts) {
   EXPECT_EQ(o.threads, 3);
   EXPECT_EQ(c.reference_options().align, reference::Align::top_left);
   EXPECT_EQ(c.reference_options().scale, 0.3);
+  // No scale in the case: both sides use the default 1/√d_h (not a scale of 0).
+  const testkit::AttentionCase plain{"plain", s};
+  EXPECT_FALSE(plain.options().scale.has_value());
+  EXPECT_FALSE(plain.reference_options().scale.has_value());
+  EXPECT_EQ(plain.options().isa, Isa::automatic);
 }
 
 TEST(ErrorMetric, MaxNormErrorOverMaxNormOfTheReference) {

@@ -43,6 +43,37 @@ reference::Tensor64 slice64(std::span<const float> x, std::int64_t B, std::int64
   return r;
 }
 
+std::vector<double> central_differences(std::vector<double>& x, const std::function<double()>& loss,
+                                        double h) {
+  std::vector<double> g(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double keep = x[i];
+    x[i] = keep + h;
+    const double up = loss();
+    x[i] = keep - h;
+    const double down = loss();
+    x[i] = keep;
+    g[i] = (up - down) / (2 * h);
+  }
+  return g;
+}
+
+reference::Tensor64 central_differences(reference::Tensor64& x, const std::function<double()>& loss,
+                                        double h) {
+  reference::Tensor64 g(x.shape);
+  g.data = central_differences(x.data, loss, h);
+  return g;
+}
+
+double attention_loss(const reference::Tensor64& q, const reference::Tensor64& k,
+                      const reference::Tensor64& v, const reference::Tensor64& dout,
+                      const reference::Options& options) {
+  const auto f = reference::attention_forward(q, k, v, options);
+  double s = 0.0;
+  for (std::size_t i = 0; i < f.out.data.size(); ++i) s += dout.data[i] * f.out.data[i];
+  return s;
+}
+
 std::vector<float> random_normal(std::size_t n, std::uint64_t seed, double sigma) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> dist(0.0, sigma);

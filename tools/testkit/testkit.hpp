@@ -12,7 +12,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -92,8 +94,8 @@ struct Tolerance {
 struct AttentionCase {
   std::string name;
   AttentionShape shape;
-  double scale = 0.0;        ///< 0 = 1/√d_h
-  bool sdpa_layout = false;  ///< memory [B, H, T, d_h] instead of [B, T, H, d_h]
+  std::optional<double> scale;  ///< s in (4.2); empty: 1/√d_h
+  bool sdpa_layout = false;     ///< memory [B, H, T, d_h] instead of [B, T, H, d_h]
   Tolerance tolerance{};
 
   /// The library options of this case (causal, align, scale) on kernel path `isa`.
@@ -111,6 +113,20 @@ reference::Align to_reference(CausalAlign align);
 reference::Tensor64 slice64(std::span<const float> x, std::int64_t B, std::int64_t T,
                             std::int64_t H, std::int64_t D, std::int64_t t0 = 0,
                             std::int64_t nt = -1, std::int64_t h0 = 0, std::int64_t nh = -1);
+
+/// Central differences (loss(x + h·e_i) − loss(x − h·e_i)) / 2h at every entry i of x, which is
+/// perturbed in place and restored: the float64 derivative the gradient checks compare with.
+/// With h = 1e-5 in double the error is ≲ 1e-9 relative (truncation h², rounding u/h).
+std::vector<double> central_differences(std::vector<double>& x, const std::function<double()>& loss,
+                                        double h = 1e-5);
+reference::Tensor64 central_differences(reference::Tensor64& x, const std::function<double()>& loss,
+                                        double h = 1e-5);
+
+/// Σ dout ⊙ out of the oracle's forward: the loss whose gradient attention_backward computes
+/// (∂loss/∂out = dout).
+double attention_loss(const reference::Tensor64& q, const reference::Tensor64& k,
+                      const reference::Tensor64& v, const reference::Tensor64& dout,
+                      const reference::Options& options);
 
 /// Seeded N(0, sigma) values.
 std::vector<float> random_normal(std::size_t n, std::uint64_t seed, double sigma = 1.0);

@@ -74,79 +74,46 @@ bool within(double err, double bound, std::string& detail, const std::string& la
   return ok;
 }
 
-/// A contiguous float tensor [B, T, H, D] with its view and a float64 copy.
-struct Tensor32 {
-  std::array<std::int64_t, 4> shape{};
-  bool bhtd = false;  // memory layout [B, H, T, D] instead of [B, T, H, D]
-  std::vector<float> data;
-
-  Tensor32(std::array<std::int64_t, 4> s, bool sdpa_layout = false)
-      : shape(s), bhtd(sdpa_layout), data(static_cast<std::size_t>(s[0] * s[1] * s[2] * s[3])) {}
-  TensorView view() {
-    return bhtd ? TensorView::bhtd(data.data(), shape[0], shape[1], shape[2], shape[3])
-                : TensorView::bthd(data.data(), shape[0], shape[1], shape[2], shape[3]);
-  }
-  std::size_t index(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t d) const {
-    return static_cast<std::size_t>(bhtd ? ((b * shape[2] + h) * shape[1] + t) * shape[3] + d
-                                         : ((b * shape[1] + t) * shape[2] + h) * shape[3] + d);
-  }
-  float& at(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t d) {
-    return data[index(b, t, h, d)];
-  }
-  void fill(std::mt19937_64& rng) {
-    std::normal_distribution<float> dist(0.0f, 1.0f);
-    for (auto& x : data) x = dist(rng);
-  }
-  Tensor64 to64() {
-    Tensor64 r(shape);
-    for (std::int64_t b = 0; b < shape[0]; ++b)
-      for (std::int64_t t = 0; t < shape[1]; ++t)
-        for (std::int64_t h = 0; h < shape[2]; ++h)
-          for (std::int64_t d = 0; d < shape[3]; ++d) r.at(b, t, h, d) = at(b, t, h, d);
-    return r;
-  }
-  double err(const Tensor64& r) {
-    ErrorAccumulator acc;
-    for (std::int64_t b = 0; b < shape[0]; ++b)
-      for (std::int64_t t = 0; t < shape[1]; ++t)
-        for (std::int64_t h = 0; h < shape[2]; ++h)
-          for (std::int64_t d = 0; d < shape[3]; ++d) acc.add(at(b, t, h, d), r.at(b, t, h, d));
-    return acc.value();
-  }
-};
+using testkit::Layout;
+using testkit::StridedTensor;
 
 using testkit::AttentionCase;
 
+/// The memory layout of a case's tensors: [B, T, H, d_h], or [B, H, T, d_h] (SDPA).
+Layout layout_of(const AttentionCase& c) {
+  return c.sdpa_layout ? Layout::bhtd : Layout::bthd;
+}
+/// Queries (and dO, dQ) or keys (and V, dK, dV) of a case, poisoned.
+StridedTensor q_like(const AttentionCase& c) {
+  return StridedTensor(c.shape.B, c.shape.T_q, c.shape.H_q, c.shape.d_h, layout_of(c));
+}
+StridedTensor k_like(const AttentionCase& c) {
+  return StridedTensor(c.shape.B, c.shape.T_k, c.shape.H_kv, c.shape.d_h, layout_of(c));
+}
+
 /// q, k, v and dout of one case, filled from `rng`.
 struct Inputs {
-  Tensor32 q, k, v, dout;
+  StridedTensor q, k, v, dout;
   Inputs(const AttentionCase& c, std::mt19937_64& rng)
-      : q({c.shape.B, c.shape.T_q, c.shape.H_q, c.shape.d_h}, c.sdpa_layout),
-        k({c.shape.B, c.shape.T_k, c.shape.H_kv, c.shape.d_h}, c.sdpa_layout),
-        v({c.shape.B, c.shape.T_k, c.shape.H_kv, c.shape.d_h}, c.sdpa_layout),
-        dout({c.shape.B, c.shape.T_q, c.shape.H_q, c.shape.d_h}, c.sdpa_layout) {
-    q.fill(rng), k.fill(rng), v.fill(rng), dout.fill(rng);
+      : q(q_like(c)), k(k_like(c)), v(k_like(c)), dout(q_like(c)) {
+    q.fill_random(rng), k.fill_random(rng), v.fill_random(rng), dout.fill_random(rng);
   }
 };
 
 /// Our forward + backward of one case; returns out, lse, dq, dk, dv.
 struct Ours {
-  Tensor32 out, dq, dk, dv;
+  StridedTensor out, dq, dk, dv;
   std::vector<float> lse;
 };
 Ours run_ours(const AttentionCase& c, Isa isa, int threads, Inputs& in) {
   const AttentionOptions options = c.options(isa, threads);
   const testkit::AttentionShape& s = c.shape;
-  Ours r{Tensor32(in.q.shape, c.sdpa_layout),
-         Tensor32(in.q.shape, c.sdpa_layout),
-         Tensor32(in.k.shape, c.sdpa_layout),
-         Tensor32(in.v.shape, c.sdpa_layout),
-         {}};
+  Ours r{q_like(c), q_like(c), k_like(c), k_like(c), {}};
   r.lse.assign(static_cast<std::size_t>(s.B * s.H_q * s.T_q), std::nanf(""));
   const TensorView lse = TensorView::bht(r.lse.data(), s.B, s.H_q, s.T_q);
-  attention_forward(in.q.view(), in.k.view(), in.v.view(), r.out.view(), lse, options);
-  attention_backward(in.q.view(), in.k.view(), in.v.view(), r.out.view(), lse, in.dout.view(),
-                     r.dq.view(), r.dk.view(), r.dv.view(), options);
+  attention_forward(in.q.view, in.k.view, in.v.view, r.out.view, lse, options);
+  attention_backward(in.q.view, in.k.view, in.v.view, r.out.view, lse, in.dout.view, r.dq.view,
+                     r.dk.view, r.dv.view, options);
   return r;
 }
 
@@ -177,7 +144,7 @@ Outcome gradient_check(Isa isa, int threads) {
     const Tensor64 gq = testkit::central_differences(q64, loss),
                    gk = testkit::central_differences(k64, loss),
                    gv = testkit::central_differences(v64, loss);
-    worst = std::max({worst, ours.dq.err(gq), ours.dk.err(gk), ours.dv.err(gv)});
+    worst = std::max({worst, rel_err(ours.dq, gq), rel_err(ours.dk, gk), rel_err(ours.dv, gv)});
     auto ref_err = [](const Tensor64& a, const Tensor64& b) { return rel_err(a.data, b.data); };
     worst_ref = std::max(
         {worst_ref, ref_err(ref_bwd.dq, gq), ref_err(ref_bwd.dk, gk), ref_err(ref_bwd.dv, gv)});
@@ -265,7 +232,7 @@ Outcome causality_check(Isa isa, int threads) {
   const AttentionCase c{"causality", {B, T, T, Hq, Hkv, D}};
   std::mt19937_64 rng(3);
   Inputs in(c, rng);
-  Tensor32 &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
+  StridedTensor &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
   Ours before = run_ours(c, isa, threads, in);
   // Perturb every input at position p (queries, keys, values and the incoming gradient).
   for (std::int64_t b = 0; b < B; ++b) {
@@ -276,11 +243,11 @@ Outcome causality_check(Isa isa, int threads) {
   }
   Ours after = run_ours(c, isa, threads, in);
 
-  auto rows_equal = [&](Tensor32& x, Tensor32& y, std::int64_t t0, std::int64_t t1) {
+  auto rows_equal = [&](StridedTensor& x, StridedTensor& y, std::int64_t t0, std::int64_t t1) {
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t t = t0; t < t1; ++t)
         if (std::memcmp(&x.at(b, t, 0, 0), &y.at(b, t, 0, 0),
-                        static_cast<std::size_t>(x.shape[2] * D) * sizeof(float)) != 0)
+                        static_cast<std::size_t>(x.view.shape[2] * D) * sizeof(float)) != 0)
           return false;
     return true;
   };
@@ -315,9 +282,10 @@ Outcome attention_check(const AttentionCase& c, Isa isa, int threads) {
   const auto f = reference::attention_forward(q64, k64, v64, ro);
   const auto b = reference::attention_backward(q64, k64, v64, do64, ro);
   Outcome out;
-  out.pass = within(ours.out.err(f.out), c.tolerance.forward, out.detail, "O");
+  out.pass = within(rel_err(ours.out, f.out), c.tolerance.forward, out.detail, "O");
   out.pass = within(lse_err(ours.lse, f.lse), c.tolerance.forward, out.detail, "L") && out.pass;
-  const double db = std::max({ours.dq.err(b.dq), ours.dk.err(b.dk), ours.dv.err(b.dv)});
+  const double db =
+      std::max({rel_err(ours.dq, b.dq), rel_err(ours.dk, b.dk), rel_err(ours.dv, b.dv)});
   out.pass = within(db, c.tolerance.backward, out.detail, "dQ,dK,dV") && out.pass;
   return out;
 }

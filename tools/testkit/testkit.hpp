@@ -3,6 +3,7 @@
 // benchmarks (`tokenmix bench`, benchmarks/):
 //   - the error metric of every bound (ErrorAccumulator, rel_err),
 //   - the attention case table (AttentionShape, AttentionCase: shape, tolerance, useful FLOPs),
+//   - strided test tensors (StridedTensor: three layouts, poisoned padding and outputs),
 //   - copies of float tensors (slices) into the float64 oracle's Tensor64, seeded inputs,
 //   - why a kernel path cannot run on this machine (isa_unavailable_reason).
 #pragma once
@@ -15,6 +16,7 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -63,6 +65,93 @@ double rel_err(const X& x, const R& r, double floor = ErrorAccumulator::kDefault
   return acc.value(floor);
 }
 
+// --- test tensors --------------------------------------------------------------------------------
+
+/// Value written to outputs before a call: any element the call fails to write stays NaN and
+/// fails every comparison.
+inline constexpr float kPoison = std::numeric_limits<float>::quiet_NaN();
+
+/// Memory layout of a test tensor with logical shape [B, T, H, D].
+enum class Layout {
+  bthd,     ///< contiguous [B, T, H, D]
+  bhtd,     ///< memory [B, H, T, D] (PyTorch SDPA layout)
+  strided,  ///< [B, T, H, D] with padding: every stride larger than dense (non-contiguous)
+};
+inline const char* layout_name(Layout l) {
+  return l == Layout::bthd ? "bthd" : l == Layout::bhtd ? "bhtd" : "strided";
+}
+
+/// An owned float buffer plus a strided view of logical shape [B, T, H, D] into it.
+struct StridedTensor {
+  std::vector<float> storage;
+  TensorView view;
+
+  StridedTensor(std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t D, Layout layout) {
+    std::array<std::int64_t, 4> strides{};
+    std::int64_t total = 0;
+    if (layout == Layout::bthd) {
+      strides = {T * H * D, H * D, D, 1};
+      total = B * T * H * D;
+    } else if (layout == Layout::bhtd) {
+      strides = {H * T * D, D, T * D, 1};
+      total = B * H * T * D;
+    } else {  // pad D by 3, H by 1, T by 2 (unit inner stride kept, as real views have)
+      const std::int64_t sd = 1, sh = D + 3, st = (H + 1) * sh, sb = (T + 2) * st;
+      strides = {sb, st, sh, sd};
+      total = B * sb;
+    }
+    storage.assign(static_cast<std::size_t>(std::max<std::int64_t>(total, 1)), kPoison);
+    view = TensorView{storage.data(), DType::f32, 4, {B, T, H, D}, strides};
+  }
+
+  float& at(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t d) {
+    auto* p = static_cast<float*>(view.data);
+    return p[b * view.strides[0] + t * view.strides[1] + h * view.strides[2] + d * view.strides[3]];
+  }
+  float at(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t d) const {
+    return const_cast<StridedTensor*>(this)->at(b, t, h, d);
+  }
+  /// Fills every logical element with N(0, sigma) from `rng` (padding stays NaN: a kernel that
+  /// reads padding produces NaN and fails).
+  void fill_random(std::mt19937_64& rng, double sigma = 1.0) {
+    std::normal_distribution<float> dist(0.0f, static_cast<float>(sigma));
+    for_each([&](float& x) { x = dist(rng); });
+  }
+  void poison() {
+    for_each([](float& x) { x = kPoison; });
+  }
+  template <class F>
+  void for_each(F&& f) {
+    const auto& s = view.shape;
+    for (std::int64_t b = 0; b < s[0]; ++b)
+      for (std::int64_t t = 0; t < s[1]; ++t)
+        for (std::int64_t h = 0; h < s[2]; ++h)
+          for (std::int64_t d = 0; d < s[3]; ++d) f(at(b, t, h, d));
+  }
+  reference::Tensor64 to64() const {
+    reference::Tensor64 r(view.shape);
+    const auto& s = view.shape;
+    for (std::int64_t b = 0; b < s[0]; ++b)
+      for (std::int64_t t = 0; t < s[1]; ++t)
+        for (std::int64_t h = 0; h < s[2]; ++h)
+          for (std::int64_t d = 0; d < s[3]; ++d) r.at(b, t, h, d) = at(b, t, h, d);
+    return r;
+  }
+};
+
+/// rel_err over the logical elements of `x` against a reference of the same logical shape; the
+/// denominator is at least `floor` (a gradient that is ≈ 0 everywhere is judged absolutely).
+inline double rel_err(const StridedTensor& x, const reference::Tensor64& r,
+                      double floor = ErrorAccumulator::kDefaultFloor) {
+  ErrorAccumulator acc;
+  const auto& s = x.view.shape;
+  for (std::int64_t b = 0; b < s[0]; ++b)
+    for (std::int64_t t = 0; t < s[1]; ++t)
+      for (std::int64_t h = 0; h < s[2]; ++h)
+        for (std::int64_t d = 0; d < s[3]; ++d) acc.add(x.at(b, t, h, d), r.at(b, t, h, d));
+  return acc.value(floor);
+}
+
 // --- the case table ------------------------------------------------------------------------------
 
 /// The shape of one attention problem: q [B, T_q, H_q, d_h], k and v [B, T_k, H_kv, d_h].
@@ -94,8 +183,8 @@ struct Tolerance {
 struct AttentionCase {
   std::string name;
   AttentionShape shape;
-  std::optional<double> scale;  ///< s in (4.2); empty: 1/√d_h
-  bool sdpa_layout = false;     ///< memory [B, H, T, d_h] instead of [B, T, H, d_h]
+  std::optional<double> scale = std::nullopt;  ///< s in (4.2); empty: 1/√d_h
+  bool sdpa_layout = false;                    ///< memory [B, H, T, d_h] instead of [B, T, H, d_h]
   Tolerance tolerance{};
 
   /// The library options of this case (causal, align, scale) on kernel path `isa`.

@@ -16,7 +16,7 @@ void bind_attention(nb::module_& m) {
   m.def(
       "attention_forward",
       [](ArrayArg q, ArrayArg k, ArrayArg v, ArrayArg out, std::optional<ArrayArg> lse,
-         std::optional<double> scale, bool causal, const std::string& align, nb::int_ threads,
+         std::optional<double> scale, bool causal, const std::string& align, IntArg threads,
          const std::string& isa) {
         constexpr const char* fn = "attention_forward";
         const auto o = attention_options(fn, scale, causal, align, threads, isa);
@@ -33,7 +33,7 @@ void bind_attention(nb::module_& m) {
       "attention_backward",
       [](ArrayArg q, ArrayArg k, ArrayArg v, ArrayArg out, ArrayArg lse, ArrayArg dout, ArrayArg dq,
          ArrayArg dk, ArrayArg dv, std::optional<double> scale, bool causal,
-         const std::string& align, nb::int_ threads, const std::string& isa) {
+         const std::string& align, IntArg threads, const std::string& isa) {
         constexpr const char* fn = "attention_backward";
         const auto o = attention_options(fn, scale, causal, align, threads, isa);
         auto qv = in4(q, fn, "q"), kv = in4(k, fn, "k"), vv = in4(v, fn, "v");

@@ -48,20 +48,33 @@ struct ArrayArg {
   nb::handle obj;
 };
 
+/// An integer argument exactly as Python passed it (an int of any size, a NumPy integer, ...);
+/// converted by thread_count below, which names the argument when it does not fit.
+struct IntArg {
+  nb::handle obj;
+};
+
 }  // namespace tokenmix_py
 
 namespace nanobind::detail {
 
-/// Accepts any object (None only where the argument is declared `.none()`), so the conversion
+/// Accept any object (None only where the argument is declared `.none()`), so the conversion
 /// and its error message happen in the function body, which knows the function and argument.
-template <>
-struct type_caster<tokenmix_py::ArrayArg> {
-  NB_TYPE_CASTER(tokenmix_py::ArrayArg, const_name("Array"))
+template <class Arg>
+struct any_object_caster {
   template <class Flags>  // uint8_t in nanobind 2, uint32_t in nanobind 3
   bool from_python(handle src, Flags, cleanup_list*) noexcept {
-    value.obj = src;
+    static_cast<type_caster<Arg>*>(this)->value.obj = src;
     return true;
   }
+};
+template <>
+struct type_caster<tokenmix_py::ArrayArg> : any_object_caster<tokenmix_py::ArrayArg> {
+  NB_TYPE_CASTER(tokenmix_py::ArrayArg, const_name("Array"))
+};
+template <>
+struct type_caster<tokenmix_py::IntArg> : any_object_caster<tokenmix_py::IntArg> {
+  NB_TYPE_CASTER(tokenmix_py::IntArg, const_name("int"))
 };
 
 }  // namespace nanobind::detail
@@ -114,11 +127,12 @@ std::string shape_string(const std::int64_t* shape, size_t rank);
 tmx::CausalAlign parse_align(const std::string& s);  // "bottom_right" | "top_left"
 tmx::RopePairing parse_pairing(const std::string& s);
 tmx::DType parse_dtype(const std::string& s);
-/// A thread count from a Python int of any size: outside [0, INT_MAX] → ArgumentError naming
-/// `fn` and `threads` (nanobind's own int caster would only say "incompatible arguments").
-int thread_count(const nb::int_& threads, const char* fn);
+/// A thread count from any Python integer (int of any size, NumPy integer): outside
+/// [0, INT_MAX] → ArgumentError naming `fn` and `threads`, not an integer → TypeError (nanobind's
+/// own int caster would only say "incompatible function arguments").
+int thread_count(const IntArg& threads, const char* fn);
 tmx::AttentionOptions attention_options(const char* fn, std::optional<double> scale, bool causal,
-                                        const std::string& align, const nb::int_& threads,
+                                        const std::string& align, const IntArg& threads,
                                         const std::string& isa);
 tmx::RopeOptions rope_options(const std::string& pairing, double base, std::int64_t offset);
 

@@ -81,6 +81,11 @@ std::string py_str(nb::handle h) {
                            "numpy.ascontiguousarray first");
       }
     }
+    if (py_str(dtype.attr("char")) != "f") {
+      type_error(what + " has dtype " + py_str(dtype) +
+                 "; tokenmix computes in float32 only (convert with .astype(numpy.float32); no "
+                 "implicit conversion is made)");
+    }
     if (writable && !nb::cast<bool>(obj.attr("flags").attr("writeable"))) {
       value_error(what + " is read-only; outputs must be writable");
     }
@@ -228,20 +233,26 @@ tmx::DType parse_dtype(const std::string& s) {
   value_error("dtype must be 'f32', 'bf16' or 'f16'; got '" + s + "'");
 }
 
-int thread_count(const nb::int_& threads, const char* fn) {
+int thread_count(const IntArg& threads, const char* fn) {
+  const std::string what = std::string(fn) + ": threads";
+  nb::object index = nb::steal(PyNumber_Index(threads.obj.ptr()));  // int(x) for integers only
+  if (!index.is_valid()) {
+    PyErr_Clear();
+    type_error(what + " must be an integer; got " + nb::type_name(threads.obj.type()).c_str());
+  }
   int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(threads.ptr(), &overflow);
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
   if (v == -1 && overflow == 0 && PyErr_Occurred()) throw nb::python_error();
   if (overflow != 0 || v < 0 || v > INT_MAX) {
-    argument_error(tmx::ErrorCode::invalid_argument, std::string(fn) + ": threads must be in [0, " +
-                                                         std::to_string(INT_MAX) +
-                                                         "] (0 = all); got " + py_str(threads));
+    argument_error(
+        tmx::ErrorCode::invalid_argument,
+        what + " must be in [0, " + std::to_string(INT_MAX) + "] (0 = all); got " + py_str(index));
   }
   return static_cast<int>(v);
 }
 
 tmx::AttentionOptions attention_options(const char* fn, std::optional<double> scale, bool causal,
-                                        const std::string& align, const nb::int_& threads,
+                                        const std::string& align, const IntArg& threads,
                                         const std::string& isa) {
   tmx::AttentionOptions o;
   o.scale = scale;

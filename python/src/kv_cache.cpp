@@ -117,7 +117,7 @@ void bind_kv_cache(nb::module_& m) {
   m.def(
       "attention_decode",
       [](ArrayArg q, PyKVCache& cache, std::int64_t layer, ArrayArg out,
-         std::optional<ArrayArg> lse, std::optional<double> scale, nb::int_ threads,
+         std::optional<ArrayArg> lse, std::optional<double> scale, IntArg threads,
          const std::string& isa, std::int64_t first_seq) {
         constexpr const char* fn = "attention_decode";
         tmx::DecodeOptions o;

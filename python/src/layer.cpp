@@ -45,7 +45,7 @@ void bind_layer(nb::module_& m) {
           "__init__",
           [](PyLayer* self, std::int64_t d_model, std::int64_t heads_q, std::int64_t heads_kv,
              std::int64_t head_dim, std::optional<std::string> rope, double rope_base,
-             std::optional<double> scale, nb::int_ threads, const std::string& isa) {
+             std::optional<double> scale, IntArg threads, const std::string& isa) {
             tmx::LayerConfig c;
             c.d_model = d_model;
             c.heads_q = heads_q;

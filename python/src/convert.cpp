@@ -131,8 +131,9 @@ Array import_array(const ArrayArg& a, const char* fn, const char* name, bool wri
   return array;
 }
 
+// `a` by value (a reference-counted handle): nanobind 2's const data() is a const pointer.
 template <class View, class Array>
-View make_view(const Array& a, const char* fn, const char* name, size_t rank) {
+View make_view(Array a, const char* fn, const char* name, size_t rank) {
   check_array(a, std::string(fn) + ": " + name, rank);
   View v;
   v.data = a.data();
@@ -160,7 +161,7 @@ bool c_contiguous(const Array& a) {
 }
 
 template <class T, class Array>
-SpanArg<T> make_span(const Array& a, const char* fn, const char* name, size_t rank) {
+SpanArg<T> make_span(Array a, const char* fn, const char* name, size_t rank) {
   check_array(a, std::string(fn) + ": " + name, rank);
   if (!c_contiguous(a)) value_error(std::string(fn) + ": " + name + " must be C-contiguous");
   SpanArg<T> s;

@@ -109,3 +109,4 @@ def _present_as_tokenmix() -> None:
 
 
 _present_as_tokenmix()
+del _present_as_tokenmix

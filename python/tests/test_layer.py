@@ -3,8 +3,6 @@ differentiated by autograd, in float64; and prefill/step through a KV cache agai
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch

@@ -41,13 +41,13 @@ def ref_attention(q, k, v, mask=None, scale=None):
 @pytest.mark.parametrize("T_q,T_k", [(7, 19), (19, 7), (16, 16), (1, 33)])
 @pytest.mark.parametrize("align", ["bottom_right", "top_left"])
 def test_alignment_matches_explicit_boolean_mask(T_q, T_k, align):
-    """SPEC 4.3: bottom-right (default) puts query t at t + T_k − T_q; top-left at t."""
+    """SPEC 4.3: "bottom_right" (default) puts query t at t + T_k − T_q; "top_left" at t."""
     q, k, v = rand(2, T_q, 4, 16), rand(2, T_k, 2, 16), rand(2, T_k, 2, 16)
     out, lse = tm.attention_forward(q, k, v, align=align, return_lse=True)
     mask = causal_mask(T_q, T_k, align)
     ref_out, ref_lse = ref_attention(q, k, v, mask)
     assert_close(out, ref_out, FWD_ATOL, FWD_RTOL, "out")
-    empty = ~mask.any(1).numpy()  # rows that see no key (bottom-right with T_q > T_k)
+    empty = ~mask.any(1).numpy()  # rows that see no key ("bottom_right" with T_q > T_k)
     assert (lse[:, :, empty] == -np.inf).all() and (out[:, empty] == 0).all()
     assert_close(lse[:, :, ~empty], ref_lse[:, :, ~empty], FWD_ATOL, FWD_RTOL, "lse")
     if align == "bottom_right" and T_q > T_k:
@@ -302,7 +302,7 @@ def test_concurrent_calls_from_threads_agree():
 
 def test_useful_work_counts():
     assert tm.visible_pairs(8, 8) == 36
-    assert tm.visible_keys(0, 4, 10) == 7  # bottom-right: query 0 is at position 6
+    assert tm.visible_keys(0, 4, 10) == 7  # "bottom_right": query 0 is at position 6
     assert tm.visible_keys(0, 4, 10, align="top_left") == 1
     assert tm.forward_flops(1, 8, 8, 2, 16) == 4 * 16 * 2 * 36
     assert tm.kv_cache_bytes(2, 1, 10, 2, 8, 4) == 2 * 2 * 1 * 10 * 2 * 8 * 4
@@ -323,7 +323,7 @@ def test_kv_cache_decode_equals_attention_forward(block_tokens):
     cache.append(1, k[:, T - T_new :], v[:, T - T_new :])
     assert cache.length(0, 1) == T and cache.length(0, 0) == 0
     out, lse = tm.attention_decode(q, cache, 1, return_lse=True)
-    ref_out, ref_lse = tm.attention_forward(q, k, v, return_lse=True)  # bottom-right
+    ref_out, ref_lse = tm.attention_forward(q, k, v, return_lse=True)  # "bottom_right"
     assert np.allclose(out, ref_out, atol=2e-5) and np.allclose(lse, ref_lse, atol=2e-5)
     # bhtd layout for q/out
     out_t = tm.attention_decode(np.ascontiguousarray(q.transpose(0, 2, 1, 3)), cache, 1,

@@ -76,12 +76,12 @@ def test_forward_and_gradients_match_torch(shape, is_causal, scale, layout):
 
 @pytest.mark.parametrize("T_q,T_k", [(5, 12), (12, 5), (9, 9)])
 def test_is_causal_is_top_left_like_pytorch(T_q, T_k):
-    """PyTorch's is_causal (and so the drop-in's) is top-left aligned: query i sees keys j ≤ i."""
+    """PyTorch's is_causal (and so the drop-in's) is "top_left" aligned: query i sees keys j ≤ i."""
     q, k, v = torch.randn(2, 3, T_q, 8), torch.randn(2, 3, T_k, 8), torch.randn(2, 3, T_k, 8)
     ours = tmt.scaled_dot_product_attention(q, k, v, is_causal=True)
     mask = causal_mask(T_q, T_k, "top_left")
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
-    assert_close(ours, ref, FWD_ATOL, FWD_RTOL, "top-left vs explicit mask")
+    assert_close(ours, ref, FWD_ATOL, FWD_RTOL, "top_left vs explicit mask")
 
 
 def test_packed_qkv_views_of_one_buffer():

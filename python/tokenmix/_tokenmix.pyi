@@ -1,8 +1,12 @@
-"""Type stubs of the native extension tokenmix._tokenmix (python/src/module.cpp).
+"""Type stubs of the native extension tokenmix._tokenmix (python/src: module.cpp and one file per
+area — attention.cpp, ops.cpp, kv_cache.cpp, layer.cpp, runtime.cpp, errors.cpp, convert.cpp).
 
 Use the ``tokenmix`` package: its functions allocate outputs, handle layouts and call these.
-Arrays are float32 NumPy arrays or CPU torch tensors ("Array"), passed without copying, any
-non-negative strides. Attention tensors are logical [B, T, H, d_h]; log-sum-exp [B, H, T].
+Arrays are native-endian float32 NumPy arrays or CPU torch tensors ("Array"), passed without
+copying, any non-negative strides that are whole elements. Attention tensors are logical
+[B, T, H, d_h]; log-sum-exp [B, H, T]. Errors name the function and the argument: another dtype
+(also '>f4') or device → TypeError; a byte stride not a multiple of 4, ``threads`` outside
+[0, 2**31 − 1] or a library error → ArgumentError (``code``); a read-only output → ValueError.
 """
 
 from typing import Any, Optional
@@ -23,7 +27,8 @@ class FileError(OSError):
 def attention_forward(q: Array, k: Array, v: Array, out: Array, lse: Optional[Array],
                       scale: Optional[float], causal: bool, align: str, threads: int,
                       isa: str) -> None:
-    """q [B,T_q,H_q,d_h], k/v [B,T_k,H_kv,d_h] → out [B,T_q,H_q,d_h], lse [B,H_q,T_q] (SPEC 4.2–4.5)."""
+    """q [B,T_q,H_q,d_h], k/v [B,T_k,H_kv,d_h] → out [B,T_q,H_q,d_h], lse [B,H_q,T_q]
+    (SPEC 4.2–4.5)."""
 def attention_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                        dq: Array, dk: Array, dv: Array, scale: Optional[float], causal: bool,
                        align: str, threads: int, isa: str) -> None:
@@ -81,7 +86,8 @@ class KVCache:
     def length(self, seq: int, layer: int = 0) -> int: ...
     def active(self, seq: int) -> bool: ...
     def append(self, layer: int, k: Array, v: Array, first_seq: int = 0) -> None:
-        """k, v [B', T_new, H_kv, d_h] float32 (post-RoPE) for sequences first_seq … first_seq+B'−1."""
+        """k, v [B', T_new, H_kv, d_h] float32 (post-RoPE) for sequences
+        first_seq … first_seq+B'−1."""
     def truncate(self, seq: int, new_length: int) -> None: ...
     def release(self, seq: int) -> None: ...
     def reset(self, seq: Optional[int] = None) -> None: ...
@@ -89,7 +95,7 @@ class KVCache:
 
 def attention_decode(q: Array, cache: KVCache, layer: int, out: Array, lse: Optional[Array],
                      scale: Optional[float], threads: int, isa: str, first_seq: int) -> None:
-    """q/out [B',T_new,H_q,d_h], lse [B',H_q,T_new]; bottom-right causal against the cache."""
+    """q/out [B',T_new,H_q,d_h], lse [B',H_q,T_new]; "bottom_right" causal against the cache."""
 
 class CausalSelfAttention:
     def __init__(self, d_model: int, heads_q: int, heads_kv: int, head_dim: int,

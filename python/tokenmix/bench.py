@@ -41,6 +41,11 @@ from threadpoolctl import threadpool_limits
 import tokenmix
 from tokenmix.torch import scaled_dot_product_attention as tm_sdpa
 
+# Backward FLOPs = 2.5 × forward FLOPs (five matrix products instead of two; SPEC "Useful-work
+# counts", the convention of the FlashAttention papers). A forward+backward case does 1 + 2.5
+# times the forward's useful work.
+BACKWARD_FLOP_FACTOR = 2.5
+
 
 def _cpu_model() -> str:
     try:
@@ -67,7 +72,8 @@ def _time(fn: Callable[[], None]) -> float:
 
 
 def gemm_ceiling_gflops(threads: int, repeats: int = 10, n: int = 2048) -> float:
-    """fp32 GEMM rate of NumPy's BLAS (OpenBLAS) on ``threads`` threads: best GFLOP/s of ``repeats``."""
+    """fp32 GEMM rate of NumPy's BLAS (OpenBLAS) on ``threads`` threads: best GFLOP/s of
+    ``repeats``."""
     rng = np.random.default_rng(7)
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
@@ -132,9 +138,12 @@ def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
             times[name].append(_time(calls[name]))
     med = {name: statistics.median(ts) for name, ts in times.items()}
     best_torch = min(v for n, v in med.items() if n.startswith("torch"))
-    torch_rounds = [min(times[n][i] for n in names if n.startswith("torch")) for i in range(args.repeats)]
+    torch_rounds = [
+        min(times[n][i] for n in names if n.startswith("torch")) for i in range(args.repeats)
+    ]
     ratios = [t / o for t, o in zip(torch_rounds, times["tokenmix"])]
-    flops = tokenmix.forward_flops(B, T, T, Hq, D, True, "top_left") * (1.0 if mode == "fwd" else 3.5)
+    fwd_flops = tokenmix.forward_flops(B, T, T, Hq, D, True, "top_left")
+    flops = fwd_flops * (1.0 if mode == "fwd" else 1.0 + BACKWARD_FLOP_FACTOR)
     return {
         "torch": med["torch"],
         "torch_expanded": med.get("torch_expanded", float("nan")),
@@ -149,13 +158,19 @@ def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
 
 
 def main(argv: List[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tokenmix.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, nargs="+", default=[512, 2048, 8192], help="sequence lengths T")
+    p = argparse.ArgumentParser(
+        prog="python -m tokenmix.bench", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--seq", type=int, nargs="+", default=[512, 2048, 8192], help="sequence lengths T"
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads-q", type=int, default=32)
     p.add_argument("--heads-kv", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--threads", type=int, default=0, help="threads for both sides (0 = torch's default)")
+    p.add_argument(
+        "--threads", type=int, default=0, help="threads for both sides (0 = torch's default)"
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per case (median reported)")
     p.add_argument("--mode", choices=["fwd", "fwd+bwd", "both"], default="both")
     p.add_argument("--torch-expanded", action="store_true",
@@ -178,8 +193,8 @@ def main(argv: List[str] | None = None) -> int:
     print(f"load average before: {_loadavg()}")
     sys.stdout.flush()
     ceiling = gemm_ceiling_gflops(threads)
-    print(f"fp32 GEMM ceiling (OpenBLAS sgemm via numpy.matmul 2048^3, {threads} thread(s), best of 10): "
-          f"{ceiling:.1f} GFLOP/s")
+    print(f"fp32 GEMM ceiling (OpenBLAS sgemm via numpy.matmul 2048^3, {threads} thread(s), "
+          f"best of 10): {ceiling:.1f} GFLOP/s")
     sys.stdout.flush()
 
     rows = []
@@ -205,7 +220,8 @@ def main(argv: List[str] | None = None) -> int:
         for T, mode, r in rows:
             print(f"| {T} | {mode} | {r['best_torch'] * 1e3:.1f} | {r['tokenmix'] * 1e3:.1f} | "
                   f"{r['speedup']:.2f}x | {r['speedup_rounds']:.2f}x | {r['gflops']:.1f} "
-                  f"({r['gflops'] / ceiling:.2f}) | {r['torch_gflops']:.1f} ({r['torch_gflops'] / ceiling:.2f}) |")
+                  f"({r['gflops'] / ceiling:.2f}) | {r['torch_gflops']:.1f} "
+                  f"({r['torch_gflops'] / ceiling:.2f}) |")
     print(f"load average after: {_loadavg()}")
     return 0
 

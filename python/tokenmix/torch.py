@@ -12,9 +12,9 @@ stored). Tensors are passed to the kernels as strided views, without copies: PyT
 ``[B, H, T, E]`` layout, transposed views of ``[B, T, H, E]`` projections and other
 non-contiguous inputs all work in place.
 
-Alignment of the causal mask: like PyTorch, ``is_causal=True`` here is **top-left** aligned
+Alignment of the causal mask: like PyTorch, ``is_causal=True`` here is ``"top_left"`` aligned
 when L ≠ S (query i sees keys j ≤ i). tokenmix's native API (``tokenmix.attention_forward``)
-defaults to **bottom-right** alignment (query i sees j ≤ i + S − L, what KV-cache decoding
+defaults to ``"bottom_right"`` alignment (query i sees j ≤ i + S − L, what KV-cache decoding
 needs; SPEC 4.3). The two agree when L == S.
 
 Supported: float32 CPU tensors, any number of batch dimensions (equal for q, k, v), grouped
@@ -119,8 +119,8 @@ def scaled_dot_product_attention(
         value: [..., H_kv, S, E] (value head width must equal E).
         attn_mask: must be ``None`` (NotImplementedError otherwise; use ``is_causal``).
         dropout_p: must be 0.0 (NotImplementedError otherwise).
-        is_causal: causal mask, **top-left** aligned as in PyTorch (query i sees keys j ≤ i;
-            SPEC 4.3's "top_left"); tokenmix's native default is bottom-right.
+        is_causal: causal mask, ``"top_left"`` aligned as in PyTorch (query i sees keys j ≤ i;
+            SPEC 4.3); tokenmix's native default is ``"bottom_right"``.
         scale: s of SPEC (4.2); ``None`` = 1/sqrt(E).
         enable_gqa: allow H_q ≠ H_kv (H_q a multiple of H_kv; query head h reads KV head
             h // (H_q // H_kv), SPEC 4.8), as in PyTorch.

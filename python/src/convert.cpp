@@ -1,0 +1,280 @@
+// python/src/convert.cpp — Python arguments → tokenmix views, spans and options.
+//
+// Arrays are imported without a copy (DLPack or the buffer protocol) and checked here: CPU,
+// native-endian float32, the expected rank. An object nanobind cannot import as an array is
+// diagnosed (diagnose_array) so the error names the function, the argument and the reason:
+// a non-native byte order ('>f4') is a TypeError like any other dtype, a byte stride that is not
+// a multiple of the element size an ArgumentError (tokenmix views address whole elements).
+#include <bit>
+#include <climits>
+#include <string>
+
+#include "bindings.hpp"
+
+namespace tokenmix_py {
+namespace {
+
+std::string dtype_name(nb::dlpack::dtype dt) {
+  const auto code = static_cast<nb::dlpack::dtype_code>(dt.code);
+  std::string base;
+  switch (code) {
+    case nb::dlpack::dtype_code::Int:
+      base = "int";
+      break;
+    case nb::dlpack::dtype_code::UInt:
+      base = "uint";
+      break;
+    case nb::dlpack::dtype_code::Float:
+      base = "float";
+      break;
+    case nb::dlpack::dtype_code::Bfloat:
+      base = "bfloat";
+      break;
+    case nb::dlpack::dtype_code::Complex:
+      base = "complex";
+      break;
+    case nb::dlpack::dtype_code::Bool:
+      return "bool";
+    default:
+      base = "dtype" + std::to_string(dt.code) + "_";
+      break;
+  }
+  return base + std::to_string(dt.bits);
+}
+
+template <class Array>
+std::string array_shape(const Array& a) {
+  std::int64_t shape[8] = {};
+  const size_t rank = a.ndim() < 8 ? a.ndim() : 8;
+  for (size_t i = 0; i < rank; ++i) shape[i] = static_cast<std::int64_t>(a.shape(i));
+  return shape_string(shape, rank);
+}
+
+// The NumPy dtype string of native float32: '<f4' on little-endian machines.
+constexpr const char* kNativeF32 = std::endian::native == std::endian::little ? "<f4" : ">f4";
+
+std::string py_str(nb::handle h) {
+  return nb::str(h).c_str();
+}
+
+// Why `obj` could not be imported as an array (nanobind's importer only says "no"). Raises.
+[[noreturn]] void diagnose_array(nb::handle obj, const std::string& what, bool writable) {
+  const std::string type_name = nb::type_name(obj.type()).c_str();
+  if (obj.is_none()) type_error(what + " must be a numpy.ndarray or a torch.Tensor; got None");
+  // NumPy arrays (and look-alikes): dtype byte order, byte strides, writability.
+  if (nb::hasattr(obj, "dtype") && nb::hasattr(obj, "strides") && nb::hasattr(obj, "flags")) {
+    nb::object dtype = obj.attr("dtype");
+    if (nb::hasattr(dtype, "isnative") && !nb::cast<bool>(dtype.attr("isnative"))) {
+      type_error(what + " has dtype '" + py_str(dtype.attr("str")) +
+                 "' (non-native byte order); expected native-endian float32 ('" + kNativeF32 +
+                 "'): convert with .astype(numpy.float32) (no implicit conversion is made)");
+    }
+    const auto itemsize = nb::cast<std::int64_t>(dtype.attr("itemsize"));
+    for (nb::handle s : nb::iter(obj.attr("strides"))) {
+      const auto stride = nb::cast<std::int64_t>(s);
+      if (itemsize > 0 && stride % itemsize != 0) {
+        argument_error(tmx::ErrorCode::invalid_argument,
+                       what + " has a byte stride of " + std::to_string(stride) +
+                           ", not a multiple of its element size (" + std::to_string(itemsize) +
+                           " bytes; strides " + py_str(obj.attr("strides")) +
+                           "); tokenmix addresses whole elements: copy it with "
+                           "numpy.ascontiguousarray first");
+      }
+    }
+    if (py_str(dtype.attr("char")) != "f") {
+      type_error(what + " has dtype " + py_str(dtype) +
+                 "; tokenmix computes in float32 only (convert with .astype(numpy.float32); no "
+                 "implicit conversion is made)");
+    }
+    if (writable && !nb::cast<bool>(obj.attr("flags").attr("writeable"))) {
+      value_error(what + " is read-only; outputs must be writable");
+    }
+  }
+  // Anything with __dlpack__ (PyTorch, ...): its own refusal says why.
+  if (nb::hasattr(obj, "__dlpack__")) {
+    try {
+      obj.attr("__dlpack__")();
+    } catch (const nb::python_error& e) {
+      type_error(what + " (" + type_name +
+                 ") cannot be passed without a copy: " + py_str(e.value()));
+    }
+  }
+  type_error(what + " must be a numpy.ndarray or a torch.Tensor (float32, on the CPU); got " +
+             type_name);
+}
+
+// Checks device, dtype (float32) and rank; `what` is "fn: name".
+template <class Array>
+void check_array(const Array& a, const std::string& what, size_t rank) {
+  if (a.device_type() != nb::device::cpu::value) {
+    type_error(what + " must be a CPU array/tensor; got device type " +
+               std::to_string(a.device_type()) + " (move it with .cpu() first)");
+  }
+  if (a.dtype() != nb::dtype<float>()) {
+    type_error(what + " has dtype " + dtype_name(a.dtype()) +
+               "; tokenmix computes in float32 only (convert with .astype(numpy.float32) or "
+               ".float(); no implicit conversion is made)");
+  }
+  if (rank != 0 && a.ndim() != rank) {
+    value_error(what + " must have " + std::to_string(rank) + " dimensions; got " +
+                std::to_string(a.ndim()) + " (shape " + array_shape(a) + ")");
+  }
+}
+
+template <class Array>
+Array import_array(const ArrayArg& a, const char* fn, const char* name, bool writable) {
+  Array array;
+  // No implicit conversion: a converted array would be a hidden copy (and, for outputs, lost).
+  if (!nb::try_cast(a.obj, array, false)) {
+    diagnose_array(a.obj, std::string(fn) + ": " + name, writable);
+  }
+  return array;
+}
+
+// `a` by value (a reference-counted handle): nanobind 2's const data() is a const pointer.
+template <class View, class Array>
+View make_view(Array a, const char* fn, const char* name, size_t rank) {
+  check_array(a, std::string(fn) + ": " + name, rank);
+  View v;
+  v.data = a.data();
+  v.dtype = tmx::DType::f32;
+  v.rank = static_cast<int>(rank);
+  for (size_t i = 0; i < rank; ++i) {
+    v.shape[i] = static_cast<std::int64_t>(a.shape(i));
+    v.strides[i] = a.stride(i);
+  }
+  if (rank == 3) {  // log-sum-exp [B, H, T]: the unused 4th axis
+    v.shape[3] = 1;
+    v.strides[3] = 0;
+  }
+  return v;
+}
+
+template <class Array>
+bool c_contiguous(const Array& a) {
+  std::int64_t expected = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expected) return false;
+    expected *= static_cast<std::int64_t>(a.shape(i));
+  }
+  return true;
+}
+
+template <class T, class Array>
+SpanArg<T> make_span(Array a, const char* fn, const char* name, size_t rank) {
+  check_array(a, std::string(fn) + ": " + name, rank);
+  if (!c_contiguous(a)) value_error(std::string(fn) + ": " + name + " must be C-contiguous");
+  SpanArg<T> s;
+  s.data = {static_cast<T*>(a.data()), a.size()};
+  for (size_t i = 0; i < rank && i < s.shape.size(); ++i) {
+    s.shape[i] = static_cast<std::int64_t>(a.shape(i));
+  }
+  return s;
+}
+
+}  // namespace
+
+InArray in_array(const ArrayArg& a, const char* fn, const char* name) {
+  return import_array<InArray>(a, fn, name, false);
+}
+OutArray out_array(const ArrayArg& a, const char* fn, const char* name) {
+  return import_array<OutArray>(a, fn, name, true);
+}
+
+tmx::ConstTensorView in4(const ArrayArg& a, const char* fn, const char* name) {
+  return make_view<tmx::ConstTensorView>(in_array(a, fn, name), fn, name, 4);
+}
+tmx::ConstTensorView in3(const ArrayArg& a, const char* fn, const char* name) {
+  return make_view<tmx::ConstTensorView>(in_array(a, fn, name), fn, name, 3);
+}
+tmx::TensorView out4(const ArrayArg& a, const char* fn, const char* name) {
+  return make_view<tmx::TensorView>(out_array(a, fn, name), fn, name, 4);
+}
+tmx::TensorView out3(const ArrayArg& a, const char* fn, const char* name) {
+  return make_view<tmx::TensorView>(out_array(a, fn, name), fn, name, 3);
+}
+tmx::TensorView out3_opt(const std::optional<ArrayArg>& a, const char* fn, const char* name) {
+  if (!a) return {};
+  return out3(*a, fn, name);
+}
+
+SpanArg<const float> in_span(const ArrayArg& a, const char* fn, const char* name, size_t rank) {
+  return make_span<const float>(in_array(a, fn, name), fn, name, rank);
+}
+SpanArg<float> out_span(const ArrayArg& a, const char* fn, const char* name, size_t rank) {
+  return make_span<float>(out_array(a, fn, name), fn, name, rank);
+}
+
+std::string shape_string(const std::int64_t* shape, size_t rank) {
+  std::string s = "(";
+  for (size_t i = 0; i < rank; ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  if (rank == 1) s += ",";
+  return s + ")";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Options
+
+tmx::CausalAlign parse_align(const std::string& s) {
+  if (s == "bottom_right") return tmx::CausalAlign::bottom_right;
+  if (s == "top_left") return tmx::CausalAlign::top_left;
+  value_error("align must be 'bottom_right' or 'top_left'; got '" + s + "'");
+}
+
+tmx::RopePairing parse_pairing(const std::string& s) {
+  if (s == "rotate_half") return tmx::RopePairing::rotate_half;
+  if (s == "interleaved") return tmx::RopePairing::interleaved;
+  value_error("pairing must be 'rotate_half' or 'interleaved'; got '" + s + "'");
+}
+
+tmx::DType parse_dtype(const std::string& s) {
+  if (s == "f32" || s == "float32") return tmx::DType::f32;
+  if (s == "bf16" || s == "bfloat16") return tmx::DType::bf16;
+  if (s == "f16" || s == "float16") return tmx::DType::f16;
+  value_error("dtype must be 'f32', 'bf16' or 'f16'; got '" + s + "'");
+}
+
+int thread_count(const IntArg& threads, const char* fn) {
+  const std::string what = std::string(fn) + ": threads";
+  nb::object index = nb::steal(PyNumber_Index(threads.obj.ptr()));  // int(x) for integers only
+  if (!index.is_valid()) {
+    PyErr_Clear();
+    type_error(what + " must be an integer; got " + nb::type_name(threads.obj.type()).c_str());
+  }
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (v == -1 && overflow == 0 && PyErr_Occurred()) throw nb::python_error();
+  if (overflow != 0 || v < 0 || v > INT_MAX) {
+    argument_error(
+        tmx::ErrorCode::invalid_argument,
+        what + " must be in [0, " + std::to_string(INT_MAX) + "] (0 = all); got " + py_str(index));
+  }
+  return static_cast<int>(v);
+}
+
+tmx::AttentionOptions attention_options(const char* fn, std::optional<double> scale, bool causal,
+                                        const std::string& align, const IntArg& threads,
+                                        const std::string& isa) {
+  tmx::AttentionOptions o;
+  o.scale = scale;
+  o.causal = causal;
+  o.align = parse_align(align);
+  o.threads = thread_count(threads, fn);
+  o.isa = tmx::parse_isa(isa, "isa");
+  return o;
+}
+
+tmx::RopeOptions rope_options(const std::string& pairing, double base, std::int64_t offset) {
+  tmx::RopeOptions o;
+  o.pairing = parse_pairing(pairing);
+  o.base = base;
+  o.position_offset = offset;
+  return o;
+}
+
+nb::ndarray<nb::numpy, float> numpy_view(float* data, std::initializer_list<size_t> shape,
+                                         nb::handle owner) {
+  return nb::ndarray<nb::numpy, float>(data, shape.size(), shape.begin(), owner);
+}
+
+}  // namespace tokenmix_py

@@ -1,0 +1,46 @@
+// python/src/runtime.cpp — version, kernel paths (ISAs), CPU features, default thread count
+// (include/tokenmix/runtime.hpp).
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
+
+#include "bindings.hpp"
+
+namespace tokenmix_py {
+
+using namespace nb::literals;
+
+void bind_runtime(nb::module_& m) {
+  m.def("version", [] { return std::string(tmx::version()); });
+  m.def("default_threads", &tmx::default_threads);
+  m.def("available_isas", [] {
+    std::vector<std::string> names;
+    for (tmx::Isa i : tmx::available_isas()) names.emplace_back(tmx::to_string(i));
+    return names;
+  });
+  m.def(
+      "resolve_isa",
+      [](const std::string& isa) {
+        return std::string(tmx::to_string(tmx::resolve_isa(tmx::parse_isa(isa, "isa"))));
+      },
+      "isa"_a);
+  m.def(
+      "describe_kernel",
+      [](const std::string& isa) { return tmx::describe_kernel(tmx::parse_isa(isa, "isa")); },
+      "isa"_a);
+  m.def("cpu_features", [] {
+    const tmx::CpuFeatures& f = tmx::cpu_features();
+    nb::dict d;
+    d["model"] = f.model;
+    d["avx2_fma"] = f.avx2_fma;
+    d["avx512f"] = f.avx512f;
+    d["avx512_bf16"] = f.avx512_bf16;
+    d["amx_tile"] = f.amx_tile;
+    d["flags"] = f.flags();
+    return d;
+  });
+}
+
+}  // namespace tokenmix_py

@@ -1,0 +1,139 @@
+"""Attention forward and backward over NumPy arrays and PyTorch tensors (SPEC 4.2–4.5,
+"Backward pass"), and the useful-work counts of SPEC "Useful-work counts".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from . import _tokenmix as _C
+from ._convert import as_array, as_output, check_layout, new_empty, view4
+
+
+def attention_forward(
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any = None,
+    lse: Any = None,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    align: str = "bottom_right",
+    layout: str = "bthd",
+    threads: int = 0,
+    isa: str = "auto",
+    return_lse: bool = False,
+) -> Any:
+    """Exact scaled-dot-product attention, forward (SPEC 4.2–4.5).
+
+    Per query head h with KV head j = h // (H_q // H_kv) (4.8)::
+
+        S = s · Q_h K_jᵀ            (4.2)   s = scale, default 1/sqrt(d_h)
+        A = softmax(S + M)          (4.3, 4.4)   M: causal mask if causal
+        O_h = A V_j                 (4.5)   L_t = log Σ_u exp(S_tu + M_tu)
+
+    Args:
+        q: [B, T_q, H_q, d_h] float32 (``layout="bhtd"``: [B, H_q, T_q, d_h]); any strides.
+        k, v: [B, T_k, H_kv, d_h] float32 (or [B, H_kv, T_k, d_h]).
+        out: optional output in q's layout and shape, written in place.
+        lse: optional row log-sum-exp output [B, H_q, T_q], written in place.
+        scale: s of (4.2); ``None`` = 1/sqrt(d_h).
+        causal: apply the causal mask M (4.3).
+        align: ``"bottom_right"`` (default: query t is at absolute position t + T_k − T_q, as
+            KV-cache decoding needs) or ``"top_left"`` (query t sees keys u ≤ t, PyTorch's
+            ``is_causal``). Identical when T_q == T_k. A query that sees no key gets O = 0,
+            L = −inf.
+        layout: ``"bthd"`` or ``"bhtd"`` — the memory order of q, k, v and out.
+        threads: worker threads, 0 = all; results do not depend on it.
+        isa: ``"auto"``, ``"portable"``, ``"avx2"`` or ``"avx512"`` (force a kernel path).
+        return_lse: allocate and return lse as well.
+
+    Returns:
+        ``out``, or ``(out, lse)`` when lse was given or ``return_lse`` is set.
+    """
+    fn = "attention_forward"
+    check_layout(fn, layout)
+    q, k, v = as_array(fn, "q", q), as_array(fn, "k", k), as_array(fn, "v", v)
+    q4, k4, v4 = view4(fn, "q", q, layout), view4(fn, "k", k, layout), view4(fn, "v", v, layout)
+    B, T_q, H_q, _ = q4.shape
+    out = new_empty(q, tuple(q.shape)) if out is None else as_output(fn, "out", out)
+    if lse is None and return_lse:
+        lse = new_empty(q, (B, H_q, T_q))
+    elif lse is not None:
+        lse = as_output(fn, "lse", lse)
+    _C.attention_forward(
+        q4, k4, v4, view4(fn, "out", out, layout), lse, scale, causal, align, threads, isa
+    )
+    return (out, lse) if lse is not None else out
+
+
+def attention_backward(
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    dq: Any = None,
+    dk: Any = None,
+    dv: Any = None,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    align: str = "bottom_right",
+    layout: str = "bthd",
+    threads: int = 0,
+    isa: str = "auto",
+) -> Tuple[Any, Any, Any]:
+    """Backward pass of :func:`attention_forward` (SPEC "Backward pass", 4.6–4.7).
+
+    With D_t = ⟨dO_t, O_t⟩ (the softmax Jacobian applied row by row)::
+
+        dS = A ⊙ (dO Vᵀ − D 1ᵀ),  dQ = s·dS K,  dK = s·Σ_group dSᵀ Q,  dV = Σ_group Aᵀ dO
+
+    A is recomputed from q, k and the saved lse (no T×T buffer).
+
+    Args:
+        q, k, v, out: as given to / returned by the forward (same layout, options).
+        lse: [B, H_q, T_q] from the forward (``return_lse=True``).
+        dout: gradient of the loss w.r.t. out, out's shape (any strides, also stride 0).
+        dq, dk, dv: optional outputs in the shapes of q, k, v (overwritten, not accumulated).
+        scale, causal, align, layout, threads, isa: as for the forward — they must match it.
+
+    Returns:
+        ``(dq, dk, dv)``.
+    """
+    fn = "attention_backward"
+    check_layout(fn, layout)
+    q, k, v = as_array(fn, "q", q), as_array(fn, "k", k), as_array(fn, "v", v)
+    out, lse, dout = as_array(fn, "out", out), as_array(fn, "lse", lse), as_array(fn, "dout", dout)
+    dq = new_empty(q, tuple(q.shape)) if dq is None else as_output(fn, "dq", dq)
+    dk = new_empty(q, tuple(k.shape)) if dk is None else as_output(fn, "dk", dk)
+    dv = new_empty(q, tuple(v.shape)) if dv is None else as_output(fn, "dv", dv)
+    v4 = lambda name, x: view4(fn, name, x, layout)  # noqa: E731
+    _C.attention_backward(
+        v4("q", q), v4("k", k), v4("v", v), v4("out", out), lse, v4("dout", dout),
+        v4("dq", dq), v4("dk", dk), v4("dv", dv), scale, causal, align, threads, isa,
+    )
+    return dq, dk, dv
+
+
+def visible_keys(
+    t: int, T_q: int, T_k: int, causal: bool = True, align: str = "bottom_right"
+) -> int:
+    """pairs(t): number of keys query t sees (SPEC 4.3, "Useful-work counts")."""
+    return _C.visible_keys(t, T_q, T_k, causal, align)
+
+
+def visible_pairs(T_q: int, T_k: int, causal: bool = True, align: str = "bottom_right") -> int:
+    """P = Σ_t pairs(t) (T(T+1)/2 for causal T_q = T_k = T)."""
+    return _C.visible_pairs(T_q, T_k, causal, align)
+
+
+def forward_flops(
+    B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool = True,
+    align: str = "bottom_right",
+) -> float:
+    """Forward FLOPs 4·d_h·H_q·P·B (SPEC "Useful-work counts"); backward is 2.5× this."""
+    return _C.forward_flops(B, T_q, T_k, H_q, d_h, causal, align)

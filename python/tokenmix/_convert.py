@@ -1,0 +1,86 @@
+"""Array helpers shared by the tokenmix modules: accepting NumPy arrays and PyTorch tensors
+without copies, allocating outputs from the library of an input, and the two layouts
+``"bthd"`` ([B, T, H, d_h], the default) and ``"bhtd"`` ([B, H, T, d_h], PyTorch's SDPA layout),
+which are views of each other (axes 1 and 2 swapped).
+
+Dtypes and strides are checked by the native extension (python/src/convert.cpp), which names the
+function and the argument in its errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import numpy as np
+
+__all__ = [
+    "LAYOUTS", "is_torch", "as_array", "as_output", "new_empty", "swap12", "check_layout", "view4",
+    "contiguous", "is_c_contiguous",
+]
+
+LAYOUTS = ("bthd", "bhtd")
+
+
+def is_torch(x: Any) -> bool:
+    return type(x).__module__.split(".", 1)[0] == "torch"
+
+
+def as_array(fn: str, name: str, x: Any) -> Any:
+    """Checks that x is an array the extension can take; detaches torch tensors (no copy)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if is_torch(x):
+        return x.detach() if x.requires_grad else x
+    raise TypeError(
+        f"{fn}: {name} must be a numpy.ndarray or a torch.Tensor; got {type(x).__name__}"
+    )
+
+
+def as_output(fn: str, name: str, x: Any) -> Any:
+    """Checks a caller-supplied output: an array, writable."""
+    x = as_array(fn, name, x)
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise ValueError(f"{fn}: {name} is read-only; outputs must be writable")
+    return x
+
+
+def new_empty(like: Any, shape: Tuple[int, ...]) -> Any:
+    """A float32 array of `shape` from the library of `like` (torch or NumPy)."""
+    if is_torch(like):
+        import torch
+
+        return torch.empty(shape, dtype=torch.float32)
+    return np.empty(shape, dtype=np.float32)
+
+
+def swap12(x: Any) -> Any:
+    """[B, H, T, D] <-> [B, T, H, D] as a view (no copy)."""
+    if is_torch(x):
+        return x.permute(0, 2, 1, 3)
+    return x.transpose(0, 2, 1, 3)
+
+
+def check_layout(fn: str, layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"{fn}: layout must be 'bthd' or 'bhtd'; got {layout!r}")
+
+
+def view4(fn: str, name: str, x: Any, layout: str) -> Any:
+    if x.ndim != 4:
+        raise ValueError(
+            f"{fn}: {name} must have 4 dimensions ([B, T, H, d_h], or [B, H, T, d_h] with "
+            f"layout='bhtd'); got shape {tuple(x.shape)}"
+        )
+    return swap12(x) if layout == "bhtd" else x
+
+
+def contiguous(x: Any) -> Any:
+    if is_torch(x):
+        return x.contiguous()
+    return np.ascontiguousarray(x)
+
+
+def is_c_contiguous(x: Any) -> bool:
+    if is_torch(x):
+        return bool(x.is_contiguous())
+    return bool(x.flags.c_contiguous)

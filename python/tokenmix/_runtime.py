@@ -1,0 +1,18 @@
+"""Version, kernel paths (ISAs) and CPU features, default thread count.
+"""
+
+from __future__ import annotations
+
+from . import _tokenmix as _C
+
+version = _C.version
+cpu_features = _C.cpu_features
+available_isas = _C.available_isas
+default_threads = _C.default_threads
+describe_kernel = _C.describe_kernel
+
+
+def resolve_isa(isa: str = "auto") -> str:
+    """The kernel path a call with ``isa`` would run ("portable", "avx2", "avx512");
+    honours TOKENMIX_ISA for "auto". Raises UnsupportedError for a path this CPU/build lacks."""
+    return _C.resolve_isa(isa)

@@ -499,6 +499,9 @@ TEST(KVCacheErrors, FailedPrefillAndStepLeaveCacheUnchanged) {
                  [&] { layer.prefill(U(0), 0, 3, c, 0, O(0), seq0); });
     expect_fails(("seq 0" + at).c_str(), ErrorCode::invalid_argument, "seq",
                  [&] { layer.prefill(U(0), 1, 0, c, 0, O(0), seq0); });
+    expect_fails(("batch * seq overflows" + at).c_str(), ErrorCode::overflow, "overflow", [&] {
+      layer.prefill(U(1), std::int64_t{1} << 40, std::int64_t{1} << 40, c, 0, O(1), seq0);
+    });
     expect_fails(("layer" + at).c_str(), ErrorCode::invalid_argument, "layer",
                  [&] { layer.step(U(1), 1, c, 2, O(1), seq0); });
     expect_fails(("negative layer" + at).c_str(), ErrorCode::invalid_argument, "layer",
@@ -555,6 +558,14 @@ TEST(KVCacheErrors, FailedAppendLeavesCacheUnchanged) {
   neg.strides[3] = -1;
   expect_rejected<AE>(
       c, [&] { c.append(0, 0, K(1), neg); }, ErrorCode::invalid_argument, "v.strides[3]");
+  ConstTensorView neg_size = K(1);
+  neg_size.shape[1] = -1;
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 0, neg_size, K(1)); }, ErrorCode::invalid_argument, "k.shape[1]");
+  ConstTensorView wide_extent = K(1);
+  wide_extent.strides[2] = std::int64_t{1} << 62;
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 0, K(1), wide_extent); }, ErrorCode::overflow, "v byte extent");
   ConstTensorView rank3 = K(1);
   rank3.rank = 3;
   expect_rejected<AE>(

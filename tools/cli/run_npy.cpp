@@ -124,9 +124,12 @@ TempFile make_temp_next_to(const char* option, const std::string& path) {
 }
 
 /// Writes every output to its temporary file, then renames them all over the destinations. On
-/// failure, removes the temporary files (and only those) and rethrows: no destination changes.
+/// failure, removes the temporary files (and only those) and rethrows. A failed write changes no
+/// destination; only a failing rename (the destinations were checked beforehand, so that needs
+/// e.g. a file system changed meanwhile) leaves the outputs renamed before it in place.
 void write_outputs(const std::vector<Output>& outputs) {
   std::vector<TempFile> temps;
+  temps.reserve(outputs.size());
   auto remove_temps = [&] {
     for (TempFile& t : temps)
       if (t.exists) std::remove(t.path.c_str()), t.exists = false;

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include "tokenmix/runtime.hpp"
 #include "tokenmix/tensor.hpp"
@@ -28,6 +29,13 @@ enum class CausalAlign {
   top_left,      ///< query t sees u ≤ t (PyTorch's is_causal convention)
 };
 
+/// "bottom_right" / "top_left" (the one spelling shared by the CLI's --align and Python's align=);
+/// "unknown" for a value outside the enum.
+const char* to_string(CausalAlign align) noexcept;
+/// Parses "bottom_right" or "top_left" (throws ArgumentError(invalid_argument) naming `what` and
+/// listing the allowed values otherwise).
+CausalAlign parse_causal_align(const std::string& text, const char* what = "align");
+
 struct AttentionOptions {
   std::optional<double> scale;  ///< s in (4.2); default 1/sqrt(d_h). Must be finite.
   bool causal = true;           ///< apply the mask M of (4.3)
@@ -37,8 +45,10 @@ struct AttentionOptions {
 };
 
 /// Forward pass. `lse` may be an empty view (data == nullptr) when not wanted.
-/// Throws ArgumentError on inconsistent shapes, null pointers, overlapping outputs/inputs,
-/// overflowing sizes, non-finite scale; UnsupportedError for a dtype other than f32.
+/// Throws ArgumentError on inconsistent shapes, null pointers, overlapping outputs/inputs, an
+/// output with a zero stride on an axis of size > 1 (it would overlap itself), overflowing sizes,
+/// non-finite scale, an options.align outside the enum; UnsupportedError for a dtype other than
+/// f32.
 void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
                        TensorView lse = {}, const AttentionOptions& options = {});
 
@@ -49,17 +59,23 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                         TensorView dq, TensorView dk, TensorView dv,
                         const AttentionOptions& options = {});
 
-/// Number of keys visible to query t (SPEC "Useful-work counts": pairs(t)).
+/// Number of keys visible to query t, 0 ≤ t < T_q (SPEC "Useful-work counts": pairs(t)).
+/// Throws ArgumentError(invalid_argument) for t outside [0, T_q), a negative size or an align
+/// value outside the enum.
 std::int64_t visible_keys(std::int64_t t, std::int64_t T_q, std::int64_t T_k, bool causal,
-                          CausalAlign align) noexcept;
-/// P = Σ_t pairs(t), and forward FLOPs 4·d_h·H_q·P·B (SPEC "Useful-work counts").
-std::int64_t visible_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align) noexcept;
+                          CausalAlign align);
+/// P = Σ_t pairs(t) in closed form (O(1) for any size). Throws as visible_keys for bad
+/// arguments, and ArgumentError(overflow) naming T_q and T_k when P exceeds 2^63 − 1 (e.g. causal
+/// T_q = T_k = 6·2^30).
+std::int64_t visible_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align);
+/// Forward FLOPs 4·d_h·H_q·P·B (SPEC "Useful-work counts"), in double (P exact before the
+/// conversion, so no overflow). Throws ArgumentError for negative sizes or a bad align.
 double forward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
-                     std::int64_t d_h, bool causal, CausalAlign align) noexcept;
+                     std::int64_t d_h, bool causal, CausalAlign align);
 /// Backward FLOPs = 2.5 × forward_flops (SPEC "Useful-work counts": five products instead of
-/// two, the convention of the FlashAttention papers).
+/// two, the convention of the FlashAttention papers). Throws as forward_flops.
 double backward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
-                      std::int64_t d_h, bool causal, CausalAlign align) noexcept;
+                      std::int64_t d_h, bool causal, CausalAlign align);
 
 /// Merge two partial attentions over disjoint key sets (SPEC "Merging partial results"):
 ///   L = log(e^{L¹} + e^{L²}),  O = e^{L¹−L} O¹ + e^{L²−L} O².

@@ -27,7 +27,8 @@ struct LayerConfig {
   std::int64_t heads_kv = 0;  ///< H_kv (divides H_q)
   std::int64_t head_dim = 0;  ///< d_h
   std::optional<RopeOptions> rope;  ///< rotary embedding of Q and K (position_offset ignored)
-  AttentionOptions attention;       ///< scale, threads, isa (causal, bottom-right, is forced on)
+  /// scale, threads, isa; causal and align must keep their defaults (causal, bottom_right).
+  AttentionOptions attention;
 };
 
 /// Gradients of one backward call; every buffer is overwritten.
@@ -46,8 +47,10 @@ std::uint64_t kv_cache_bytes(std::int64_t n_layers, std::int64_t batch, std::int
 
 class CausalSelfAttention {
  public:
-  /// Validates the configuration (positive sizes, H_q % H_kv == 0, even d_h with RoPE) and
-  /// allocates zero weights.
+  /// Validates the configuration (positive sizes, H_q % H_kv == 0, even d_h and a finite
+  /// positive base with RoPE; attention options: scale finite in float32, threads >= 0, causal
+  /// bottom_right, isa a known value that runs here unless automatic) and allocates zero
+  /// weights. Throws ArgumentError (UnsupportedError for a forced isa this CPU or build lacks).
   explicit CausalSelfAttention(const LayerConfig& config);
 
   const LayerConfig& config() const noexcept { return config_; }
@@ -80,7 +83,9 @@ class CausalSelfAttention {
   /// of P tokens followed by S step() calls gives forward() over P + S tokens (up to rounding,
   /// and to the cache's element type). Throws, with the cache unchanged, if the cache does not
   /// match the layer (heads_kv, head_dim), the layer index or sequences are out of range, a
-  /// sequence was released, or the new tokens do not fit.
+  /// sequence was released, the new tokens do not fit, or the kernel path cannot be resolved
+  /// (TOKENMIX_ISA invalid or naming a path this CPU lacks): all of these are checked before
+  /// the cache changes.
   void prefill(std::span<const float> u, std::int64_t batch, std::int64_t seq, KVCache& cache,
                std::int64_t layer, std::span<float> out, std::int64_t first_seq = 0);
   /// One new token per sequence (prefill with seq = 1): u and out are [batch, d].

@@ -2,7 +2,10 @@
 #include "tokenmix/attention.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <type_traits>
 #include <string>
 
@@ -62,6 +65,7 @@ kernels::AttentionProblem make_problem(const char* fn, const ConstTensorView& q,
   if (o.threads < 0) {
     fail(ErrorCode::invalid_argument, fn, "options.threads must be >= 0 (0 = all); got " + std::to_string(o.threads));
   }
+  detail::check_align(fn, "options.align", o.align);
   p.scale = static_cast<float>(scale);
   p.causal = o.causal;
   p.align = o.align;
@@ -97,24 +101,79 @@ auto strided(const V& v) {
 
 }  // namespace
 
-std::int64_t visible_keys(std::int64_t t, std::int64_t T_q, std::int64_t T_k, bool causal,
-                          CausalAlign align) noexcept {
-  if (!causal) return T_k;
-  const std::int64_t shift = align == CausalAlign::bottom_right ? T_k - T_q : 0;
-  return std::max<std::int64_t>(0, std::min(T_k, t + 1 + shift));
+namespace {
+
+// The arguments of the useful-work counts: sizes ≥ 0 and a known alignment.
+void check_count_args(const char* fn, std::int64_t T_q, std::int64_t T_k, CausalAlign align) {
+  if (T_q < 0)
+    fail(ErrorCode::invalid_argument, fn, "T_q must be >= 0; got " + std::to_string(T_q));
+  if (T_k < 0)
+    fail(ErrorCode::invalid_argument, fn, "T_k must be >= 0; got " + std::to_string(T_k));
+  detail::check_align(fn, "align", align);
 }
 
-std::int64_t visible_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align) noexcept {
-  std::int64_t total = 0;
-  for (std::int64_t t = 0; t < T_q; ++t) total += visible_keys(t, T_q, T_k, causal, align);
-  return total;
+// P = Σ_{t<T_q} pairs(t), exact in 128 bits (|P| ≤ T_q·T_k < 2^126). With a = 1 + shift,
+// pairs(t) = clamp(t + a, 0, T_k): 0 for t < z = 1 − a, t + a on [z, s) with s = T_k − a, and
+// T_k from max(z, s) on (both bounds clamped to [0, T_q]).
+__int128 pairs_exact(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align) {
+  using I = __int128;
+  if (!causal) return I{T_q} * T_k;
+  const I a = I{1} + (align == CausalAlign::bottom_right ? I{T_k} - T_q : I{0});
+  const auto clamp_t = [&](I x) { return std::clamp<I>(x, 0, T_q); };
+  const I z = clamp_t(1 - a), s = std::max(z, clamp_t(I{T_k} - a));
+  const I linear = (s - z) * ((z + a) + (s - 1 + a)) / 2;  // arithmetic series z+a … s−1+a
+  return linear + (I{T_q} - s) * T_k;
+}
+
+std::string approx(__int128 x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "about %.6g", static_cast<double>(x));
+  return buf;
+}
+
+}  // namespace
+
+std::int64_t visible_keys(std::int64_t t, std::int64_t T_q, std::int64_t T_k, bool causal,
+                          CausalAlign align) {
+  constexpr const char* fn = "visible_keys";
+  check_count_args(fn, T_q, T_k, align);
+  if (t < 0 || t >= T_q) {
+    fail(ErrorCode::invalid_argument, fn,
+         "t must be in [0, T_q = " + std::to_string(T_q) + "); got " + std::to_string(t));
+  }
+  if (!causal) return T_k;
+  // t + 1 + (T_k − T_q) ≤ T_k and > −T_q for t in [0, T_q): no overflow.
+  const std::int64_t shift = align == CausalAlign::bottom_right ? T_k - T_q : 0;
+  return std::clamp<std::int64_t>(t + 1 + shift, 0, T_k);
+}
+
+std::int64_t visible_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align) {
+  constexpr const char* fn = "visible_pairs";
+  check_count_args(fn, T_q, T_k, align);
+  const __int128 p = pairs_exact(T_q, T_k, causal, align);
+  if (p > INT64_MAX) {
+    fail(ErrorCode::overflow, fn,
+         std::string("the number of visible pairs for T_q = ") + std::to_string(T_q) +
+             ", T_k = " + std::to_string(T_k) + (causal ? ", causal " : ", no mask ") +
+             (causal ? to_string(align) : "") + " is " + approx(p) +
+             ", which exceeds 2^63 - 1 (int64)");
+  }
+  return static_cast<std::int64_t>(p);
 }
 
 double forward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
-                     std::int64_t d_h, bool causal, CausalAlign align) noexcept {
+                     std::int64_t d_h, bool causal, CausalAlign align) {
+  constexpr const char* fn = "forward_flops";
+  check_count_args(fn, T_q, T_k, align);
+  const std::pair<const char*, std::int64_t> sizes[] = {{"B", B}, {"H_q", H_q}, {"d_h", d_h}};
+  for (auto [name, x] : sizes) {
+    if (x < 0)
+      fail(ErrorCode::invalid_argument, fn,
+           std::string(name) + " must be >= 0; got " + std::to_string(x));
+  }
   // SPEC "Useful-work counts": 4 · d_h · H_q · P · B.
   return 4.0 * static_cast<double>(d_h) * static_cast<double>(H_q) *
-         static_cast<double>(visible_pairs(T_q, T_k, causal, align)) * static_cast<double>(B);
+         static_cast<double>(pairs_exact(T_q, T_k, causal, align)) * static_cast<double>(B);
 }
 
 void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
@@ -168,7 +227,7 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
 }
 
 double backward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
-                      std::int64_t d_h, bool causal, CausalAlign align) noexcept {
+                      std::int64_t d_h, bool causal, CausalAlign align) {
   // SPEC "Useful-work counts": backward = 2.5 × forward (five products instead of two).
   return 2.5 * forward_flops(B, T_q, T_k, H_q, d_h, causal, align);
 }

@@ -114,11 +114,32 @@ CausalSelfAttention::CausalSelfAttention(const LayerConfig& config) : config_(co
            "config.rope.base must be finite and > 0; got " + std::to_string(config.rope->base));
     }
   }
-  if (config.attention.scale && !std::isfinite(*config.attention.scale)) {
-    fail(ErrorCode::invalid_argument, fn, "config.attention.scale must be finite");
+  const AttentionOptions& a = config.attention;
+  if (a.scale && (!std::isfinite(*a.scale) || !std::isfinite(static_cast<float>(*a.scale)))) {
+    fail(ErrorCode::invalid_argument, fn,
+         "config.attention.scale must be finite in float32; got " + std::to_string(*a.scale));
   }
-  config_.attention.causal = true;
-  config_.attention.align = CausalAlign::bottom_right;
+  if (a.threads < 0) {
+    fail(ErrorCode::invalid_argument, fn,
+         "config.attention.threads must be >= 0 (0 = all); got " + std::to_string(a.threads));
+  }
+  detail::check_align(fn, "config.attention.align", a.align);
+  if (!a.causal || a.align != CausalAlign::bottom_right) {  // rejected, not silently overridden
+    fail(ErrorCode::invalid_argument, fn,
+         std::string("the layer is always causal with the bottom_right mask (SPEC 4.3); got "
+                     "config.attention.causal = ") +
+             (a.causal ? "true" : "false") + ", config.attention.align = " + to_string(a.align));
+  }
+  if (a.isa != Isa::automatic && a.isa != Isa::portable && a.isa != Isa::avx2 &&
+      a.isa != Isa::avx512) {
+    fail(
+        ErrorCode::invalid_argument, fn,
+        "config.attention.isa must be an Isa value (auto, portable, avx2, avx512); got the value " +
+            std::to_string(static_cast<int>(a.isa)));
+  }
+  // A forced path must run here (UnsupportedError otherwise); `automatic` follows TOKENMIX_ISA,
+  // which is read again by every call.
+  if (a.isa != Isa::automatic) resolve_isa(a.isa);
   const std::int64_t qw = checked_mul(config.heads_q, config.head_dim, fn, "H_q * d_h");
   const std::int64_t kw = checked_mul(config.heads_kv, config.head_dim, fn, "H_kv * d_h");
   w_q_.assign(static_cast<std::size_t>(checked_mul(config.d_model, qw, fn, "W_Q size")), 0.0f);
@@ -234,26 +255,45 @@ void CausalSelfAttention::prefill(std::span<const float> u, std::int64_t batch, 
          "sequences [first_seq, first_seq + batch) must lie in [0, cache batch = " + std::to_string(kc.batch) +
              "); got first_seq = " + std::to_string(first_seq) + ", batch = " + std::to_string(batch));
   }
+  // Everything that can fail is checked before the cache changes (a failed call leaves it byte
+  // for byte as it was): the sequences, their room, and the kernel path (TOKENMIX_ISA may be
+  // invalid or name a path this CPU lacks).
+  bool fresh = true;  // every sequence empty in this layer
+  std::vector<std::int64_t> lengths(static_cast<std::size_t>(batch));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    if (!cache.active(first_seq + b)) {
+      fail(ErrorCode::invalid_argument, fn,
+           "sequence " + std::to_string(first_seq + b) +
+               " of the cache was released; reset it before reuse");
+    }
+    const std::int64_t len = cache.length(first_seq + b, layer);
+    if (seq > kc.capacity - len) {
+      fail(ErrorCode::invalid_argument, fn,
+           "appending seq = " + std::to_string(seq) + " positions to sequence " +
+               std::to_string(first_seq + b) + " (length " + std::to_string(len) +
+               ") exceeds the cache capacity T_max = " + std::to_string(kc.capacity));
+    }
+    lengths[static_cast<std::size_t>(b)] = len;
+    fresh = fresh && len == 0;
+  }
+  AttentionOptions ao = c.attention;
+  ao.isa = resolve_isa(c.attention.isa);  // the one dispatch decision of this call
+
   const std::int64_t qw = c.heads_q * c.head_dim, kw = c.heads_kv * c.head_dim;
   std::vector<float> q(static_cast<std::size_t>(checked_mul(rows, qw, fn, "Q size")));
-  std::vector<float> k(static_cast<std::size_t>(checked_mul(rows, kw, fn, "K size"))), v(k.size()), y(q.size());
-  gemm(false, false, rows, qw, c.d_model, u.data(), w_q_.data(), q.data(), false);  // Q = U W_Q (4.1)
+  std::vector<float> k(static_cast<std::size_t>(checked_mul(rows, kw, fn, "K size"))), v(k.size()),
+      y(q.size());
+  gemm(false, false, rows, qw, c.d_model, u.data(), w_q_.data(), q.data(),
+       false);  // Q = U W_Q (4.1)
   gemm(false, false, rows, kw, c.d_model, u.data(), w_k_.data(), k.data(), false);  // K = U W_K
   gemm(false, false, rows, kw, c.d_model, u.data(), w_v_.data(), v.data(), false);  // V = U W_V
   const auto qv = TensorView::bthd(q.data(), batch, seq, c.heads_q, c.head_dim);
   const auto kv = TensorView::bthd(k.data(), batch, seq, c.heads_kv, c.head_dim);
   const auto vv = TensorView::bthd(v.data(), batch, seq, c.heads_kv, c.head_dim);
-  bool fresh = true;  // every sequence empty in this layer
-  for (std::int64_t b = 0; b < batch; ++b) {
-    if (!cache.active(first_seq + b)) {
-      fail(ErrorCode::invalid_argument, fn,
-           "sequence " + std::to_string(first_seq + b) + " of the cache was released; reset it before reuse");
-    }
-    const std::int64_t len = cache.length(first_seq + b, layer);
-    fresh = fresh && len == 0;
-    if (c.rope) {  // positions len … len + seq − 1 of sequence b (4.1): one batch slice at a time
+  if (c.rope) {  // positions len … len + seq − 1 of sequence b (4.1): one batch slice at a time
+    for (std::int64_t b = 0; b < batch; ++b) {
       RopeOptions r = *c.rope;
-      r.position_offset = len;
+      r.position_offset = lengths[static_cast<std::size_t>(b)];
       TensorView qb = qv, kb = kv;
       qb.shape[0] = kb.shape[0] = 1;
       qb.data = q.data() + b * seq * qw;
@@ -262,23 +302,28 @@ void CausalSelfAttention::prefill(std::span<const float> u, std::int64_t batch, 
       rope_forward(kb, r);
     }
   }
-  cache.append(layer, first_seq, kv, vv);  // validates everything (capacity, pool) before writing
   const auto yv = TensorView::bthd(y.data(), batch, seq, c.heads_q, c.head_dim);
   if (fresh) {
-    attention_forward(qv, kv, vv, yv, {}, c.attention);  // (4.2–4.5) on the fresh fp32 K/V
+    // Attention on the fresh fp32 K/V first (4.2–4.5), so nothing after the append can fail.
+    attention_forward(qv, kv, vv, yv, {}, ao);
+    cache.append(layer, first_seq, kv, vv);  // validates everything (capacity, pool) before writing
   } else {
+    cache.append(layer, first_seq, kv, vv);  // validates everything (capacity, pool) before writing
     DecodeOptions o;
-    o.scale = c.attention.scale;
-    o.threads = c.attention.threads;
-    o.isa = c.attention.isa;
+    o.scale = ao.scale;
+    o.threads = ao.threads;
+    o.isa = ao.isa;
     o.first_seq = first_seq;
+    // Arguments were all checked above (and by the constructor); only an allocation failure could
+    // still throw here.
     attention_decode(qv, cache, layer, yv, {}, o);  // bottom-right against each sequence's length
   }
-  gemm(false, false, rows, c.d_model, qw, y.data(), w_o_.data(), out.data(), false);  // O = [Y_1|…] W_O
+  gemm(false, false, rows, c.d_model, qw, y.data(), w_o_.data(), out.data(),
+       false);  // O = [Y_1|…] W_O
 }
 
-void CausalSelfAttention::step(std::span<const float> u, std::int64_t batch, KVCache& cache, std::int64_t layer,
-                               std::span<float> out, std::int64_t first_seq) {
+void CausalSelfAttention::step(std::span<const float> u, std::int64_t batch, KVCache& cache,
+                               std::int64_t layer, std::span<float> out, std::int64_t first_seq) {
   prefill(u, batch, 1, cache, layer, out, first_seq);
 }
 

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <limits>
 #include <numeric>
 #include <sstream>
+#include <string>
 
 namespace tokenmix::detail {
 
@@ -79,12 +81,22 @@ void check_view(const ConstTensorView& v, int rank, const char* fn, const char* 
     count = checked_mul(count, v.dim(i), fn, (n + " element count").c_str());
     if (v.dim(i) > 0) {
       const std::int64_t step = checked_mul(v.dim(i) - 1, v.stride(i), fn, (n + " extent").c_str());
-      if (__builtin_add_overflow(offset, step, &offset)) {
-        fail(ErrorCode::overflow, fn, n + " extent overflows 64-bit arithmetic");
+      std::int64_t sum = 0;
+      if (__builtin_add_overflow(offset, step, &sum)) {
+        fail(ErrorCode::overflow, fn,
+             n + " extent overflows 64-bit arithmetic (" + std::to_string(offset) + " + " +
+                 std::to_string(step) + ")");
       }
+      offset = sum;
     }
   }
-  checked_mul(offset + 1, static_cast<std::int64_t>(sizeof(float)), fn, (n + " byte extent").c_str());
+  // Bytes spanned, (offset + 1) · sizeof(float), without forming offset + 1 when it overflows.
+  constexpr std::int64_t kBytes = sizeof(float);
+  if (offset > INT64_MAX / kBytes - 1) {
+    fail(ErrorCode::overflow, fn,
+         n + " byte extent overflows 64-bit arithmetic ((largest element offset " +
+             std::to_string(offset) + " + 1) * " + std::to_string(kBytes) + " bytes)");
+  }
   if (count > 0 && v.data == nullptr) {
     fail(ErrorCode::null_pointer, fn,
          n + ".data must not be null for a tensor of shape " + shape_string(v));
@@ -95,8 +107,8 @@ void check_dim(const ConstTensorView& v, int axis, std::int64_t expected, const 
                const char* name, const char* axis_name, const char* expected_from) {
   if (v.dim(axis) != expected) {
     fail(ErrorCode::shape_mismatch, fn,
-         std::string(name) + ".shape[" + std::to_string(axis) + "] (" + axis_name + ") must equal " +
-             expected_from + " = " + std::to_string(expected) + "; got " +
+         std::string(name) + ".shape[" + std::to_string(axis) + "] (" + axis_name +
+             ") must equal " + expected_from + " = " + std::to_string(expected) + "; got " +
              std::to_string(v.dim(axis)) + " (" + name + " shape " + shape_string(v) + ")");
   }
 }
@@ -160,8 +172,28 @@ bool views_overlap(const ConstTensorView& a, const ConstTensorView& b) {
   return false;
 }
 
+void check_align(const char* fn, const char* name, CausalAlign align) {
+  if (align != CausalAlign::bottom_right && align != CausalAlign::top_left) {
+    fail(ErrorCode::invalid_argument, fn,
+         std::string(name) + " must be CausalAlign::bottom_right or CausalAlign::top_left; got " +
+             "the value " + std::to_string(static_cast<long long>(align)));
+  }
+}
+
 void check_no_overlap(const char* fn, std::initializer_list<NamedView> outputs,
                       std::initializer_list<NamedView> inputs) {
+  for (const auto& [name, v] : outputs) {
+    if (v.data == nullptr || max_offset(v) < 0) continue;  // no element, nothing to race on
+    for (int i = 0; i < v.rank; ++i) {
+      if (v.stride(i) == 0 && v.dim(i) > 1) {
+        fail(ErrorCode::aliasing, fn,
+             std::string("output ") + name + " overlaps itself: " + name + ".strides[" +
+                 std::to_string(i) + "] is 0 on an axis of size " + std::to_string(v.dim(i)) +
+                 ", so every index of that axis writes the same element (shape " + shape_string(v) +
+                 ")");
+      }
+    }
+  }
   for (auto o = outputs.begin(); o != outputs.end(); ++o) {
     for (const auto& in : inputs) {
       if (views_overlap(o->second, in.second)) {

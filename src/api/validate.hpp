@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "tokenmix/attention.hpp"
 #include "tokenmix/error.hpp"
 #include "tokenmix/tensor.hpp"
 
@@ -35,7 +36,11 @@ void check_dim(const ConstTensorView& v, int axis, std::int64_t expected, const 
 /// True if some element address of `a` is also an element address of `b`.
 bool views_overlap(const ConstTensorView& a, const ConstTensorView& b);
 
-/// Throws ArgumentError(aliasing) if any output overlaps any input or another output.
+/// Throws ArgumentError(invalid_argument) naming `name` unless `align` is a CausalAlign value.
+void check_align(const char* fn, const char* name, CausalAlign align);
+
+/// Throws ArgumentError(aliasing) if any output overlaps itself (a zero stride on an axis of
+/// size > 1: threads would race on one element), any input or another output.
 /// Empty views (null data) are ignored.
 using NamedView = std::pair<const char*, ConstTensorView>;
 void check_no_overlap(const char* fn, std::initializer_list<NamedView> outputs,

@@ -8,7 +8,9 @@
 //       reads DIR/{q,k,v,do}.npy and DIR/OUT_PREFIX{o,lse[,dq,dk,dv]}.npy, compares with the
 //       oracle; exit 0 if max|x−r|/max|r| is within bounds, 1 otherwise
 //   npy_tool malformed DIR
-//       DIR/bad_magic.npy, truncated.npy, rank3.npy (valid, but rank 3), int32.npy ('<i4')
+//       DIR/bad_magic.npy, truncated.npy, rank3.npy (valid, but rank 3), int32.npy ('<i4'), and
+//       valid files without data whose other sizes are huge: dh0_huge.npy (d_h = 0), h0_huge.npy
+//       (H = 0), b0_huge.npy (B = 0, T·H·d_h > 2^63)
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -165,6 +167,15 @@ int malformed(int argc, char** argv) {
   write_bytes(dir + "/int32.npy",
               npy("{'descr': '<i4', 'fortran_order': False, 'shape': (2, 3, 4, 8), }", ints.data(),
                   ints.size() * sizeof(std::int32_t)));
+  const auto empty = [&](const char* name, const char* shape) {
+    write_bytes(
+        dir + "/" + name,
+        npy(std::string("{'descr': '<f4', 'fortran_order': False, 'shape': ") + shape + ", }",
+            nullptr, 0));
+  };
+  empty("dh0_huge.npy", "(1048576, 1048576, 1048576, 0)");  // B·T·H = 2^60
+  empty("h0_huge.npy", "(1048576, 1048576, 0, 1048576)");
+  empty("b0_huge.npy", "(0, 1073741824, 1073741824, 1073741824)");
   return 0;
 }
 

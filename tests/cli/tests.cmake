@@ -15,12 +15,13 @@ set(TOKENMIX_CLI_NPY_TOOL $<TARGET_FILE:tokenmix_cli_npy_tool>)
 
 # tokenmix_cli_test(NAME ARGS <args...> [EXPECT_RC n] [STDOUT re] [STDOUT_NOT re] [STDERR re]
 #                   [ONE_LINE_ERROR] [NOT_EXIST <paths...>] [CLEAN <paths...>]
-#                   [POST <command...>]
+#                   [POST <command...>] [COPY <src dst>...] [UNCHANGED <paths...>]
+#                   [NO_GLOB <patterns...>] [WORKDIR dir]
 #                   [FIXTURES <fixture>] [TIMEOUT s])
 function(tokenmix_cli_test name)
   cmake_parse_arguments(PARSE_ARGV 1 T "ONE_LINE_ERROR"
-                        "EXPECT_RC;STDOUT;STDOUT_NOT;STDERR;FIXTURES;TIMEOUT"
-                        "ARGS;NOT_EXIST;CLEAN;POST")
+                        "EXPECT_RC;STDOUT;STDOUT_NOT;STDERR;FIXTURES;TIMEOUT;WORKDIR"
+                        "ARGS;NOT_EXIST;CLEAN;POST;COPY;UNCHANGED;NO_GLOB")
   list(JOIN T_ARGS "|" args)
   set(defs -DTOOL=$<TARGET_FILE:tokenmix_cli> "-DARGS=${args}")
   if(DEFINED T_EXPECT_RC)
@@ -45,6 +46,15 @@ function(tokenmix_cli_test name)
   if(T_POST)
     list(JOIN T_POST "|" post)
     list(APPEND defs "-DPOST=${post}")
+  endif()
+  foreach(key COPY UNCHANGED NO_GLOB)
+    if(T_${key})
+      list(JOIN T_${key} "|" joined)
+      list(APPEND defs "-D${key}=${joined}")
+    endif()
+  endforeach()
+  if(DEFINED T_WORKDIR)
+    list(APPEND defs "-DWORKDIR=${T_WORKDIR}")
   endif()
   add_test(NAME cli_${name} COMMAND ${CMAKE_COMMAND} ${defs} -P ${TOKENMIX_CLI_DRIVER})
   if(NOT DEFINED T_TIMEOUT)
@@ -110,17 +120,25 @@ tokenmix_cli_test(npy_no_causal_scale FIXTURES cli_npy
 tokenmix_cli_test(npy_bottom_right FIXTURES cli_npy
                   ARGS run ${_cli_qkv_b} --out ${_cli_b}/bo.npy --lse ${_cli_b}/blse.npy --dout ${_cli_b}/do.npy
                        --dq ${_cli_b}/bdq.npy --dk ${_cli_b}/bdk.npy --dv ${_cli_b}/bdv.npy
-                  STDOUT "T_q=5 T_k=12.*bottom-right"
+                  STDOUT "T_q=5 T_k=12.*bottom_right"
                   POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_b} b --grad
                   CLEAN ${_cli_b}/bo.npy ${_cli_b}/blse.npy ${_cli_b}/bdq.npy ${_cli_b}/bdk.npy
                         ${_cli_b}/bdv.npy)
 tokenmix_cli_test(npy_top_left FIXTURES cli_npy
                   ARGS run ${_cli_qkv_b} --out ${_cli_b}/to.npy --lse ${_cli_b}/tlse.npy --dout ${_cli_b}/do.npy
-                       --dq ${_cli_b}/tdq.npy --dk ${_cli_b}/tdk.npy --dv ${_cli_b}/tdv.npy --align top-left
-                  STDOUT "top-left"
+                       --dq ${_cli_b}/tdq.npy --dk ${_cli_b}/tdk.npy --dv ${_cli_b}/tdv.npy --align top_left
+                  STDOUT "top_left"
                   POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_b} t --grad --top-left
                   CLEAN ${_cli_b}/to.npy ${_cli_b}/tlse.npy ${_cli_b}/tdq.npy ${_cli_b}/tdk.npy
                         ${_cli_b}/tdv.npy)
+
+# A successful run replaces an existing output, through a temporary file that does not remain.
+tokenmix_cli_test(npy_replaces_existing_output FIXTURES cli_npy
+                  ARGS run ${_cli_qkv_a} --out ${_cli_a}/wo.npy --lse ${_cli_a}/wlse.npy
+                  COPY ${_cli_a}/do.npy ${_cli_a}/wo.npy
+                  POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_a} w
+                  NO_GLOB ${_cli_a}/.*tokenmix-*
+                  CLEAN ${_cli_a}/wlse.npy)
 
 # --- errors: exit 2, exactly one stderr line, nothing written -----------------------------------
 set(_cli_e ${_cli_a}/err_o.npy)
@@ -154,13 +172,66 @@ tokenmix_cli_error(error_dout_without_dq "needs all of --dout, --dq, --dk and --
 tokenmix_cli_error(error_dq_without_dout "missing --dout"
                    ARGS run ${_cli_qkv_a} --out ${_cli_e} --dq ${_cli_a}/edq.npy --dk ${_cli_a}/edk.npy
                         --dv ${_cli_a}/edv.npy)
-tokenmix_cli_error(error_bad_align "--align must be 'top-left' or 'bottom-right'.*'middle'"
+tokenmix_cli_error(error_bad_align "--align must be one of bottom_right, top_left; got 'middle'"
                    ARGS run ${_cli_qkv_a} --out ${_cli_e} --align middle)
+# One spelling (Python's): the hyphenated form is not accepted.
+tokenmix_cli_error(error_align_hyphen "--align must be one of bottom_right, top_left; got 'top-left'"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --align top-left)
 tokenmix_cli_error(error_missing_out "missing --out" ARGS run ${_cli_qkv_a} --lse ${_cli_else})
 tokenmix_cli_error(error_same_output "--out and --lse name the same file"
                    ARGS run ${_cli_qkv_a} --out ${_cli_e} --lse ${_cli_e})
 tokenmix_cli_error(error_write_fails_cleans_up "cannot create"
-                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --lse ${TOKENMIX_CLI_DIR}/no_such_dir/lse.npy)
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --lse ${TOKENMIX_CLI_DIR}/no_such_dir/lse.npy
+                   NO_GLOB ${_cli_a}/.*tokenmix-*)
+
+# --- files the user already has survive every failure ----------------------------------------
+# A pre-existing output is left as it was when a later output cannot be written (no temporary
+# file is left behind either).
+set(_cli_prev ${_cli_a}/prev_o.npy)
+tokenmix_cli_error(error_failed_run_keeps_existing_output "--lse .*cannot create"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_prev} --lse ${TOKENMIX_CLI_DIR}/no_such_dir/lse.npy
+                   COPY ${_cli_a}/do.npy ${_cli_prev} UNCHANGED ${_cli_prev}
+                   NO_GLOB ${_cli_a}/.*tokenmix-* ${TOKENMIX_CLI_DIR}/.*tokenmix-*)
+tokenmix_cli_error(error_failed_input_keeps_existing_output "missing.npy.*No such file"
+                   ARGS run --q ${_cli_a}/missing.npy --k ${_cli_a}/k.npy --v ${_cli_a}/v.npy --out ${_cli_prev}
+                   COPY ${_cli_a}/do.npy ${_cli_prev} UNCHANGED ${_cli_prev})
+# An output that is a directory is refused before anything is written (so --out, renamed
+# first, is not replaced either).
+tokenmix_cli_error(error_output_is_directory "--lse .*is a directory"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_prev} --lse ${_cli_b}
+                   COPY ${_cli_a}/do.npy ${_cli_prev} UNCHANGED ${_cli_prev}
+                   NO_GLOB ${_cli_a}/.*tokenmix-* ${TOKENMIX_CLI_DIR}/.*tokenmix-*)
+# An output naming an input is refused (exit 2) and the input is untouched: spelled the same,
+# through ./ and through sub/../, and as the --dout of a backward run.
+file(MAKE_DIRECTORY ${_cli_a}/sub)
+tokenmix_cli_error(error_out_is_q "--out .*names the input file of --q"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_a}/q.npy UNCHANGED ${_cli_a}/q.npy)
+tokenmix_cli_error(error_lse_is_v_dot "--lse .*names the input file of --v"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --lse ${_cli_a}/./v.npy
+                   UNCHANGED ${_cli_a}/v.npy)
+tokenmix_cli_error(error_dq_is_dout_dotdot "--dq .*names the input file of --dout"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --dout ${_cli_a}/do.npy
+                        --dq ${_cli_a}/sub/../do.npy --dk ${_cli_a}/edk.npy --dv ${_cli_a}/edv.npy
+                   UNCHANGED ${_cli_a}/do.npy)
+tokenmix_cli_error(error_out_is_k_relative "--out 'k.npy' names the input file of --k"
+                   ARGS run ${_cli_qkv_a} --out k.npy WORKDIR ${_cli_a} UNCHANGED ${_cli_a}/k.npy)
+# Two outputs naming one file that does not exist yet (relative, through ./ and sub/../).
+tokenmix_cli_error(error_same_output_dot "--out and --lse name the same file \\('err_o.npy' and './err_o.npy'\\)"
+                   ARGS run ${_cli_qkv_a} --out err_o.npy --lse ./err_o.npy WORKDIR ${_cli_a})
+tokenmix_cli_error(error_same_output_dotdot "--out and --dk name the same file \\('err_o.npy' and 'sub/\\.\\./err_o.npy'\\)"
+                   ARGS run ${_cli_qkv_a} --out err_o.npy --dout do.npy --dq edq.npy --dk sub/../err_o.npy
+                        --dv edv.npy WORKDIR ${_cli_a})
+# A file with d_h = 0 and huge other sizes (no data): the size error, not "out of memory".
+tokenmix_cli_error(error_dh_zero_huge "dh0_huge.npy.*d_h must be >= 1 \\(axis 3\\); got 0"
+                   ARGS run --q ${_cli_bad}/dh0_huge.npy --k ${_cli_bad}/dh0_huge.npy
+                        --v ${_cli_bad}/dh0_huge.npy --out ${_cli_e})
+# H = 0 likewise, and an empty file (B = 0) whose T·H·d_h overflows int64.
+tokenmix_cli_error(error_h_zero_huge "h0_huge.npy.*H_q must be >= 1 \\(axis 2\\); got 0"
+                   ARGS run --q ${_cli_bad}/h0_huge.npy --k ${_cli_bad}/h0_huge.npy
+                        --v ${_cli_bad}/h0_huge.npy --out ${_cli_e})
+tokenmix_cli_error(error_empty_overflowing_sizes "b0_huge.npy.*T \\* H \\* d_h overflows 64-bit"
+                   ARGS run --q ${_cli_bad}/b0_huge.npy --k ${_cli_bad}/b0_huge.npy
+                        --v ${_cli_bad}/b0_huge.npy --out ${_cli_e})
 tokenmix_cli_error(error_bad_scale "scale" ARGS run ${_cli_qkv_a} --out ${_cli_e} --scale nan)
 tokenmix_cli_error(error_bad_isa "isa.*bogus" ARGS run --isa bogus)
 tokenmix_cli_error(error_seq_in_file_mode "--seq applies only to the built-in layer run"

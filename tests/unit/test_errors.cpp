@@ -11,6 +11,7 @@
 // does nothing; negative sizes and zero d_h or H are errors.
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -643,6 +644,194 @@ TEST(Errors, Runtime) {
     ::setenv("TOKENMIX_ISA", saved_value.c_str(), 1);
   else
     ::unsetenv("TOKENMIX_ISA");
+}
+
+// ---- issue 10/11: alignment spelling and validation, self-overlapping outputs, extents ----
+
+TEST(Errors, CausalAlignSpellingAndValidation) {
+  EXPECT_STREQ(to_string(CausalAlign::bottom_right), "bottom_right");
+  EXPECT_STREQ(to_string(CausalAlign::top_left), "top_left");
+  for (CausalAlign a : {CausalAlign::bottom_right, CausalAlign::top_left}) {
+    EXPECT_EQ(parse_causal_align(to_string(a)), a);
+  }
+  EXPECT_STREQ(to_string(static_cast<CausalAlign>(7)), "unknown");
+  // One spelling: the hyphenated CLI form of old is rejected; the message lists the values.
+  EXPECT_ERROR([] { (void)parse_causal_align("top-left", "--align"); }, kInvalid,
+               {"--align", "top-left", "bottom_right", "top_left"});
+  EXPECT_ERROR([] { (void)parse_causal_align(""); }, kInvalid, {"align", "bottom_right"});
+
+  AttentionOptions bad;
+  bad.align = static_cast<CausalAlign>(7);
+  FORWARD_CASE([](Attn&) {}, {kInvalid}, {"options.align", "7"}, bad);
+  BACKWARD_CASE([](Attn&) {}, {kInvalid}, {"options.align", "7"}, bad);
+  bad.causal = false;  // rejected even where the alignment would not matter
+  FORWARD_CASE([](Attn&) {}, {kInvalid}, {"options.align", "7"}, bad);
+
+  // The layer validates its attention options in the constructor, naming each.
+  auto good = [] {
+    LayerConfig c;
+    c.d_model = 16, c.heads_q = 4, c.heads_kv = 2, c.head_dim = 4;
+    return c;
+  };
+  auto config_case = [](const LayerConfig& c, std::initializer_list<ErrorCode> codes,
+                        std::initializer_list<std::string> words) {
+    EXPECT_ERROR([&] { CausalSelfAttention layer(c); }, codes, words);
+  };
+  LayerConfig c = good();
+  c.attention.align = static_cast<CausalAlign>(7);
+  CONFIG_CASE(c, {kInvalid}, {"CausalSelfAttention", "config.attention.align", "7"});
+  c = good(), c.attention.align = CausalAlign::top_left;  // refused, not silently overridden
+  CONFIG_CASE(c, {kInvalid}, {"CausalSelfAttention", "align", "top_left"});
+  c = good(), c.attention.causal = false;
+  CONFIG_CASE(c, {kInvalid}, {"CausalSelfAttention", "causal", "false"});
+  c = good(), c.attention.threads = -2;
+  CONFIG_CASE(c, {kInvalid}, {"CausalSelfAttention", "threads", "-2"});
+  c = good(), c.attention.isa = static_cast<Isa>(9);
+  CONFIG_CASE(c, {kInvalid}, {"CausalSelfAttention", "isa", "9"});
+  c = good(), c.attention.scale = 1e300;  // finite double, infinite float32
+  CONFIG_CASE(c, {kInvalid}, {"CausalSelfAttention", "scale"});
+  const auto avail = available_isas();
+  for (Isa isa : {Isa::avx2, Isa::avx512}) {  // a forced path this CPU lacks fails up front
+    c = good(), c.attention.isa = isa;
+    if (std::find(avail.begin(), avail.end(), isa) != avail.end()) {
+      EXPECT_NO_THROW(CausalSelfAttention layer(c));
+    } else {
+      CONFIG_CASE(c, {kUnsupported}, {to_string(isa)});
+    }
+  }
+}
+
+TEST(Errors, SelfOverlappingOutputs) {
+  // A zero stride on an output axis of size > 1 makes every index of that axis write one
+  // element (threads would race): aliasing, naming the output and the axis; nothing written.
+  FORWARD_CASE([](Attn& a) { a.out.strides[1] = 0; }, {kAlias}, {"out", "strides", "1", "5"});
+  FORWARD_CASE([](Attn& a) { a.out.strides[3] = 0; }, {kAlias}, {"out", "strides", "3", "8"});
+  FORWARD_CASE([](Attn& a) { a.lse.strides[2] = 0; }, {kAlias}, {"lse", "strides", "2"});
+  BACKWARD_CASE([](Attn& a) { a.dq.strides[0] = 0; }, {kAlias}, {"dq", "strides", "0"});
+  BACKWARD_CASE([](Attn& a) { a.dk.strides[2] = 0; }, {kAlias}, {"dk", "strides", "2"});
+  BACKWARD_CASE([](Attn& a) { a.dv.strides[1] = 0; }, {kAlias}, {"dv", "strides", "1"});
+  // A zero stride on an axis of size 1 (or an output with no element) is a valid view.
+  {
+    Attn a;
+    for (TensorView* t : {&a.q, &a.k, &a.v, &a.out}) t->shape[0] = 1;
+    a.lse.shape[0] = 1;
+    a.out.strides[0] = 0;
+    a.lse.strides[0] = 0;
+    EXPECT_NO_THROW(a.forward());
+    a.q.shape[1] = a.out.shape[1] = a.lse.shape[2] = 0;
+    a.out.strides[1] = 0;
+    EXPECT_NO_THROW(a.forward());
+  }
+  // Inputs may repeat elements (broadcasting one key over all positions is legitimate).
+  {
+    Attn a;
+    a.k.strides[1] = 0;
+    EXPECT_NO_THROW(a.forward());
+  }
+}
+
+TEST(Errors, ExtentOverflowMessagesAreNotWrapped) {
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  const std::string max = std::to_string(kMax);
+  // Largest offset exactly INT64_MAX: (offset + 1) · 4 must be reported, not formed.
+  FORWARD_CASE(
+      [&](Attn& a) {
+        a.k.shape = {2, 1, 1, 1};
+        a.k.strides = {kMax, 1, 1, 1};
+      },
+      {kOverflow}, {"k", "byte", max});
+  // Largest offset 2^61 − 1: (2^61) · 4 = 2^63 overflows by one.
+  FORWARD_CASE(
+      [&](Attn& a) {
+        a.v.shape = {2, 1, 1, 1};
+        a.v.strides = {(std::int64_t{1} << 61) - 1, 1, 1, 1};
+      },
+      {kOverflow}, {"v", "byte", std::to_string((std::int64_t{1} << 61) - 1)});
+  // One element less fits: (2^61 − 2 + 1) · 4 < 2^63, so the view passes and the next check
+  // (v against k) reports the shape instead.
+  FORWARD_CASE(
+      [&](Attn& a) {
+        a.v.shape = {2, 1, 1, 1};
+        a.v.strides = {(std::int64_t{1} << 61) - 2, 1, 1, 1};
+      },
+      {kShape}, {"v"});
+  // The sum of two axes' extents overflowing: both operands in the message.
+  FORWARD_CASE(
+      [&](Attn& a) {
+        a.k.strides[0] = kMax;  // (B − 1) · kMax = kMax, then + (T − 1) · 16
+      },
+      {kOverflow}, {"k", "extent", max, "64"});
+  try {
+    Attn a;
+    a.k.shape = {2, 1, 1, 1};
+    a.k.strides = {kMax, 1, 1, 1};
+    a.forward();
+    ADD_FAILURE() << "no exception";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (std::size_t i = 0; i + 1 < msg.size(); ++i)
+      EXPECT_FALSE(msg[i] == '-' && std::isdigit(static_cast<unsigned char>(msg[i + 1])))
+          << "a negative (wrapped) number in: " << msg;
+  }
+}
+
+TEST(Errors, UsefulWorkCounts) {
+  // Closed forms against the definition Σ_t pairs(t) (SPEC "Useful-work counts").
+  for (bool causal : {true, false})
+    for (CausalAlign align : {CausalAlign::bottom_right, CausalAlign::top_left})
+      for (std::int64_t tq = 0; tq <= 40; ++tq)
+        for (std::int64_t tk = 0; tk <= 40; ++tk) {
+          std::int64_t sum = 0;
+          for (std::int64_t t = 0; t < tq; ++t) {
+            const std::int64_t shift = align == CausalAlign::bottom_right ? tk - tq : 0;
+            const std::int64_t want = causal ? std::clamp<std::int64_t>(t + 1 + shift, 0, tk) : tk;
+            ASSERT_EQ(visible_keys(t, tq, tk, causal, align), want) << t << " " << tq << " " << tk;
+            sum += want;
+          }
+          ASSERT_EQ(visible_pairs(tq, tk, causal, align), sum)
+              << "T_q=" << tq << " T_k=" << tk << " causal=" << causal << " " << to_string(align);
+          ASSERT_EQ(forward_flops(3, tq, tk, 2, 5, causal, align), 4.0 * 5 * 2 * 3 * sum);
+        }
+  // Huge sizes: O(1), exact where P fits in int64, an overflow error where it does not.
+  using U = unsigned __int128;
+  const std::int64_t g = std::int64_t{1} << 30, big = 6 * g;
+  const auto start = std::chrono::steady_clock::now();
+  const std::int64_t t3 = 3 * g;  // T(T + 1)/2 = 5.19e18 < 2^63
+  EXPECT_EQ(static_cast<U>(visible_pairs(t3, t3, true, CausalAlign::bottom_right)),
+            static_cast<U>(t3) * static_cast<U>(t3 + 1) / 2);
+  EXPECT_EQ(static_cast<U>(visible_pairs(big, 1000, true, CausalAlign::top_left)),
+            U{1000} * 1001 / 2 + static_cast<U>(big - 1000) * 1000);
+  EXPECT_EQ(static_cast<U>(visible_pairs(1000, big, true, CausalAlign::bottom_right)),
+            U{1000} * static_cast<U>(big - 1000) + U{1000} * 1001 / 2);
+  EXPECT_EQ(visible_pairs(big, 1000, true, CausalAlign::bottom_right), 1000 * 1001 / 2);
+  EXPECT_EQ(visible_keys(big - 1, big, big, true, CausalAlign::bottom_right), big);
+  for (CausalAlign align : {CausalAlign::bottom_right, CausalAlign::top_left}) {
+    EXPECT_ERROR([&] { (void)visible_pairs(big, big, true, align); }, kOverflow,
+                 {"visible_pairs", "T_q", "T_k", std::to_string(big)});
+  }
+  EXPECT_ERROR([&] { (void)visible_pairs(big, big, false, CausalAlign::bottom_right); }, kOverflow,
+               {"visible_pairs"});
+  const double p = static_cast<double>(big) * static_cast<double>(big + 1) / 2;
+  EXPECT_DOUBLE_EQ(forward_flops(2, big, big, 32, 128, true, CausalAlign::bottom_right),
+                   4.0 * 128 * 32 * p * 2);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 1.0) << "the counts must not loop over the rows";
+  // Bad arguments.
+  EXPECT_ERROR([] { (void)visible_pairs(-1, 4, true, CausalAlign::top_left); }, kInvalid,
+               {"visible_pairs", "T_q", "-1"});
+  EXPECT_ERROR([] { (void)visible_pairs(4, -3, true, CausalAlign::top_left); }, kInvalid,
+               {"visible_pairs", "T_k", "-3"});
+  EXPECT_ERROR([] { (void)visible_pairs(4, 4, true, static_cast<CausalAlign>(5)); }, kInvalid,
+               {"visible_pairs", "align", "5"});
+  EXPECT_ERROR([] { (void)visible_keys(4, 4, 4, true, CausalAlign::top_left); }, kInvalid,
+               {"visible_keys", "t", "4"});
+  EXPECT_ERROR([] { (void)visible_keys(-1, 4, 4, true, CausalAlign::top_left); }, kInvalid,
+               {"visible_keys", "t", "-1"});
+  EXPECT_ERROR([] { (void)forward_flops(-2, 4, 4, 1, 1, true, CausalAlign::top_left); }, kInvalid,
+               {"forward_flops", "B", "-2"});
+  EXPECT_ERROR([] { (void)forward_flops(1, 4, 4, 1, 1, true, static_cast<CausalAlign>(3)); },
+               kInvalid, {"forward_flops", "align", "3"});
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -369,6 +370,260 @@ TEST(KVCache, HugePageBackingKeepsContents) {
   for (float x : {k[1], k[1000], k.back(), v[5], v.back()}) {
     EXPECT_NE(std::find(stored.begin(), stored.end(), x), stored.end()) << x;
   }
+}
+
+// ---- issue 11 #3: a failed prefill / step / append / decode leaves the cache byte-identical ----
+
+/// Sets TOKENMIX_ISA for one scope and restores the previous value (or its absence).
+struct IsaEnv {
+  explicit IsaEnv(const char* value) {
+    const char* old = std::getenv("TOKENMIX_ISA");
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    ::setenv("TOKENMIX_ISA", value, 1);
+  }
+  ~IsaEnv() {
+    if (had_)
+      ::setenv("TOKENMIX_ISA", old_.c_str(), 1);
+    else
+      ::unsetenv("TOKENMIX_ISA");
+  }
+  IsaEnv(const IsaEnv&) = delete;
+  IsaEnv& operator=(const IsaEnv&) = delete;
+
+ private:
+  bool had_ = false;
+  std::string old_;
+};
+
+// Every way prefill and step can fail, on a fresh sequence (attention_forward path) and on one
+// that already holds tokens (attention_decode path), on a paged cache: the typed error, the cache
+// unchanged byte for byte (storage, lengths, active flags, free blocks) and out not written.
+// Afterwards the cache still behaves exactly like one that never saw the failures.
+TEST(KVCacheErrors, FailedPrefillAndStepLeaveCacheUnchanged) {
+  constexpr std::int64_t d = 32, dh = 16;
+  LayerConfig cfg;
+  cfg.d_model = d;
+  cfg.heads_q = 4;
+  cfg.heads_kv = 2;
+  cfg.head_dim = dh;
+  cfg.rope = RopeOptions{RopePairing::rotate_half, 10000.0, 0};
+  CausalSelfAttention layer(cfg);
+  layer.init_random(3);
+  const KVCacheConfig cc{2, 3, 2, dh, 100, DType::bf16, 64, 3};  // 3 blocks of 64 in the pool
+  KVCache c(cc), twin(cc);  // twin: the same successful calls, no failing ones
+  std::mt19937_64 rng(8);
+  const auto u = random_vec(110 * d, rng);
+  std::vector<float> out(110 * d, kPoison), twin_out(out.size());
+  auto U = [&](std::int64_t rows) {
+    return std::span<const float>(u).first(static_cast<std::size_t>(rows * d));
+  };
+  auto O = [&](std::int64_t rows) {
+    return std::span<float>(out).first(static_cast<std::size_t>(rows * d));
+  };
+  for (KVCache* x : {&c, &twin}) {
+    layer.prefill(U(70), 1, 70, *x, 0, std::span<float>(twin_out).first(70 * d), 0);  // 2 blocks
+    layer.prefill(U(5), 1, 5, *x, 1, std::span<float>(twin_out).first(5 * d), 0);
+  }
+  c.release(2);
+  twin.release(2);
+  // The failing calls; sequence 0 holds tokens (decode path), sequence 1 is empty (fresh path).
+  auto untouched = [&] {
+    return std::all_of(out.begin(), out.end(),
+                       [](float x) { return std::isnan(x) || x == kPoison; });
+  };
+  auto expect_fails = [&](const char* what, ErrorCode code, const std::string& needle,
+                          const std::function<void()>& f) {
+    SCOPED_TRACE(what);
+    const Snapshot before(c);
+    try {
+      f();
+      ADD_FAILURE() << "no error thrown (" << what << ")";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(Snapshot(c) == before) << "cache changed by a failing call (" << what << ")";
+    EXPECT_TRUE(untouched()) << "out written by a failing call (" << what << ")";
+  };
+  CausalSelfAttention wide([&] {
+    LayerConfig w = cfg;
+    w.heads_q = w.heads_kv = 4;
+    return w;
+  }());
+  CausalSelfAttention narrow([&] {
+    LayerConfig w = cfg;
+    w.head_dim = 8;
+    return w;
+  }());
+  const auto avail = available_isas();
+  for (std::int64_t seq0 : {0, 1}) {
+    const std::string at = seq0 == 0 ? " (sequence with tokens)" : " (fresh sequence)";
+    auto prefill = [&](std::int64_t T) {
+      return [&, T] { layer.prefill(U(T), 1, T, c, 0, O(T), seq0); };
+    };
+    auto step = [&] { layer.step(U(1), 1, c, 0, O(1), seq0); };
+    for (const char* bad : {"garbage", "avx3", "AVX2"}) {  // an invalid TOKENMIX_ISA
+      IsaEnv env(bad);
+      expect_fails(("TOKENMIX_ISA prefill" + at).c_str(), ErrorCode::invalid_argument,
+                   "TOKENMIX_ISA", prefill(3));
+      expect_fails(("TOKENMIX_ISA step" + at).c_str(), ErrorCode::invalid_argument, "TOKENMIX_ISA",
+                   step);
+    }
+    for (Isa isa : {Isa::avx2, Isa::avx512}) {  // a valid TOKENMIX_ISA this CPU lacks
+      if (std::find(avail.begin(), avail.end(), isa) != avail.end()) continue;
+      IsaEnv env(to_string(isa));
+      expect_fails(("unsupported isa prefill" + at).c_str(), ErrorCode::unsupported, to_string(isa),
+                   prefill(3));
+      expect_fails(("unsupported isa step" + at).c_str(), ErrorCode::unsupported, to_string(isa),
+                   step);
+    }
+    expect_fails(("u size" + at).c_str(), ErrorCode::shape_mismatch, "u.size()",
+                 [&] { layer.prefill(U(5), 1, 3, c, 0, O(3), seq0); });
+    expect_fails(("out size" + at).c_str(), ErrorCode::shape_mismatch, "out.size()",
+                 [&] { layer.step(U(1), 1, c, 0, O(2), seq0); });
+    expect_fails(("out overlaps u" + at).c_str(), ErrorCode::aliasing, "overlaps", [&] {
+      std::vector<float> io(static_cast<std::size_t>(d), 0.5f);
+      layer.step(io, 1, c, 0, io, seq0);
+    });
+    expect_fails(("batch 0" + at).c_str(), ErrorCode::invalid_argument, "batch",
+                 [&] { layer.prefill(U(0), 0, 3, c, 0, O(0), seq0); });
+    expect_fails(("seq 0" + at).c_str(), ErrorCode::invalid_argument, "seq",
+                 [&] { layer.prefill(U(0), 1, 0, c, 0, O(0), seq0); });
+    expect_fails(("batch * seq overflows" + at).c_str(), ErrorCode::overflow, "overflow", [&] {
+      layer.prefill(U(1), std::int64_t{1} << 40, std::int64_t{1} << 40, c, 0, O(1), seq0);
+    });
+    expect_fails(("layer" + at).c_str(), ErrorCode::invalid_argument, "layer",
+                 [&] { layer.step(U(1), 1, c, 2, O(1), seq0); });
+    expect_fails(("negative layer" + at).c_str(), ErrorCode::invalid_argument, "layer",
+                 [&] { layer.step(U(1), 1, c, -1, O(1), seq0); });
+    expect_fails(("first_seq" + at).c_str(), ErrorCode::invalid_argument, "first_seq",
+                 [&] { layer.step(U(4 - seq0), 4 - seq0, c, 0, O(4 - seq0), seq0); });
+    expect_fails(("released" + at).c_str(), ErrorCode::invalid_argument, "released",
+                 [&] { layer.step(U(3 - seq0), 3 - seq0, c, 0, O(3 - seq0), seq0); });
+    expect_fails(("heads_kv" + at).c_str(), ErrorCode::shape_mismatch, "heads_kv",
+                 [&] { wide.step(U(1), 1, c, 0, O(1), seq0); });
+    expect_fails(("head_dim" + at).c_str(), ErrorCode::shape_mismatch, "head_dim",
+                 [&] { narrow.step(U(1), 1, c, 0, O(1), seq0); });
+    expect_fails(("capacity" + at).c_str(), ErrorCode::invalid_argument, "capacity",
+                 prefill(seq0 == 0 ? 31 : 101));
+  }
+  // The pool: sequence 1 takes the last free block, then a prefill needing another one fails on
+  // the decode path (sequence 1 grows past 64) and on the fresh path (sequence 2, reset).
+  layer.prefill(U(60), 1, 60, c, 0, O(60), 1);
+  layer.prefill(U(60), 1, 60, twin, 0, std::span<float>(twin_out).first(60 * d), 1);
+  c.reset(2);
+  twin.reset(2);
+  std::fill(out.begin(), out.end(), kPoison);
+  ASSERT_EQ(c.free_blocks(), 0);
+  expect_fails("pool exhausted (decode path)", ErrorCode::invalid_argument, "pool",
+               [&] { layer.prefill(U(10), 1, 10, c, 0, O(10), 1); });
+  expect_fails("pool exhausted (fresh path)", ErrorCode::invalid_argument, "pool",
+               [&] { layer.prefill(U(10), 1, 10, c, 0, O(10), 2); });
+  {
+    IsaEnv env("garbage");  // fails before the pool is consulted
+    expect_fails("TOKENMIX_ISA with a full pool", ErrorCode::invalid_argument, "TOKENMIX_ISA",
+                 [&] { layer.prefill(U(10), 1, 10, c, 0, O(10), 1); });
+  }
+  // After all that, both caches take the same step and end byte-identical, with equal outputs.
+  std::vector<float> o1(2 * d), o2(2 * d);
+  layer.step(U(2), 2, c, 0, o1, 0);
+  layer.step(U(2), 2, twin, 0, o2, 0);
+  EXPECT_TRUE(Snapshot(c) == Snapshot(twin)) << "failed calls left a trace in the cache";
+  EXPECT_EQ(0, std::memcmp(o1.data(), o2.data(), o1.size() * sizeof(float)));
+}
+
+// Every way append can fail that the test above does not reach through the layer.
+TEST(KVCacheErrors, FailedAppendLeavesCacheUnchanged) {
+  std::mt19937_64 rng(6);
+  KVCache c({1, 2, 2, 8, 70, DType::f16, 64, 2});
+  const auto kv = random_vec(70 * 2 * 8, rng);
+  append_rows(c, 0, 0, kv, 0, 65);  // both blocks: pool exhausted
+  const auto K = [&](std::int64_t T) { return ConstTensorView::bthd(kv.data(), 1, T, 2, 8); };
+  using AE = ArgumentError;
+  ConstTensorView null_k = K(1);
+  null_k.data = nullptr;
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 0, null_k, K(1)); }, ErrorCode::null_pointer, "k.data");
+  ConstTensorView neg = K(1);
+  neg.strides[3] = -1;
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 0, K(1), neg); }, ErrorCode::invalid_argument, "v.strides[3]");
+  ConstTensorView neg_size = K(1);
+  neg_size.shape[1] = -1;
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 0, neg_size, K(1)); }, ErrorCode::invalid_argument, "k.shape[1]");
+  ConstTensorView wide_extent = K(1);
+  wide_extent.strides[2] = std::int64_t{1} << 62;
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 0, K(1), wide_extent); }, ErrorCode::overflow, "v byte extent");
+  ConstTensorView rank3 = K(1);
+  rank3.rank = 3;
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 0, rank3, K(1)); }, ErrorCode::shape_mismatch, "rank");
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 1, K(1), K(1)); }, ErrorCode::invalid_argument, "pool");
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 0, K(6), K(6)); }, ErrorCode::invalid_argument, "capacity");
+  expect_rejected<AE>(
+      c, [&] { c.append(0, -1, K(1), K(1)); }, ErrorCode::invalid_argument, "first_seq");
+  ConstTensorView two = ConstTensorView::bthd(kv.data(), 2, 1, 2, 8);
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 1, two, two); }, ErrorCode::invalid_argument, "first_seq");
+}
+
+// attention_decode never changes the cache; every failure also leaves out and lse unwritten.
+TEST(KVCacheErrors, FailedDecodeWritesNothing) {
+  std::mt19937_64 rng(7);
+  KVCache c({1, 2, 2, 16, 100, DType::f32, 0, 0});
+  const auto kv = random_vec(100 * 2 * 16, rng);
+  append_rows(c, 0, 0, kv, 0, 40);
+  append_rows(c, 0, 1, kv, 0, 20);
+  std::vector<float> q = random_vec(2 * 3 * 4 * 16, rng), o(q.size() + 64, kPoison),
+                     l(2 * 4 * 3 + 64, kPoison);
+  const auto Q = ConstTensorView::bthd(q.data(), 2, 3, 4, 16);
+  const auto Ov = TensorView::bthd(o.data(), 2, 3, 4, 16);
+  const auto Lv = TensorView::bht(l.data(), 2, 4, 3);
+  auto fails = [&](const char* what, ErrorCode code, const std::string& needle, TensorView out,
+                   TensorView lse, const DecodeOptions& opt) {
+    SCOPED_TRACE(what);
+    expect_rejected<Error>(
+        c, [&] { attention_decode(Q, c, 0, out, lse, opt); }, code, needle);
+    EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float x) {
+      return std::isnan(x) || x == kPoison;
+    })) << what;
+    EXPECT_TRUE(std::all_of(l.begin(), l.end(), [](float x) {
+      return std::isnan(x) || x == kPoison;
+    })) << what;
+  };
+  {
+    IsaEnv env("garbage");
+    fails("TOKENMIX_ISA", ErrorCode::invalid_argument, "TOKENMIX_ISA", Ov, Lv, {});
+  }
+  DecodeOptions o_nan;
+  o_nan.scale = std::nan("");
+  fails("scale", ErrorCode::invalid_argument, "scale", Ov, Lv, o_nan);
+  DecodeOptions o_thr;
+  o_thr.threads = -1;
+  fails("threads", ErrorCode::invalid_argument, "threads", Ov, Lv, o_thr);
+  DecodeOptions o_isa;
+  o_isa.isa = static_cast<Isa>(9);
+  fails("isa value", ErrorCode::unsupported, "isa", Ov, Lv, o_isa);
+  TensorView zero = Ov;
+  zero.strides[1] = 0;
+  fails("zero-stride out", ErrorCode::aliasing, "out.strides[1]", zero, Lv, {});
+  TensorView lse_bad = Lv;
+  lse_bad.shape[2] = 4;
+  fails("lse shape", ErrorCode::shape_mismatch, "lse", Ov, lse_bad, {});
+  TensorView over = Lv;
+  over.data = o.data() + 5;
+  fails("lse overlaps out", ErrorCode::aliasing, "overlap", Ov, over, {});
+  TensorView out_q = Ov;
+  out_q.data = q.data();
+  fails("out overlaps q", ErrorCode::aliasing, "overlaps input q", out_q, Lv, {});
+  TensorView nul = Ov;
+  nul.data = nullptr;
+  fails("null out", ErrorCode::null_pointer, "out", nul, Lv, {});
 }
 
 }  // namespace

@@ -21,7 +21,7 @@ Command add_bench_command(CLI::App& parent) {
     std::string op = "forward";
     bench::BenchConfig config;
     std::vector<std::string> isas{"auto"};
-    std::string align = "bottom-right";
+    std::string align = "bottom_right";
     bool no_causal = false;
     std::vector<std::string> cache_dtypes{"f32", "bf16", "f16"};
   };
@@ -43,7 +43,7 @@ Command add_bench_command(CLI::App& parent) {
   app->add_option("--isa", o->isas, "Kernel paths: auto, portable, avx2, avx512 (comma-separated)")
       ->delimiter(',')
       ->capture_default_str();
-  app->add_option("--align", o->align, "Causal alignment: bottom-right or top-left")
+  app->add_option("--align", o->align, "Causal alignment: bottom_right or top_left")
       ->capture_default_str();
   app->add_flag("--no-causal", o->no_causal, "Full (non-causal) attention");
   app->add_option("--repeats", o->config.repeats, "Timed runs per case (the median is reported)")
@@ -64,7 +64,7 @@ Command add_bench_command(CLI::App& parent) {
             bench::BenchConfig cfg = o->config;
             cfg.op = o->op;
             cfg.causal = !o->no_causal;
-            cfg.align = parse_align(o->align);
+            cfg.align = parse_causal_align(o->align, "--align");
             cfg.isas.clear();
             for (const std::string& name : o->isas) cfg.isas.push_back(parse_isa(name, "--isa"));
             cfg.cache_dtypes.clear();

@@ -3,7 +3,7 @@
 //   tokenmix run [--seq T] [--batch B] [--seed S] [--threads N] [--isa NAME]
 //       one Llama-3-8B-shaped layer forward and backward, checked against float64 (run_layer.cpp)
 //   tokenmix run --q q.npy --k k.npy --v v.npy --out o.npy [--lse lse.npy] [--scale S]
-//                [--no-causal] [--align top-left|bottom-right]
+//                [--no-causal] [--align bottom_right|top_left]
 //                [--dout do.npy --dq dq.npy --dk dk.npy --dv dv.npy] [--threads N] [--isa NAME]
 //       attention on your tensors (run_npy.cpp)
 #include <CLI/CLI.hpp>
@@ -23,7 +23,7 @@ struct RunArgs {
   NpyRunOptions files;
   double scale = 0.0;
   bool no_causal = false;
-  std::string align = "bottom-right";
+  std::string align = "bottom_right";
   int threads = 0;
   std::string isa = "auto";
   std::string cache_dtype = "bf16";
@@ -59,7 +59,7 @@ int run_command(CLI::App& sub, RunArgs& a) {
       if (given(o))
         usage_error(o +
                     " applies only to file mode (--q, --k, --v, --out); the built-in layer "
-                    "run always uses the causal bottom-right mask and scale 1/sqrt(d_h)");
+                    "run always uses the causal bottom_right mask and scale 1/sqrt(d_h)");
     a.layer.threads = a.threads;
     a.layer.isa = isa;
     a.layer.cache_dtype = a.cache_dtype == "f32" ? DType::f32 : a.cache_dtype == "f16" ? DType::f16 : DType::bf16;
@@ -90,7 +90,7 @@ int run_command(CLI::App& sub, RunArgs& a) {
     f.attention.scale = a.scale;
   }
   f.attention.causal = !a.no_causal;
-  f.attention.align = parse_align(a.align);
+  f.attention.align = parse_causal_align(a.align, "--align");
   f.attention.threads = a.threads;
   f.attention.isa = isa;
   return run_npy(f);
@@ -142,7 +142,7 @@ Command add_run_command(CLI::App& parent) {
   sub->add_option("--dv", a.files.dv, "Gradient dV (written; needs --dout)")->group(files);
   sub->add_option("--scale", a.scale, "Score scale s (default 1/sqrt(d_h))")->group(files);
   sub->add_flag("--no-causal", a.no_causal, "Attend to every key (no causal mask)")->group(files);
-  sub->add_option("--align", a.align, "Causal diagonal when T_q != T_k: top-left or bottom-right")
+  sub->add_option("--align", a.align, "Causal diagonal when T_q != T_k: bottom_right or top_left")
       ->capture_default_str()
       ->group(files);
 

@@ -18,13 +18,6 @@ std::string fmt(double value, const char* format) {
   return buf;
 }
 
-CausalAlign parse_align(const std::string& text) {
-  if (text == "bottom-right") return CausalAlign::bottom_right;
-  if (text == "top-left") return CausalAlign::top_left;
-  throw ArgumentError(ErrorCode::invalid_argument,
-                      "--align must be 'top-left' or 'bottom-right'; got '" + text + "'");
-}
-
 void apply_blas_threads(int threads) {
   if (threads > 0) openblas_set_num_threads(threads);
 }

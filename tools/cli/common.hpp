@@ -59,9 +59,6 @@ using testkit::rel_err;
 /// "1.23e-06"-style and fixed formatting helpers.
 std::string fmt(double value, const char* format);
 
-/// Parses --align values "top-left" / "bottom-right" (throws ArgumentError otherwise).
-CausalAlign parse_align(const std::string& text);
-
 /// Sets the thread count of both the attention kernels (via options) and OpenBLAS.
 void apply_blas_threads(int threads);
 

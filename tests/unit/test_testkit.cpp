@@ -43,7 +43,7 @@ TEST(UsefulWork, CaseTableShapeUsesThePublicCounts) {
   testkit::AttentionShape s{2, 33, 77, 8, 2, 16, true, CausalAlign::top_left};
   EXPECT_EQ(s.forward_flops(), forward_flops(2, 33, 77, 8, 16, true, CausalAlign::top_left));
   EXPECT_EQ(s.backward_flops(), backward_flops(2, 33, 77, 8, 16, true, CausalAlign::top_left));
-  EXPECT_STREQ(s.align_name(), "top-left");
+  EXPECT_STREQ(s.align_name(), "top_left");
   testkit::AttentionCase c{"c", s, 0.3};
   const AttentionOptions o = c.options(Isa::portable, 3);
   EXPECT_EQ(o.scale, 0.3);

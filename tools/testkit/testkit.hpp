@@ -167,10 +167,9 @@ struct AttentionShape {
   double backward_flops() const {
     return tokenmix::backward_flops(B, T_q, T_k, H_q, d_h, causal, align);
   }
-  /// "bottom-right" / "top-left", as the CLI and the bench's JSON spell it.
-  const char* align_name() const {
-    return align == CausalAlign::bottom_right ? "bottom-right" : "top-left";
-  }
+  /// "bottom_right" / "top_left": tokenmix::to_string(CausalAlign), the one spelling of the
+  /// CLI, the bench's JSON and Python.
+  const char* align_name() const { return to_string(align); }
 };
 
 /// Bounds on rel_err of float32 results against the float64 oracle.

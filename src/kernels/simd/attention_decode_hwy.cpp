@@ -1,6 +1,6 @@
 // src/kernels/simd/attention_decode_hwy.cpp — decode attention over a KVCache, SIMD (Highway),
-// compiled once per x86 target (AVX-512 = AVX3, AVX2+FMA) and selected explicitly per call
-// (simd_decode_kernel(Isa)), like attention_fwd_f32_hwy.cpp. Unit contract: DecodeArgs in
+// compiled once per x86 target (AVX-512 = AVX3, AVX2+FMA) and exported per target and cache
+// element type as attention_decode_<f32|bf16|f16>_<avx512|avx2> (the registry picks one). Unit contract: DecodeArgs in
 // attention_kernels.hpp; chunks are merged by src/api/decode.cpp.
 //
 // A unit is (sequence b, KV head j, query block, chunk of ≤ 1024 keys). Its rows are all g query
@@ -47,6 +47,8 @@ constexpr int kRD = 2, kVD = 1;  // fallback targets (not dispatched to by token
 #endif
 
 constexpr std::int64_t kSub = 16;  // keys per V sub-tile in the P·V product
+// The S tile is computed in column blocks of kVD vectors: they must tile the cache's key tile.
+static_assert(kDecodeKeyTile % (kVD * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
 
 template <class TB>
 void DecodeUnits(const DecodeArgs& a) {
@@ -56,8 +58,6 @@ void DecodeUnits(const DecodeArgs& a) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), W = kVD * N;
   constexpr std::int64_t T = kDecodeKeyTile;
   const std::int64_t units = a.units(), rows = a.rows_max(), dh = a.dh, g = a.group();
-  // Per worker: s·Q rows [rows][d_h] and S/P tile [rows][64] (aligned, reused every unit).
-  const std::int64_t q_floats = (rows * dh + 63) / 64 * 64;  // keeps the S tile 64-float aligned
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const TB* k_layer = static_cast<const TB*>(a.k_layer);
   const TB* v_layer = static_cast<const TB*>(a.v_layer);
@@ -65,10 +65,10 @@ void DecodeUnits(const DecodeArgs& a) {
 
 #pragma omp for schedule(dynamic, 1)
   for (std::int64_t unit = 0; unit < units; ++unit) {
-    const std::int64_t c = unit % a.chunks, qb = (unit / a.chunks) % a.qblocks;
-    const std::int64_t j = (unit / (a.chunks * a.qblocks)) % a.hkv, b = unit / (a.chunks * a.qblocks * a.hkv);
-    float* qs = a.scratch + omp_get_thread_num() * a.scratch_floats();  // s·Q [rows][d_h]
-    float* st = qs + q_floats;                                     // S, then P [rows][64]
+    const auto [c, qb, j, b] = Unravel(unit, a.chunks, a.qblocks, a.hkv);
+    const int worker = omp_get_thread_num();
+    float* qs = a.scratch.at(a.slots.q_scaled, worker);  // scale·Q [rows][d_h]
+    float* st = a.scratch.at(a.slots.scores, worker);    // S, then P [rows][64]
     float* acc = a.part_acc + unit * rows * dh;                    // Õ [rows][d_h]
     float* m_run = a.part_m + unit * rows;
     float* l_run = a.part_l + unit * rows;
@@ -157,21 +157,19 @@ void DecodeUnits(const DecodeArgs& a) {
   }
 }
 
-void AttentionDecode(const DecodeArgs& a) {
-  switch (a.dtype) {
-    case DType::f32: return DecodeUnits<float>(a);
-    case DType::bf16: return DecodeUnits<hwy::bfloat16_t>(a);
-    case DType::f16: return DecodeUnits<hwy::float16_t>(a);
-  }
-}
-
 }  // namespace tokenmix::kernels::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 namespace tokenmix::kernels {
 
-DecodeKernel simd_decode_kernel(Isa isa) { return TOKENMIX_SIMD_KERNEL_FOR(isa, AttentionDecode); }
+// One kernel per (target, cache element type); the registry picks by the cache's dtype.
+const DecodeKernel attention_decode_f32_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<float>);
+const DecodeKernel attention_decode_bf16_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<hwy::bfloat16_t>);
+const DecodeKernel attention_decode_f16_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<hwy::float16_t>);
+const DecodeKernel attention_decode_f32_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<float>);
+const DecodeKernel attention_decode_bf16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<hwy::bfloat16_t>);
+const DecodeKernel attention_decode_f16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<hwy::float16_t>);
 
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

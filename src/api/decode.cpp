@@ -143,7 +143,8 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
       partials_layout.add<float>(kernels::scratch_mul(part_rows, a.dh, site, "decode partials"));
   const auto m_slot = partials_layout.add<float>(part_rows);
   const auto l_slot = partials_layout.add<float>(part_rows);
-  const std::int64_t workers_bytes = kernels::scratch_mul(team, worker_layout.bytes(), site, "decode scratch");
+  const std::int64_t workers_bytes =
+      kernels::scratch_mul(team, worker_layout.bytes(), site, "decode scratch");
   std::byte* base = partials_buffer().reserve(
       kernels::scratch_add(workers_bytes, partials_layout.bytes(), site, "decode scratch"), site,
       "the per-worker scratch and the partial results");

@@ -127,11 +127,11 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
   check_layer(fn, layer);
   detail::check_view(k, 4, fn, "k");
   detail::check_view(v, 4, fn, "v");
-  const std::int64_t nb = k.dim(0), tnew = k.dim(1);
-  if (first_seq < 0 || first_seq > config_.batch || nb > config_.batch - first_seq) {
+  const std::int64_t seqs = k.dim(0), tnew = k.dim(1);
+  if (first_seq < 0 || first_seq > config_.batch || seqs > config_.batch - first_seq) {
     fail(ErrorCode::invalid_argument, fn,
          "sequences [first_seq, first_seq + k.shape[0]) must lie in [0, batch = " + str(config_.batch) +
-             "); got first_seq = " + str(first_seq) + ", k.shape[0] = " + str(nb));
+             "); got first_seq = " + str(first_seq) + ", k.shape[0] = " + str(seqs));
   }
   detail::check_dim(k, 2, config_.heads_kv, fn, "k", "H_kv", "the cache's heads_kv");
   detail::check_dim(k, 3, config_.head_dim, fn, "k", "d_h", "the cache's head_dim");
@@ -141,7 +141,7 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
   }
   // Positions, capacity and (paged) free blocks for every sequence, before anything is written.
   std::int64_t new_blocks = 0;
-  for (std::int64_t b = first_seq; b < first_seq + nb; ++b) {
+  for (std::int64_t b = first_seq; b < first_seq + seqs; ++b) {
     if (!active_[static_cast<std::size_t>(b)]) {
       fail(ErrorCode::invalid_argument, fn,
            "sequence " + str(b) + " was released; reset(" + str(b) + ") it before appending");
@@ -165,14 +165,15 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
          "the block pool has " + str(free_blocks()) + " free blocks of " + str(block_tokens_) +
              " positions; this append needs " + str(new_blocks));
   }
-  if (tnew == 0 || nb == 0) return;
+  if (tnew == 0 || seqs == 0) return;
 
   const auto* kp = static_cast<const float*>(k.data);
   const auto* vp = static_cast<const float*>(v.data);
   const std::int64_t H = config_.heads_kv, D = config_.head_dim;
   const kernels::KVTileLayout tiles = detail::KVCacheAccess::layout(*this);  // = what decode reads
-  std::byte* layer_data = storage_.data() + static_cast<std::size_t>(layer * tiles.layer_elems()) * elem_;
-  for (std::int64_t bi = 0; bi < nb; ++bi) {
+  std::byte* layer_data =
+      storage_.data() + static_cast<std::size_t>(layer * tiles.layer_elems()) * elem_;
+  for (std::int64_t bi = 0; bi < seqs; ++bi) {
     const std::int64_t b = first_seq + bi;
     std::int64_t& len = lengths_[static_cast<std::size_t>(layer * config_.batch + b)];
     if (paged()) {  // take blocks for positions beyond what any layer already holds
@@ -207,7 +208,8 @@ void KVCache::shrink(std::int64_t seq, std::int64_t new_length) {
   const std::int64_t H = config_.heads_kv, D = config_.head_dim;
   const kernels::KVTileLayout tiles = detail::KVCacheAccess::layout(*this);
   for (std::int64_t l = 0; l < config_.layers; ++l) {
-    std::byte* layer_data = storage_.data() + static_cast<std::size_t>(l * tiles.layer_elems()) * elem_;
+    std::byte* layer_data =
+        storage_.data() + static_cast<std::size_t>(l * tiles.layer_elems()) * elem_;
     std::int64_t& len = lengths_[static_cast<std::size_t>(l * config_.batch + seq)];
     for (std::int64_t pos = new_length; pos < len; ++pos) {
       const std::int64_t blk = table_[static_cast<std::size_t>(seq * table_width_ + pos / block_tokens_)];

@@ -79,9 +79,9 @@ struct DecodeScratch {
   DecodeScratch() = default;
   DecodeScratch(ScratchLayout& layout, std::int64_t rows, std::int64_t dh)
       : q_scaled(layout.add<float>(scratch_mul(rows, dh, layout.site(), "decode query rows"))),
-        scores(layout.add<float>(scratch_mul(rows, kDecodeKeyTile, layout.site(), "decode scores"))),
-        k_f32(layout.add<float>(scratch_mul(kDecodeKeyTile, dh, layout.site(), "a decode K tile"))),
-        v_f32(layout.add<float>(scratch_mul(kDecodeKeyTile, dh, layout.site(), "a decode V tile"))) {}
+        scores(layout.add<float>(rows * kDecodeKeyTile)),  // rows ≤ 128 (decode.cpp)
+        k_f32(layout.add<float>(scratch_mul(kDecodeKeyTile, dh, layout.site(), "a K tile"))),
+        v_f32(layout.add<float>(scratch_mul(kDecodeKeyTile, dh, layout.site(), "a V tile"))) {}
 };
 
 struct DecodeArgs {

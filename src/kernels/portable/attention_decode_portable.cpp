@@ -5,9 +5,9 @@
 //
 // Per unit (sequence b, KV head j, query block, key chunk [k0, k1)) and key tile of 64 keys:
 //   K tile [d_h][64] and V rows [n_t][d_h] are widened to fp32 once (shared by all g·qblock rows)
-//   s_u = scale · ⟨q_r, k_u⟩, masked to −∞ for u ≥ visible_end(r)            (4.2, 4.3)
-//   online softmax (4.4): m' = max(m, max_u s_u), Õ ← Õ e^{m−m'} + Σ_u e^{s_u−m'} v_u,
-//   l ← l e^{m−m'} + Σ_u e^{s_u−m'}                                             (4.5)
+//   S_u = scale · ⟨q_r, k_u⟩, masked to −∞ for u ≥ visible_end(r)            (4.2, 4.3)
+//   online softmax (4.4): m' = max(m, max_u S_u), Õ ← Õ e^{m−m'} + Σ_u e^{S_u−m'} v_u,
+//   l ← l e^{m−m'} + Σ_u e^{S_u−m'}                                             (4.5)
 // and the unit stores (Õ, m, l) of each row; decode.cpp merges chunks and normalises.
 #include <algorithm>
 #include <cmath>
@@ -26,7 +26,7 @@ namespace {
 template <DType kDType>
 void DecodeUnitsPortable(const DecodeArgs& a) {
   const std::int64_t units = a.units(), rows = a.rows_max(), dh = a.dh, g = a.group();
-  const std::int64_t T = kDecodeKeyTile;
+  constexpr std::int64_t kKeyTile = kDecodeKeyTile;  // keys per cache tile
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const std::size_t esz = size_of(kDType);
 
@@ -54,20 +54,20 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
     std::fill(acc, acc + rows * dh, 0.0f);
     const std::int64_t k0 = c * a.chunk, k1 = std::min(k0 + a.chunk, kend);
 
-    for (std::int64_t u0 = k0; u0 < k1; u0 += T) {
-      const std::int64_t nt = std::min(T, k1 - u0);
+    for (std::int64_t u0 = k0; u0 < k1; u0 += kKeyTile) {
+      const std::int64_t nt = std::min(kKeyTile, k1 - u0);
       const std::int64_t tile = a.tile_offset(b, j, u0) * static_cast<std::int64_t>(esz);
       const auto* kt = static_cast<const std::byte*>(a.k_layer) + tile;  // K tile [d_h][64]
       const auto* vt = static_cast<const std::byte*>(a.v_layer) + tile;  // V tile [64][d_h]
-      for (std::int64_t i = 0; i < dh * T; ++i) kf[i] = load_element(kDType, kt, i);
+      for (std::int64_t i = 0; i < dh * kKeyTile; ++i) kf[i] = load_element(kDType, kt, i);
       for (std::int64_t i = 0; i < nt * dh; ++i) vf[i] = load_element(kDType, vt, i);
       for (std::int64_t r = 0; r < nrows; ++r) {
         const std::int64_t end = a.visible_end(b, t0 + r / g);
-        float* s = sc + r * T;
-        std::fill(s, s + T, 0.0f);
-        for (std::int64_t x = 0; x < dh; ++x) {  // s = (s·q) Kᵀ, keys along the tile  (4.2)
+        float* s = sc + r * kKeyTile;
+        std::fill(s, s + kKeyTile, 0.0f);
+        for (std::int64_t x = 0; x < dh; ++x) {  // scores = (scale·q) Kᵀ, keys in the tile (4.2)
           const float qx = qs[r * dh + x];
-          for (std::int64_t u = 0; u < T; ++u) s[u] += qx * kf[x * T + u];
+          for (std::int64_t u = 0; u < kKeyTile; ++u) s[u] += qx * kf[x * kKeyTile + u];
         }
         float tmax = kNegInf;
         for (std::int64_t u = 0; u < nt; ++u) {

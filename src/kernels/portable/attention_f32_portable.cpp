@@ -210,7 +210,8 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
     // K, V, dK and dV rows of the block [kRowBlock, d_h] each (dK and dV zeroed together).
     const auto block_slot = layout.add<float>(scratch_mul(4 * kRowBlock, dh, p.site, "key block"));
     const auto rows_slot = layout.add<float>(scratch_mul(2, dh, p.site, "q and dO rows"));
-    const ScratchArena scratch(layout, units ? team : 0, "the per-worker scratch of pass 2 (dK, dV)");
+    const ScratchArena scratch(layout, units ? team : 0,
+                               "the per-worker scratch of pass 2 (dK, dV)");
     // First query that sees key u: visible_end(t) > u  ⟺  t ≥ u − shift (causal).
     const std::int64_t shift = p.align == CausalAlign::bottom_right ? p.tk - p.tq : 0;
 

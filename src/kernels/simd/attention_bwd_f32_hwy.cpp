@@ -7,13 +7,13 @@
 //   pass 1 — one unit per (b, KV head j, query block), query rows of the g heads in SIMD lanes
 //            (as in the forward):
 //     D_t   = ⟨dO_t, O_t⟩                                  (J·g of 4.6–4.7, row by row)
-//     Sᵀ    = K_tile (s·Q)ᵀ,  Pᵀ = e^{Sᵀ − L}              (4.2–4.4 recomputed)
+//     Sᵀ    = K_tile (scale·Q)ᵀ,  Pᵀ = e^{Sᵀ − L}          (4.2–4.4 recomputed)
 //     dPᵀ   = V_tile dOᵀ,     dSᵀ = Pᵀ ⊙ (dPᵀ − D)
-//     dQᵀ  += K_tileᵀ dSᵀ ;   dQ = s · dQ                    (dQ = s · dS K)
+//     dQᵀ  += K_tileᵀ dSᵀ ;   dQ = scale · dQ            (dQ = scale · dS K)
 //   pass 2 — one unit per (b, KV head j, key block), the block's keys in SIMD lanes:
-//     S     = Q_rows (s·K_block)ᵀ,  P = e^{S − L},  dP = dO_rows V_blockᵀ,  dS = P ⊙ (dP − D)
+//     S     = Q_rows (scale·K_block)ᵀ,  P = e^{S − L},  dP = dO_rows V_blockᵀ,  dS = P ⊙ (dP − D)
 //     dVᵀ  += dO_rowsᵀ P ;  dKᵀ += Q_rowsᵀ dS, summed over the g query heads of the group and
-//             every query row that sees the block                (dV = Σ Aᵀ dO, dK = s Σ dSᵀ Q)
+//             every query row that sees the block                (dV = Σ Aᵀ dO, dK = scale Σ dSᵀ Q)
 // Both passes use the forward's microkernel (microkernel-inl.h); Q, dO, K and V rows are read
 // in place, only the per-unit operands are packed transposed. Extra memory: D, 4·B·H_q·T_q
 // bytes, plus per worker O(d_h · tile).
@@ -55,7 +55,7 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
   const std::int64_t units = layout.count, lane_blocks = layout.blocks;
   if (units == 0) return;
   const int team = team_size(p.threads, units);
-  // Per lane block: s·Qᵀ, dOᵀ, dQᵀ [dh][M] and lane vectors L, D, visible end [M]; shared:
+  // Per lane block: scale·Qᵀ, dOᵀ, dQᵀ [dh][M] and lane vectors L, D, visible end [M]; shared:
   // Sᵀ and dPᵀ [kKeyTile][M], packed K and V tiles [kKeyTile][dh].
   ScratchLayout scratch_layout(p.site);
   struct BlockSlots {
@@ -84,7 +84,7 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
     float* k_tile = scratch.at(k_tile_slot, worker);  // K rows u0.. packed [kKeyTile][dh]
     float* v_tile = scratch.at(v_tile_slot, worker);  // V rows u0.. packed [kKeyTile][dh]
     struct BlockState : LaneBlock {
-      float *qt, *dot, *dqt, *lse_lane, *delta_lane;  // s·Qᵀ, dOᵀ, dQᵀ [dh][M]; L, D [M]
+      float *qt, *dot, *dqt, *lse_lane, *delta_lane;  // scale·Qᵀ, dOᵀ, dQᵀ [dh][M]; L, D [M]
     };
     BlockState blocks[kBlocksPerUnit];
     std::int64_t unit_key_end = 0;
@@ -113,7 +113,8 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
             }
             delta[(b * p.hq + h) * p.tq + t] = e > 0 ? dsum : 0.0f;
             bs.delta_lane[i] = dsum;
-            bs.lse_lane[i] = e > 0 ? args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2] : 0.0f;
+            bs.lse_lane[i] =
+                e > 0 ? args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2] : 0.0f;
           },
           [&](std::int64_t i) {
             for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = bs.dot[x * M + i] = 0.0f;
@@ -133,7 +134,7 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
         BlockState& bs = blocks[lb];
         if (u0 >= bs.key_end) continue;
         const std::int64_t nt = std::min(tile, bs.key_end - u0);
-        GemmRows(d, nt, k_rows, dh, 1, bs.qt, M, dh, st, M, false);    // Sᵀ = K (s·Q)ᵀ   (4.2)
+        GemmRows(d, nt, k_rows, dh, 1, bs.qt, M, dh, st, M, false);    // Sᵀ = K (scale·Q)ᵀ   (4.2)
         GemmRows(d, nt, v_rows, dh, 1, bs.dot, M, dh, dpt, M, false);  // dPᵀ = V dOᵀ = dAᵀ
         const bool crosses = u0 + nt > bs.full_end;
         for (std::int64_t i = 0; i < M; i += N) {
@@ -186,16 +187,17 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
   // dQᵀ).
   const std::int64_t chunk = kOnePass ? M : kQueryChunk;
   const std::int64_t tq_pad = (p.tq + M - 1) / M * M;
-  // Per-worker scratch: s·Kᵀ, Vᵀ, dKᵀ, dVᵀ [dh][M] (one slot: zeroed together per key block),
+  // Per-worker scratch: scale·Kᵀ, Vᵀ, dKᵀ, dVᵀ [dh][M] (one slot: zeroed together per key block),
   // S → P and dP → dS [chunk][M], packed Q and dO rows [chunk][dh] when d_h is strided; one-pass
   // also the K block [M][dh], dSᵀ [M][M] and the unit's dQᵀ [g][tq_pad / M][dh][M].
   ScratchLayout scratch_layout(p.site);
-  const auto kv_acc_slot = scratch_layout.add<float>(scratch_mul(4 * M, dh, p.site, "K^T, V^T, dK^T, dV^T"));
-  const auto s_slot = scratch_layout.add<float>(kQueryChunk * M);
-  const auto dp_slot = scratch_layout.add<float>(kQueryChunk * M);
-  const auto q_pack_slot = scratch_layout.add<float>(scratch_mul(kQueryChunk, dh, p.site, "Q rows"));
-  const auto do_pack_slot = scratch_layout.add<float>(scratch_mul(kQueryChunk, dh, p.site, "dO rows"));
-  const auto k_nat_slot = scratch_layout.add<float>(kOnePass ? scratch_mul(M, dh, p.site, "K block") : 0);
+  ScratchLayout& sl = scratch_layout;
+  const auto kv_acc_slot = sl.add<float>(scratch_mul(4 * M, dh, p.site, "K^T, V^T, dK^T, dV^T"));
+  const auto s_slot = sl.add<float>(kQueryChunk * M);
+  const auto dp_slot = sl.add<float>(kQueryChunk * M);
+  const auto q_pack_slot = sl.add<float>(scratch_mul(kQueryChunk, dh, p.site, "Q rows"));
+  const auto do_pack_slot = sl.add<float>(scratch_mul(kQueryChunk, dh, p.site, "dO rows"));
+  const auto k_nat_slot = sl.add<float>(kOnePass ? scratch_mul(M, dh, p.site, "K block") : 0);
   const auto dst_slot = scratch_layout.add<float>(kOnePass ? M * M : 0);
   const std::int64_t dq_floats =
       kOnePass ? scratch_mul(scratch_mul(g, dh, p.site, "dQ^T"), tq_pad, p.site, "dQ^T") : 0;
@@ -213,7 +215,7 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
     const std::int64_t kb_end = kOnePass ? kblocks : kb_first + 1;
 
     const int worker = omp_get_thread_num();
-    float* kt = scratch.at(kv_acc_slot, worker);  // s·Kᵀ [dh][M]
+    float* kt = scratch.at(kv_acc_slot, worker);  // scale·Kᵀ [dh][M]
     float* vt = kt + dh * M;                      // Vᵀ [dh][M]
     float* dkt = vt + dh * M;                     // dKᵀ [dh][M]
     float* dvt = dkt + dh * M;                    // dVᵀ [dh][M]
@@ -260,7 +262,7 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
           std::int64_t ldq = 0, lddo = 0;
           const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq);
           const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo);
-          GemmRows(d, rows, q_rows, ldq, 1, kt, M, dh, s, M, false);     // S = Q (s·K)ᵀ   (4.2)
+          GemmRows(d, rows, q_rows, ldq, 1, kt, M, dh, s, M, false);     // S = Q (scale·K)ᵀ   (4.2)
           GemmRows(d, rows, do_rows, lddo, 1, vt, M, dh, dp, M, false);  // dP = dO Vᵀ
           for (std::int64_t r = 0; r < rows; ++r) {
             const std::int64_t t = c0 + r;
@@ -301,7 +303,8 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
       for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {
         const float* src = dqt + (h - j * g) * tq_pad * dh;
         for (std::int64_t t = 0; t < p.tq; ++t) {  // lane t % M of lane block t / M: [dh][M]
-          StoreColumn(src + (t / M) * M * dh, M, t % M, dh, p.scale, args.dq.row(b, t, h), args.dq.s3);
+          StoreColumn(src + (t / M) * M * dh, M, t % M, dh, p.scale, args.dq.row(b, t, h),
+                      args.dq.s3);
         }
       }
     }

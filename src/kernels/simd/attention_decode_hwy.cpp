@@ -1,14 +1,14 @@
 // src/kernels/simd/attention_decode_hwy.cpp — decode attention over a KVCache, SIMD (Highway),
 // compiled once per x86 target (AVX-512 = AVX3, AVX2+FMA) and exported per target and cache
-// element type as attention_decode_<f32|bf16|f16>_<avx512|avx2> (the registry picks one). Unit contract: DecodeArgs in
-// attention_kernels.hpp; chunks are merged by src/api/decode.cpp.
+// element type as attention_decode_<f32|bf16|f16>_<avx512|avx2> (the registry picks one). Unit
+// contract: DecodeArgs in attention_kernels.hpp; chunks are merged by src/api/decode.cpp.
 //
 // A unit is (sequence b, KV head j, query block, chunk of ≤ 1024 keys). Its rows are all g query
 // heads of group j × the block's query positions (r = t_local · g + h_local), so each K/V tile is
 // read from memory once for the whole group (GQA: bytes do not grow with g). Per 64-key tile,
 // both products are the shared register-blocked microkernel (microkernel-inl.h), with the cache
 // element type (fp32 / bf16 / f16) as its B operand, widened to fp32 in registers:
-//   S[r][u]  = Σ_x (s·q_r)[x] · Kᵀ[x][u]   A = s·Q rows (broadcast), B = K tile [d_h][64]  (4.2)
+//   S[r][u]  = Σ_x (scale·q_r)[x] · Kᵀ[x][u]   A = scale·Q rows, B = K tile [d_h][64]  (4.2)
 //   Õ[r][x] += Σ_u P[r][u] · V[u][x]        A = P rows (broadcast),   B = V rows [64][d_h]  (4.5)
 // Keys are lanes in the first product and features in the second — the cache stores K tiles
 // transposed and V row-major for exactly this, so nothing is repacked per step. Between them,
@@ -94,7 +94,7 @@ void DecodeUnits(const DecodeArgs& a) {
       const TB* kt = k_layer + tile;  // Kᵀ tile [d_h][64]
       const TB* vt = v_layer + tile;  // V rows [nt][d_h]
 
-      // S = (s·Q) Kᵀ over the whole 64-key tile (lanes past the data are masked below)  (4.2)
+      // S = (scale·Q) Kᵀ over the whole 64-key tile (lanes past the data are masked below)  (4.2)
       for (std::int64_t c0 = 0; c0 < T; c0 += W) {
         GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, T, dh, st + c0, T, false);
       }
@@ -164,12 +164,14 @@ HWY_AFTER_NAMESPACE();
 namespace tokenmix::kernels {
 
 // One kernel per (target, cache element type); the registry picks by the cache's dtype.
+using hwy::bfloat16_t;
+using hwy::float16_t;
 const DecodeKernel attention_decode_f32_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<float>);
-const DecodeKernel attention_decode_bf16_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<hwy::bfloat16_t>);
-const DecodeKernel attention_decode_f16_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<hwy::float16_t>);
+const DecodeKernel attention_decode_bf16_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<bfloat16_t>);
+const DecodeKernel attention_decode_f16_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<float16_t>);
 const DecodeKernel attention_decode_f32_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<float>);
-const DecodeKernel attention_decode_bf16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<hwy::bfloat16_t>);
-const DecodeKernel attention_decode_f16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<hwy::float16_t>);
+const DecodeKernel attention_decode_bf16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<bfloat16_t>);
+const DecodeKernel attention_decode_f16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<float16_t>);
 
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

@@ -2,7 +2,8 @@
 //
 // Compiled once per x86 target (AVX-512 = Highway's AVX3, AVX2+FMA) by Highway's
 // foreach_target mechanism and exported per target as attention_fwd_f32_avx512 / _avx2; the
-// registry (kernels/registry.cpp) maps the resolved path to one of them. Exact attention (SPEC 4.2–4.5, 4.8); no T×T matrix.
+// registry (kernels/registry.cpp) maps the resolved path to one of them. Exact attention
+// (SPEC 4.2–4.5, 4.8); no T×T matrix.
 //
 // Work unit: (batch b, KV head j, a chunk of the g query heads of group j, a block of query
 // positions). The unit's query rows — every (head, position) pair — are stacked in the SIMD
@@ -55,7 +56,7 @@ void AttentionFwd(const ForwardArgs& args) {
   if (units == 0) return;
   const int team = team_size(p.threads, units);
 
-  // Per-worker scratch: per lane block s·Qᵀ [dh][M], Oᵀ [dh][M] and lane vectors (running max,
+  // Per-worker scratch: per lane block scale·Qᵀ [dh][M], Oᵀ [dh][M] and lane vectors (running max,
   // running sum, visible end); shared Sᵀ/Pᵀ [kKeyTile][M], the packed K and V tile
   // [kKeyTile][dh] and the tile's rescale factors [M].
   ScratchLayout scratch_layout(p.site);
@@ -86,7 +87,7 @@ void AttentionFwd(const ForwardArgs& args) {
     float* v_tile = scratch.at(v_tile_slot, worker);  // V rows u0.. packed [kKeyTile][dh]
     float* alphas = scratch.at(alphas_slot, worker);  // e^{m − m'} per lane [M] of the tile
     struct BlockState : LaneBlock {
-      float *qt, *ot, *m_run, *l_run;  // s·Qᵀ [dh][M], Oᵀ [dh][M], max and sum per lane [M]
+      float *qt, *ot, *m_run, *l_run;  // scale·Qᵀ [dh][M], Oᵀ [dh][M], max and sum per lane [M]
     };
     BlockState blocks[kBlocksPerUnit];
     std::int64_t unit_key_end = 0;
@@ -126,7 +127,7 @@ void AttentionFwd(const ForwardArgs& args) {
         BlockState& bs = blocks[lb];
         if (u0 >= bs.key_end) continue;  // tile entirely above this block's causal diagonal
         const std::int64_t nt = std::min(tile, bs.key_end - u0);
-        // Sᵀ[u][i] = Σ_x K[u0+u][x] · (s·Q)[i][x]          (4.2)
+        // Sᵀ[u][i] = Σ_x K[u0+u][x] · (scale·Q)[i][x]          (4.2)
         GemmRows(d, nt, k_rows, dh, 1, bs.qt, M, dh, st, M, false);
 
         // Mask keys beyond each lane's visible end (only tiles crossing the diagonal)   (4.3)

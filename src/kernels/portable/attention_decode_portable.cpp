@@ -63,16 +63,16 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
       for (std::int64_t i = 0; i < nt * dh; ++i) vf[i] = load_element(kDType, vt, i);
       for (std::int64_t r = 0; r < nrows; ++r) {
         const std::int64_t end = a.visible_end(b, t0 + r / g);
-        float* s = sc + r * kKeyTile;
-        std::fill(s, s + kKeyTile, 0.0f);
+        float* score = sc + r * kKeyTile;
+        std::fill(score, score + kKeyTile, 0.0f);
         for (std::int64_t x = 0; x < dh; ++x) {  // scores = (scale·q) Kᵀ, keys in the tile (4.2)
           const float qx = qs[r * dh + x];
-          for (std::int64_t u = 0; u < kKeyTile; ++u) s[u] += qx * kf[x * kKeyTile + u];
+          for (std::int64_t u = 0; u < kKeyTile; ++u) score[u] += qx * kf[x * kKeyTile + u];
         }
         float tmax = kNegInf;
         for (std::int64_t u = 0; u < nt; ++u) {
-          if (u0 + u >= end) s[u] = kNegInf;  // (4.3)
-          tmax = std::max(tmax, s[u]);
+          if (u0 + u >= end) score[u] = kNegInf;  // (4.3)
+          tmax = std::max(tmax, score[u]);
         }
         const float m_new = std::max(m_run[r], tmax);
         if (m_new == kNegInf) continue;  // nothing visible yet
@@ -83,7 +83,7 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
         }
         float sum = 0.0f;
         for (std::int64_t u = 0; u < nt; ++u) {  // Õ += P V  (4.4, 4.5)
-          const float p = std::exp(s[u] - m_new);
+          const float p = std::exp(score[u] - m_new);
           sum += p;
           if (p != 0.0f) {
             for (std::int64_t x = 0; x < dh; ++x) o[x] += p * vf[u * dh + x];

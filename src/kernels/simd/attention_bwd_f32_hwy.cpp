@@ -193,7 +193,7 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
   ScratchLayout scratch_layout(p.site);
   ScratchLayout& sl = scratch_layout;
   const auto kv_acc_slot = sl.add<float>(scratch_mul(4 * M, dh, p.site, "K^T, V^T, dK^T, dV^T"));
-  const auto s_slot = sl.add<float>(kQueryChunk * M);
+  const auto scores_slot = sl.add<float>(kQueryChunk * M);
   const auto dp_slot = sl.add<float>(kQueryChunk * M);
   const auto q_pack_slot = sl.add<float>(scratch_mul(kQueryChunk, dh, p.site, "Q rows"));
   const auto do_pack_slot = sl.add<float>(scratch_mul(kQueryChunk, dh, p.site, "dO rows"));
@@ -219,7 +219,7 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
     float* vt = kt + dh * M;                      // Vᵀ [dh][M]
     float* dkt = vt + dh * M;                     // dKᵀ [dh][M]
     float* dvt = dkt + dh * M;                    // dVᵀ [dh][M]
-    float* s = scratch.at(s_slot, worker);              // S → P [chunk][M] (scores)
+    float* scores = scratch.at(scores_slot, worker);    // S → P [chunk][M]
     float* dp = scratch.at(dp_slot, worker);            // dP → dS [chunk][M]
     float* q_pack = scratch.at(q_pack_slot, worker);    // [chunk][dh] if needed
     float* do_pack = scratch.at(do_pack_slot, worker);  // [chunk][dh] if needed
@@ -262,7 +262,7 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
           std::int64_t ldq = 0, lddo = 0;
           const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq);
           const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo);
-          GemmRows(d, rows, q_rows, ldq, 1, kt, M, dh, s, M, false);     // S = Q (scale·K)ᵀ   (4.2)
+          GemmRows(d, rows, q_rows, ldq, 1, kt, M, dh, scores, M, false);  // S = Q (scale·K)ᵀ (4.2)
           GemmRows(d, rows, do_rows, lddo, 1, vt, M, dh, dp, M, false);  // dP = dO Vᵀ
           for (std::int64_t r = 0; r < rows; ++r) {
             const std::int64_t t = c0 + r;
@@ -271,16 +271,16 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
             const VF l = hn::Set(d, visible > 0 ? lse : 0.0f);
             const VF dl = hn::Set(d, delta[(b * p.hq + h) * p.tq + t]);
             for (std::int64_t i = 0; i < M; i += N) {
-              VF pu = hn::Exp(d, hn::Sub(hn::Load(d, s + r * M + i), l));  // A = e^{S − L}
+              VF pu = hn::Exp(d, hn::Sub(hn::Load(d, scores + r * M + i), l));  // A = e^{S − L}
               if (visible < i + N) {                                       // causal mask (4.3)
                 const std::int64_t n_vis = std::clamp<std::int64_t>(visible - i, 0, N);
                 pu = hn::IfThenElseZero(hn::FirstN(d, static_cast<std::size_t>(n_vis)), pu);
               }
-              hn::Store(pu, d, s + r * M + i);
+              hn::Store(pu, d, scores + r * M + i);
               hn::Store(hn::Mul(pu, hn::Sub(hn::Load(d, dp + r * M + i), dl)), d, dp + r * M + i);  // dS
             }
           }
-          GemmRows(d, dh, do_rows, 1, lddo, s, M, rows, dvt, M, true);  // dVᵀ += dOᵀ P
+          GemmRows(d, dh, do_rows, 1, lddo, scores, M, rows, dvt, M, true);  // dVᵀ += dOᵀ P
           GemmRows(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true);   // dKᵀ += Qᵀ dS
           if constexpr (kOnePass) {
             // dQᵀ[x][c0 + r] += Σ_u K[u][x] dS[r][u]: dS transposed to [key][row] (rows past

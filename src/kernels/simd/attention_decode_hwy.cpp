@@ -56,7 +56,7 @@ void DecodeUnits(const DecodeArgs& a) {
   const hn::RebindToSigned<decltype(d)> di;
   using VF = hn::Vec<decltype(d)>;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), W = kVD * N;
-  constexpr std::int64_t T = kDecodeKeyTile;
+  constexpr std::int64_t kKeyTile = kDecodeKeyTile;  // keys per cache tile
   const std::int64_t units = a.units(), rows = a.rows_max(), dh = a.dh, g = a.group();
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const TB* k_layer = static_cast<const TB*>(a.k_layer);
@@ -88,37 +88,37 @@ void DecodeUnits(const DecodeArgs& a) {
     if (k0 >= k1) continue;  // nothing visible in this chunk: m = −∞ marks the part empty
     std::fill(acc, acc + nrows * dh, 0.0f);
 
-    for (std::int64_t u0 = k0; u0 < k1; u0 += T) {
-      const std::int64_t nt = std::min(T, k1 - u0);
+    for (std::int64_t u0 = k0; u0 < k1; u0 += kKeyTile) {
+      const std::int64_t nt = std::min(kKeyTile, k1 - u0);
       const std::int64_t tile = a.tile_offset(b, j, u0);
       const TB* kt = k_layer + tile;  // Kᵀ tile [d_h][64]
       const TB* vt = v_layer + tile;  // V rows [nt][d_h]
 
       // S = (scale·Q) Kᵀ over the whole 64-key tile (lanes past the data are masked below)  (4.2)
-      for (std::int64_t c0 = 0; c0 < T; c0 += W) {
-        GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, T, dh, st + c0, T, false);
+      for (std::int64_t c0 = 0; c0 < kKeyTile; c0 += W) {
+        GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false);
       }
 
       // Mask (4.3) and online softmax (4.4), row by row.
       for (std::int64_t r = 0; r < nrows; ++r) {
-        float* s = st + r * T;
+        float* score = st + r * kKeyTile;
         const std::int64_t end = a.visible_end(b, t0 + r / g);
-        if (u0 + T > kfull) {  // tile crosses some row's end: −∞ for lanes u0 + i ≥ end
-          const auto lim = hn::Set(di, static_cast<std::int32_t>(std::clamp<std::int64_t>(end - u0, 0, T)));
-          for (std::int64_t i = 0; i < T; i += N) {
+        if (u0 + kKeyTile > kfull) {  // tile crosses some row's end: −∞ for lanes u0 + i ≥ end
+          const auto lim = hn::Set(di, static_cast<std::int32_t>(std::clamp<std::int64_t>(end - u0, 0, kKeyTile)));
+          for (std::int64_t i = 0; i < kKeyTile; i += N) {
             const auto visible = hn::RebindMask(d, hn::Lt(hn::Iota(di, static_cast<std::int32_t>(i)), lim));
-            hn::Store(hn::IfThenElse(visible, hn::Load(d, s + i), hn::Set(d, kNegInf)), d, s + i);
+            hn::Store(hn::IfThenElse(visible, hn::Load(d, score + i), hn::Set(d, kNegInf)), d, score + i);
           }
         }
-        VF vmax = hn::Load(d, s);
-        for (std::int64_t i = N; i < T; i += N) vmax = hn::Max(vmax, hn::Load(d, s + i));
+        VF vmax = hn::Load(d, score);
+        for (std::int64_t i = N; i < kKeyTile; i += N) vmax = hn::Max(vmax, hn::Load(d, score + i));
         const float m_old = m_run[r], m_new = std::max(m_old, hn::GetLane(hn::MaxOfLanes(d, vmax)));
         // A row with nothing visible yet keeps P = 0 (shift 0: e^{−∞} = 0).
         const VF shift = hn::Set(d, m_new == kNegInf ? 0.0f : m_new);
         VF vsum = hn::Zero(d);
-        for (std::int64_t i = 0; i < T; i += N) {
-          const VF p = hn::Exp(d, hn::Sub(hn::Load(d, s + i), shift));
-          hn::Store(p, d, s + i);
+        for (std::int64_t i = 0; i < kKeyTile; i += N) {
+          const VF p = hn::Exp(d, hn::Sub(hn::Load(d, score + i), shift));
+          hn::Store(p, d, score + i);
           vsum = hn::Add(vsum, p);
         }
         if (m_new > m_old && m_old != kNegInf) {  // rescale Õ and l by e^{m − m'}
@@ -143,13 +143,13 @@ void DecodeUnits(const DecodeArgs& a) {
       for (std::int64_t k0 = 0; k0 < nt; k0 += kSub) {
         const std::int64_t nk = std::min(kSub, nt - k0);
         const TB* vk = vt + k0 * dh;
-        for (x0 = 0; x0 < dh_full; x0 += W) GemmRows<kRD, kVD>(d, nrows, st + k0, T, 1, vk + x0, dh, nk, acc + x0, dh, true);
-        for (; x0 < dh_vec; x0 += N) GemmRows<kRD, 1>(d, nrows, st + k0, T, 1, vk + x0, dh, nk, acc + x0, dh, true);
+        for (x0 = 0; x0 < dh_full; x0 += W) GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
+        for (; x0 < dh_vec; x0 += N) GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
       }
       if (x0 < dh) {
         for (std::int64_t r = 0; r < nrows; ++r)
           for (std::int64_t u = 0; u < nt; ++u) {
-            const float p = st[r * T + u];
+            const float p = st[r * kKeyTile + u];
             for (std::int64_t x = x0; x < dh; ++x) acc[r * dh + x] += p * load_element(a.dtype, vt, u * dh + x);
           }
       }

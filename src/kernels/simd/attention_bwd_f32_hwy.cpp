@@ -97,30 +97,40 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
       bs.lse_lane = scratch.at(block_slots[lb].lse_lane, worker);
       bs.delta_lane = scratch.at(block_slots[lb].delta_lane, worker);
       bs.end_lane = scratch.at(block_slots[lb].end_lane, worker);
-      const std::int64_t b = bs.blk.b;
-      // Padding lanes see nothing (end 0): P = 0.
-      const bool has_rows = SetUpLanes(
-          p, layout, bs, 0,
-          [&](std::int64_t i, std::int64_t h, std::int64_t t, std::int64_t e) {
-            const float* q = args.q.row(b, t, h);
-            const float* dout = args.dout.row(b, t, h);
-            const float* o = args.out.row(b, t, h);
-            float dsum = 0.0f;  // D_t = ⟨dO_t, O_t⟩
-            for (std::int64_t x = 0; x < dh; ++x) {
-              bs.qt[x * M + i] = p.scale * q[x * args.q.s3];
-              bs.dot[x * M + i] = dout[x * args.dout.s3];
-              dsum += dout[x * args.dout.s3] * o[x * args.out.s3];
-            }
-            delta[(b * p.hq + h) * p.tq + t] = e > 0 ? dsum : 0.0f;
-            bs.delta_lane[i] = dsum;
-            bs.lse_lane[i] =
-                e > 0 ? args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2] : 0.0f;
-          },
-          [&](std::int64_t i) {
-            for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = bs.dot[x * M + i] = 0.0f;
-            bs.delta_lane[i] = bs.lse_lane[i] = 0.0f;
-          });
-      if (!has_rows) continue;
+      // Lanes as in SetUpLanes (work_units.hpp), written out here: this setup also computes D,
+      // and padding lanes see nothing (end 0: P = 0). (Routing D's loop through SetUpLanes'
+      // callback changed how the compiler rounds it: kept inline, bitwise as before.)
+      bs.key_end = 0;
+      bs.full_end = p.tk;
+      const auto& [b, j, h0, heads, t0, positions] = bs.blk;
+      if (positions <= 0) continue;
+      for (std::int64_t i = 0; i < M; ++i) {
+        const std::int64_t hl = i / layout.mq, tl = i % layout.mq;
+        std::int64_t e = 0;
+        if (hl < heads && tl < positions) {
+          const std::int64_t h = h0 + hl, t = t0 + tl;
+          e = std::max<std::int64_t>(0, p.visible_end(t));
+          bs.key_end = std::max(bs.key_end, e);
+          bs.full_end = std::min(bs.full_end, e);
+          const float* q = args.q.row(b, t, h);
+          const float* dout = args.dout.row(b, t, h);
+          const float* o = args.out.row(b, t, h);
+          float dsum = 0.0f;  // D_t = ⟨dO_t, O_t⟩
+          for (std::int64_t x = 0; x < dh; ++x) {
+            bs.qt[x * M + i] = p.scale * q[x * args.q.s3];
+            bs.dot[x * M + i] = dout[x * args.dout.s3];
+            dsum += dout[x * args.dout.s3] * o[x * args.out.s3];
+          }
+          delta[(b * p.hq + h) * p.tq + t] = e > 0 ? dsum : 0.0f;
+          bs.delta_lane[i] = dsum;
+          bs.lse_lane[i] =
+              e > 0 ? args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2] : 0.0f;
+        } else {
+          for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = bs.dot[x * M + i] = 0.0f;
+          bs.delta_lane[i] = bs.lse_lane[i] = 0.0f;
+        }
+        bs.end_lane[i] = static_cast<std::int32_t>(e);
+      }
       std::fill(bs.dqt, bs.dqt + dh * M, 0.0f);
       unit_key_end = std::max(unit_key_end, bs.key_end);
     }
@@ -157,7 +167,7 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
 
     for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {  // dQ = scale · (dQᵀ)ᵀ
       const BlockState& bs = blocks[lb];
-      ForEachRow(layout, bs.blk, [&](std::int64_t i, std::int64_t h, std::int64_t t) {
+      ForEachRow(layout, bs.blk, [&](std::int64_t i, std::int64_t h, std::int64_t t) HWY_ATTR {
         StoreColumn(bs.dqt, M, i, dh, p.scale, args.dq.row(bs.blk.b, t, h), args.dq.s3);
       });
     }

@@ -102,10 +102,10 @@ void AttentionFwd(const ForwardArgs& args) {
       // Padding lanes: zero query, all keys visible (finite, then discarded).
       const bool has_rows = SetUpLanes(
           p, layout, bs, static_cast<std::int32_t>(p.tk),
-          [&](std::int64_t i, std::int64_t h, std::int64_t t, std::int64_t) {
+          [&](std::int64_t i, std::int64_t h, std::int64_t t, std::int64_t) HWY_ATTR {
             LoadColumn(args.q.row(bs.blk.b, t, h), args.q.s3, dh, p.scale, bs.qt, M, i);
           },
-          [&](std::int64_t i) {
+          [&](std::int64_t i) HWY_ATTR {
             for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = 0.0f;
           });
       if (!has_rows) continue;
@@ -170,7 +170,7 @@ void AttentionFwd(const ForwardArgs& args) {
     for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
       const BlockState& bs = blocks[lb];
       const std::int64_t bb = bs.blk.b;
-      ForEachRow(layout, bs.blk, [&](std::int64_t i, std::int64_t h, std::int64_t t) {
+      ForEachRow(layout, bs.blk, [&](std::int64_t i, std::int64_t h, std::int64_t t) HWY_ATTR {
         const float l = bs.l_run[i];
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         StoreColumn(bs.ot, M, i, dh, inv, args.out.row(bb, t, h), args.out.s3);

@@ -21,6 +21,7 @@ enum class ErrorCode {
   unsupported,       ///< valid request that this build or CPU cannot serve (e.g. a forced ISA)
   format_error,      ///< a malformed file (e.g. .npy) was rejected
   io_error,          ///< the operating system failed to read or write a file
+  out_of_memory,     ///< memory a call needs (e.g. kernel scratch) could not be allocated
 };
 
 /// Human-readable name of an ErrorCode ("shape_mismatch", ...).
@@ -48,6 +49,14 @@ class ArgumentError : public Error {
 class UnsupportedError : public Error {
  public:
   explicit UnsupportedError(const std::string& message) : Error(ErrorCode::unsupported, message) {}
+};
+
+/// Memory the call needs could not be obtained (ErrorCode::out_of_memory), or its size does not
+/// fit in 64-bit arithmetic (ErrorCode::overflow). The message names the entry point, what the
+/// memory was for and its size in bytes; nothing has been written to any output.
+class ResourceError : public Error {
+ public:
+  using Error::Error;
 };
 
 /// A file that is malformed (bad magic, truncated, inconsistent header, unsupported dtype) or

@@ -62,6 +62,7 @@ struct KVCacheAccess;  // read access for the decode kernels (src/api/decode.cpp
 class KVCache {
  public:
   /// Positions per key tile: K is stored transposed in tiles of this many keys (SIMD lanes).
+  /// Equal to the internal KVTileLayout::kKeyTile (static_assert in src/api/kv_cache_access.hpp).
   static constexpr std::int64_t kKeyTile = 64;
 
   /// Validates the configuration (positive sizes, known dtype, block size a multiple of 64, no
@@ -119,17 +120,13 @@ class KVCache {
   std::int64_t blocks_needed(std::int64_t tokens) const noexcept;
   std::int64_t max_length(std::int64_t seq) const noexcept;
   void shrink(std::int64_t seq, std::int64_t new_length);
-  /// Byte offset of element (layer, physical block, head) of the K or V region.
-  std::size_t k_offset(std::int64_t layer, std::int64_t block, std::int64_t head) const noexcept;
-  std::size_t v_offset(std::int64_t layer, std::int64_t block, std::int64_t head) const noexcept;
-  std::int64_t key_element(std::int64_t off, std::int64_t x) const noexcept;
-  std::int64_t value_element(std::int64_t off, std::int64_t x) const noexcept;
 
   KVCacheConfig config_;
   std::int64_t block_tokens_ = 0, pool_blocks_ = 0, table_width_ = 0;
   std::size_t elem_ = 4;             // bytes per element
-  std::size_t head_block_elems_ = 0;  // block_tokens · d_h: the K (or V) of a (layer, block, head)
-  std::vector<std::byte> storage_;    // [n][pool_blocks][H_kv][block_tokens / 64][K tile, V tile]
+  // [n][pool_blocks][H_kv][block_tokens / 64][K tile, V tile]: kernels::KVTileLayout
+  // (src/kernels/kv_tile_layout.hpp) is the one description, for writer and readers.
+  std::vector<std::byte> storage_;
   std::vector<std::int32_t> table_;  // [B][table_width]: physical block of logical block i, or −1
   std::vector<std::int64_t> lengths_;  // [n][B]
   std::vector<std::uint8_t> active_;   // [B]

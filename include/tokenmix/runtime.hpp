@@ -4,7 +4,15 @@
 // (CPUID plus XCR0 for AVX/AVX-512 state). Callers may force a lower path with
 // AttentionOptions::isa or the environment variable TOKENMIX_ISA
 // (= auto | portable | avx2 | avx512); asking for a path this build or CPU cannot run throws
-// UnsupportedError rather than crashing with an illegal instruction.
+// UnsupportedError (naming the entry point) rather than crashing with an illegal instruction.
+//
+// The environment variable TOKENMIX_CPU_CAP (= portable | avx2 | avx512; unset or empty = no
+// cap) caps the CPU features the library detects, e.g. to test the AVX2 path on an AVX-512
+// machine: with `avx2` the library behaves exactly as on a CPU without AVX-512 (cpu_features()
+// reports no AVX-512/BF16/AMX, available_isas() lacks avx512, forcing avx512 throws
+// UnsupportedError); with `portable` as on a non-x86 CPU; `avx512` hides AMX. It is read at
+// every call that looks at CPU features (so setenv before a call takes effect); another value
+// throws ArgumentError naming TOKENMIX_CPU_CAP and the allowed values.
 #pragma once
 
 #include <string>
@@ -28,19 +36,26 @@ struct CpuFeatures {
   bool amx_tile = false;    ///< AMX-TILE reported by CPUID (use also needs a Linux permission request)
   std::vector<std::string> flags() const;  ///< names of the features above that are present
 };
+/// Detected once; the TOKENMIX_CPU_CAP cap (read at each call) is applied on top.
 const CpuFeatures& cpu_features();
+
+/// The TOKENMIX_CPU_CAP cap now in effect: Isa::automatic when there is none, else the highest
+/// path whose CPU features the library may see. Throws ArgumentError on an invalid value.
+Isa cpu_cap();
 
 /// Paths compiled into this build and runnable on this CPU, lowest first (always has portable).
 std::vector<Isa> available_isas();
 
 /// Resolves a request: `automatic` → TOKENMIX_ISA if set, else the best available path. A
-/// request that cannot run here throws UnsupportedError naming what was asked and what exists.
-Isa resolve_isa(Isa requested);
+/// request that cannot run here throws UnsupportedError naming the entry point `fn`, what was
+/// asked and what exists; a bad TOKENMIX_ISA / TOKENMIX_CPU_CAP throws ArgumentError.
+Isa resolve_isa(Isa requested, const char* fn = "resolve_isa");
 
 /// Threads used when an option says 0 (= "all"): OpenMP's default team size.
 int default_threads();
 
-/// One-line description of the kernel behind each path, for `tokenmix info`.
+/// One-line description of the kernels behind a path (their names, as in the kernel registry,
+/// src/kernels/registry.cpp), for `tokenmix info`.
 std::string describe_kernel(Isa isa);
 
 /// Library version, "MAJOR.MINOR.PATCH".

@@ -11,6 +11,7 @@
 
 #include "api/validate.hpp"
 #include "kernels/attention_kernels.hpp"
+#include "kernels/registry.hpp"
 #include "tokenmix/error.hpp"
 
 namespace tokenmix {
@@ -185,15 +186,16 @@ void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, 
   check_like(fn, out, "out", p.batch, p.tq, p.hq, p.dh, "q");
   if (!lse.empty()) check_lse(fn, lse, "lse", p);
   detail::check_no_overlap(fn, {{"out", out}, {"lse", lse}}, {{"q", q}, {"k", k}, {"v", v}});
-  const Isa isa = resolve_isa(options.isa);  // the one dispatch decision of this call
+  const Isa isa = resolve_isa(options.isa, fn);  // the one dispatch decision of this call
 
   args.q = strided(q);
   args.k = strided(k);
   args.v = strided(v);
   args.out = strided(out);
   args.lse = lse.empty() ? kernels::Out{} : strided(lse);
-  const bool int32_lanes_fit = p.tk < (std::int64_t{1} << 31) - 1;
-  (int32_lanes_fit ? kernels::forward_kernel(isa) : &kernels::attention_fwd_f32_portable)(args);
+  const auto kernel = kernels::select_forward(fn, isa, DType::f32, p.tk);  // registry.cpp
+  args.p.site = {fn, kernel.name};
+  kernel.fn(args);
 }
 
 void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v, ConstTensorView out,
@@ -211,7 +213,7 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   check_like(fn, dv, "dv", p.batch, p.tk, p.hkv, p.dh, "k");
   detail::check_no_overlap(fn, {{"dq", dq}, {"dk", dk}, {"dv", dv}},
                            {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}, {"dout", dout}});
-  const Isa isa = resolve_isa(options.isa);
+  const Isa isa = resolve_isa(options.isa, fn);
 
   args.q = strided(q);
   args.k = strided(k);
@@ -222,8 +224,9 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   args.dq = strided(dq);
   args.dk = strided(dk);
   args.dv = strided(dv);
-  const bool int32_lanes_fit = p.tk < (std::int64_t{1} << 31) - 1;
-  (int32_lanes_fit ? kernels::backward_kernel(isa) : &kernels::attention_bwd_f32_portable)(args);
+  const auto kernel = kernels::select_backward(fn, isa, DType::f32, p.tk);  // registry.cpp
+  args.p.site = {fn, kernel.name};
+  kernel.fn(args);
 }
 
 double backward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,

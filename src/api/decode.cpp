@@ -15,29 +15,15 @@
 #include <string>
 #include <vector>
 
+#include "api/kv_cache_access.hpp"
 #include "api/validate.hpp"
 #include "kernels/attention_kernels.hpp"
+#include "kernels/registry.hpp"
+#include "kernels/scratch_arena.hpp"
 #include "tokenmix/error.hpp"
 #include "tokenmix/kv_cache.hpp"
 
 namespace tokenmix {
-namespace detail {
-
-struct KVCacheAccess {
-  static const KVCache& c(const KVCache& x) { return x; }
-  static const void* k_layer(const KVCache& x, std::int64_t layer) { return x.storage_.data() + x.k_offset(layer, 0, 0); }
-  static const void* v_layer(const KVCache& x, std::int64_t layer) { return x.storage_.data() + x.v_offset(layer, 0, 0); }
-  static const std::int32_t* table(const KVCache& x, std::int64_t seq) {
-    return x.table_.data() + seq * x.table_width_;
-  }
-  static std::int64_t table_width(const KVCache& x) { return x.table_width_; }
-  static const std::int64_t* lengths(const KVCache& x, std::int64_t layer) {
-    return x.lengths_.data() + layer * x.config_.batch;
-  }
-};
-
-}  // namespace detail
-
 namespace {
 
 using detail::fail;
@@ -53,10 +39,10 @@ auto strided(const V& v) {
   return kernels::Strided<Ptr>{static_cast<Ptr>(v.data), v.strides[0], v.strides[1], v.strides[2], v.strides[3]};
 }
 
-// Per-thread reusable partials buffer (the decode step runs every token: no allocation, no
-// page faults once warm).
-std::vector<float>& partials_buffer() {
-  thread_local std::vector<float> buf;
+// Per-thread reusable scratch + partials buffer (the decode step runs every token: no
+// allocation, no page faults once warm).
+kernels::ReusableScratch& partials_buffer() {
+  thread_local kernels::ReusableScratch buf;
   return buf;
 }
 
@@ -122,14 +108,14 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
     fail(ErrorCode::invalid_argument, fn, "options.scale must be finite in float32; got " + std::to_string(scale));
   }
   if (o.threads < 0) fail(ErrorCode::invalid_argument, fn, "options.threads must be >= 0 (0 = all); got " + str(o.threads));
-  const Isa isa = resolve_isa(o.isa);  // the one dispatch decision of this call
+  const Isa isa = resolve_isa(o.isa, fn);  // the one dispatch decision of this call
   if (a.batch == 0 || a.tnew == 0 || a.hq == 0) return;
 
   a.scale = static_cast<float>(scale);
   a.dtype = cc.dtype;
-  a.k_layer = Access::k_layer(cache, layer);
-  a.v_layer = Access::v_layer(cache, layer);
-  a.block_tokens = cache.block_tokens();
+  a.layout = Access::layout(cache);
+  a.k_layer = Access::layer(cache, layer);  // K tiles from here, V tiles one tile later
+  a.v_layer = Access::layer(cache, layer) + a.layout.tile_elems() * size_of(a.dtype);
   a.table = Access::table(cache, o.first_seq);
   a.table_width = Access::table_width(cache);
   a.lengths = Access::lengths(cache, layer) + o.first_seq;
@@ -142,19 +128,31 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   a.threads = o.threads == 0 ? default_threads() : o.threads;
   const std::int64_t units = a.units(), rows = a.rows_max();
   const int team = static_cast<int>(std::clamp<std::int64_t>(a.threads, 1, units));
-  // One buffer, allocated here (an allocation failure throws in the caller's thread) and reused
-  // across calls: per-worker scratch (64-byte aligned), then the partials (Õ, m, l) of every unit.
-  const std::int64_t scratch = detail::checked_mul(team, a.scratch_floats(), fn, "decode scratch");
-  const std::int64_t partials = detail::checked_mul(units, rows * (a.dh + 2), fn, "decode partials");
-  const std::size_t need = static_cast<std::size_t>(scratch + partials + 16);
-  std::vector<float>& buf = partials_buffer();
-  if (buf.size() < need) buf.resize(need);
-  a.scratch = buf.data() + (16 - reinterpret_cast<std::uintptr_t>(buf.data()) / sizeof(float) % 16) % 16;
-  a.part_acc = a.scratch + scratch;
-  a.part_m = a.part_acc + units * rows * a.dh;
-  a.part_l = a.part_m + units * rows;
-  const kernels::DecodeKernel simd = kernels::simd_decode_kernel(isa);
-  const kernels::DecodeKernel kernel = isa != Isa::portable && simd != nullptr ? simd : &kernels::attention_decode_portable;
+  // The kernel for this path and the cache's dtype (kernels/registry.cpp).
+  const auto named = kernels::select_decode(fn, isa, cc.dtype);
+  const kernels::DecodeKernel kernel = named.fn;
+  // One buffer, allocated here (an allocation failure throws ResourceError in the caller's
+  // thread) and reused across calls: per-worker scratch regions (DecodeScratch), then the
+  // partials (Õ, m, l) of every unit.
+  const kernels::CallSite site{fn, named.name};
+  kernels::ScratchLayout worker_layout(site);
+  a.slots = kernels::DecodeScratch(worker_layout, rows, a.dh);
+  kernels::ScratchLayout partials_layout(site);
+  const std::int64_t part_rows = kernels::scratch_mul(units, rows, site, "decode partials");
+  const auto acc_slot =
+      partials_layout.add<float>(kernels::scratch_mul(part_rows, a.dh, site, "decode partials"));
+  const auto m_slot = partials_layout.add<float>(part_rows);
+  const auto l_slot = partials_layout.add<float>(part_rows);
+  const std::int64_t workers_bytes =
+      kernels::scratch_mul(team, worker_layout.bytes(), site, "decode scratch");
+  std::byte* base = partials_buffer().reserve(
+      kernels::scratch_add(workers_bytes, partials_layout.bytes(), site, "decode scratch"), site,
+      "the per-worker scratch and the partial results");
+  a.scratch = {base, worker_layout.bytes()};
+  const kernels::WorkerScratch partials{base + workers_bytes, 0};
+  a.part_acc = partials.at(acc_slot, 0);
+  a.part_m = partials.at(m_slot, 0);
+  a.part_l = partials.at(l_slot, 0);
 
   auto* po = static_cast<float*>(out.data);
   auto* pl = static_cast<float*>(lse.data);

@@ -14,6 +14,7 @@ const char* to_string(ErrorCode code) noexcept {
     case ErrorCode::unsupported: return "unsupported";
     case ErrorCode::format_error: return "format_error";
     case ErrorCode::io_error: return "io_error";
+    case ErrorCode::out_of_memory: return "out_of_memory";
   }
   return "unknown";
 }

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "api/huge_pages.hpp"
+#include "api/kv_cache_access.hpp"
 #include "api/validate.hpp"
 #include "kernels/kv_element.hpp"
 #include "tokenmix/error.hpp"
@@ -67,7 +68,6 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
   // Storage = SPEC 4.8's figure with B · T = pool_blocks · block_tokens (kv_cache_bytes checks overflow).
   const std::uint64_t bytes = kv_cache_bytes(c.layers, pool_blocks_, block_tokens_, c.heads_kv, c.head_dim, elem_);
   checked_mul(c.batch, table_width_, fn, "block table size");
-  head_block_elems_ = static_cast<std::size_t>(checked_mul(block_tokens_, c.head_dim, fn, "block size"));
   storage_.assign(static_cast<std::size_t>(bytes), std::byte{0});
   detail::back_with_huge_pages(storage_.data(), storage_.size());  // swept by every decode step
   table_.assign(static_cast<std::size_t>(c.batch * table_width_), -1);
@@ -122,37 +122,16 @@ std::int64_t KVCache::max_length(std::int64_t seq) const noexcept {
   return m;
 }
 
-std::size_t KVCache::k_offset(std::int64_t layer, std::int64_t block, std::int64_t head) const noexcept {
-  return static_cast<std::size_t>((layer * pool_blocks_ + block) * config_.heads_kv + head) * 2 *
-         head_block_elems_ * elem_;
-}
-
-std::size_t KVCache::v_offset(std::int64_t layer, std::int64_t block, std::int64_t head) const noexcept {
-  return k_offset(layer, block, head) +
-         static_cast<std::size_t>(kKeyTile * config_.head_dim) * elem_;
-}
-
-// Element offsets of (position off of a block, feature x) from k_offset / v_offset: tile
-// off / 64 starts 2 · 64 · d_h elements after the previous one on either side (K and V tiles
-// alternate), K [d_h][64] keys in lanes, V [64][d_h] rows.
-std::int64_t KVCache::key_element(std::int64_t off, std::int64_t x) const noexcept {
-  return off / kKeyTile * 2 * kKeyTile * config_.head_dim + x * kKeyTile + off % kKeyTile;
-}
-
-std::int64_t KVCache::value_element(std::int64_t off, std::int64_t x) const noexcept {
-  return off / kKeyTile * 2 * kKeyTile * config_.head_dim + off % kKeyTile * config_.head_dim + x;
-}
-
 void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView k, ConstTensorView v) {
   constexpr const char* fn = "KVCache::append";
   check_layer(fn, layer);
   detail::check_view(k, 4, fn, "k");
   detail::check_view(v, 4, fn, "v");
-  const std::int64_t nb = k.dim(0), tnew = k.dim(1);
-  if (first_seq < 0 || first_seq > config_.batch || nb > config_.batch - first_seq) {
+  const std::int64_t seqs = k.dim(0), tnew = k.dim(1);
+  if (first_seq < 0 || first_seq > config_.batch || seqs > config_.batch - first_seq) {
     fail(ErrorCode::invalid_argument, fn,
          "sequences [first_seq, first_seq + k.shape[0]) must lie in [0, batch = " + str(config_.batch) +
-             "); got first_seq = " + str(first_seq) + ", k.shape[0] = " + str(nb));
+             "); got first_seq = " + str(first_seq) + ", k.shape[0] = " + str(seqs));
   }
   detail::check_dim(k, 2, config_.heads_kv, fn, "k", "H_kv", "the cache's heads_kv");
   detail::check_dim(k, 3, config_.head_dim, fn, "k", "d_h", "the cache's head_dim");
@@ -162,7 +141,7 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
   }
   // Positions, capacity and (paged) free blocks for every sequence, before anything is written.
   std::int64_t new_blocks = 0;
-  for (std::int64_t b = first_seq; b < first_seq + nb; ++b) {
+  for (std::int64_t b = first_seq; b < first_seq + seqs; ++b) {
     if (!active_[static_cast<std::size_t>(b)]) {
       fail(ErrorCode::invalid_argument, fn,
            "sequence " + str(b) + " was released; reset(" + str(b) + ") it before appending");
@@ -186,12 +165,15 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
          "the block pool has " + str(free_blocks()) + " free blocks of " + str(block_tokens_) +
              " positions; this append needs " + str(new_blocks));
   }
-  if (tnew == 0 || nb == 0) return;
+  if (tnew == 0 || seqs == 0) return;
 
   const auto* kp = static_cast<const float*>(k.data);
   const auto* vp = static_cast<const float*>(v.data);
   const std::int64_t H = config_.heads_kv, D = config_.head_dim;
-  for (std::int64_t bi = 0; bi < nb; ++bi) {
+  const kernels::KVTileLayout tiles = detail::KVCacheAccess::layout(*this);  // = what decode reads
+  std::byte* layer_data =
+      storage_.data() + static_cast<std::size_t>(layer * tiles.layer_elems()) * elem_;
+  for (std::int64_t bi = 0; bi < seqs; ++bi) {
     const std::int64_t b = first_seq + bi;
     std::int64_t& len = lengths_[static_cast<std::size_t>(layer * config_.batch + b)];
     if (paged()) {  // take blocks for positions beyond what any layer already holds
@@ -206,13 +188,14 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
       const std::int64_t off = pos % block_tokens_;
       for (std::int64_t h = 0; h < H; ++h) {
         // K: lane off % 64 of its tile's [d_h][64];  V: row off % 64 of its tile's [64][d_h].
-        void* kd = storage_.data() + k_offset(layer, blk, h);
-        void* vd = storage_.data() + v_offset(layer, blk, h);
+        const std::int64_t kt = tiles.k_tile(blk, h, off), vt = tiles.v_tile(blk, h, off);
         const float* krow = kp + bi * k.strides[0] + t * k.strides[1] + h * k.strides[2];
         const float* vrow = vp + bi * v.strides[0] + t * v.strides[1] + h * v.strides[2];
         for (std::int64_t x = 0; x < D; ++x) {
-          kernels::store_element(config_.dtype, kd, key_element(off, x), krow[x * k.strides[3]]);
-          kernels::store_element(config_.dtype, vd, value_element(off, x), vrow[x * v.strides[3]]);
+          kernels::store_element(config_.dtype, layer_data, kt + tiles.key_in_tile(off, x),
+                                 krow[x * k.strides[3]]);
+          kernels::store_element(config_.dtype, layer_data, vt + tiles.value_in_tile(off, x),
+                                 vrow[x * v.strides[3]]);
         }
       }
     }
@@ -223,19 +206,21 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
 // Zeroes positions ≥ new_length of `seq` in every layer, sets lengths, returns unneeded blocks.
 void KVCache::shrink(std::int64_t seq, std::int64_t new_length) {
   const std::int64_t H = config_.heads_kv, D = config_.head_dim;
+  const kernels::KVTileLayout tiles = detail::KVCacheAccess::layout(*this);
   for (std::int64_t l = 0; l < config_.layers; ++l) {
+    std::byte* layer_data =
+        storage_.data() + static_cast<std::size_t>(l * tiles.layer_elems()) * elem_;
     std::int64_t& len = lengths_[static_cast<std::size_t>(l * config_.batch + seq)];
     for (std::int64_t pos = new_length; pos < len; ++pos) {
       const std::int64_t blk = table_[static_cast<std::size_t>(seq * table_width_ + pos / block_tokens_)];
       const std::int64_t off = pos % block_tokens_;
       for (std::int64_t h = 0; h < H; ++h) {
-        std::byte* kd = storage_.data() + k_offset(l, blk, h);
-        std::byte* vd = storage_.data() + v_offset(l, blk, h);
+        const std::int64_t kt = tiles.k_tile(blk, h, off), vt = tiles.v_tile(blk, h, off);
         for (std::int64_t x = 0; x < D; ++x) {
-          std::fill_n(kd + static_cast<std::size_t>(key_element(off, x)) * elem_, elem_,
-                      std::byte{0});
+          std::fill_n(layer_data + static_cast<std::size_t>(kt + tiles.key_in_tile(off, x)) * elem_,
+                      elem_, std::byte{0});
         }
-        std::fill_n(vd + static_cast<std::size_t>(value_element(off, 0)) * elem_,
+        std::fill_n(layer_data + static_cast<std::size_t>(vt + tiles.value_in_tile(off, 0)) * elem_,
                     static_cast<std::size_t>(D) * elem_, std::byte{0});
       }
     }

@@ -3,9 +3,18 @@
 // CPUID alone is not enough: the OS must also save the wider register state on context switch
 // (XCR0 bits, read with XGETBV), or AVX/AVX-512 instructions fault. AMX additionally needs the
 // Linux ARCH_REQ_XCOMP_PERM request per process before any tile instruction; we only report it.
+//
+// TOKENMIX_CPU_CAP (= portable | avx2 | avx512) hides features above a path, so the library
+// behaves exactly as on a CPU that lacks them: avx2 clears AVX-512, AVX-512 BF16 and AMX;
+// portable clears everything (as on a non-x86 CPU); avx512 clears AMX.
+#include <array>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <string>
 
+#include "dispatch/cpu_cap.hpp"
+#include "tokenmix/error.hpp"
 #include "tokenmix/runtime.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -89,9 +98,52 @@ std::vector<std::string> CpuFeatures::flags() const {
   return out;
 }
 
-const CpuFeatures& cpu_features() {
+namespace {
+
+const CpuFeatures& detected() {
   static const CpuFeatures features = detect();
   return features;
 }
+
+CpuFeatures capped(Isa cap) {
+  CpuFeatures f = detected();
+  if (cap == Isa::automatic) return f;
+  f.amx_tile = false;
+  if (cap == Isa::avx512) return f;
+  f.avx512f = f.avx512_bf16 = false;
+  if (cap == Isa::avx2) return f;
+  f.avx2_fma = false;
+  return f;
+}
+
+}  // namespace
+
+namespace detail {
+
+Isa cpu_cap(const char* fn) {
+  const char* env = std::getenv("TOKENMIX_CPU_CAP");
+  if (env == nullptr || *env == '\0') return Isa::automatic;
+  for (Isa i : {Isa::portable, Isa::avx2, Isa::avx512}) {
+    if (std::strcmp(env, to_string(i)) == 0) return i;
+  }
+  throw ArgumentError(ErrorCode::invalid_argument,
+                      std::string(fn) +
+                          ": environment variable TOKENMIX_CPU_CAP must be one of portable, avx2, "
+                          "avx512 (or unset/empty for no cap); got '" +
+                          env + "'");
+}
+
+const CpuFeatures& cpu_features(const char* fn) {
+  // One immutable copy per cap (index = the Isa value; automatic = no cap), built once.
+  static const std::array<CpuFeatures, 4> by_cap = {capped(Isa::automatic), capped(Isa::portable),
+                                                    capped(Isa::avx2), capped(Isa::avx512)};
+  return by_cap[static_cast<std::size_t>(cpu_cap(fn))];
+}
+
+}  // namespace detail
+
+const CpuFeatures& cpu_features() { return detail::cpu_features("cpu_features"); }
+
+Isa cpu_cap() { return detail::cpu_cap("cpu_cap"); }
 
 }  // namespace tokenmix

@@ -1,10 +1,12 @@
-// src/dispatch/runtime.cpp — ISA choice (one per public call), threads and version.
+// src/dispatch/runtime.cpp — ISA choice (one per public call), threads and version. Which
+// paths exist and which kernels they run comes from the kernel registry (kernels/registry.cpp).
 #include <omp.h>
 
 #include <cstdlib>
 #include <string>
 
-#include "kernels/attention_kernels.hpp"
+#include "dispatch/cpu_cap.hpp"
+#include "kernels/registry.hpp"
 #include "tokenmix/error.hpp"
 #include "tokenmix/runtime.hpp"
 
@@ -15,20 +17,17 @@
 namespace tokenmix {
 namespace {
 
-// Paths this build compiled: portable always; AVX2/AVX-512 where the SIMD kernels were built.
-bool compiled(Isa isa) {
-  return isa == Isa::portable || kernels::simd_forward_kernel(isa) != nullptr;
-}
+bool compiled(Isa isa) { return kernels::kernel_set(isa).compiled(); }
 
-bool cpu_supports(Isa isa) {
-  const CpuFeatures& f = cpu_features();
-  switch (isa) {
-    case Isa::portable: return true;
-    case Isa::avx2: return f.avx2_fma;
-    case Isa::avx512: return f.avx512f;
-    case Isa::automatic: return true;
+bool cpu_supports(const CpuFeatures& f, Isa isa) { return kernels::kernel_set(isa).runs_on(f); }
+
+// Paths compiled and runnable under features `f`, lowest first (the registry's order).
+std::vector<Isa> available(const CpuFeatures& f) {
+  std::vector<Isa> out;
+  for (const kernels::KernelSet& s : kernels::kernel_sets()) {
+    if (s.compiled() && s.runs_on(f)) out.push_back(s.isa);
   }
-  return false;
+  return out;
 }
 
 std::string list(const std::vector<Isa>& isas) {
@@ -58,31 +57,26 @@ Isa parse_isa(const std::string& text, const char* what) {
                           text + "'");
 }
 
-std::vector<Isa> available_isas() {
-  std::vector<Isa> out;
-  for (Isa i : {Isa::portable, Isa::avx2, Isa::avx512}) {
-    if (compiled(i) && cpu_supports(i)) out.push_back(i);
-  }
-  return out;
-}
+std::vector<Isa> available_isas() { return available(detail::cpu_features("available_isas")); }
 
-Isa resolve_isa(Isa requested) {
+Isa resolve_isa(Isa requested, const char* fn) {
+  const CpuFeatures& f = detail::cpu_features(fn);  // the cap is read once per resolve
   if (requested == Isa::automatic) {
     if (const char* env = std::getenv("TOKENMIX_ISA"); env != nullptr && *env != '\0') {
-      requested = parse_isa(env, "environment variable TOKENMIX_ISA");
+      requested = parse_isa(env, (std::string(fn) + ": environment variable TOKENMIX_ISA").c_str());
     }
   }
-  const std::vector<Isa> available = available_isas();
-  if (requested == Isa::automatic) return available.back();
+  const std::vector<Isa> avail = available(f);
+  if (requested == Isa::automatic) return avail.back();
   if (!compiled(requested)) {
-    throw UnsupportedError(std::string("isa '") + to_string(requested) +
+    throw UnsupportedError(std::string(fn) + ": isa '" + to_string(requested) +
                            "' was requested but this build has no kernels for it (available: " +
-                           list(available) + ")");
+                           list(avail) + ")");
   }
-  if (!cpu_supports(requested)) {
-    throw UnsupportedError(std::string("isa '") + to_string(requested) +
+  if (!cpu_supports(f, requested)) {
+    throw UnsupportedError(std::string(fn) + ": isa '" + to_string(requested) +
                            "' was requested but this CPU/OS does not support it (available: " +
-                           list(available) + ")");
+                           list(avail) + ")");
   }
   return requested;
 }
@@ -90,22 +84,17 @@ Isa resolve_isa(Isa requested) {
 int default_threads() { return omp_get_max_threads(); }
 
 std::string describe_kernel(Isa isa) {
-  switch (isa) {
-    case Isa::portable:
-      return "attention_{fwd,bwd}_f32_portable: exact fp32, two-pass softmax per query row, "
-             "O(T_k*d_h) scratch per worker, OpenMP over (batch, head, 64-row block)";
-    case Isa::avx2:
-    case Isa::avx512:
-      if (!compiled(isa)) return std::string(to_string(isa)) + ": not compiled in this build";
-      return std::string("attention_fwd_f32_") + to_string(isa) +
-             ": fused flash forward (Highway), GQA heads stacked in SIMD lanes, online softmax "
-             "over 64-key tiles, causal tile skipping; attention_bwd_f32_" +
-             to_string(isa) +
-             ": flash backward recomputing tiles (one pass owning dK/dV/dQ per KV head when "
-             "B*H_kv >= 8, else two passes: dQ with queries in lanes, dK/dV with keys in lanes)";
-    case Isa::automatic: return describe_kernel(resolve_isa(Isa::automatic));
-  }
-  return "unknown";
+  if (isa == Isa::automatic) isa = resolve_isa(Isa::automatic, "describe_kernel");
+  const kernels::KernelSet& set = kernels::kernel_set(isa);
+  if (!set.compiled()) return std::string(to_string(isa)) + ": not compiled in this build";
+  std::string names;
+  auto add = [&](const char* name) {
+    if (name != nullptr) names += (names.empty() ? "" : ", ") + std::string(name);
+  };
+  for (const auto& k : set.forward) add(k.fn != nullptr ? k.name : nullptr);
+  for (const auto& k : set.backward) add(k.fn != nullptr ? k.name : nullptr);
+  for (const auto& k : set.decode) add(k.fn != nullptr ? k.name : nullptr);
+  return names + ": " + set.description;
 }
 
 const char* version() noexcept { return TOKENMIX_VERSION; }

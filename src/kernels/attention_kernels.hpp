@@ -1,10 +1,15 @@
 // src/kernels/attention_kernels.hpp — the internal interface between the public API (which
 // validates and dispatches) and the kernels (which compute). Everything here is already
 // checked: shapes agree, pointers are valid, sizes fit, outputs do not alias inputs.
+//
+// Which kernel runs for which ISA and dtype is decided in one place, the registry
+// (kernels/registry.cpp); this header only declares the kernels it lists.
 #pragma once
 
 #include <cstdint>
 
+#include "kernels/kv_tile_layout.hpp"
+#include "kernels/scratch_arena.hpp"
 #include "tokenmix/attention.hpp"
 #include "tokenmix/tensor.hpp"
 
@@ -29,6 +34,7 @@ struct AttentionProblem {
   bool causal = true;
   CausalAlign align = CausalAlign::bottom_right;
   int threads = 1;
+  CallSite site;  // entry point and kernel name, for ResourceError messages
 
   std::int64_t group() const { return hq / hkv; }  // g of SPEC 4.8
   /// Query t sees keys [0, visible_end(t)); ≤ 0 means no key (SPEC 4.3).
@@ -53,43 +59,39 @@ struct BackwardArgs {
   Out dq, dk, dv;
 };
 
-using ForwardKernel = void (*)(const ForwardArgs&);
-using BackwardKernel = void (*)(const BackwardArgs&);
-
-// Portable fp32 kernels (src/kernels/portable/): plain C++, every CPU.
-void attention_fwd_f32_portable(const ForwardArgs& args);
-void attention_bwd_f32_portable(const BackwardArgs& args);
-
-// SIMD flash-attention forward (src/kernels/simd/, Highway, one instantiation per x86 target).
-// Returns nullptr if this build has no kernel for `isa` (e.g. not an x86 build). The caller
-// has checked that the CPU supports `isa`. Query positions are indexed with int32 lanes:
-// callers use the portable kernel when T_k >= 2^31.
-ForwardKernel simd_forward_kernel(Isa isa);
-
-// SIMD flash-attention backward (src/kernels/simd/attention_bwd_f32_hwy.cpp); same contract.
-BackwardKernel simd_backward_kernel(Isa isa);
-
-/// The kernels for a resolved ISA (portable if no SIMD kernel exists for it).
-ForwardKernel forward_kernel(Isa isa);
-BackwardKernel backward_kernel(Isa isa);
-
 // ---- Decode: attention of a few new queries against a KVCache (src/api/decode.cpp) ----
-// Cache layout (tokenmix/kv_cache.hpp): per layer, physical block p and KV head j hold
-// block_tokens / 64 pairs of tiles, K tile [d_h][64] then V tile [64][d_h] (element type `dtype`).
+// Cache layout: KVTileLayout (kernels/kv_tile_layout.hpp), element type `dtype`.
 // Work unit = (sequence b, KV head j, query block, key chunk); units are independent and each
-// writes its own partial (unnormalised Õ = Σ_u e^{s_u − m} v_u, running max m,
-// sum l = Σ_u e^{s_u − m}) for rows r = t_local · g + h_local. The caller merges the chunks of a
+// writes its own partial (unnormalised Õ = Σ_u e^{S_u − m} v_u, running max m,
+// sum l = Σ_u e^{S_u − m}) for rows r = t_local · g + h_local. The caller merges the chunks of a
 // row in chunk order (SPEC "Merging partial results" with L = m + log l), so nothing depends on
 // the thread count.
+inline constexpr std::int64_t kDecodeKeyTile = KVTileLayout::kKeyTile;  // keys per decode tile
+
+/// Per-worker scratch of the decode kernels, declared once for the caller (which allocates it)
+/// and both kernels (which carve it).
+struct DecodeScratch {
+  Slot<float> q_scaled;  // scale · Q rows [rows][d_h]
+  Slot<float> scores;    // the S, then P, tile [rows][kDecodeKeyTile]
+  Slot<float> k_f32;     // portable kernel: one K tile widened to fp32 [d_h][kDecodeKeyTile]
+  Slot<float> v_f32;     // portable kernel: its V rows widened to fp32 [kDecodeKeyTile][d_h]
+
+  DecodeScratch() = default;
+  DecodeScratch(ScratchLayout& layout, std::int64_t rows, std::int64_t dh)
+      : q_scaled(layout.add<float>(scratch_mul(rows, dh, layout.site(), "decode query rows"))),
+        scores(layout.add<float>(rows * kDecodeKeyTile)),  // rows ≤ 128 (decode.cpp)
+        k_f32(layout.add<float>(scratch_mul(kDecodeKeyTile, dh, layout.site(), "a K tile"))),
+        v_f32(layout.add<float>(scratch_mul(kDecodeKeyTile, dh, layout.site(), "a V tile"))) {}
+};
+
 struct DecodeArgs {
   std::int64_t batch = 0, tnew = 0, hq = 0, hkv = 0, dh = 0;
   float scale = 1.0f;
   DType dtype = DType::f32;
-  const void* k_layer =
-      nullptr;  // the layer: [pool_blocks][H_kv][block_tokens / 64][K tile, V tile]
-  const void* v_layer = nullptr;  // = k_layer + 64 · d_h elements (the first V tile)
-  std::int64_t block_tokens = 0;  // multiple of kDecodeKeyTile
-  const std::int32_t* table = nullptr;  // [batch][table_width] physical blocks of the call's sequences
+  KVTileLayout layout;            // where K and V elements live (kv_tile_layout.hpp)
+  const void* k_layer = nullptr;  // the layer's first element (K tiles are addressed from it)
+  const void* v_layer = nullptr;  // = k_layer + layout.tile_elems() (V tiles addressed from it)
+  const std::int32_t* table = nullptr;  // [batch][table_width] physical blocks of the sequences
   std::int64_t table_width = 0;
   const std::int64_t* lengths = nullptr;  // [batch] cached positions of each sequence (this layer)
   In q;                                   // [batch, tnew, hq, dh]
@@ -100,13 +102,9 @@ struct DecodeArgs {
   float* part_acc = nullptr;  // [units][rows_max][dh]
   float* part_m = nullptr;    // [units][rows_max]
   float* part_l = nullptr;    // [units][rows_max]
-  float* scratch = nullptr;   // [threads][scratch_floats()], 64-byte aligned, per worker
+  DecodeScratch slots;        // per-worker buffers ...
+  WorkerScratch scratch;      // ... in these regions (worker w: scratch.at(slot, w))
   int threads = 1;
-  /// Per-worker scratch: s·Q rows (padded to 64 floats), the S/P tile [rows][64], and one K tile
-  /// plus 64 V rows widened to fp32 (portable kernel).
-  std::int64_t scratch_floats() const {
-    return (rows_max() * dh + 63) / 64 * 64 + rows_max() * 64 + 2 * 64 * dh;
-  }
 
   std::int64_t group() const { return hq / hkv; }
   std::int64_t rows_max() const { return group() * qblock; }
@@ -116,19 +114,35 @@ struct DecodeArgs {
   /// Element offset, from k_layer for the K tile and from v_layer for its V tile, of the tile
   /// holding key u of sequence b, KV head j.
   std::int64_t tile_offset(std::int64_t b, std::int64_t j, std::int64_t u) const {
-    const std::int64_t blk = table[b * table_width + u / block_tokens], off = u % block_tokens;
-    return ((blk * hkv + j) * 2 * block_tokens + 2 * (off / 64 * 64)) * dh;
+    const std::int64_t block = table[b * table_width + u / layout.block_tokens];
+    return layout.k_tile(block, j, u % layout.block_tokens);
   }
 };
-inline constexpr std::int64_t kDecodeKeyTile = 64;  // = KVCache::kKeyTile
 // Decode kernels are called inside the caller's OpenMP parallel region (one region per call:
 // units, then the merge) and share out units with an orphaned `omp for` (a plain loop when
-// called outside a region); worker w uses scratch + w · scratch_floats().
+// called outside a region); worker w uses the slots of scratch region w.
+
+using ForwardKernel = void (*)(const ForwardArgs&);
+using BackwardKernel = void (*)(const BackwardArgs&);
 using DecodeKernel = void (*)(const DecodeArgs&);
 
-// Portable decode (src/kernels/portable/attention_decode_portable.cpp): plain C++, every CPU.
-void attention_decode_portable(const DecodeArgs& args);
-// SIMD decode (src/kernels/simd/attention_decode_hwy.cpp); nullptr if not built for `isa`.
-DecodeKernel simd_decode_kernel(Isa isa);
+// ---- The kernels (named attention_<op>_<dtype>_<isa>; the registry maps ISA → kernels) ----
+
+// Portable (src/kernels/portable/): plain C++, every CPU, any T_k.
+void attention_fwd_f32_portable(const ForwardArgs& args);
+void attention_bwd_f32_portable(const BackwardArgs& args);
+void attention_decode_f32_portable(const DecodeArgs& args);
+void attention_decode_bf16_portable(const DecodeArgs& args);
+void attention_decode_f16_portable(const DecodeArgs& args);
+
+// SIMD (src/kernels/simd/, Highway): the per-target instantiations, one constant per x86 target;
+// null where this build has no code for the target (e.g. a non-x86 build). Query and key
+// positions are indexed with int32 lanes: they serve T_k < 2^31 − 1 (KernelSet::max_keys).
+extern const ForwardKernel attention_fwd_f32_avx2, attention_fwd_f32_avx512;
+extern const BackwardKernel attention_bwd_f32_avx2, attention_bwd_f32_avx512;
+extern const DecodeKernel attention_decode_f32_avx2, attention_decode_bf16_avx2,
+    attention_decode_f16_avx2;
+extern const DecodeKernel attention_decode_f32_avx512, attention_decode_bf16_avx512,
+    attention_decode_f16_avx512;
 
 }  // namespace tokenmix::kernels

@@ -17,6 +17,9 @@ int run_info() {
   for (const auto& f : cpu.flags()) flags += (flags.empty() ? "" : " ") + f;
   std::cout << "cpu features:    " << (flags.empty() ? "(none of avx2_fma, avx512f, ...)" : flags)
             << "\n";
+  if (const Isa cap = cpu_cap(); cap != Isa::automatic)
+    std::cout << "cpu cap:         " << to_string(cap)
+              << " (TOKENMIX_CPU_CAP: features above it are hidden)\n";
   std::cout << "available paths:";
   for (Isa isa : available_isas()) std::cout << " " << to_string(isa);
   std::cout << "\n";

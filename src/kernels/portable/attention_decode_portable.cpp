@@ -1,39 +1,43 @@
 // src/kernels/portable/attention_decode_portable.cpp — decode attention over a KVCache in plain
-// C++ (every CPU; the baseline the SIMD kernel is tested against). Unit contract: DecodeArgs in
+// C++ (every CPU; the baseline the SIMD kernel is tested against), one function per cache element
+// type: attention_decode_<f32|bf16|f16>_portable. Unit contract: DecodeArgs in
 // attention_kernels.hpp.
 //
 // Per unit (sequence b, KV head j, query block, key chunk [k0, k1)) and key tile of 64 keys:
 //   K tile [d_h][64] and V rows [n_t][d_h] are widened to fp32 once (shared by all g·qblock rows)
-//   s_u = scale · ⟨q_r, k_u⟩, masked to −∞ for u ≥ visible_end(r)            (4.2, 4.3)
-//   online softmax (4.4): m' = max(m, max_u s_u), Õ ← Õ e^{m−m'} + Σ_u e^{s_u−m'} v_u,
-//   l ← l e^{m−m'} + Σ_u e^{s_u−m'}                                             (4.5)
+//   S_u = scale · ⟨q_r, k_u⟩, masked to −∞ for u ≥ visible_end(r)            (4.2, 4.3)
+//   online softmax (4.4): m' = max(m, max_u S_u), Õ ← Õ e^{m−m'} + Σ_u e^{S_u−m'} v_u,
+//   l ← l e^{m−m'} + Σ_u e^{S_u−m'}                                             (4.5)
 // and the unit stores (Õ, m, l) of each row; decode.cpp merges chunks and normalises.
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 
 #include <omp.h>
 
 #include "kernels/attention_kernels.hpp"
+#include "kernels/kernel_skeleton.hpp"
 #include "kernels/kv_element.hpp"
 
 namespace tokenmix::kernels {
+namespace {
 
-void attention_decode_portable(const DecodeArgs& a) {
+// One instantiation per cache element type (the element loads then need no run-time switch).
+template <DType kDType>
+void DecodeUnitsPortable(const DecodeArgs& a) {
   const std::int64_t units = a.units(), rows = a.rows_max(), dh = a.dh, g = a.group();
-  const std::int64_t T = kDecodeKeyTile;
+  constexpr std::int64_t kKeyTile = kDecodeKeyTile;  // keys per cache tile
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const std::size_t esz = size_of(a.dtype);
+  const std::size_t esz = size_of(kDType);
 
 #pragma omp for schedule(dynamic, 1)
   for (std::int64_t unit = 0; unit < units; ++unit) {
-    const std::int64_t c = unit % a.chunks, qb = (unit / a.chunks) % a.qblocks;
-    const std::int64_t j = (unit / (a.chunks * a.qblocks)) % a.hkv, b = unit / (a.chunks * a.qblocks * a.hkv);
-    float* qs = a.scratch + omp_get_thread_num() * a.scratch_floats();  // s · q rows [rows][d_h]
-    float* sc = qs + (rows * dh + 63) / 64 * 64;                        // scores [rows][64]
-    float* kf = sc + rows * T;                                          // K tile [d_h][64], fp32
-    float* vf = kf + T * dh;                                            // V rows [64][d_h], fp32
+    const auto [c, qb, j, b] = Unravel(unit, a.chunks, a.qblocks, a.hkv);
+    const int worker = omp_get_thread_num();
+    float* qs = a.scratch.at(a.slots.q_scaled, worker);  // scale · q rows [rows][d_h]
+    float* sc = a.scratch.at(a.slots.scores, worker);    // scores [rows][64]
+    float* kf = a.scratch.at(a.slots.k_f32, worker);     // K tile [d_h][64], fp32
+    float* vf = a.scratch.at(a.slots.v_f32, worker);     // V rows [64][d_h], fp32
     float* acc = a.part_acc + unit * rows * dh;                        // Õ [rows][d_h]
     float* m_run = a.part_m + unit * rows;
     float* l_run = a.part_l + unit * rows;
@@ -50,25 +54,25 @@ void attention_decode_portable(const DecodeArgs& a) {
     std::fill(acc, acc + rows * dh, 0.0f);
     const std::int64_t k0 = c * a.chunk, k1 = std::min(k0 + a.chunk, kend);
 
-    for (std::int64_t u0 = k0; u0 < k1; u0 += T) {
-      const std::int64_t nt = std::min(T, k1 - u0);
+    for (std::int64_t u0 = k0; u0 < k1; u0 += kKeyTile) {
+      const std::int64_t nt = std::min(kKeyTile, k1 - u0);
       const std::int64_t tile = a.tile_offset(b, j, u0) * static_cast<std::int64_t>(esz);
       const auto* kt = static_cast<const std::byte*>(a.k_layer) + tile;  // K tile [d_h][64]
       const auto* vt = static_cast<const std::byte*>(a.v_layer) + tile;  // V tile [64][d_h]
-      for (std::int64_t i = 0; i < dh * T; ++i) kf[i] = load_element(a.dtype, kt, i);
-      for (std::int64_t i = 0; i < nt * dh; ++i) vf[i] = load_element(a.dtype, vt, i);
+      for (std::int64_t i = 0; i < dh * kKeyTile; ++i) kf[i] = load_element(kDType, kt, i);
+      for (std::int64_t i = 0; i < nt * dh; ++i) vf[i] = load_element(kDType, vt, i);
       for (std::int64_t r = 0; r < nrows; ++r) {
         const std::int64_t end = a.visible_end(b, t0 + r / g);
-        float* s = sc + r * T;
-        std::fill(s, s + T, 0.0f);
-        for (std::int64_t x = 0; x < dh; ++x) {  // s = (s·q) Kᵀ, keys along the tile  (4.2)
+        float* score = sc + r * kKeyTile;
+        std::fill(score, score + kKeyTile, 0.0f);
+        for (std::int64_t x = 0; x < dh; ++x) {  // scores = (scale·q) Kᵀ, keys in the tile (4.2)
           const float qx = qs[r * dh + x];
-          for (std::int64_t u = 0; u < T; ++u) s[u] += qx * kf[x * T + u];
+          for (std::int64_t u = 0; u < kKeyTile; ++u) score[u] += qx * kf[x * kKeyTile + u];
         }
         float tmax = kNegInf;
         for (std::int64_t u = 0; u < nt; ++u) {
-          if (u0 + u >= end) s[u] = kNegInf;  // (4.3)
-          tmax = std::max(tmax, s[u]);
+          if (u0 + u >= end) score[u] = kNegInf;  // (4.3)
+          tmax = std::max(tmax, score[u]);
         }
         const float m_new = std::max(m_run[r], tmax);
         if (m_new == kNegInf) continue;  // nothing visible yet
@@ -79,7 +83,7 @@ void attention_decode_portable(const DecodeArgs& a) {
         }
         float sum = 0.0f;
         for (std::int64_t u = 0; u < nt; ++u) {  // Õ += P V  (4.4, 4.5)
-          const float p = std::exp(s[u] - m_new);
+          const float p = std::exp(score[u] - m_new);
           sum += p;
           if (p != 0.0f) {
             for (std::int64_t x = 0; x < dh; ++x) o[x] += p * vf[u * dh + x];
@@ -91,5 +95,11 @@ void attention_decode_portable(const DecodeArgs& a) {
     }
   }
 }
+
+}  // namespace
+
+void attention_decode_f32_portable(const DecodeArgs& a) { DecodeUnitsPortable<DType::f32>(a); }
+void attention_decode_bf16_portable(const DecodeArgs& a) { DecodeUnitsPortable<DType::bf16>(a); }
+void attention_decode_f16_portable(const DecodeArgs& a) { DecodeUnitsPortable<DType::f16>(a); }
 
 }  // namespace tokenmix::kernels

@@ -19,11 +19,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 
 #include <omp.h>
 
 #include "kernels/attention_kernels.hpp"
+#include "kernels/kernel_skeleton.hpp"
 
 namespace tokenmix::kernels {
 namespace {
@@ -68,10 +68,6 @@ void pack_rows(const In& x, std::int64_t b, std::int64_t head, std::int64_t row0
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
-int team_size(int threads, std::int64_t units) {
-  return static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(threads, units)));
-}
-
 }  // namespace
 
 void attention_fwd_f32_portable(const ForwardArgs& a) {
@@ -84,22 +80,28 @@ void attention_fwd_f32_portable(const ForwardArgs& a) {
 
   // Per-worker scratch, allocated here so an allocation failure throws in the caller's thread:
   // K_j and V_j packed [T_k, d_h] each, one score row [T_k], q_t and the output accumulator.
-  const std::int64_t per_worker = 2 * p.tk * dh + p.tk + 2 * dh;
-  std::vector<float> scratch(static_cast<std::size_t>(team * per_worker));
+  ScratchLayout layout(p.site);
+  const auto k_slot = layout.add<float>(scratch_mul(p.tk, dh, p.site, "packed K rows"));
+  const auto v_slot = layout.add<float>(scratch_mul(p.tk, dh, p.site, "packed V rows"));
+  const auto score_slot = layout.add<float>(p.tk);
+  const auto q_slot = layout.add<float>(dh);
+  const auto acc_slot = layout.add<float>(dh);
+  const ScratchArena scratch(layout, team, "the per-worker scratch");
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
   for (std::int64_t unit = 0; unit < units; ++unit) {
+    const auto [block_rev, h, b] = Unravel(unit, blocks, p.hq);
     // Late query blocks see the most keys: hand them out first (causal load balance).
-    const std::int64_t block = blocks - 1 - unit % blocks;
-    const std::int64_t h = (unit / blocks) % p.hq, b = unit / (blocks * p.hq), j = h / g;
+    const std::int64_t block = blocks - 1 - block_rev, j = h / g;
     const std::int64_t t0 = block * kRowBlock, t1 = std::min(p.tq, t0 + kRowBlock);
 
-    float* k_pack = scratch.data() + omp_get_thread_num() * per_worker;  // [T_k, d_h]
-    float* v_pack = k_pack + p.tk * dh;                                 // [T_k, d_h]
-    float* score = v_pack + p.tk * dh;                                  // [T_k]
-    float* q_row = score + p.tk;                                        // [d_h]
-    float* acc = q_row + dh;                                            // [d_h]
+    const int worker = omp_get_thread_num();
+    float* k_pack = scratch.at(k_slot, worker);     // [T_k, d_h]
+    float* v_pack = scratch.at(v_slot, worker);     // [T_k, d_h]
+    float* score = scratch.at(score_slot, worker);  // [T_k]
+    float* q_row = scratch.at(q_slot, worker);      // [d_h]
+    float* acc = scratch.at(acc_slot, worker);      // [d_h]
 
     // visible_end is non-decreasing in t: the last row of the block sees the most keys.
     const std::int64_t keys = std::max<std::int64_t>(0, p.visible_end(t1 - 1));
@@ -140,25 +142,33 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
   const std::int64_t dh = p.dh, g = p.group();
 
   // D[b, h, t] = ⟨dO_t, O_t⟩, filled by pass 1 and read by pass 2.
-  std::vector<float> delta(static_cast<std::size_t>(p.batch * p.hq * p.tq));
+  ScratchLayout delta_layout(p.site);
+  const auto delta_slot = delta_layout.add<float>(
+      scratch_mul(scratch_mul(p.batch, p.hq, p.site, "D"), p.tq, p.site, "D"));
+  const ScratchArena delta_memory(delta_layout, 1, "D = rowsum(dO * O)");
+  float* delta = delta_memory.at(delta_slot, 0);
 
   // ---- Pass 1: D and dQ, one unit per (b, h, block of query rows). ----
   {
     const std::int64_t blocks = ceil_div(p.tq, kRowBlock);
     const std::int64_t units = p.batch * p.hq * blocks;
     const int team = team_size(p.threads, units);
-    const std::int64_t per_worker = 2 * p.tk * dh + 4 * dh;
-    std::vector<float> scratch(units ? static_cast<std::size_t>(team * per_worker) : 0);
+    ScratchLayout layout(p.site);
+    const auto k_slot = layout.add<float>(scratch_mul(p.tk, dh, p.site, "packed K rows"));
+    const auto v_slot = layout.add<float>(scratch_mul(p.tk, dh, p.site, "packed V rows"));
+    const auto rows_slot = layout.add<float>(scratch_mul(4, dh, p.site, "q, dO, O, dq rows"));
+    const ScratchArena scratch(layout, units ? team : 0, "the per-worker scratch of pass 1 (dQ)");
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
     for (std::int64_t unit = 0; unit < units; ++unit) {
-      const std::int64_t block = blocks - 1 - unit % blocks;
-      const std::int64_t h = (unit / blocks) % p.hq, b = unit / (blocks * p.hq), j = h / g;
+      const auto [block_rev, h, b] = Unravel(unit, blocks, p.hq);
+      const std::int64_t block = blocks - 1 - block_rev, j = h / g;
       const std::int64_t t0 = block * kRowBlock, t1 = std::min(p.tq, t0 + kRowBlock);
 
-      float* k_pack = scratch.data() + omp_get_thread_num() * per_worker;  // [T_k, d_h]
-      float* v_pack = k_pack + p.tk * dh;                                 // [T_k, d_h]
-      float* q_row = v_pack + p.tk * dh;                                  // [d_h] each:
+      const int worker = omp_get_thread_num();
+      float* k_pack = scratch.at(k_slot, worker);  // [T_k, d_h]
+      float* v_pack = scratch.at(v_slot, worker);  // [T_k, d_h]
+      float* q_row = scratch.at(rows_slot, worker);  // [d_h] each:
       float* do_row = q_row + dh;
       float* o_row = do_row + dh;
       float* dq_acc = o_row + dh;
@@ -184,7 +194,7 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
           }
           for (std::int64_t i = 0; i < dh; ++i) dq_acc[i] *= p.scale;  // dQ = s · dS K
         }
-        delta[static_cast<std::size_t>((b * p.hq + h) * p.tq + t)] = d_t;
+        delta[(b * p.hq + h) * p.tq + t] = d_t;
         float* dq = a.dq.data + b * a.dq.s0 + t * a.dq.s1 + h * a.dq.s2;
         scatter(dq_acc, dh, dq, a.dq.s3);
       }
@@ -196,24 +206,29 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
     const std::int64_t blocks = ceil_div(p.tk, kRowBlock);
     const std::int64_t units = p.batch * p.hkv * blocks;
     const int team = team_size(p.threads, units);
-    const std::int64_t per_worker = 4 * kRowBlock * dh + 2 * dh;
-    std::vector<float> scratch(units ? static_cast<std::size_t>(team * per_worker) : 0);
+    ScratchLayout layout(p.site);
+    // K, V, dK and dV rows of the block [kRowBlock, d_h] each (dK and dV zeroed together).
+    const auto block_slot = layout.add<float>(scratch_mul(4 * kRowBlock, dh, p.site, "key block"));
+    const auto rows_slot = layout.add<float>(scratch_mul(2, dh, p.site, "q and dO rows"));
+    const ScratchArena scratch(layout, units ? team : 0,
+                               "the per-worker scratch of pass 2 (dK, dV)");
     // First query that sees key u: visible_end(t) > u  ⟺  t ≥ u − shift (causal).
     const std::int64_t shift = p.align == CausalAlign::bottom_right ? p.tk - p.tq : 0;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
     for (std::int64_t unit = 0; unit < units; ++unit) {
-      const std::int64_t block = unit % blocks;  // early key blocks are seen by the most queries
-      const std::int64_t j = (unit / blocks) % p.hkv, b = unit / (blocks * p.hkv);
+      // Early key blocks are seen by the most queries: block = unit % blocks comes first.
+      const auto [block, j, b] = Unravel(unit, blocks, p.hkv);
       const std::int64_t u0 = block * kRowBlock, u1 = std::min(p.tk, u0 + kRowBlock);
       const std::int64_t n = u1 - u0;
 
-      float* k_pack = scratch.data() + omp_get_thread_num() * per_worker;  // [n, d_h]
-      float* v_pack = k_pack + kRowBlock * dh;                            // [n, d_h]
-      float* dk_acc = v_pack + kRowBlock * dh;                            // [n, d_h]
-      float* dv_acc = dk_acc + kRowBlock * dh;                            // [n, d_h]
-      float* q_row = dv_acc + kRowBlock * dh;                             // [d_h]
-      float* do_row = q_row + dh;                                         // [d_h]
+      const int worker = omp_get_thread_num();
+      float* k_pack = scratch.at(block_slot, worker);  // [n, d_h]
+      float* v_pack = k_pack + kRowBlock * dh;         // [n, d_h]
+      float* dk_acc = v_pack + kRowBlock * dh;         // [n, d_h]
+      float* dv_acc = dk_acc + kRowBlock * dh;         // [n, d_h]
+      float* q_row = scratch.at(rows_slot, worker);    // [d_h]
+      float* do_row = q_row + dh;                      // [d_h]
 
       pack_rows(a.k, b, j, u0, n, dh, k_pack);
       pack_rows(a.v, b, j, u0, n, dh, v_pack);
@@ -227,7 +242,7 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
           gather(a.q.row(b, t, h), a.q.s3, dh, q_row);
           gather(a.dout.row(b, t, h), a.dout.s3, dh, do_row);
           const float lse = a.lse.data[b * a.lse.s0 + h * a.lse.s1 + t * a.lse.s2];
-          const float d_t = delta[static_cast<std::size_t>((b * p.hq + h) * p.tq + t)];
+          const float d_t = delta[(b * p.hq + h) * p.tq + t];
           for (std::int64_t u = u0; u < end; ++u) {
             const float* k_u = k_pack + (u - u0) * dh;
             const float pu = std::exp(p.scale * dot(q_row, k_u, dh) - lse);  // A_tu
@@ -244,18 +259,6 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
       }
     }
   }
-}
-
-ForwardKernel forward_kernel(Isa isa) {
-  if (isa == Isa::portable) return &attention_fwd_f32_portable;
-  const ForwardKernel simd = simd_forward_kernel(isa);
-  return simd != nullptr ? simd : &attention_fwd_f32_portable;
-}
-
-BackwardKernel backward_kernel(Isa isa) {
-  if (isa == Isa::portable) return &attention_bwd_f32_portable;
-  const BackwardKernel simd = simd_backward_kernel(isa);
-  return simd != nullptr ? simd : &attention_bwd_f32_portable;
 }
 
 }  // namespace tokenmix::kernels

@@ -7,13 +7,13 @@
 //   pass 1 — one unit per (b, KV head j, query block), query rows of the g heads in SIMD lanes
 //            (as in the forward):
 //     D_t   = ⟨dO_t, O_t⟩                                  (J·g of 4.6–4.7, row by row)
-//     Sᵀ    = K_tile (s·Q)ᵀ,  Pᵀ = e^{Sᵀ − L}              (4.2–4.4 recomputed)
+//     Sᵀ    = K_tile (scale·Q)ᵀ,  Pᵀ = e^{Sᵀ − L}          (4.2–4.4 recomputed)
 //     dPᵀ   = V_tile dOᵀ,     dSᵀ = Pᵀ ⊙ (dPᵀ − D)
-//     dQᵀ  += K_tileᵀ dSᵀ ;   dQ = s · dQ                    (dQ = s · dS K)
+//     dQᵀ  += K_tileᵀ dSᵀ ;   dQ = scale · dQ            (dQ = scale · dS K)
 //   pass 2 — one unit per (b, KV head j, key block), the block's keys in SIMD lanes:
-//     S     = Q_rows (s·K_block)ᵀ,  P = e^{S − L},  dP = dO_rows V_blockᵀ,  dS = P ⊙ (dP − D)
+//     S     = Q_rows (scale·K_block)ᵀ,  P = e^{S − L},  dP = dO_rows V_blockᵀ,  dS = P ⊙ (dP − D)
 //     dVᵀ  += dO_rowsᵀ P ;  dKᵀ += Q_rowsᵀ dS, summed over the g query heads of the group and
-//             every query row that sees the block                (dV = Σ Aᵀ dO, dK = s Σ dSᵀ Q)
+//             every query row that sees the block                (dV = Σ Aᵀ dO, dK = scale Σ dSᵀ Q)
 // Both passes use the forward's microkernel (microkernel-inl.h); Q, dO, K and V rows are read
 // in place, only the per-unit operands are packed transposed. Extra memory: D, 4·B·H_q·T_q
 // bytes, plus per worker O(d_h · tile).
@@ -27,18 +27,17 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 
 #include <omp.h>
 
-#include "hwy/aligned_allocator.h"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/simd/work_units.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace tokenmix::kernels::HWY_NAMESPACE {
 
-constexpr std::int64_t kTile = 64;  // keys per tile (pass 1) / query rows per chunk (pass 2)
+constexpr std::int64_t kKeyTile = KVTileLayout::kKeyTile;  // pass 1: keys per tile
+constexpr std::int64_t kQueryChunk = 64;  // two-pass pass 2: query rows per chunk
 constexpr std::int64_t kBlocksPerUnit = 4;  // pass 1: lane blocks sharing each K/V tile
 // B·H_kv at which the one-pass backward is used (its units are (b, KV head) pairs).
 constexpr std::int64_t kOnePassMinUnits = 8;
@@ -53,45 +52,60 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = kV * N;
   const std::int64_t dh = p.dh;
   const QueryUnits layout(p, M, kBlocksPerUnit);
-  const std::int64_t units = layout.count, mq = layout.mq, nb = layout.blocks;
+  const std::int64_t units = layout.count, lane_blocks = layout.blocks;
   if (units == 0) return;
-  const int team = static_cast<int>(std::clamp<std::int64_t>(p.threads, 1, units));
-  // Per lane block: s·Qᵀ, dOᵀ, dQᵀ [dh][M] and lane vectors L, D, visible end [M]; shared:
-  // Sᵀ and dPᵀ [kTile][M], packed K and V tiles [kTile][dh].
-  const std::int64_t per_block = 3 * dh * M + 3 * M;
-  std::int64_t per_worker = nb * per_block + 2 * kTile * M + 2 * kTile * dh;
-  per_worker = (per_worker + 63) / 64 * 64;
-  auto scratch = hwy::AllocateAligned<float>(static_cast<std::size_t>(team * per_worker));
+  const int team = team_size(p.threads, units);
+  // Per lane block: scale·Qᵀ, dOᵀ, dQᵀ [dh][M] and lane vectors L, D, visible end [M]; shared:
+  // Sᵀ and dPᵀ [kKeyTile][M], packed K and V tiles [kKeyTile][dh].
+  ScratchLayout scratch_layout(p.site);
+  struct BlockSlots {
+    Slot<float> qt, dot, dqt, lse_lane, delta_lane;
+    Slot<std::int32_t> end_lane;
+  } block_slots[kBlocksPerUnit];
+  for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
+    BlockSlots& bs = block_slots[lb];
+    bs.qt = scratch_layout.add<float>(scratch_mul(dh, M, p.site, "scale*Q^T"));
+    bs.dot = scratch_layout.add<float>(scratch_mul(dh, M, p.site, "dO^T"));
+    bs.dqt = scratch_layout.add<float>(scratch_mul(dh, M, p.site, "dQ^T"));
+    bs.lse_lane = scratch_layout.add<float>(M);
+    bs.delta_lane = scratch_layout.add<float>(M);
+    bs.end_lane = scratch_layout.add<std::int32_t>(M);
+  }
+  const auto st_slot = scratch_layout.add<float>(kKeyTile * M);
+  const auto dpt_slot = scratch_layout.add<float>(kKeyTile * M);
+  const auto k_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "K tile"));
+  const auto v_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "V tile"));
+  const ScratchArena scratch(scratch_layout, team, "the per-worker scratch of pass 1 (dQ)");
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
   for (std::int64_t unit = 0; unit < units; ++unit) {
-    float* base = scratch.get() + omp_get_thread_num() * per_worker;
-    float* st = base + nb * per_block;       // Sᵀ → Pᵀ → dSᵀ [kTile][M]
-    float* dpt = st + kTile * M;             // dPᵀ [kTile][M]
-    float* k_tile = dpt + kTile * M;         // K rows u0.. packed [kTile][dh]
-    float* v_tile = k_tile + kTile * dh;     // V rows u0.. packed [kTile][dh]
-    struct BlockState {
-      QueryUnits::Block blk;
-      float *qt, *dot, *dqt, *lse_lane, *delta_lane;
-      std::int32_t* end_lane;
-      std::int64_t key_end, full_end;
+    const int worker = omp_get_thread_num();
+    float* st = scratch.at(st_slot, worker);          // Sᵀ → Pᵀ → dSᵀ [kKeyTile][M]
+    float* dpt = scratch.at(dpt_slot, worker);        // dPᵀ [kKeyTile][M]
+    float* k_tile = scratch.at(k_tile_slot, worker);  // K rows u0.. packed [kKeyTile][dh]
+    float* v_tile = scratch.at(v_tile_slot, worker);  // V rows u0.. packed [kKeyTile][dh]
+    struct BlockState : LaneBlock {
+      float *qt, *dot, *dqt, *lse_lane, *delta_lane;  // scale·Qᵀ, dOᵀ, dQᵀ [dh][M]; L, D [M]
     };
     BlockState blocks[kBlocksPerUnit];
     std::int64_t unit_key_end = 0;
-    for (std::int64_t s = 0; s < nb; ++s) {
-      BlockState& bs = blocks[s];
-      bs.blk = layout(p, unit, s);
-      bs.qt = base + s * per_block;  // s·Qᵀ [dh][M]
-      bs.dot = bs.qt + dh * M;       // dOᵀ [dh][M]
-      bs.dqt = bs.dot + dh * M;      // dQᵀ [dh][M]
-      bs.lse_lane = bs.dqt + dh * M;
-      bs.delta_lane = bs.lse_lane + M;
-      bs.end_lane = reinterpret_cast<std::int32_t*>(bs.delta_lane + M);
+    for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
+      BlockState& bs = blocks[lb];
+      bs.blk = layout(p, unit, lb);
+      bs.qt = scratch.at(block_slots[lb].qt, worker);
+      bs.dot = scratch.at(block_slots[lb].dot, worker);
+      bs.dqt = scratch.at(block_slots[lb].dqt, worker);
+      bs.lse_lane = scratch.at(block_slots[lb].lse_lane, worker);
+      bs.delta_lane = scratch.at(block_slots[lb].delta_lane, worker);
+      bs.end_lane = scratch.at(block_slots[lb].end_lane, worker);
+      // Lanes as in SetUpLanes (work_units.hpp), written out here: this setup also computes D,
+      // and padding lanes see nothing (end 0: P = 0). (Routing D's loop through SetUpLanes'
+      // callback changed how the compiler rounds it: kept inline, bitwise as before.)
       bs.key_end = 0;
       bs.full_end = p.tk;
       const auto& [b, j, h0, heads, t0, positions] = bs.blk;
       if (positions <= 0) continue;
       for (std::int64_t i = 0; i < M; ++i) {
-        const std::int64_t hl = i / mq, tl = i % mq;
+        const std::int64_t hl = i / layout.mq, tl = i % layout.mq;
         std::int64_t e = 0;
         if (hl < heads && tl < positions) {
           const std::int64_t h = h0 + hl, t = t0 + tl;
@@ -109,27 +123,28 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
           }
           delta[(b * p.hq + h) * p.tq + t] = e > 0 ? dsum : 0.0f;
           bs.delta_lane[i] = dsum;
-          bs.lse_lane[i] = e > 0 ? args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2] : 0.0f;
+          bs.lse_lane[i] =
+              e > 0 ? args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2] : 0.0f;
         } else {
           for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = bs.dot[x * M + i] = 0.0f;
           bs.delta_lane[i] = bs.lse_lane[i] = 0.0f;
         }
-        bs.end_lane[i] = static_cast<std::int32_t>(e);  // padding lanes see nothing: P = 0
+        bs.end_lane[i] = static_cast<std::int32_t>(e);
       }
       std::fill(bs.dqt, bs.dqt + dh * M, 0.0f);
       unit_key_end = std::max(unit_key_end, bs.key_end);
     }
     const std::int64_t b = blocks[0].blk.b, j = blocks[0].blk.j;
 
-    for (std::int64_t u0 = 0; u0 < unit_key_end; u0 += kTile) {
-      const std::int64_t tile = std::min(kTile, unit_key_end - u0);
+    for (std::int64_t u0 = 0; u0 < unit_key_end; u0 += kKeyTile) {
+      const std::int64_t tile = std::min(kKeyTile, unit_key_end - u0);
       const float* k_rows = DenseRows(args.k, b, u0, j, tile, dh, k_tile);  // [tile][dh]
       const float* v_rows = DenseRows(args.v, b, u0, j, tile, dh, v_tile);  // [tile][dh]
-      for (std::int64_t s = 0; s < nb; ++s) {
-        BlockState& bs = blocks[s];
+      for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
+        BlockState& bs = blocks[lb];
         if (u0 >= bs.key_end) continue;
         const std::int64_t nt = std::min(tile, bs.key_end - u0);
-        GemmRows(d, nt, k_rows, dh, 1, bs.qt, M, dh, st, M, false);    // Sᵀ = K (s·Q)ᵀ   (4.2)
+        GemmRows(d, nt, k_rows, dh, 1, bs.qt, M, dh, st, M, false);    // Sᵀ = K (scale·Q)ᵀ   (4.2)
         GemmRows(d, nt, v_rows, dh, 1, bs.dot, M, dh, dpt, M, false);  // dPᵀ = V dOᵀ = dAᵀ
         const bool crosses = u0 + nt > bs.full_end;
         for (std::int64_t i = 0; i < M; i += N) {
@@ -150,15 +165,11 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
       }
     }
 
-    for (std::int64_t s = 0; s < nb; ++s) {  // dQ = s · (dQᵀ)ᵀ
-      const BlockState& bs = blocks[s];
-      const auto& [bb, jj, h0, heads, t0, positions] = bs.blk;
-      for (std::int64_t i = 0; i < heads * mq; ++i) {
-        const std::int64_t hl = i / mq, tl = i % mq;
-        if (tl >= positions) continue;
-        float* dq = args.dq.row(bb, t0 + tl, h0 + hl);
-        for (std::int64_t x = 0; x < dh; ++x) dq[x * args.dq.s3] = p.scale * bs.dqt[x * M + i];
-      }
+    for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {  // dQ = scale · (dQᵀ)ᵀ
+      const BlockState& bs = blocks[lb];
+      ForEachRow(layout, bs.blk, [&](std::int64_t i, std::int64_t h, std::int64_t t) HWY_ATTR {
+        StoreColumn(bs.dqt, M, i, dh, p.scale, args.dq.row(bs.blk.b, t, h), args.dq.s3);
+      });
     }
   }
 }
@@ -181,34 +192,50 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
   const std::int64_t kblocks = (p.tk + M - 1) / M;
   const std::int64_t units = kOnePass ? p.batch * p.hkv : p.batch * p.hkv * kblocks;
   if (units == 0) return;
-  const int team = static_cast<int>(std::clamp<std::int64_t>(p.threads, 1, units));
-  // Query rows per chunk: kTile, or M in one-pass mode (a chunk is then one lane block of dQᵀ).
-  const std::int64_t chunk = kOnePass ? M : kTile;
+  const int team = team_size(p.threads, units);
+  // Query rows per chunk: kQueryChunk, or M in one-pass mode (a chunk is then one lane block of
+  // dQᵀ).
+  const std::int64_t chunk = kOnePass ? M : kQueryChunk;
   const std::int64_t tq_pad = (p.tq + M - 1) / M * M;
-  const std::int64_t dq_floats = kOnePass ? g * dh * tq_pad : 0;
-  std::int64_t per_worker = 4 * dh * M + 2 * kTile * M + 2 * kTile * dh + (kOnePass ? M * dh + M * M : 0) + dq_floats;
-  per_worker = (per_worker + 63) / 64 * 64;
-  auto scratch = hwy::AllocateAligned<float>(static_cast<std::size_t>(team * per_worker));
+  // Per-worker scratch: scale·Kᵀ, Vᵀ, dKᵀ, dVᵀ [dh][M] (one slot: zeroed together per key block),
+  // S → P and dP → dS [chunk][M], packed Q and dO rows [chunk][dh] when d_h is strided; one-pass
+  // also the K block [M][dh], dSᵀ [M][M] and the unit's dQᵀ [g][tq_pad / M][dh][M].
+  ScratchLayout scratch_layout(p.site);
+  ScratchLayout& sl = scratch_layout;
+  const auto kv_acc_slot = sl.add<float>(scratch_mul(4 * M, dh, p.site, "K^T, V^T, dK^T, dV^T"));
+  const auto scores_slot = sl.add<float>(kQueryChunk * M);
+  const auto dp_slot = sl.add<float>(kQueryChunk * M);
+  const auto q_pack_slot = sl.add<float>(scratch_mul(kQueryChunk, dh, p.site, "Q rows"));
+  const auto do_pack_slot = sl.add<float>(scratch_mul(kQueryChunk, dh, p.site, "dO rows"));
+  const auto k_nat_slot = sl.add<float>(kOnePass ? scratch_mul(M, dh, p.site, "K block") : 0);
+  const auto dst_slot = scratch_layout.add<float>(kOnePass ? M * M : 0);
+  const std::int64_t dq_floats =
+      kOnePass ? scratch_mul(scratch_mul(g, dh, p.site, "dQ^T"), tq_pad, p.site, "dQ^T") : 0;
+  const auto dqt_slot = scratch_layout.add<float>(dq_floats);
+  const ScratchArena scratch(scratch_layout, team,
+                             kOnePass ? "the per-worker scratch of the one-pass backward"
+                                      : "the per-worker scratch of pass 2 (dK, dV)");
   const std::int64_t shift = p.align == CausalAlign::bottom_right ? p.tk - p.tq : 0;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
   for (std::int64_t unit = 0; unit < units; ++unit) {
-    const std::int64_t kb_first = kOnePass ? 0 : unit % kblocks;  // early key blocks: most work
+    // Two-pass: unit = (key block, j, b), early key blocks (most work) first; one-pass: (j, b).
+    const auto [kb_unit, j, b] = Unravel(unit, kOnePass ? 1 : kblocks, p.hkv);
+    const std::int64_t kb_first = kOnePass ? 0 : kb_unit;
     const std::int64_t kb_end = kOnePass ? kblocks : kb_first + 1;
-    const std::int64_t j = (kOnePass ? unit : unit / kblocks) % p.hkv;
-    const std::int64_t b = (kOnePass ? unit : unit / kblocks) / p.hkv;
 
-    float* kt = scratch.get() + omp_get_thread_num() * per_worker;  // s·Kᵀ [dh][M]
-    float* vt = kt + dh * M;                                      // Vᵀ [dh][M]
-    float* dkt = vt + dh * M;                                     // dKᵀ [dh][M]
-    float* dvt = dkt + dh * M;                                    // dVᵀ [dh][M]
-    float* s = dvt + dh * M;                                      // S → P [kTile][M]
-    float* dp = s + kTile * M;                                    // dP → dS [kTile][M]
-    float* q_pack = dp + kTile * M;                               // [kTile][dh] if needed
-    float* do_pack = q_pack + kTile * dh;
-    float* k_nat = do_pack + kTile * dh;                          // one-pass: K block [M][dh]
-    float* dst = k_nat + M * dh;                                  // one-pass: dSᵀ [M keys][M rows]
-    float* dqt = dst + M * M;  // one-pass: dQᵀ [g][tq_pad / M][dh][M]
+    const int worker = omp_get_thread_num();
+    float* kt = scratch.at(kv_acc_slot, worker);  // scale·Kᵀ [dh][M]
+    float* vt = kt + dh * M;                      // Vᵀ [dh][M]
+    float* dkt = vt + dh * M;                     // dKᵀ [dh][M]
+    float* dvt = dkt + dh * M;                    // dVᵀ [dh][M]
+    float* scores = scratch.at(scores_slot, worker);    // S → P [chunk][M]
+    float* dp = scratch.at(dp_slot, worker);            // dP → dS [chunk][M]
+    float* q_pack = scratch.at(q_pack_slot, worker);    // [chunk][dh] if needed
+    float* do_pack = scratch.at(do_pack_slot, worker);  // [chunk][dh] if needed
+    float* k_nat = scratch.at(k_nat_slot, worker);      // one-pass: K block [M][dh]
+    float* dst = scratch.at(dst_slot, worker);          // one-pass: dSᵀ [M keys][M rows]
+    float* dqt = scratch.at(dqt_slot, worker);          // one-pass: dQᵀ [g][tq_pad / M][dh][M]
 
     if constexpr (kOnePass) {  // D_t = ⟨dO_t, O_t⟩ for the group's rows; dQᵀ = 0
       for (std::int64_t h = j * g; h < (j + 1) * g; ++h)
@@ -245,7 +272,7 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
           std::int64_t ldq = 0, lddo = 0;
           const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq);
           const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo);
-          GemmRows(d, rows, q_rows, ldq, 1, kt, M, dh, s, M, false);     // S = Q (s·K)ᵀ   (4.2)
+          GemmRows(d, rows, q_rows, ldq, 1, kt, M, dh, scores, M, false);  // S = Q (scale·K)ᵀ (4.2)
           GemmRows(d, rows, do_rows, lddo, 1, vt, M, dh, dp, M, false);  // dP = dO Vᵀ
           for (std::int64_t r = 0; r < rows; ++r) {
             const std::int64_t t = c0 + r;
@@ -254,16 +281,16 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
             const VF l = hn::Set(d, visible > 0 ? lse : 0.0f);
             const VF dl = hn::Set(d, delta[(b * p.hq + h) * p.tq + t]);
             for (std::int64_t i = 0; i < M; i += N) {
-              VF pu = hn::Exp(d, hn::Sub(hn::Load(d, s + r * M + i), l));  // A = e^{S − L}
+              VF pu = hn::Exp(d, hn::Sub(hn::Load(d, scores + r * M + i), l));  // A = e^{S − L}
               if (visible < i + N) {                                       // causal mask (4.3)
                 const std::int64_t n_vis = std::clamp<std::int64_t>(visible - i, 0, N);
                 pu = hn::IfThenElseZero(hn::FirstN(d, static_cast<std::size_t>(n_vis)), pu);
               }
-              hn::Store(pu, d, s + r * M + i);
+              hn::Store(pu, d, scores + r * M + i);
               hn::Store(hn::Mul(pu, hn::Sub(hn::Load(d, dp + r * M + i), dl)), d, dp + r * M + i);  // dS
             }
           }
-          GemmRows(d, dh, do_rows, 1, lddo, s, M, rows, dvt, M, true);  // dVᵀ += dOᵀ P
+          GemmRows(d, dh, do_rows, 1, lddo, scores, M, rows, dvt, M, true);  // dVᵀ += dOᵀ P
           GemmRows(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true);   // dKᵀ += Qᵀ dS
           if constexpr (kOnePass) {
             // dQᵀ[x][c0 + r] += Σ_u K[u][x] dS[r][u]: dS transposed to [key][row] (rows past
@@ -276,23 +303,18 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
           }
         }
       }
-      for (std::int64_t u = 0; u < keys; ++u) {  // dK = s · (dKᵀ)ᵀ, dV = (dVᵀ)ᵀ
-        float* dk = args.dk.row(b, u0 + u, j);
-        float* dv = args.dv.row(b, u0 + u, j);
-        for (std::int64_t x = 0; x < dh; ++x) {
-          dk[x * args.dk.s3] = p.scale * dkt[x * M + u];
-          dv[x * args.dv.s3] = dvt[x * M + u];
-        }
+      for (std::int64_t u = 0; u < keys; ++u) {  // dK = scale · (dKᵀ)ᵀ, dV = (dVᵀ)ᵀ
+        StoreColumn(dkt, M, u, dh, p.scale, args.dk.row(b, u0 + u, j), args.dk.s3);
+        StoreColumn(dvt, M, u, dh, 1.0f, args.dv.row(b, u0 + u, j), args.dv.s3);
       }
     }
 
-    if constexpr (kOnePass) {  // dQ = s · (dQᵀ)ᵀ
+    if constexpr (kOnePass) {  // dQ = scale · (dQᵀ)ᵀ
       for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {
         const float* src = dqt + (h - j * g) * tq_pad * dh;
-        for (std::int64_t t = 0; t < p.tq; ++t) {
-          const float* blk = src + (t / M) * M * dh + t % M;  // lane block t / M: [dh][M]
-          float* dq = args.dq.row(b, t, h);
-          for (std::int64_t x = 0; x < dh; ++x) dq[x * args.dq.s3] = p.scale * blk[x * M];
+        for (std::int64_t t = 0; t < p.tq; ++t) {  // lane t % M of lane block t / M: [dh][M]
+          StoreColumn(src + (t / M) * M * dh, M, t % M, dh, p.scale, args.dq.row(b, t, h),
+                      args.dq.s3);
         }
       }
     }
@@ -301,15 +323,19 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
 
 void AttentionBwd(const BackwardArgs& args) {
   const AttentionProblem& p = args.p;
-  std::vector<float> delta(static_cast<std::size_t>(p.batch * p.hq * p.tq));  // D [B, H_q, T_q]
+  ScratchLayout delta_layout(p.site);  // D [B, H_q, T_q], shared by both passes
+  const auto delta_slot = delta_layout.add<float>(
+      scratch_mul(scratch_mul(p.batch, p.hq, p.site, "D"), p.tq, p.site, "D"));
+  const ScratchArena delta_memory(delta_layout, 1, "D = rowsum(dO * O)");
+  float* delta = delta_memory.at(delta_slot, 0);
   // One pass (5 products) when there are enough (b, KV head) units to share among threads;
   // the choice depends on the shape only, never on the thread count, so results stay bitwise
   // independent of it.
   if (p.batch * p.hkv >= kOnePassMinUnits) {
-    BackwardKeys<true>(args, delta.data());
+    BackwardKeys<true>(args, delta);
   } else {
-    BackwardQueries(args, delta.data());
-    BackwardKeys<false>(args, delta.data());
+    BackwardQueries(args, delta);
+    BackwardKeys<false>(args, delta);
   }
 }
 
@@ -319,7 +345,8 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace tokenmix::kernels {
 
-BackwardKernel simd_backward_kernel(Isa isa) { return TOKENMIX_SIMD_KERNEL_FOR(isa, AttentionBwd); }
+const BackwardKernel attention_bwd_f32_avx512 = TOKENMIX_SIMD_AVX512(AttentionBwd);
+const BackwardKernel attention_bwd_f32_avx2 = TOKENMIX_SIMD_AVX2(AttentionBwd);
 
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

@@ -1,14 +1,14 @@
 // src/kernels/simd/attention_decode_hwy.cpp — decode attention over a KVCache, SIMD (Highway),
-// compiled once per x86 target (AVX-512 = AVX3, AVX2+FMA) and selected explicitly per call
-// (simd_decode_kernel(Isa)), like attention_fwd_f32_hwy.cpp. Unit contract: DecodeArgs in
-// attention_kernels.hpp; chunks are merged by src/api/decode.cpp.
+// compiled once per x86 target (AVX-512 = AVX3, AVX2+FMA) and exported per target and cache
+// element type as attention_decode_<f32|bf16|f16>_<avx512|avx2> (the registry picks one). Unit
+// contract: DecodeArgs in attention_kernels.hpp; chunks are merged by src/api/decode.cpp.
 //
 // A unit is (sequence b, KV head j, query block, chunk of ≤ 1024 keys). Its rows are all g query
 // heads of group j × the block's query positions (r = t_local · g + h_local), so each K/V tile is
 // read from memory once for the whole group (GQA: bytes do not grow with g). Per 64-key tile,
 // both products are the shared register-blocked microkernel (microkernel-inl.h), with the cache
 // element type (fp32 / bf16 / f16) as its B operand, widened to fp32 in registers:
-//   S[r][u]  = Σ_x (s·q_r)[x] · Kᵀ[x][u]   A = s·Q rows (broadcast), B = K tile [d_h][64]  (4.2)
+//   S[r][u]  = Σ_x (scale·q_r)[x] · Kᵀ[x][u]   A = scale·Q rows, B = K tile [d_h][64]  (4.2)
 //   Õ[r][x] += Σ_u P[r][u] · V[u][x]        A = P rows (broadcast),   B = V rows [64][d_h]  (4.5)
 // Keys are lanes in the first product and features in the second — the cache stores K tiles
 // transposed and V row-major for exactly this, so nothing is repacked per step. Between them,
@@ -47,6 +47,8 @@ constexpr int kRD = 2, kVD = 1;  // fallback targets (not dispatched to by token
 #endif
 
 constexpr std::int64_t kSub = 16;  // keys per V sub-tile in the P·V product
+// The S tile is computed in column blocks of kVD vectors: they must tile the cache's key tile.
+static_assert(kDecodeKeyTile % (kVD * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
 
 template <class TB>
 void DecodeUnits(const DecodeArgs& a) {
@@ -54,10 +56,8 @@ void DecodeUnits(const DecodeArgs& a) {
   const hn::RebindToSigned<decltype(d)> di;
   using VF = hn::Vec<decltype(d)>;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), W = kVD * N;
-  constexpr std::int64_t T = kDecodeKeyTile;
+  constexpr std::int64_t kKeyTile = kDecodeKeyTile;  // keys per cache tile
   const std::int64_t units = a.units(), rows = a.rows_max(), dh = a.dh, g = a.group();
-  // Per worker: s·Q rows [rows][d_h] and S/P tile [rows][64] (aligned, reused every unit).
-  const std::int64_t q_floats = (rows * dh + 63) / 64 * 64;  // keeps the S tile 64-float aligned
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const TB* k_layer = static_cast<const TB*>(a.k_layer);
   const TB* v_layer = static_cast<const TB*>(a.v_layer);
@@ -65,10 +65,10 @@ void DecodeUnits(const DecodeArgs& a) {
 
 #pragma omp for schedule(dynamic, 1)
   for (std::int64_t unit = 0; unit < units; ++unit) {
-    const std::int64_t c = unit % a.chunks, qb = (unit / a.chunks) % a.qblocks;
-    const std::int64_t j = (unit / (a.chunks * a.qblocks)) % a.hkv, b = unit / (a.chunks * a.qblocks * a.hkv);
-    float* qs = a.scratch + omp_get_thread_num() * a.scratch_floats();  // s·Q [rows][d_h]
-    float* st = qs + q_floats;                                     // S, then P [rows][64]
+    const auto [c, qb, j, b] = Unravel(unit, a.chunks, a.qblocks, a.hkv);
+    const int worker = omp_get_thread_num();
+    float* qs = a.scratch.at(a.slots.q_scaled, worker);  // scale·Q [rows][d_h]
+    float* st = a.scratch.at(a.slots.scores, worker);    // S, then P [rows][64]
     float* acc = a.part_acc + unit * rows * dh;                    // Õ [rows][d_h]
     float* m_run = a.part_m + unit * rows;
     float* l_run = a.part_l + unit * rows;
@@ -88,37 +88,37 @@ void DecodeUnits(const DecodeArgs& a) {
     if (k0 >= k1) continue;  // nothing visible in this chunk: m = −∞ marks the part empty
     std::fill(acc, acc + nrows * dh, 0.0f);
 
-    for (std::int64_t u0 = k0; u0 < k1; u0 += T) {
-      const std::int64_t nt = std::min(T, k1 - u0);
+    for (std::int64_t u0 = k0; u0 < k1; u0 += kKeyTile) {
+      const std::int64_t nt = std::min(kKeyTile, k1 - u0);
       const std::int64_t tile = a.tile_offset(b, j, u0);
       const TB* kt = k_layer + tile;  // Kᵀ tile [d_h][64]
       const TB* vt = v_layer + tile;  // V rows [nt][d_h]
 
-      // S = (s·Q) Kᵀ over the whole 64-key tile (lanes past the data are masked below)  (4.2)
-      for (std::int64_t c0 = 0; c0 < T; c0 += W) {
-        GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, T, dh, st + c0, T, false);
+      // S = (scale·Q) Kᵀ over the whole 64-key tile (lanes past the data are masked below)  (4.2)
+      for (std::int64_t c0 = 0; c0 < kKeyTile; c0 += W) {
+        GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false);
       }
 
       // Mask (4.3) and online softmax (4.4), row by row.
       for (std::int64_t r = 0; r < nrows; ++r) {
-        float* s = st + r * T;
+        float* score = st + r * kKeyTile;
         const std::int64_t end = a.visible_end(b, t0 + r / g);
-        if (u0 + T > kfull) {  // tile crosses some row's end: −∞ for lanes u0 + i ≥ end
-          const auto lim = hn::Set(di, static_cast<std::int32_t>(std::clamp<std::int64_t>(end - u0, 0, T)));
-          for (std::int64_t i = 0; i < T; i += N) {
+        if (u0 + kKeyTile > kfull) {  // tile crosses some row's end: −∞ for lanes u0 + i ≥ end
+          const auto lim = hn::Set(di, static_cast<std::int32_t>(std::clamp<std::int64_t>(end - u0, 0, kKeyTile)));
+          for (std::int64_t i = 0; i < kKeyTile; i += N) {
             const auto visible = hn::RebindMask(d, hn::Lt(hn::Iota(di, static_cast<std::int32_t>(i)), lim));
-            hn::Store(hn::IfThenElse(visible, hn::Load(d, s + i), hn::Set(d, kNegInf)), d, s + i);
+            hn::Store(hn::IfThenElse(visible, hn::Load(d, score + i), hn::Set(d, kNegInf)), d, score + i);
           }
         }
-        VF vmax = hn::Load(d, s);
-        for (std::int64_t i = N; i < T; i += N) vmax = hn::Max(vmax, hn::Load(d, s + i));
+        VF vmax = hn::Load(d, score);
+        for (std::int64_t i = N; i < kKeyTile; i += N) vmax = hn::Max(vmax, hn::Load(d, score + i));
         const float m_old = m_run[r], m_new = std::max(m_old, hn::GetLane(hn::MaxOfLanes(d, vmax)));
         // A row with nothing visible yet keeps P = 0 (shift 0: e^{−∞} = 0).
         const VF shift = hn::Set(d, m_new == kNegInf ? 0.0f : m_new);
         VF vsum = hn::Zero(d);
-        for (std::int64_t i = 0; i < T; i += N) {
-          const VF p = hn::Exp(d, hn::Sub(hn::Load(d, s + i), shift));
-          hn::Store(p, d, s + i);
+        for (std::int64_t i = 0; i < kKeyTile; i += N) {
+          const VF p = hn::Exp(d, hn::Sub(hn::Load(d, score + i), shift));
+          hn::Store(p, d, score + i);
           vsum = hn::Add(vsum, p);
         }
         if (m_new > m_old && m_old != kNegInf) {  // rescale Õ and l by e^{m − m'}
@@ -143,25 +143,17 @@ void DecodeUnits(const DecodeArgs& a) {
       for (std::int64_t k0 = 0; k0 < nt; k0 += kSub) {
         const std::int64_t nk = std::min(kSub, nt - k0);
         const TB* vk = vt + k0 * dh;
-        for (x0 = 0; x0 < dh_full; x0 += W) GemmRows<kRD, kVD>(d, nrows, st + k0, T, 1, vk + x0, dh, nk, acc + x0, dh, true);
-        for (; x0 < dh_vec; x0 += N) GemmRows<kRD, 1>(d, nrows, st + k0, T, 1, vk + x0, dh, nk, acc + x0, dh, true);
+        for (x0 = 0; x0 < dh_full; x0 += W) GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
+        for (; x0 < dh_vec; x0 += N) GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
       }
       if (x0 < dh) {
         for (std::int64_t r = 0; r < nrows; ++r)
           for (std::int64_t u = 0; u < nt; ++u) {
-            const float p = st[r * T + u];
+            const float p = st[r * kKeyTile + u];
             for (std::int64_t x = x0; x < dh; ++x) acc[r * dh + x] += p * load_element(a.dtype, vt, u * dh + x);
           }
       }
     }
-  }
-}
-
-void AttentionDecode(const DecodeArgs& a) {
-  switch (a.dtype) {
-    case DType::f32: return DecodeUnits<float>(a);
-    case DType::bf16: return DecodeUnits<hwy::bfloat16_t>(a);
-    case DType::f16: return DecodeUnits<hwy::float16_t>(a);
   }
 }
 
@@ -171,7 +163,15 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace tokenmix::kernels {
 
-DecodeKernel simd_decode_kernel(Isa isa) { return TOKENMIX_SIMD_KERNEL_FOR(isa, AttentionDecode); }
+// One kernel per (target, cache element type); the registry picks by the cache's dtype.
+using hwy::bfloat16_t;
+using hwy::float16_t;
+const DecodeKernel attention_decode_f32_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<float>);
+const DecodeKernel attention_decode_bf16_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<bfloat16_t>);
+const DecodeKernel attention_decode_f16_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<float16_t>);
+const DecodeKernel attention_decode_f32_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<float>);
+const DecodeKernel attention_decode_bf16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<bfloat16_t>);
+const DecodeKernel attention_decode_f16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<float16_t>);
 
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

@@ -1,8 +1,9 @@
 // src/kernels/simd/attention_fwd_f32_hwy.cpp — fused flash-attention forward, fp32, SIMD.
 //
 // Compiled once per x86 target (AVX-512 = Highway's AVX3, AVX2+FMA) by Highway's
-// foreach_target mechanism; the public API picks the target explicitly (runtime.hpp), so a
-// caller can force a lower path. Exact attention (SPEC 4.2–4.5, 4.8); no T×T matrix.
+// foreach_target mechanism and exported per target as attention_fwd_f32_avx512 / _avx2; the
+// registry (kernels/registry.cpp) maps the resolved path to one of them. Exact attention
+// (SPEC 4.2–4.5, 4.8); no T×T matrix.
 //
 // Work unit: (batch b, KV head j, a chunk of the g query heads of group j, a block of query
 // positions). The unit's query rows — every (head, position) pair — are stacked in the SIMD
@@ -30,11 +31,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 
 #include <omp.h>
 
-#include "hwy/aligned_allocator.h"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/simd/work_units.hpp"
 
@@ -42,7 +41,7 @@ HWY_BEFORE_NAMESPACE();
 namespace tokenmix::kernels::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-constexpr std::int64_t kKeyTile = 64;       // keys per tile (Sᵀ tile: kKeyTile × M floats)
+constexpr std::int64_t kKeyTile = KVTileLayout::kKeyTile;  // keys per tile (Sᵀ: kKeyTile × M)
 constexpr std::int64_t kBlocksPerUnit = 4;  // lane blocks sharing each K/V tile (QueryUnits)
 
 void AttentionFwd(const ForwardArgs& args) {
@@ -53,62 +52,63 @@ void AttentionFwd(const ForwardArgs& args) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = kV * N;
   const std::int64_t dh = p.dh;
   const QueryUnits layout(p, M, kBlocksPerUnit);
-  const std::int64_t units = layout.count, mq = layout.mq, nb = layout.blocks;
+  const std::int64_t units = layout.count, lane_blocks = layout.blocks;
   if (units == 0) return;
-  const int team = static_cast<int>(std::clamp<std::int64_t>(p.threads, 1, units));
+  const int team = team_size(p.threads, units);
 
-  // Per-worker scratch (aligned): per lane block Qᵀ [dh][M], Oᵀ [dh][M] and lane vectors
-  // (running max, running sum, visible end); shared Sᵀ/Pᵀ [kKeyTile][M], the packed K and V
-  // tile [kKeyTile][dh] and the tile's rescale factors [M].
-  const std::int64_t per_block = 2 * dh * M + 3 * M;
-  std::int64_t per_worker = nb * per_block + kKeyTile * M + 2 * kKeyTile * dh + M;
-  per_worker = (per_worker + 63) / 64 * 64;
-  auto scratch = hwy::AllocateAligned<float>(static_cast<std::size_t>(team * per_worker));
+  // Per-worker scratch: per lane block scale·Qᵀ [dh][M], Oᵀ [dh][M] and lane vectors (running max,
+  // running sum, visible end); shared Sᵀ/Pᵀ [kKeyTile][M], the packed K and V tile
+  // [kKeyTile][dh] and the tile's rescale factors [M].
+  ScratchLayout scratch_layout(p.site);
+  struct BlockSlots {
+    Slot<float> qt, ot, m_run, l_run;
+    Slot<std::int32_t> end_lane;
+  } block_slots[kBlocksPerUnit];
+  for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
+    BlockSlots& bs = block_slots[lb];
+    bs.qt = scratch_layout.add<float>(scratch_mul(dh, M, p.site, "scale*Q^T"));
+    bs.ot = scratch_layout.add<float>(scratch_mul(dh, M, p.site, "O^T"));
+    bs.m_run = scratch_layout.add<float>(M);
+    bs.l_run = scratch_layout.add<float>(M);
+    bs.end_lane = scratch_layout.add<std::int32_t>(M);
+  }
+  const auto st_slot = scratch_layout.add<float>(kKeyTile * M);
+  const auto k_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "K tile"));
+  const auto v_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "V tile"));
+  const auto alphas_slot = scratch_layout.add<float>(M);
+  const ScratchArena scratch(scratch_layout, team, "the per-worker scratch");
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
   for (std::int64_t unit = 0; unit < units; ++unit) {
-    float* base = scratch.get() + omp_get_thread_num() * per_worker;
-    float* st = base + nb * per_block;      // Sᵀ, then Pᵀ [kKeyTile][M]
-    float* k_tile = st + kKeyTile * M;      // K rows u0.. packed [kKeyTile][dh]
-    float* v_tile = k_tile + kKeyTile * dh;  // V rows u0.. packed [kKeyTile][dh]
-    float* alphas = v_tile + kKeyTile * dh;  // e^{m − m'} per lane [M] of the current tile
-    struct BlockState {
-      QueryUnits::Block blk;
-      float *qt, *ot, *m_run, *l_run;  // s·Qᵀ [dh][M], Oᵀ [dh][M], max and sum per lane [M]
-      std::int32_t* end_lane;          // visible_end per lane [M]
-      std::int64_t key_end, full_end;  // keys some lane sees / every lane sees
+    const int worker = omp_get_thread_num();
+    float* st = scratch.at(st_slot, worker);          // Sᵀ, then Pᵀ [kKeyTile][M]
+    float* k_tile = scratch.at(k_tile_slot, worker);  // K rows u0.. packed [kKeyTile][dh]
+    float* v_tile = scratch.at(v_tile_slot, worker);  // V rows u0.. packed [kKeyTile][dh]
+    float* alphas = scratch.at(alphas_slot, worker);  // e^{m − m'} per lane [M] of the tile
+    struct BlockState : LaneBlock {
+      float *qt, *ot, *m_run, *l_run;  // scale·Qᵀ [dh][M], Oᵀ [dh][M], max and sum per lane [M]
     };
     BlockState blocks[kBlocksPerUnit];
     std::int64_t unit_key_end = 0;
-    for (std::int64_t s = 0; s < nb; ++s) {
-      BlockState& bs = blocks[s];
-      bs.blk = layout(p, unit, s);
-      bs.qt = base + s * per_block;
-      bs.ot = bs.qt + dh * M;
-      bs.m_run = bs.ot + dh * M;
-      bs.l_run = bs.m_run + M;
-      bs.end_lane = reinterpret_cast<std::int32_t*>(bs.l_run + M);
-      bs.key_end = 0;
-      bs.full_end = p.tk;
-      const auto& [b, j, h0, heads, t0, positions] = bs.blk;
-      if (positions <= 0) continue;
-      // Lane i ↦ (head h0 + i / mq, position t0 + i % mq); lanes past the block's rows are
-      // padding (zero query, all keys visible: finite, then discarded).
-      for (std::int64_t i = 0; i < M; ++i) {
-        const std::int64_t hl = i / mq, tl = i % mq;
-        if (hl < heads && tl < positions) {
-          const std::int64_t e = std::max<std::int64_t>(0, p.visible_end(t0 + tl));
-          bs.key_end = std::max(bs.key_end, e);
-          bs.full_end = std::min(bs.full_end, e);
-          bs.end_lane[i] = static_cast<std::int32_t>(e);
-          const float* q = args.q.row(b, t0 + tl, h0 + hl);
-          for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = p.scale * q[x * args.q.s3];
-        } else {
-          bs.end_lane[i] = static_cast<std::int32_t>(p.tk);
-          for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = 0.0f;
-        }
-      }
+    for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
+      BlockState& bs = blocks[lb];
+      bs.blk = layout(p, unit, lb);
+      bs.qt = scratch.at(block_slots[lb].qt, worker);
+      bs.ot = scratch.at(block_slots[lb].ot, worker);
+      bs.m_run = scratch.at(block_slots[lb].m_run, worker);
+      bs.l_run = scratch.at(block_slots[lb].l_run, worker);
+      bs.end_lane = scratch.at(block_slots[lb].end_lane, worker);
+      // Padding lanes: zero query, all keys visible (finite, then discarded).
+      const bool has_rows = SetUpLanes(
+          p, layout, bs, static_cast<std::int32_t>(p.tk),
+          [&](std::int64_t i, std::int64_t h, std::int64_t t, std::int64_t) HWY_ATTR {
+            LoadColumn(args.q.row(bs.blk.b, t, h), args.q.s3, dh, p.scale, bs.qt, M, i);
+          },
+          [&](std::int64_t i) HWY_ATTR {
+            for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = 0.0f;
+          });
+      if (!has_rows) continue;
       for (std::int64_t i = 0; i < M; i += N) {
         hn::Store(hn::Set(d, kNegInf), d, bs.m_run + i);
         hn::Store(hn::Zero(d), d, bs.l_run + i);
@@ -123,11 +123,11 @@ void AttentionFwd(const ForwardArgs& args) {
       const std::int64_t tile = std::min(kKeyTile, unit_key_end - u0);
       const float* k_rows = DenseRows(args.k, b, u0, j, tile, dh, k_tile);  // [tile][dh]
       const float* v_rows = DenseRows(args.v, b, u0, j, tile, dh, v_tile);  // [tile][dh]
-      for (std::int64_t s = 0; s < nb; ++s) {
-        BlockState& bs = blocks[s];
+      for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
+        BlockState& bs = blocks[lb];
         if (u0 >= bs.key_end) continue;  // tile entirely above this block's causal diagonal
         const std::int64_t nt = std::min(tile, bs.key_end - u0);
-        // Sᵀ[u][i] = Σ_x K[u0+u][x] · (s·Q)[i][x]          (4.2)
+        // Sᵀ[u][i] = Σ_x K[u0+u][x] · (scale·Q)[i][x]          (4.2)
         GemmRows(d, nt, k_rows, dh, 1, bs.qt, M, dh, st, M, false);
 
         // Mask keys beyond each lane's visible end (only tiles crossing the diagonal)   (4.3)
@@ -167,22 +167,18 @@ void AttentionFwd(const ForwardArgs& args) {
     }
 
     // O = Oᵀ / l (transposed back), L = m + log l; a lane that saw no key gives 0 and −∞.
-    for (std::int64_t s = 0; s < nb; ++s) {
-      const BlockState& bs = blocks[s];
-      const auto& [bb, jj, h0, heads, t0, positions] = bs.blk;
-      for (std::int64_t i = 0; i < heads * mq; ++i) {
-        const std::int64_t hl = i / mq, tl = i % mq;
-        if (tl >= positions) continue;
-        const std::int64_t h = h0 + hl, t = t0 + tl;
+    for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
+      const BlockState& bs = blocks[lb];
+      const std::int64_t bb = bs.blk.b;
+      ForEachRow(layout, bs.blk, [&](std::int64_t i, std::int64_t h, std::int64_t t) HWY_ATTR {
         const float l = bs.l_run[i];
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        float* out = args.out.row(bb, t, h);
-        for (std::int64_t x = 0; x < dh; ++x) out[x * args.out.s3] = bs.ot[x * M + i] * inv;
+        StoreColumn(bs.ot, M, i, dh, inv, args.out.row(bb, t, h), args.out.s3);
         if (args.lse.data != nullptr) {
           args.lse.data[bb * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2] =
               l > 0.0f ? bs.m_run[i] + std::log(l) : kNegInf;
         }
-      }
+      });
     }
   }
 }
@@ -193,7 +189,8 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace tokenmix::kernels {
 
-ForwardKernel simd_forward_kernel(Isa isa) { return TOKENMIX_SIMD_KERNEL_FOR(isa, AttentionFwd); }
+const ForwardKernel attention_fwd_f32_avx512 = TOKENMIX_SIMD_AVX512(AttentionFwd);
+const ForwardKernel attention_fwd_f32_avx2 = TOKENMIX_SIMD_AVX2(AttentionFwd);
 
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

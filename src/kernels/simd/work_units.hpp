@@ -1,4 +1,5 @@
-// src/kernels/simd/work_units.hpp — how the SIMD attention kernels split work and reach their
+// src/kernels/simd/work_units.hpp — the skeleton of the SIMD attention kernels: how they split
+// work (lane blocks, work units), set up and write back the SIMD lanes, and reach their
 // operands; plain scalar code shared by every Highway target.
 #pragma once
 
@@ -6,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/attention_kernels.hpp"
+#include "kernels/kernel_skeleton.hpp"
 
 namespace tokenmix::kernels {
 
@@ -32,13 +34,11 @@ struct QueryUnits {
   // Lane block `sub` (< blocks) of unit `unit`. Units are numbered so that late query blocks,
   // which see the most keys, come first (causal load balance under dynamic scheduling).
   Block operator()(const AttentionProblem& p, std::int64_t unit, std::int64_t sub) const {
-    const std::int64_t qb = (qgroups - 1 - unit % qgroups) * blocks + sub;
-    std::int64_t rest = unit / qgroups;
-    const std::int64_t hc = rest % head_chunks;
-    rest /= head_chunks;
+    const auto [qgroup, hc, j, b] = Unravel(unit, qgroups, head_chunks, p.hkv);
+    const std::int64_t qb = (qgroups - 1 - qgroup) * blocks + sub;
     Block u;
-    u.j = rest % p.hkv;
-    u.b = rest / p.hkv;
+    u.j = j;
+    u.b = b;
     u.h0 = u.j * g + hc * gh;
     u.heads = std::min(gh, (u.j + 1) * g - u.h0);
     u.t0 = qb * mq;
@@ -46,6 +46,64 @@ struct QueryUnits {
     return u;
   }
 };
+
+// The lanes of one lane block and the keys they see (forward, backward dQ pass).
+struct LaneBlock {
+  QueryUnits::Block blk;
+  std::int32_t* end_lane = nullptr;  // visible_end per lane [M]
+  std::int64_t key_end = 0;          // keys some lane sees
+  std::int64_t full_end = 0;         // keys every lane sees
+};
+
+// Sets up the M lanes of `lb` (lane i ↦ head h0 + i / mq, position t0 + i % mq). A lane holding
+// a row gets end_lane[i] = e = max(0, visible_end(t)) and row(i, h, t, e); a padding lane (past
+// the block's heads or positions) gets end_lane[i] = pad_end and pad(i). Returns false (and does
+// nothing else) for a block past T_q.
+template <class Row, class Pad>
+bool SetUpLanes(const AttentionProblem& p, const QueryUnits& units, LaneBlock& lb,
+                std::int32_t pad_end, Row&& row, Pad&& pad) {
+  lb.key_end = 0;
+  lb.full_end = p.tk;
+  const auto& [b, j, h0, heads, t0, positions] = lb.blk;
+  if (positions <= 0) return false;
+  for (std::int64_t i = 0; i < units.lanes; ++i) {
+    const std::int64_t hl = i / units.mq, tl = i % units.mq;
+    if (hl < heads && tl < positions) {
+      const std::int64_t e = std::max<std::int64_t>(0, p.visible_end(t0 + tl));
+      lb.key_end = std::max(lb.key_end, e);
+      lb.full_end = std::min(lb.full_end, e);
+      lb.end_lane[i] = static_cast<std::int32_t>(e);
+      row(i, h0 + hl, t0 + tl, e);
+    } else {
+      lb.end_lane[i] = pad_end;
+      pad(i);
+    }
+  }
+  return true;
+}
+
+// Calls f(i, h, t) for every lane i of a lane block that holds a row (head h, position t).
+template <class F>
+void ForEachRow(const QueryUnits& units, const QueryUnits::Block& blk, F&& f) {
+  for (std::int64_t i = 0; i < blk.heads * units.mq; ++i) {
+    const std::int64_t hl = i / units.mq, tl = i % units.mq;
+    if (tl >= blk.positions) continue;
+    f(i, blk.h0 + hl, blk.t0 + tl);
+  }
+}
+
+// Column `lane` of a transposed [cols][M] buffer into a strided row: dst[x·stride] =
+// factor · src[x·M + lane]. The write-out of every transposed accumulator (Oᵀ, dQᵀ, dKᵀ, dVᵀ).
+inline void StoreColumn(const float* src, std::int64_t M, std::int64_t lane, std::int64_t cols,
+                        float factor, float* dst, std::int64_t stride) {
+  for (std::int64_t x = 0; x < cols; ++x) dst[x * stride] = factor * src[x * M + lane];
+}
+
+// A strided row into column `lane` of a transposed [cols][M] buffer, times `factor`.
+inline void LoadColumn(const float* src, std::int64_t stride, std::int64_t cols, float factor,
+                       float* dst, std::int64_t M, std::int64_t lane) {
+  for (std::int64_t x = 0; x < cols; ++x) dst[x * M + lane] = factor * src[x * stride];
+}
 
 // Copies `rows` rows of a strided matrix (row stride `ld`, column stride `cs`) into a contiguous
 // [rows][cols] buffer.
@@ -99,16 +157,16 @@ inline const float* RowsOf(const In& x, std::int64_t b, std::int64_t row0, std::
 
 }  // namespace tokenmix::kernels
 
-// The per-target instantiation of kernel FN for `isa`, or nullptr if this build lacks it; for
-// the HWY_ONCE section of a foreach_target translation unit.
-#define TOKENMIX_SIMD_KERNEL_FOR(isa, FN) TOKENMIX_SIMD_AVX3_(isa, FN) TOKENMIX_SIMD_AVX2_(isa, FN) nullptr
+// The per-target instantiation of kernel FN, or nullptr if this build lacks the target; for the
+// HWY_ONCE section of a foreach_target translation unit, which exports one constant per target
+// (attention_<op>_<dtype>_avx512 / _avx2, declared in attention_kernels.hpp).
 #if HWY_TARGETS & HWY_AVX3
-#define TOKENMIX_SIMD_AVX3_(isa, FN) (isa) == ::tokenmix::Isa::avx512 ? &N_AVX3::FN:
+#define TOKENMIX_SIMD_AVX512(FN) &N_AVX3::FN
 #else
-#define TOKENMIX_SIMD_AVX3_(isa, FN)
+#define TOKENMIX_SIMD_AVX512(FN) nullptr
 #endif
 #if HWY_TARGETS & HWY_AVX2
-#define TOKENMIX_SIMD_AVX2_(isa, FN) (isa) == ::tokenmix::Isa::avx2 ? &N_AVX2::FN:
+#define TOKENMIX_SIMD_AVX2(FN) &N_AVX2::FN
 #else
-#define TOKENMIX_SIMD_AVX2_(isa, FN)
+#define TOKENMIX_SIMD_AVX2(FN) nullptr
 #endif

@@ -1,0 +1,32 @@
+// src/api/kv_cache_access.hpp — internal read access to a KVCache for the decode entry point,
+// and the cache's tile layout (kernels/kv_tile_layout.hpp), built in one place for the writer
+// (src/api/kv_cache.cpp) and the readers (src/api/decode.cpp → the decode kernels).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/kv_tile_layout.hpp"
+#include "tokenmix/kv_cache.hpp"
+
+namespace tokenmix::detail {
+
+static_assert(KVCache::kKeyTile == kernels::KVTileLayout::kKeyTile,
+              "the public KVCache::kKeyTile must be the tile of the layout the kernels read");
+
+struct KVCacheAccess {
+  static kernels::KVTileLayout layout(const KVCache& x) {
+    return {x.config_.heads_kv, x.config_.head_dim, x.block_tokens_, x.pool_blocks_};
+  }
+  static const std::byte* layer(const KVCache& x, std::int64_t layer) {
+    return x.storage_.data() + static_cast<std::size_t>(layer * layout(x).layer_elems()) * x.elem_;
+  }
+  static const std::int32_t* table(const KVCache& x, std::int64_t seq) {
+    return x.table_.data() + seq * x.table_width_;
+  }
+  static std::int64_t table_width(const KVCache& x) { return x.table_width_; }
+  static const std::int64_t* lengths(const KVCache& x, std::int64_t layer) {
+    return x.lengths_.data() + layer * x.config_.batch;
+  }
+};
+
+}  // namespace tokenmix::detail

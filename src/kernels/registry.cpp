@@ -1,0 +1,102 @@
+// src/kernels/registry.cpp — the kernel registry (registry.hpp): which kernel runs for every
+// ISA path and dtype. To answer "which kernel runs for bf16 decode on AVX2?", read the avx2
+// entry's decode[bf16] below.
+#include "kernels/registry.hpp"
+
+#include <array>
+#include <string>
+
+#include "tokenmix/error.hpp"
+
+namespace tokenmix::kernels {
+namespace {
+
+// T_k bound of the SIMD kernels: query/key positions live in int32 lanes.
+constexpr std::int64_t kInt32LaneKeys = (std::int64_t{1} << 31) - 2;
+constexpr std::int64_t kAnyKeys = INT64_MAX;
+
+// Column order = DType values: f32, bf16, f16. Forward/backward take f32 activations only.
+std::array<KernelSet, 3> make_sets() {
+  return {{
+      {Isa::portable,
+       [](const CpuFeatures&) { return true; },
+       {{"attention_fwd_f32_portable", &attention_fwd_f32_portable}, {}, {}},
+       {{"attention_bwd_f32_portable", &attention_bwd_f32_portable}, {}, {}},
+       {{"attention_decode_f32_portable", &attention_decode_f32_portable},
+        {"attention_decode_bf16_portable", &attention_decode_bf16_portable},
+        {"attention_decode_f16_portable", &attention_decode_f16_portable}},
+       kAnyKeys,
+       "plain C++, exact fp32: two-pass softmax per query row, O(T_k*d_h) scratch per worker, "
+       "OpenMP over (batch, head, 64-row block); decode widens each 64-key cache tile to fp32 "
+       "and runs an online softmax per row"},
+      {Isa::avx2,
+       [](const CpuFeatures& f) { return f.avx2_fma; },
+       {{"attention_fwd_f32_avx2", attention_fwd_f32_avx2}, {}, {}},
+       {{"attention_bwd_f32_avx2", attention_bwd_f32_avx2}, {}, {}},
+       {{"attention_decode_f32_avx2", attention_decode_f32_avx2},
+        {"attention_decode_bf16_avx2", attention_decode_bf16_avx2},
+        {"attention_decode_f16_avx2", attention_decode_f16_avx2}},
+       kInt32LaneKeys,
+       "Highway AVX2+FMA (8 lanes, 3x3 microkernel): fused flash forward with the GQA heads "
+       "stacked in SIMD lanes, online softmax over 64-key tiles, causal tile skipping; flash "
+       "backward recomputing tiles (one pass owning dK/dV/dQ per KV head when B*H_kv >= 8, else "
+       "two passes: dQ with queries in lanes, dK/dV with keys in lanes); decode over the "
+       "cache's 64-key tiles with bf16/f16 widened in registers"},
+      {Isa::avx512,
+       [](const CpuFeatures& f) { return f.avx512f; },
+       {{"attention_fwd_f32_avx512", attention_fwd_f32_avx512}, {}, {}},
+       {{"attention_bwd_f32_avx512", attention_bwd_f32_avx512}, {}, {}},
+       {{"attention_decode_f32_avx512", attention_decode_f32_avx512},
+        {"attention_decode_bf16_avx512", attention_decode_bf16_avx512},
+        {"attention_decode_f16_avx512", attention_decode_f16_avx512}},
+       kInt32LaneKeys,
+       "Highway AVX-512 (16 lanes, 6x4 microkernel): the same flash forward, backward and "
+       "decode kernels as avx2 with 64 query rows per lane block"},
+  }};
+}
+
+[[noreturn]] void missing(const char* entry, const char* op, Isa isa, DType dtype) {
+  throw UnsupportedError(std::string(entry) + ": the " + to_string(isa) + " path has no " + op +
+                         " kernel for dtype " + to_string(dtype) +
+                         (kernel_set(isa).compiled() ? "" : " (not built into this binary)"));
+}
+
+template <class Fn>
+NamedKernel<Fn> pick(const NamedKernel<Fn> (&column)[kDTypeCount], const char* entry,
+                     const char* op, Isa isa, DType dtype) {
+  const auto i = static_cast<std::size_t>(dtype);
+  if (i >= kDTypeCount || column[i].fn == nullptr) missing(entry, op, isa, dtype);
+  return column[i];
+}
+
+}  // namespace
+
+std::span<const KernelSet> kernel_sets() {
+  static const std::array<KernelSet, 3> sets = make_sets();
+  return sets;
+}
+
+const KernelSet& kernel_set(Isa isa) {
+  for (const KernelSet& s : kernel_sets()) {
+    if (s.isa == isa) return s;
+  }
+  throw UnsupportedError(std::string("tokenmix: no kernel set for isa '") + to_string(isa) + "'");
+}
+
+NamedKernel<ForwardKernel> select_forward(const char* entry, Isa isa, DType dtype,
+                                          std::int64_t tk) {
+  if (tk > kernel_set(isa).max_keys) isa = Isa::portable;  // the T_k rule (registry.hpp)
+  return pick(kernel_set(isa).forward, entry, "forward", isa, dtype);
+}
+
+NamedKernel<BackwardKernel> select_backward(const char* entry, Isa isa, DType dtype,
+                                            std::int64_t tk) {
+  if (tk > kernel_set(isa).max_keys) isa = Isa::portable;  // the T_k rule (registry.hpp)
+  return pick(kernel_set(isa).backward, entry, "backward", isa, dtype);
+}
+
+NamedKernel<DecodeKernel> select_decode(const char* entry, Isa isa, DType cache_dtype) {
+  return pick(kernel_set(isa).decode, entry, "decode", isa, cache_dtype);
+}
+
+}  // namespace tokenmix::kernels

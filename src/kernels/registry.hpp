@@ -1,0 +1,57 @@
+// src/kernels/registry.hpp — which kernel runs, for every ISA path and dtype: the one table
+// (kernels/registry.cpp) that dispatch, `tokenmix info` and the tests read.
+//
+// One KernelSet per ISA path (portable, avx2, avx512). Each names its forward, backward and
+// decode kernels per dtype (activations for forward/backward, the KV cache's element type for
+// decode) and describes them. Adding a path = one entry here plus its kernel files; adding a
+// dtype = filling its column. A null kernel means "not built / not implemented": dispatch
+// throws UnsupportedError naming it, never substitutes another.
+//
+// The one rule that picks a kernel of another set is explicit (select_forward/select_backward):
+// a set serves T_k ≤ max_keys (the SIMD kernels index key positions with int32 lanes); a larger
+// problem runs the portable kernel of the same dtype.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "kernels/attention_kernels.hpp"
+#include "tokenmix/runtime.hpp"
+#include "tokenmix/tensor.hpp"
+
+namespace tokenmix::kernels {
+
+inline constexpr int kDTypeCount = 3;  // DType::f32, bf16, f16 (index = the enum's value)
+
+template <class Fn>
+struct NamedKernel {
+  const char* name = nullptr;  // attention_<fwd|bwd|decode>_<dtype>_<isa>, the symbol's name
+  Fn fn = nullptr;             // null: not built or not implemented
+};
+
+struct KernelSet {
+  Isa isa = Isa::portable;
+  bool (*runs_on)(const CpuFeatures&) = nullptr;      // the CPU/OS features the path needs
+  NamedKernel<ForwardKernel> forward[kDTypeCount];    // by activation dtype
+  NamedKernel<BackwardKernel> backward[kDTypeCount];  // by activation dtype
+  NamedKernel<DecodeKernel> decode[kDTypeCount];      // by KV-cache dtype
+  std::int64_t max_keys = 0;                          // forward/backward serve T_k ≤ max_keys
+  const char* description = "";
+
+  /// Built into this binary (its f32 forward exists): the path can run where the CPU can.
+  bool compiled() const { return forward[0].fn != nullptr; }
+};
+
+/// Every path, lowest first: portable, avx2, avx512.
+std::span<const KernelSet> kernel_sets();
+/// The set of a concrete path (not Isa::automatic).
+const KernelSet& kernel_set(Isa isa);
+
+/// The kernel that runs for a resolved path, dtype and T_k (the T_k rule above). Throws
+/// UnsupportedError naming `entry`, the kernel and the dtype if the table has none.
+NamedKernel<ForwardKernel> select_forward(const char* entry, Isa isa, DType dtype, std::int64_t tk);
+NamedKernel<BackwardKernel> select_backward(const char* entry, Isa isa, DType dtype,
+                                            std::int64_t tk);
+NamedKernel<DecodeKernel> select_decode(const char* entry, Isa isa, DType cache_dtype);
+
+}  // namespace tokenmix::kernels

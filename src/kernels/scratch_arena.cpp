@@ -1,0 +1,53 @@
+// src/kernels/scratch_arena.cpp — the one allocation function of the kernels (scratch_arena.hpp).
+#include "kernels/scratch_arena.hpp"
+
+#include <new>
+#include <string>
+
+#include "tokenmix/error.hpp"
+
+namespace tokenmix::kernels {
+namespace {
+
+[[noreturn]] void overflow(const CallSite& site, const char* what, const std::string& expr) {
+  throw ResourceError(ErrorCode::overflow, std::string(site.entry) + ": the size of " + what +
+                                               " for kernel " + site.kernel +
+                                               " overflows 64-bit arithmetic (" + expr + " bytes)");
+}
+
+}  // namespace
+
+std::int64_t scratch_mul(std::int64_t a, std::int64_t b, const CallSite& site, const char* what) {
+  std::int64_t r = 0;
+  if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r)) {
+    overflow(site, what, std::to_string(a) + " * " + std::to_string(b));
+  }
+  return r;
+}
+
+std::int64_t scratch_add(std::int64_t a, std::int64_t b, const CallSite& site, const char* what) {
+  std::int64_t r = 0;
+  if (a < 0 || b < 0 || __builtin_add_overflow(a, b, &r)) {
+    overflow(site, what, std::to_string(a) + " + " + std::to_string(b));
+  }
+  return r;
+}
+
+void AlignedFree::operator()(std::byte* p) const noexcept {
+  ::operator delete[](p, std::align_val_t{kScratchAlign});
+}
+
+AlignedBytes allocate_bytes(std::int64_t bytes, const CallSite& site, const char* what) {
+  if (bytes < 0) overflow(site, what, std::to_string(bytes));
+  const std::size_t n = bytes == 0 ? kScratchAlign : static_cast<std::size_t>(bytes);
+  void* p = ::operator new[](n, std::align_val_t{kScratchAlign}, std::nothrow);
+  if (p == nullptr) {
+    throw ResourceError(ErrorCode::out_of_memory, std::string(site.entry) + ": cannot allocate " +
+                                                      std::to_string(bytes) + " bytes for " + what +
+                                                      " of kernel " + site.kernel +
+                                                      " (the system refused the allocation)");
+  }
+  return AlignedBytes(static_cast<std::byte*>(p));
+}
+
+}  // namespace tokenmix::kernels

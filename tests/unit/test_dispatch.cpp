@@ -1,0 +1,446 @@
+// tests/unit/test_dispatch.cpp — the kernel registry (src/kernels/registry.cpp), the CPU cap
+// TOKENMIX_CPU_CAP (runtime.hpp), entry-point names in ISA errors, and ResourceError from the
+// kernels' one allocation function (src/kernels/scratch_arena.hpp).
+//
+// The cap tests run on any CPU: each checks what the cap promises relative to what this CPU
+// has (e.g. with TOKENMIX_CPU_CAP=avx2, avx512 is never available and auto resolves to the best
+// path ≤ avx2), so they also exercise "a CPU without AVX-512" on an AVX-512 machine.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "kernels/kv_tile_layout.hpp"
+#include "kernels/registry.hpp"
+#include "kernels/scratch_arena.hpp"
+#include "tokenmix/tokenmix.hpp"
+
+#if defined(__SANITIZE_ADDRESS__)
+// The ResourceError tests ask for petabytes on purpose; AddressSanitizer must report that as a
+// failed allocation (null) instead of aborting, as the plain allocator does.
+extern "C" const char* __asan_default_options() {
+  return "allocator_may_return_null=1";
+}
+#endif
+
+namespace tokenmix::testing {
+namespace {
+
+// Sets (or, with nullptr, unsets) an environment variable for one scope, restoring it after.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) {
+      had_ = true;
+      old_ = old;
+    }
+    if (value != nullptr) {
+      ::setenv(name, value, 1);
+    } else {
+      ::unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      ::setenv(name_, old_.c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+template <class E, class F>
+void expect_error(F&& f, ErrorCode code, std::initializer_list<std::string> parts) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an exception";
+  } catch (const E& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    for (const std::string& part : parts) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos)
+          << "message lacks '" << part << "': " << e.what();
+    }
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong exception type: " << e.what();
+  }
+}
+
+bool contains(const std::vector<Isa>& v, Isa isa) {
+  return std::find(v.begin(), v.end(), isa) != v.end();
+}
+
+// What the uncapped CPU supports (read with no cap in effect).
+CpuFeatures uncapped_features() {
+  const ScopedEnv no_cap("TOKENMIX_CPU_CAP", nullptr);
+  return cpu_features();
+}
+
+// A small attention problem with deterministic inputs.
+struct Small {
+  static constexpr std::int64_t B = 1, T = 37, Hq = 4, Hkv = 2, D = 24;
+  std::vector<float> q, k, v, out, lse, dout, dq, dk, dv;
+  Small() {
+    const auto fill = [](std::vector<float>& x, std::size_t n, float phase) {
+      x.resize(n);
+      for (std::size_t i = 0; i < n; ++i) x[i] = std::sin(0.37f * static_cast<float>(i) + phase);
+    };
+    fill(q, B * T * Hq * D, 0.1f);
+    fill(k, B * T * Hkv * D, 0.7f);
+    fill(v, B * T * Hkv * D, 1.3f);
+    fill(dout, B * T * Hq * D, 2.1f);
+    out.assign(B * T * Hq * D, std::nanf(""));
+    lse.assign(B * Hq * T, std::nanf(""));
+    dq.assign(q.size(), std::nanf(""));
+    dk.assign(k.size(), std::nanf(""));
+    dv.assign(v.size(), std::nanf(""));
+  }
+  void forward(Isa isa) {
+    AttentionOptions o;
+    o.isa = isa;
+    o.threads = 2;
+    attention_forward(
+        ConstTensorView::bthd(q.data(), B, T, Hq, D), ConstTensorView::bthd(k.data(), B, T, Hkv, D),
+        ConstTensorView::bthd(v.data(), B, T, Hkv, D), TensorView::bthd(out.data(), B, T, Hq, D),
+        TensorView::bht(lse.data(), B, Hq, T), o);
+  }
+  void backward(Isa isa) {
+    AttentionOptions o;
+    o.isa = isa;
+    attention_backward(
+        ConstTensorView::bthd(q.data(), B, T, Hq, D), ConstTensorView::bthd(k.data(), B, T, Hkv, D),
+        ConstTensorView::bthd(v.data(), B, T, Hkv, D),
+        ConstTensorView::bthd(out.data(), B, T, Hq, D), ConstTensorView::bht(lse.data(), B, Hq, T),
+        ConstTensorView::bthd(dout.data(), B, T, Hq, D), TensorView::bthd(dq.data(), B, T, Hq, D),
+        TensorView::bthd(dk.data(), B, T, Hkv, D), TensorView::bthd(dv.data(), B, T, Hkv, D), o);
+  }
+};
+
+// A one-layer cache holding `len` positions, and one decode step against it.
+std::vector<float> decode_once(Isa isa, DType dtype) {
+  constexpr std::int64_t Hkv = 2, Hq = 6, D = 20, len = 150;
+  KVCacheConfig c;
+  c.layers = 1;
+  c.batch = 1;
+  c.heads_kv = Hkv;
+  c.head_dim = D;
+  c.capacity = 200;
+  c.dtype = dtype;
+  KVCache cache(c);
+  std::vector<float> k(len * Hkv * D), v(len * Hkv * D), q(Hq * D);
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    k[i] = std::sin(0.11f * static_cast<float>(i));
+    v[i] = std::cos(0.07f * static_cast<float>(i));
+  }
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.5f * static_cast<float>(i) + 1.0f);
+  cache.append(0, 0, ConstTensorView::bthd(k.data(), 1, len, Hkv, D),
+               ConstTensorView::bthd(v.data(), 1, len, Hkv, D));
+  std::vector<float> out(Hq * D, std::nanf(""));
+  DecodeOptions o;
+  o.isa = isa;
+  attention_decode(ConstTensorView::bthd(q.data(), 1, 1, Hq, D), cache, 0,
+                   TensorView::bthd(out.data(), 1, 1, Hq, D), {}, o);
+  return out;
+}
+
+// ---- The registry --------------------------------------------------------------------------
+
+TEST(Dispatch, RegistryHasOneEntryPerPathWithKernelsNamedAfterIt) {
+  const auto sets = kernels::kernel_sets();
+  ASSERT_EQ(sets.size(), 3u);
+  EXPECT_EQ(sets[0].isa, Isa::portable);
+  EXPECT_EQ(sets[1].isa, Isa::avx2);
+  EXPECT_EQ(sets[2].isa, Isa::avx512);
+  EXPECT_TRUE(sets[0].compiled());
+  const DType dtypes[] = {DType::f32, DType::bf16, DType::f16};
+  for (const kernels::KernelSet& s : sets) {
+    SCOPED_TRACE(to_string(s.isa));
+    ASSERT_NE(s.runs_on, nullptr);
+    EXPECT_GT(std::strlen(s.description), 0u);
+    const std::string suffix = std::string("_") + to_string(s.isa);
+    for (int i = 0; i < kernels::kDTypeCount; ++i) {
+      const std::string dt = to_string(dtypes[i]);
+      // Every column that names a kernel follows attention_<op>_<dtype>_<isa>.
+      if (s.forward[i].name != nullptr) {
+        EXPECT_EQ(s.forward[i].name, "attention_fwd_" + dt + suffix);
+      }
+      if (s.backward[i].name != nullptr) {
+        EXPECT_EQ(s.backward[i].name, "attention_bwd_" + dt + suffix);
+      }
+      ASSERT_NE(s.decode[i].name, nullptr);
+      EXPECT_EQ(s.decode[i].name, "attention_decode_" + dt + suffix);
+      // A compiled path has a decode kernel for every cache dtype; an uncompiled one none.
+      EXPECT_EQ(s.decode[i].fn != nullptr, s.compiled());
+    }
+    EXPECT_EQ(s.backward[0].fn != nullptr, s.compiled());  // f32 forward and backward together
+    // Forward/backward of bf16/f16 activations do not exist yet (validation rejects them).
+    for (int i = 1; i < kernels::kDTypeCount; ++i) {
+      EXPECT_EQ(s.forward[i].fn, nullptr);
+      EXPECT_EQ(s.backward[i].fn, nullptr);
+    }
+  }
+  // available_isas() is exactly the compiled sets whose CPU features are present.
+  std::vector<Isa> expect;
+  for (const kernels::KernelSet& s : sets) {
+    if (s.compiled() && s.runs_on(cpu_features())) expect.push_back(s.isa);
+  }
+  EXPECT_EQ(available_isas(), expect);
+}
+
+TEST(Dispatch, DescribeKernelNamesTheRegistryKernels) {
+  for (Isa isa : available_isas()) {
+    const std::string text = describe_kernel(isa);
+    const kernels::KernelSet& s = kernels::kernel_set(isa);
+    for (const auto& k : s.decode) EXPECT_NE(text.find(k.name), std::string::npos) << text;
+    EXPECT_NE(text.find(s.forward[0].name), std::string::npos) << text;
+    EXPECT_NE(text.find(s.backward[0].name), std::string::npos) << text;
+    EXPECT_NE(text.find(s.description), std::string::npos) << text;
+  }
+}
+
+TEST(Dispatch, SelectionFollowsTheTableAndTheExplicitKeyCountRule) {
+  for (Isa isa : available_isas()) {
+    SCOPED_TRACE(to_string(isa));
+    const kernels::KernelSet& s = kernels::kernel_set(isa);
+    EXPECT_EQ(kernels::select_forward("t", isa, DType::f32, 100).fn, s.forward[0].fn);
+    EXPECT_EQ(kernels::select_backward("t", isa, DType::f32, 100).fn, s.backward[0].fn);
+    EXPECT_EQ(kernels::select_decode("t", isa, DType::bf16).fn, s.decode[1].fn);
+    EXPECT_STREQ(kernels::select_decode("t", isa, DType::f16).name, s.decode[2].name);
+    // T_k beyond what a set indexes (int32 lanes for SIMD) runs the portable kernel.
+    if (s.max_keys < INT64_MAX) {
+      EXPECT_STREQ(kernels::select_forward("t", isa, DType::f32, s.max_keys).name,
+                   s.forward[0].name);
+      EXPECT_STREQ(kernels::select_forward("t", isa, DType::f32, s.max_keys + 1).name,
+                   "attention_fwd_f32_portable");
+      EXPECT_STREQ(kernels::select_backward("t", isa, DType::f32, s.max_keys + 1).name,
+                   "attention_bwd_f32_portable");
+    }
+    // A missing column is an error naming the entry point and the dtype, never a substitute.
+    expect_error<UnsupportedError>(
+        [&] { (void)kernels::select_forward("attention_forward", isa, DType::bf16, 10); },
+        ErrorCode::unsupported, {"attention_forward", "bf16", to_string(isa)});
+  }
+}
+
+TEST(Dispatch, KVTileLayoutMatchesTheCacheConstant) {
+  static_assert(KVCache::kKeyTile == kernels::KVTileLayout::kKeyTile);
+  const kernels::KVTileLayout l{3, 10, 128, 5};
+  EXPECT_EQ(l.tile_elems(), 640);
+  EXPECT_EQ(l.head_block_elems(), 2 * 128 * 10);
+  EXPECT_EQ(l.layer_elems(), 5 * 3 * 2 * 128 * 10);
+  // Position 70 of block 2, head 1: second tile pair of that (block, head).
+  const std::int64_t k = l.k_tile(2, 1, 70);
+  EXPECT_EQ(k, (2 * 3 + 1) * 2560 + 2 * 640);
+  EXPECT_EQ(l.k_tile(2, 1, 64), k);  // any position of the tile
+  EXPECT_EQ(l.v_tile(2, 1, 70), k + 640);
+  EXPECT_EQ(l.key_in_tile(70, 4), 4 * 64 + 6);
+  EXPECT_EQ(l.value_in_tile(70, 4), 6 * 10 + 4);
+}
+
+// ---- Entry-point names in ISA errors ---------------------------------------------------------
+
+TEST(Dispatch, ForcedIsaErrorsNameTheEntryPoint) {
+  // With the cap at portable, avx2 and avx512 are unavailable on every CPU.
+  const ScopedEnv cap("TOKENMIX_CPU_CAP", "portable");
+  const ScopedEnv isa_env("TOKENMIX_ISA", nullptr);
+  for (Isa isa : {Isa::avx2, Isa::avx512}) {
+    SCOPED_TRACE(to_string(isa));
+    Small s;
+    expect_error<UnsupportedError>([&] { s.forward(isa); }, ErrorCode::unsupported,
+                                   {"attention_forward", to_string(isa), "available: portable"});
+    expect_error<UnsupportedError>([&] { s.backward(isa); }, ErrorCode::unsupported,
+                                   {"attention_backward", to_string(isa)});
+    expect_error<UnsupportedError>([&] { (void)decode_once(isa, DType::bf16); },
+                                   ErrorCode::unsupported, {"attention_decode", to_string(isa)});
+    expect_error<UnsupportedError>([&] { (void)resolve_isa(isa); }, ErrorCode::unsupported,
+                                   {"resolve_isa", to_string(isa)});
+    // Nothing was written.
+    EXPECT_TRUE(std::all_of(s.out.begin(), s.out.end(), [](float x) { return std::isnan(x); }));
+    EXPECT_TRUE(std::all_of(s.dq.begin(), s.dq.end(), [](float x) { return std::isnan(x); }));
+  }
+  // A bad TOKENMIX_ISA names the entry point too.
+  const ScopedEnv bad_isa("TOKENMIX_ISA", "sse9");
+  Small s;
+  expect_error<ArgumentError>([&] { s.forward(Isa::automatic); }, ErrorCode::invalid_argument,
+                              {"attention_forward", "TOKENMIX_ISA", "sse9"});
+}
+
+// ---- TOKENMIX_CPU_CAP --------------------------------------------------------------------------
+
+TEST(Dispatch, CpuCapAvx2BehavesLikeACpuWithoutAvx512) {
+  const CpuFeatures real = uncapped_features();
+  const ScopedEnv cap("TOKENMIX_CPU_CAP", "avx2");
+  const ScopedEnv isa_env("TOKENMIX_ISA", nullptr);
+  EXPECT_EQ(cpu_cap(), Isa::avx2);
+  const CpuFeatures& f = cpu_features();
+  EXPECT_EQ(f.model, real.model);
+  EXPECT_EQ(f.avx2_fma, real.avx2_fma);
+  EXPECT_FALSE(f.avx512f);
+  EXPECT_FALSE(f.avx512_bf16);
+  EXPECT_FALSE(f.amx_tile);
+  const auto avail = available_isas();
+  EXPECT_FALSE(contains(avail, Isa::avx512));
+  EXPECT_EQ(contains(avail, Isa::avx2), real.avx2_fma && kernels::kernel_set(Isa::avx2).compiled());
+  const Isa best = avail.back();
+  EXPECT_EQ(resolve_isa(Isa::automatic), best);
+  EXPECT_NE(describe_kernel(Isa::automatic).find(std::string("_") + to_string(best)),
+            std::string::npos);
+  // Forcing avx512 fails as on a CPU without it.
+  Small s;
+  expect_error<UnsupportedError>([&] { s.forward(Isa::avx512); }, ErrorCode::unsupported,
+                                 {"attention_forward", "avx512", "does not support"});
+  // Auto runs the capped path: bitwise the same as forcing it.
+  s.forward(Isa::automatic);
+  Small forced;
+  forced.forward(best);
+  EXPECT_EQ(0, std::memcmp(s.out.data(), forced.out.data(), s.out.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(s.lse.data(), forced.lse.data(), s.lse.size() * sizeof(float)));
+  s.backward(Isa::automatic);
+  forced.backward(best);
+  EXPECT_EQ(0, std::memcmp(s.dk.data(), forced.dk.data(), s.dk.size() * sizeof(float)));
+  const auto d_auto = decode_once(Isa::automatic, DType::f16);
+  const auto d_forced = decode_once(best, DType::f16);
+  EXPECT_EQ(0, std::memcmp(d_auto.data(), d_forced.data(), d_auto.size() * sizeof(float)));
+}
+
+TEST(Dispatch, CpuCapPortableBehavesLikeANonX86Cpu) {
+  const CpuFeatures real = uncapped_features();
+  const ScopedEnv cap("TOKENMIX_CPU_CAP", "portable");
+  const ScopedEnv isa_env("TOKENMIX_ISA", nullptr);
+  EXPECT_EQ(cpu_cap(), Isa::portable);
+  const CpuFeatures& f = cpu_features();
+  EXPECT_EQ(f.model, real.model);
+  EXPECT_FALSE(f.avx2_fma || f.avx512f || f.avx512_bf16 || f.amx_tile);
+  EXPECT_TRUE(f.flags().empty());
+  EXPECT_EQ(available_isas(), std::vector<Isa>{Isa::portable});
+  EXPECT_EQ(resolve_isa(Isa::automatic), Isa::portable);
+  Small s, forced;
+  s.forward(Isa::automatic);
+  forced.forward(Isa::portable);
+  EXPECT_EQ(0, std::memcmp(s.out.data(), forced.out.data(), s.out.size() * sizeof(float)));
+}
+
+TEST(Dispatch, CpuCapAvx512AndEmptyHideNothingBelowAvx512) {
+  const CpuFeatures real = uncapped_features();
+  std::vector<Isa> uncapped;
+  {
+    const ScopedEnv cap("TOKENMIX_CPU_CAP", nullptr);
+    EXPECT_EQ(cpu_cap(), Isa::automatic);
+    uncapped = available_isas();
+  }
+  {
+    const ScopedEnv cap("TOKENMIX_CPU_CAP", "");  // empty = no cap
+    EXPECT_EQ(cpu_cap(), Isa::automatic);
+    EXPECT_EQ(available_isas(), uncapped);
+    EXPECT_EQ(cpu_features().amx_tile, real.amx_tile);
+  }
+  {
+    const ScopedEnv cap("TOKENMIX_CPU_CAP", "avx512");
+    EXPECT_EQ(cpu_cap(), Isa::avx512);
+    EXPECT_EQ(available_isas(), uncapped);
+    EXPECT_EQ(cpu_features().avx512f, real.avx512f);
+    EXPECT_FALSE(cpu_features().amx_tile);
+  }
+}
+
+TEST(Dispatch, InvalidCpuCapIsAnArgumentErrorNamingTheVariable) {
+  const ScopedEnv cap("TOKENMIX_CPU_CAP", "avx3");
+  const std::initializer_list<std::string> parts = {"TOKENMIX_CPU_CAP", "avx3", "portable", "avx2",
+                                                    "avx512"};
+  expect_error<ArgumentError>([] { (void)cpu_features(); }, ErrorCode::invalid_argument, parts);
+  expect_error<ArgumentError>([] { (void)cpu_cap(); }, ErrorCode::invalid_argument, parts);
+  expect_error<ArgumentError>([] { (void)available_isas(); }, ErrorCode::invalid_argument,
+                              {"available_isas", "TOKENMIX_CPU_CAP"});
+  expect_error<ArgumentError>([] { (void)resolve_isa(Isa::portable); }, ErrorCode::invalid_argument,
+                              {"resolve_isa", "TOKENMIX_CPU_CAP"});
+  Small s;
+  expect_error<ArgumentError>([&] { s.forward(Isa::portable); }, ErrorCode::invalid_argument,
+                              {"attention_forward", "TOKENMIX_CPU_CAP", "avx3"});
+  expect_error<ArgumentError>([&] { (void)decode_once(Isa::automatic, DType::f32); },
+                              ErrorCode::invalid_argument,
+                              {"attention_decode", "TOKENMIX_CPU_CAP"});
+}
+
+// ---- ResourceError ---------------------------------------------------------------------------
+
+TEST(Dispatch, AllocationFailureIsAResourceErrorNamingTheSize) {
+  const kernels::CallSite site{"attention_forward", "attention_fwd_f32_avx2"};
+  const std::int64_t huge = std::int64_t{1} << 60;  // 1 EiB: no system grants it
+  expect_error<ResourceError>([&] { (void)kernels::allocate_bytes(huge, site, "a test buffer"); },
+                              ErrorCode::out_of_memory,
+                              {"attention_forward", "attention_fwd_f32_avx2", "a test buffer",
+                               std::to_string(huge) + " bytes"});
+  EXPECT_STREQ(to_string(ErrorCode::out_of_memory), "out_of_memory");
+  // Sizes that overflow int64 are a ResourceError(overflow), not a wrapped-around allocation.
+  kernels::ScratchLayout layout(site);
+  (void)layout.add<float>(std::int64_t{1} << 60);  // 2^62 bytes: representable
+  expect_error<ResourceError>([&] { (void)layout.add<float>(std::int64_t{1} << 60); },
+                              ErrorCode::overflow, {"attention_forward", "overflows"});
+  expect_error<ResourceError>([&] { kernels::ScratchArena a(layout, 1 << 20, "scratch"); },
+                              ErrorCode::overflow, {"attention_forward", "scratch", "overflows"});
+  // A small arena: every slot 64-byte aligned, workers apart by the layout's size.
+  kernels::ScratchLayout small(site);
+  const auto a = small.add<float>(3);
+  const auto b = small.add<std::int32_t>(5);
+  EXPECT_EQ(small.bytes() % kernels::kScratchAlign, 0);
+  const kernels::ScratchArena arena(small, 3, "scratch");
+  for (int w = 0; w < 3; ++w) {
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(arena.at(a, w)) % kernels::kScratchAlign, 0u);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(arena.at(b, w)) % kernels::kScratchAlign, 0u);
+    arena.at(a, w)[2] = 1.0f;  // writable to the end
+    arena.at(b, w)[4] = 1;
+  }
+}
+
+// A head width whose kernel scratch cannot exist (issue: d_h = 2^26 crashed the AVX2 kernels):
+// q, k, v and out are d_h-long views with stride 0 (valid, one float each), so validation
+// accepts them and the kernel's scratch allocation is what fails, before anything is written.
+void huge_head_width(Isa isa, std::int64_t dh, ErrorCode code) {
+  float q = 0.5f, k = 0.25f, v = 1.0f, out = std::nanf(""), lse = std::nanf("");
+  float dq = std::nanf(""), dk = std::nanf(""), dv = std::nanf(""), dout = 1.0f;
+  const auto in = [&](const float* p) {
+    return ConstTensorView{p, DType::f32, 4, {1, 1, 1, dh}, {0, 0, 0, 0}};
+  };
+  const auto outv = [&](float* p) {
+    return TensorView{p, DType::f32, 4, {1, 1, 1, dh}, {0, 0, 0, 0}};
+  };
+  AttentionOptions o;
+  o.isa = isa;
+  const std::string bytes = code == ErrorCode::out_of_memory ? "bytes" : "overflows";
+  expect_error<ResourceError>(
+      [&] {
+        attention_forward(in(&q), in(&k), in(&v), outv(&out), TensorView::bht(&lse, 1, 1, 1), o);
+      },
+      code, {"attention_forward", std::string("attention_fwd_f32_") + to_string(isa), bytes});
+  expect_error<ResourceError>(
+      [&] {
+        attention_backward(in(&q), in(&k), in(&v), in(&out), ConstTensorView::bht(&lse, 1, 1, 1),
+                           in(&dout), outv(&dq), outv(&dk), outv(&dv), o);
+      },
+      code, {"attention_backward", std::string("attention_bwd_f32_") + to_string(isa), bytes});
+  EXPECT_TRUE(std::isnan(out) && std::isnan(lse) && std::isnan(dq) && std::isnan(dk) &&
+              std::isnan(dv));
+}
+
+TEST(Dispatch, HugeHeadWidthIsAResourceErrorOnEveryPath) {
+  for (Isa isa : available_isas()) {
+    SCOPED_TRACE(to_string(isa));
+    huge_head_width(isa, std::int64_t{1} << 48, ErrorCode::out_of_memory);  // petabytes
+    huge_head_width(isa, std::int64_t{1} << 60, ErrorCode::overflow);       // > 2^63 bytes
+  }
+}
+
+}  // namespace
+}  // namespace tokenmix::testing

@@ -22,6 +22,7 @@
 #include "hwy/highway.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "kernels/simd/microkernel-inl.h"
+#include "kernels/simd/nonfinite-inl.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,6 +32,7 @@
 
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kv_element.hpp"
+#include "kernels/nonfinite.hpp"
 #include "kernels/simd/work_units.hpp"
 
 HWY_BEFORE_NAMESPACE();
@@ -112,12 +114,12 @@ void DecodeUnits(const DecodeArgs& a) {
         }
         VF vmax = hn::Load(d, s);
         for (std::int64_t i = N; i < T; i += N) vmax = hn::Max(vmax, hn::Load(d, s + i));
-        const float m_old = m_run[r], m_new = std::max(m_old, hn::GetLane(hn::MaxOfLanes(d, vmax)));
+        const float m_old = m_run[r], m_new = max_nan(m_old, hn::GetLane(hn::MaxOfLanes(d, vmax)));
         // A row with nothing visible yet keeps P = 0 (shift 0: e^{−∞} = 0).
         const VF shift = hn::Set(d, m_new == kNegInf ? 0.0f : m_new);
         VF vsum = hn::Zero(d);
         for (std::int64_t i = 0; i < T; i += N) {
-          const VF p = hn::Exp(d, hn::Sub(hn::Load(d, s + i), shift));
+          const VF p = ExpNaN(d, hn::Sub(hn::Load(d, s + i), shift));  // NaN score: l = NaN
           hn::Store(p, d, s + i);
           vsum = hn::Add(vsum, p);
         }
@@ -140,15 +142,29 @@ void DecodeUnits(const DecodeArgs& a) {
       // The V tile is consumed in sub-tiles of kSub keys, all d_h chunks of a sub-tile before the
       // next, so memory is read front to back (row-strided passes over the whole tile halve the
       // DRAM bandwidth a core gets).
+      // Keys from kfull on are not seen by every row; if their V rows are not finite, each row's
+      // product stops at its own visible end (a masked key takes no part: 0 · NaN = NaN).
+      bool v_bad = false;
+      for (std::int64_t i = std::clamp<std::int64_t>(kfull - u0, 0, nt) * dh; i < nt * dh && !v_bad; ++i) {
+        v_bad = !std::isfinite(load_element(a.dtype, vt, i));
+      }
       for (std::int64_t k0 = 0; k0 < nt; k0 += kSub) {
         const std::int64_t nk = std::min(kSub, nt - k0);
         const TB* vk = vt + k0 * dh;
+        if (v_bad) {
+          for (std::int64_t r = 0; r < nrows; ++r) {
+            const std::int64_t nk_r = std::clamp<std::int64_t>(a.visible_end(b, t0 + r / g) - u0 - k0, 0, nk);
+            for (x0 = 0; x0 < dh_full; x0 += W) GemmRows<1, kVD>(d, 1, st + r * T + k0, T, 1, vk + x0, dh, nk_r, acc + r * dh + x0, dh, true);
+            for (; x0 < dh_vec; x0 += N) GemmRows<1, 1>(d, 1, st + r * T + k0, T, 1, vk + x0, dh, nk_r, acc + r * dh + x0, dh, true);
+          }
+          continue;
+        }
         for (x0 = 0; x0 < dh_full; x0 += W) GemmRows<kRD, kVD>(d, nrows, st + k0, T, 1, vk + x0, dh, nk, acc + x0, dh, true);
         for (; x0 < dh_vec; x0 += N) GemmRows<kRD, 1>(d, nrows, st + k0, T, 1, vk + x0, dh, nk, acc + x0, dh, true);
       }
       if (x0 < dh) {
-        for (std::int64_t r = 0; r < nrows; ++r)
-          for (std::int64_t u = 0; u < nt; ++u) {
+        for (std::int64_t r = 0; r < nrows; ++r)  // visible keys only (0 · NaN = NaN)
+          for (std::int64_t u = 0; u < std::clamp<std::int64_t>(a.visible_end(b, t0 + r / g) - u0, 0, nt); ++u) {
             const float p = st[r * T + u];
             for (std::int64_t x = x0; x < dh; ++x) acc[r * dh + x] += p * load_element(a.dtype, vt, u * dh + x);
           }

@@ -584,25 +584,28 @@ TEST(NonFiniteHelpers, JacobianPropagatesNaN) {
 }
 
 TEST(NonFiniteHelpers, MergePartialsNaNIsNotEmpty) {
-  const std::int64_t B = 1, T = 4, H = 1, D = 3;
-  std::vector<float> o1(12, 1.0f), o2(12, 2.0f), out(12, kPoison);
-  std::vector<float> l1{kNaN, -kInf, 0.0f, 0.0f}, l2{0.0f, 0.5f, -80.0f, -kInf}, lo(4, kPoison);
+  const std::int64_t B = 1, T = 5, H = 1, D = 3;
+  std::vector<float> o1(T * D, 1.0f), o2(T * D, 2.0f), out(T * D, kPoison);
+  std::vector<float> l1{kNaN, -kInf, 0.0f, 0.0f, -kInf}, l2{0.0f, 0.5f, -800.0f, -kInf, kNaN}, lo(T, kPoison);
   o1[1 * D + 0] = kNaN;  // row 1: part 1 is empty (L = −∞), its O is not read
-  o2[2 * D + 1] = kNaN;  // row 2: part 2 has weight e^{−80} ≈ 0 but is not empty: NaN reaches O
+  o2[2 * D + 1] = kNaN;  // row 2: part 2's weight e^{−800} underflows to 0, but it is not empty
   merge_partials(ConstTensorView::bthd(o1.data(), B, T, H, D), ConstTensorView::bht(l1.data(), B, H, T),
                  ConstTensorView::bthd(o2.data(), B, T, H, D), ConstTensorView::bht(l2.data(), B, H, T),
                  TensorView::bthd(out.data(), B, T, H, D), TensorView::bht(lo.data(), B, H, T));
-  // Row 0: a NaN L makes the row NaN (it used to count as empty).
-  EXPECT_TRUE(std::isnan(lo[0]));
-  for (int x = 0; x < D; ++x) EXPECT_TRUE(std::isnan(out[x])) << x;
+  // Rows 0 and 4: a NaN L makes the row NaN, on either side (it used to count as empty when
+  // the other part was empty, std::max(−∞, NaN) being −∞).
+  for (int r : {0, 4}) {
+    EXPECT_TRUE(std::isnan(lo[r])) << r;
+    for (int x = 0; x < D; ++x) EXPECT_TRUE(std::isnan(out[r * D + x])) << r << " " << x;
+  }
   // Row 1: −∞ is empty: the result is part 2 exactly.
   EXPECT_EQ(lo[1], 0.5f);
   for (int x = 0; x < D; ++x) EXPECT_EQ(out[D + x], 2.0f) << x;
-  // Row 2: column 1 NaN, the others finite and ≈ O¹.
+  // Row 2: 0 · NaN = NaN in column 1; the other columns are O¹.
   EXPECT_TRUE(std::isnan(out[2 * D + 1]));
-  EXPECT_NEAR(out[2 * D + 0], 1.0f, 1e-6f);
-  EXPECT_NEAR(out[2 * D + 2], 1.0f, 1e-6f);
-  EXPECT_FALSE(std::isnan(lo[2]));
+  EXPECT_EQ(out[2 * D + 0], 1.0f);
+  EXPECT_EQ(out[2 * D + 2], 1.0f);
+  EXPECT_EQ(lo[2], 0.0f);
   // Row 3: part 2 empty.
   EXPECT_EQ(lo[3], 0.0f);
   for (int x = 0; x < D; ++x) EXPECT_EQ(out[3 * D + x], 1.0f) << x;

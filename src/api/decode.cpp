@@ -204,7 +204,8 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
         float* orow = po + b * out.strides[0] + t * out.strides[1] + h * out.strides[2];
         for (std::int64_t x = 0; x < a.dh; ++x) orow[x * out.strides[3]] = acc[static_cast<std::size_t>(x)] * inv;
         if (pl != nullptr) {
-          pl[b * lse.strides[0] + h * lse.strides[1] + t * lse.strides[2]] = l == 0.0f ? kNegInf : m + std::log(l);
+          pl[b * lse.strides[0] + h * lse.strides[1] + t * lse.strides[2]] =
+              l == 0.0f ? kNegInf : m + std::log(l);
         }
       }
     }

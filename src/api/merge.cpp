@@ -75,8 +75,9 @@ void merge_partials(ConstTensorView o1, ConstTensorView lse1, ConstTensorView o2
         for (std::int64_t i = 0; i < D; ++i) {
           // An empty part (L = −∞) is not read; any other is weighted, even by an underflowed
           // 0 (0 · NaN = NaN: a NaN in its O is not hidden).
-          const double a = L1 == -std::numeric_limits<float>::infinity() ? 0.0 : w1 * r1[i * o1.strides[3]];
-          const double c = L2 == -std::numeric_limits<float>::infinity() ? 0.0 : w2 * r2[i * o2.strides[3]];
+          constexpr float kEmpty = -std::numeric_limits<float>::infinity();
+          const double a = L1 == kEmpty ? 0.0 : w1 * r1[i * o1.strides[3]];
+          const double c = L2 == kEmpty ? 0.0 : w2 * r2[i * o2.strides[3]];
           ro[i * out.strides[3]] = static_cast<float>(a + c);
         }
         lo[b * lse_out.strides[0] + h * lse_out.strides[1] + t * lse_out.strides[2]] = static_cast<float>(L);

@@ -38,11 +38,15 @@ namespace {
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
+bool same_bits(float a, float b) {
+  return std::memcmp(&a, &b, sizeof(float)) == 0;
+}
 
 // What one output element must be.
 enum class Expect { clean, nan, pos_inf, neg_inf, oracle };
-Expect expect_value(float v) { return std::isnan(v) ? Expect::nan : v > 0 ? Expect::pos_inf : Expect::neg_inf; }
+Expect expect_value(float v) {
+  return std::isnan(v) ? Expect::nan : v > 0 ? Expect::pos_inf : Expect::neg_inf;
+}
 
 // Checks got against its expectation: bitwise equal to `clean`, NaN, ±∞, or (oracle) the class
 // of the float64 reference and, where finite, within 1e-4·max(1, |ref|).
@@ -51,16 +55,23 @@ void check_element(float got, Expect e, float clean, double ref, const std::stri
     case Expect::clean:
       ASSERT_TRUE(same_bits(got, clean)) << where << ": got " << got << ", clean run " << clean;
       break;
-    case Expect::nan: ASSERT_TRUE(std::isnan(got)) << where << ": got " << got << ", expected NaN"; break;
-    case Expect::pos_inf: ASSERT_EQ(got, kInf) << where; break;
-    case Expect::neg_inf: ASSERT_EQ(got, -kInf) << where; break;
+    case Expect::nan:
+      ASSERT_TRUE(std::isnan(got)) << where << ": got " << got << ", expected NaN";
+      break;
+    case Expect::pos_inf:
+      ASSERT_EQ(got, kInf) << where;
+      break;
+    case Expect::neg_inf:
+      ASSERT_EQ(got, -kInf) << where;
+      break;
     case Expect::oracle:
       if (std::isnan(ref)) {
         ASSERT_TRUE(std::isnan(got)) << where << ": got " << got << ", oracle NaN";
       } else if (std::isinf(ref)) {
         ASSERT_EQ(static_cast<double>(got), ref) << where;
       } else {
-        ASSERT_LE(std::fabs(got - ref), 1e-4 * std::max(1.0, std::fabs(ref))) << where << ": got " << got << ", oracle " << ref;
+        ASSERT_LE(std::fabs(got - ref), 1e-4 * std::max(1.0, std::fabs(ref)))
+            << where << ": got " << got << ", oracle " << ref;
       }
       break;
   }
@@ -76,13 +87,14 @@ struct Problem {
     return u <= t + shift;
   }
   std::string name() const {
-    return "B" + std::to_string(B) + "_Tq" + std::to_string(Tq) + "_Tk" + std::to_string(Tk) + "_Hq" +
-           std::to_string(Hq) + "_Hkv" + std::to_string(Hkv) + "_d" + std::to_string(D) + "_" + layout_name(layout) +
-           (align == CausalAlign::top_left ? "_topleft" : "");
+    return "B" + std::to_string(B) + "_Tq" + std::to_string(Tq) + "_Tk" + std::to_string(Tk) +
+           "_Hq" + std::to_string(Hq) + "_Hkv" + std::to_string(Hkv) + "_d" + std::to_string(D) +
+           "_" + layout_name(layout) + (align == CausalAlign::top_left ? "_topleft" : "");
   }
   reference::Options ref_options() const {
     reference::Options o;
-    o.align = align == CausalAlign::bottom_right ? reference::Align::bottom_right : reference::Align::top_left;
+    o.align = align == CausalAlign::bottom_right ? reference::Align::bottom_right
+                                                 : reference::Align::top_left;
     return o;
   }
 };
@@ -97,7 +109,9 @@ std::vector<Problem> forward_problems() {
 struct Inputs {
   StridedTensor q, k, v;
   Inputs(const Problem& p, std::uint64_t seed)
-      : q(p.B, p.Tq, p.Hq, p.D, p.layout), k(p.B, p.Tk, p.Hkv, p.D, p.layout), v(p.B, p.Tk, p.Hkv, p.D, p.layout) {
+      : q(p.B, p.Tq, p.Hq, p.D, p.layout),
+        k(p.B, p.Tk, p.Hkv, p.D, p.layout),
+        v(p.B, p.Tk, p.Hkv, p.D, p.layout) {
     std::mt19937_64 rng(seed);
     q.fill_random(rng);
     k.fill_random(rng);
@@ -123,14 +137,16 @@ AttentionOptions options_for(const Problem& p, Isa isa) {
 }
 
 Fwd forward(Inputs& in, const Problem& p, Isa isa) {
-  Fwd f{StridedTensor(p.B, p.Tq, p.Hq, p.D, p.layout), std::vector<float>(static_cast<std::size_t>(p.B * p.Hq * p.Tq), kPoison)};
+  Fwd f{StridedTensor(p.B, p.Tq, p.Hq, p.D, p.layout),
+        std::vector<float>(static_cast<std::size_t>(p.B * p.Hq * p.Tq), kPoison)};
   f.out.poison();
-  attention_forward(in.q.view, in.k.view, in.v.view, f.out.view, TensorView::bht(f.lse.data(), p.B, p.Hq, p.Tq),
-                    options_for(p, isa));
+  attention_forward(in.q.view, in.k.view, in.v.view, f.out.view,
+                    TensorView::bht(f.lse.data(), p.B, p.Hq, p.Tq), options_for(p, isa));
   return f;
 }
 
-float& lse_at(std::vector<float>& lse, const Problem& p, std::int64_t b, std::int64_t h, std::int64_t t) {
+float& lse_at(std::vector<float>& lse, const Problem& p, std::int64_t b, std::int64_t h,
+              std::int64_t t) {
   return lse[static_cast<std::size_t>((b * p.Hq + h) * p.Tq + t)];
 }
 
@@ -138,17 +154,20 @@ float& lse_at(std::vector<float>& lse, const Problem& p, std::int64_t b, std::in
 using OutRule = std::function<Expect(std::int64_t, std::int64_t, std::int64_t, std::int64_t)>;
 using LseRule = std::function<Expect(std::int64_t, std::int64_t, std::int64_t)>;
 
-void check_forward(Fwd& got, Fwd& clean, const reference::ForwardResult* ref, const Problem& p, const OutRule& o_rule,
-                   const LseRule& l_rule) {
+void check_forward(Fwd& got, Fwd& clean, const reference::ForwardResult* ref, const Problem& p,
+                   const OutRule& o_rule, const LseRule& l_rule) {
   for (std::int64_t b = 0; b < p.B; ++b)
     for (std::int64_t h = 0; h < p.Hq; ++h)
       for (std::int64_t t = 0; t < p.Tq; ++t) {
-        const std::string row = "b=" + std::to_string(b) + " t=" + std::to_string(t) + " h=" + std::to_string(h);
+        const std::string row =
+            "b=" + std::to_string(b) + " t=" + std::to_string(t) + " h=" + std::to_string(h);
         for (std::int64_t x = 0; x < p.D; ++x) {
-          ASSERT_NO_FATAL_FAILURE(check_element(got.out.at(b, t, h, x), o_rule(b, t, h, x), clean.out.at(b, t, h, x),
-                                                ref ? ref->out.at(b, t, h, x) : 0.0, "O " + row + " x=" + std::to_string(x)));
+          ASSERT_NO_FATAL_FAILURE(check_element(
+              got.out.at(b, t, h, x), o_rule(b, t, h, x), clean.out.at(b, t, h, x),
+              ref ? ref->out.at(b, t, h, x) : 0.0, "O " + row + " x=" + std::to_string(x)));
         }
-        ASSERT_NO_FATAL_FAILURE(check_element(lse_at(got.lse, p, b, h, t), l_rule(b, h, t), lse_at(clean.lse, p, b, h, t),
+        ASSERT_NO_FATAL_FAILURE(check_element(lse_at(got.lse, p, b, h, t), l_rule(b, h, t),
+                                              lse_at(clean.lse, p, b, h, t),
                                               ref ? ref->lse.at(b, h, t, 0) : 0.0, "L " + row));
       }
 }
@@ -177,10 +196,14 @@ TEST_P(NonFinite, ForwardNaNInQueryPoisonsOnlyItsRow) {
       in.q.at(b, t, h, x) = kNaN;
       Fwd got = forward(in, p, GetParam());
       in.q.at(b, t, h, x) = keep;
-      auto hit = [&](std::int64_t bb, std::int64_t tt, std::int64_t hh) { return bb == b && tt == t && hh == h; };
+      auto hit = [&](std::int64_t bb, std::int64_t tt, std::int64_t hh) {
+        return bb == b && tt == t && hh == h;
+      };
       check_forward(
           got, clean, nullptr, p,
-          [&](auto bb, auto tt, auto hh, auto) { return hit(bb, tt, hh) ? Expect::nan : Expect::clean; },
+          [&](auto bb, auto tt, auto hh, auto) {
+            return hit(bb, tt, hh) ? Expect::nan : Expect::clean;
+          },
           [&](auto bb, auto hh, auto tt) { return hit(bb, tt, hh) ? Expect::nan : Expect::clean; });
     }
   }
@@ -194,9 +217,11 @@ TEST_P(NonFinite, ForwardNaNInKeyPoisonsExactlyTheRowsThatSeeIt) {
     SCOPED_TRACE(p.name());
     Inputs in(p, 2);
     Fwd clean = forward(in, p, GetParam());
-    for (std::int64_t u : {std::int64_t{0}, std::int64_t{63}, std::int64_t{64}, std::int64_t{65}, p.Tk - 1}) {
+    for (std::int64_t u :
+         {std::int64_t{0}, std::int64_t{63}, std::int64_t{64}, std::int64_t{65}, p.Tk - 1}) {
       for (bool whole_rows : {false, true}) {
-        SCOPED_TRACE("u*=" + std::to_string(u) + (whole_rows ? " (K and V rows)" : " (one K element)"));
+        SCOPED_TRACE("u*=" + std::to_string(u) +
+                     (whole_rows ? " (K and V rows)" : " (one K element)"));
         const std::int64_t b = 0, j = p.Hkv - 1;
         Inputs poisoned = in;
         for (std::int64_t x = 0; x < p.D; ++x) {
@@ -210,8 +235,12 @@ TEST_P(NonFinite, ForwardNaNInKeyPoisonsExactlyTheRowsThatSeeIt) {
         };
         check_forward(
             got, clean, nullptr, p,
-            [&](auto bb, auto tt, auto hh, auto) { return hit(bb, tt, hh) ? Expect::nan : Expect::clean; },
-            [&](auto bb, auto hh, auto tt) { return hit(bb, tt, hh) ? Expect::nan : Expect::clean; });
+            [&](auto bb, auto tt, auto hh, auto) {
+              return hit(bb, tt, hh) ? Expect::nan : Expect::clean;
+            },
+            [&](auto bb, auto hh, auto tt) {
+              return hit(bb, tt, hh) ? Expect::nan : Expect::clean;
+            });
       }
     }
   }
@@ -235,7 +264,8 @@ TEST_P(NonFinite, ForwardNonFiniteValueReachesOnlyItsColumn) {
         check_forward(
             got, clean, nullptr, p,
             [&](auto bb, auto tt, auto hh, auto xx) {
-              return bb == b && hh / p.g() == j && xx == x && p.sees(tt, u) ? expect_value(val) : Expect::clean;
+              return bb == b && hh / p.g() == j && xx == x && p.sees(tt, u) ? expect_value(val)
+                                                                            : Expect::clean;
             },
             [&](auto, auto, auto) { return Expect::clean; });
       }
@@ -254,7 +284,8 @@ TEST_P(NonFinite, ForwardInfinityInQueryOrKeyMatchesOracle) {
     for (float val : {kInf, -kInf}) {
       for (bool in_q : {true, false}) {
         for (std::int64_t pos : {std::int64_t{0}, std::int64_t{64}, std::int64_t{65}}) {
-          SCOPED_TRACE(std::string(in_q ? "q" : "k") + " pos " + std::to_string(pos) + " value " + std::to_string(val));
+          SCOPED_TRACE(std::string(in_q ? "q" : "k") + " pos " + std::to_string(pos) + " value " +
+                       std::to_string(val));
           const std::int64_t b = 0, x = 2 % p.D;
           Inputs poisoned = in;
           const std::int64_t head = 0;  // query head 0, or KV head 0 (query heads 0 … g − 1)
@@ -265,15 +296,20 @@ TEST_P(NonFinite, ForwardInfinityInQueryOrKeyMatchesOracle) {
             poisoned.k.at(b, pos, head, x) = val;
           }
           Fwd got = forward(poisoned, p, GetParam());
-          const auto ref = reference::attention_forward(poisoned.q.to64(), poisoned.k.to64(), poisoned.v.to64(), p.ref_options());
+          const auto ref = reference::attention_forward(poisoned.q.to64(), poisoned.k.to64(),
+                                                        poisoned.v.to64(), p.ref_options());
           auto hit = [&](std::int64_t bb, std::int64_t tt, std::int64_t hh) {
             if (bb != b) return false;
             return in_q ? (tt == pos && hh == head) : (hh / p.g() == head && p.sees(tt, pos));
           };
           check_forward(
               got, clean, &ref, p,
-              [&](auto bb, auto tt, auto hh, auto) { return hit(bb, tt, hh) ? Expect::oracle : Expect::clean; },
-              [&](auto bb, auto hh, auto tt) { return hit(bb, tt, hh) ? Expect::oracle : Expect::clean; });
+              [&](auto bb, auto tt, auto hh, auto) {
+                return hit(bb, tt, hh) ? Expect::oracle : Expect::clean;
+              },
+              [&](auto bb, auto hh, auto tt) {
+                return hit(bb, tt, hh) ? Expect::oracle : Expect::clean;
+              });
         }
       }
     }
@@ -330,7 +366,9 @@ std::vector<Problem> backward_problems() {
 struct Grads {
   StridedTensor dq, dk, dv;
   explicit Grads(const Problem& p)
-      : dq(p.B, p.Tq, p.Hq, p.D, p.layout), dk(p.B, p.Tk, p.Hkv, p.D, p.layout), dv(p.B, p.Tk, p.Hkv, p.D, p.layout) {
+      : dq(p.B, p.Tq, p.Hq, p.D, p.layout),
+        dk(p.B, p.Tk, p.Hkv, p.D, p.layout),
+        dv(p.B, p.Tk, p.Hkv, p.D, p.layout) {
     dq.poison();
     dk.poison();
     dv.poison();
@@ -339,8 +377,9 @@ struct Grads {
 
 Grads backward(Inputs& in, Fwd& f, StridedTensor& dout, const Problem& p, Isa isa) {
   Grads g(p);
-  attention_backward(in.q.view, in.k.view, in.v.view, f.out.view, ConstTensorView::bht(f.lse.data(), p.B, p.Hq, p.Tq),
-                     dout.view, g.dq.view, g.dk.view, g.dv.view, options_for(p, isa));
+  attention_backward(in.q.view, in.k.view, in.v.view, f.out.view,
+                     ConstTensorView::bht(f.lse.data(), p.B, p.Hq, p.Tq), dout.view, g.dq.view,
+                     g.dk.view, g.dv.view, options_for(p, isa));
   return g;
 }
 
@@ -353,9 +392,10 @@ void check_grad(StridedTensor& got, StridedTensor& clean, const GradRule& rule, 
     for (std::int64_t t = 0; t < s[1]; ++t)
       for (std::int64_t h = 0; h < s[2]; ++h)
         for (std::int64_t x = 0; x < s[3]; ++x) {
-          ASSERT_NO_FATAL_FAILURE(check_element(got.at(b, t, h, x), rule(b, t, h, x), clean.at(b, t, h, x), 0.0,
-                                                std::string(name) + " b=" + std::to_string(b) + " row=" + std::to_string(t) +
-                                                    " head=" + std::to_string(h) + " x=" + std::to_string(x)));
+          ASSERT_NO_FATAL_FAILURE(check_element(
+              got.at(b, t, h, x), rule(b, t, h, x), clean.at(b, t, h, x), 0.0,
+              std::string(name) + " b=" + std::to_string(b) + " row=" + std::to_string(t) +
+                  " head=" + std::to_string(h) + " x=" + std::to_string(x)));
         }
 }
 
@@ -370,7 +410,8 @@ TEST_P(NonFinite, BackwardPropagatesNaNFromLseDoutQueryAndFutureKeys) {
     Grads clean = backward(in, f, dout, p, GetParam());
     const std::int64_t b = p.B - 1, h = 1, j = h / p.g(), xo = 3;
 
-    for (std::int64_t t : {std::int64_t{0}, std::int64_t{63}, std::int64_t{64}, std::int64_t{100}}) {
+    for (std::int64_t t :
+         {std::int64_t{0}, std::int64_t{63}, std::int64_t{64}, std::int64_t{100}}) {
       SCOPED_TRACE("t*=" + std::to_string(t));
       // Rows / keys touched by a NaN in row t of head h: dq of (b, t, h); dk, dv of keys t sees.
       auto row = [&](auto bb, auto tt, auto hh) { return bb == b && tt == t && hh == h; };
@@ -382,9 +423,15 @@ TEST_P(NonFinite, BackwardPropagatesNaNFromLseDoutQueryAndFutureKeys) {
         lse_at(f.lse, p, b, h, t) = kNaN;
         Grads g = backward(in, f, dout, p, GetParam());
         lse_at(f.lse, p, b, h, t) = keep;
-        check_grad(g.dq, clean.dq, [&](auto bb, auto tt, auto hh, auto) { return nan_if(row(bb, tt, hh)); }, "dq");
-        check_grad(g.dk, clean.dk, [&](auto bb, auto uu, auto jj, auto) { return nan_if(key(bb, uu, jj)); }, "dk");
-        check_grad(g.dv, clean.dv, [&](auto bb, auto uu, auto jj, auto) { return nan_if(key(bb, uu, jj)); }, "dv");
+        check_grad(
+            g.dq, clean.dq,
+            [&](auto bb, auto tt, auto hh, auto) { return nan_if(row(bb, tt, hh)); }, "dq");
+        check_grad(
+            g.dk, clean.dk,
+            [&](auto bb, auto uu, auto jj, auto) { return nan_if(key(bb, uu, jj)); }, "dk");
+        check_grad(
+            g.dv, clean.dv,
+            [&](auto bb, auto uu, auto jj, auto) { return nan_if(key(bb, uu, jj)); }, "dv");
       }
       {  // NaN in dO_t[xo]: D_t and dA_t are NaN; dV = Σ A dO only in column xo
         SCOPED_TRACE("NaN in dO");
@@ -392,10 +439,16 @@ TEST_P(NonFinite, BackwardPropagatesNaNFromLseDoutQueryAndFutureKeys) {
         dout.at(b, t, h, xo) = kNaN;
         Grads g = backward(in, f, dout, p, GetParam());
         dout.at(b, t, h, xo) = keep;
-        check_grad(g.dq, clean.dq, [&](auto bb, auto tt, auto hh, auto) { return nan_if(row(bb, tt, hh)); }, "dq");
-        check_grad(g.dk, clean.dk, [&](auto bb, auto uu, auto jj, auto) { return nan_if(key(bb, uu, jj)); }, "dk");
-        check_grad(g.dv, clean.dv, [&](auto bb, auto uu, auto jj, auto x) { return nan_if(key(bb, uu, jj) && x == xo); },
-                   "dv");
+        check_grad(
+            g.dq, clean.dq,
+            [&](auto bb, auto tt, auto hh, auto) { return nan_if(row(bb, tt, hh)); }, "dq");
+        check_grad(
+            g.dk, clean.dk,
+            [&](auto bb, auto uu, auto jj, auto) { return nan_if(key(bb, uu, jj)); }, "dk");
+        check_grad(
+            g.dv, clean.dv,
+            [&](auto bb, auto uu, auto jj, auto x) { return nan_if(key(bb, uu, jj) && x == xo); },
+            "dv");
       }
       {  // NaN in q_t (forward and backward): the row's P is NaN
         SCOPED_TRACE("NaN in q");
@@ -404,33 +457,55 @@ TEST_P(NonFinite, BackwardPropagatesNaNFromLseDoutQueryAndFutureKeys) {
         Fwd fp = forward(in, p, GetParam());
         Grads g = backward(in, fp, dout, p, GetParam());
         in.q.at(b, t, h, xo) = keep;
-        check_grad(g.dq, clean.dq, [&](auto bb, auto tt, auto hh, auto) { return nan_if(row(bb, tt, hh)); }, "dq");
-        check_grad(g.dk, clean.dk, [&](auto bb, auto uu, auto jj, auto) { return nan_if(key(bb, uu, jj)); }, "dk");
-        check_grad(g.dv, clean.dv, [&](auto bb, auto uu, auto jj, auto) { return nan_if(key(bb, uu, jj)); }, "dv");
+        check_grad(
+            g.dq, clean.dq,
+            [&](auto bb, auto tt, auto hh, auto) { return nan_if(row(bb, tt, hh)); }, "dq");
+        check_grad(
+            g.dk, clean.dk,
+            [&](auto bb, auto uu, auto jj, auto) { return nan_if(key(bb, uu, jj)); }, "dk");
+        check_grad(
+            g.dv, clean.dv,
+            [&](auto bb, auto uu, auto jj, auto) { return nan_if(key(bb, uu, jj)); }, "dv");
       }
     }
-    for (std::int64_t u : {std::int64_t{1}, std::int64_t{64}, std::int64_t{65}, std::int64_t{129}}) {
+    for (std::int64_t u :
+         {std::int64_t{1}, std::int64_t{64}, std::int64_t{65}, std::int64_t{129}}) {
       // NaN in the whole K and V rows of key u (forward and backward): rows that see u are NaN,
       // so are dk, dv of every key such a row sees; rows before u (u is their future) and keys
       // seen by none of the NaN rows are bitwise unchanged.
       SCOPED_TRACE("NaN K, V rows of key " + std::to_string(u));
       Inputs poisoned = in;
-      for (std::int64_t x = 0; x < p.D; ++x) poisoned.k.at(b, u, j, x) = poisoned.v.at(b, u, j, x) = kNaN;
+      for (std::int64_t x = 0; x < p.D; ++x)
+        poisoned.k.at(b, u, j, x) = poisoned.v.at(b, u, j, x) = kNaN;
       Fwd fp = forward(poisoned, p, GetParam());
       Grads g = backward(poisoned, fp, dout, p, GetParam());
-      auto row_hit = [&](auto bb, auto tt, auto hh) { return bb == b && hh / p.g() == j && p.sees(tt, u); };
+      auto row_hit = [&](auto bb, auto tt, auto hh) {
+        return bb == b && hh / p.g() == j && p.sees(tt, u);
+      };
       auto key_hit = [&](auto bb, auto uu, auto jj) {
         if (bb != b || jj != j) return false;
         for (std::int64_t t = 0; t < p.Tq; ++t)
           if (p.sees(t, u) && p.sees(t, uu)) return true;
         return false;
       };
-      check_grad(g.dq, clean.dq, [&](auto bb, auto tt, auto hh, auto) { return row_hit(bb, tt, hh) ? Expect::nan : Expect::clean; },
-                 "dq");
-      check_grad(g.dk, clean.dk, [&](auto bb, auto uu, auto jj, auto) { return key_hit(bb, uu, jj) ? Expect::nan : Expect::clean; },
-                 "dk");
-      check_grad(g.dv, clean.dv, [&](auto bb, auto uu, auto jj, auto) { return key_hit(bb, uu, jj) ? Expect::nan : Expect::clean; },
-                 "dv");
+      check_grad(
+          g.dq, clean.dq,
+          [&](auto bb, auto tt, auto hh, auto) {
+            return row_hit(bb, tt, hh) ? Expect::nan : Expect::clean;
+          },
+          "dq");
+      check_grad(
+          g.dk, clean.dk,
+          [&](auto bb, auto uu, auto jj, auto) {
+            return key_hit(bb, uu, jj) ? Expect::nan : Expect::clean;
+          },
+          "dk");
+      check_grad(
+          g.dv, clean.dv,
+          [&](auto bb, auto uu, auto jj, auto) {
+            return key_hit(bb, uu, jj) ? Expect::nan : Expect::clean;
+          },
+          "dv");
     }
   }
 }
@@ -440,10 +515,14 @@ TEST_P(NonFinite, BackwardPropagatesNaNFromLseDoutQueryAndFutureKeys) {
 struct DecodeSetup {
   std::int64_t B = 2, Hkv = 2, Hq = 4, D = 32, tnew = 1;
   std::vector<std::int64_t> lengths{1100, 70};  // 1100 > one 1024-key chunk: the merge runs
-  std::vector<float> k, v;                       // [B][lmax][Hkv][D]
+  std::vector<float> k, v;                      // [B][lmax][Hkv][D]
   std::int64_t lmax() const { return *std::max_element(lengths.begin(), lengths.end()); }
-  float& K(std::int64_t b, std::int64_t u, std::int64_t j, std::int64_t x) { return k[static_cast<std::size_t>(((b * lmax() + u) * Hkv + j) * D + x)]; }
-  float& V(std::int64_t b, std::int64_t u, std::int64_t j, std::int64_t x) { return v[static_cast<std::size_t>(((b * lmax() + u) * Hkv + j) * D + x)]; }
+  float& K(std::int64_t b, std::int64_t u, std::int64_t j, std::int64_t x) {
+    return k[static_cast<std::size_t>(((b * lmax() + u) * Hkv + j) * D + x)];
+  }
+  float& V(std::int64_t b, std::int64_t u, std::int64_t j, std::int64_t x) {
+    return v[static_cast<std::size_t>(((b * lmax() + u) * Hkv + j) * D + x)];
+  }
 };
 
 struct DecodeResult {
@@ -455,8 +534,10 @@ DecodeResult decode(DecodeSetup& s, StridedTensor& q, Isa isa, DType dtype) {
   KVCache cache({1, s.B, s.Hkv, s.D, s.lmax(), dtype, 0, 0});
   for (std::int64_t b = 0; b < s.B; ++b) {
     const std::array<std::int64_t, 4> strides{s.lmax() * s.Hkv * s.D, s.Hkv * s.D, s.D, 1};
-    cache.append(0, b, ConstTensorView{&s.K(b, 0, 0, 0), DType::f32, 4, {1, s.lengths[b], s.Hkv, s.D}, strides},
-                 ConstTensorView{&s.V(b, 0, 0, 0), DType::f32, 4, {1, s.lengths[b], s.Hkv, s.D}, strides});
+    cache.append(
+        0, b,
+        ConstTensorView{&s.K(b, 0, 0, 0), DType::f32, 4, {1, s.lengths[b], s.Hkv, s.D}, strides},
+        ConstTensorView{&s.V(b, 0, 0, 0), DType::f32, 4, {1, s.lengths[b], s.Hkv, s.D}, strides});
   }
   DecodeResult r{StridedTensor(s.B, s.tnew, s.Hq, s.D, Layout::bthd),
                  std::vector<float>(static_cast<std::size_t>(s.B * s.Hq * s.tnew), kPoison)};
@@ -464,14 +545,16 @@ DecodeResult decode(DecodeSetup& s, StridedTensor& q, Isa isa, DType dtype) {
   DecodeOptions o;
   o.isa = isa;
   o.threads = 2;
-  attention_decode(q.view, cache, 0, r.out.view, TensorView::bht(r.lse.data(), s.B, s.Hq, s.tnew), o);
+  attention_decode(q.view, cache, 0, r.out.view, TensorView::bht(r.lse.data(), s.B, s.Hq, s.tnew),
+                   o);
   return r;
 }
 
 TEST_P(NonFinite, DecodePropagatesNaNFromQueryAndCachedKeysAndValues) {
   for (DType dtype : {DType::f32, DType::bf16}) {
     for (std::int64_t tnew : {1, 3}) {
-      SCOPED_TRACE(std::string(dtype == DType::f32 ? "f32" : "bf16") + " tnew=" + std::to_string(tnew));
+      SCOPED_TRACE(std::string(dtype == DType::f32 ? "f32" : "bf16") +
+                   " tnew=" + std::to_string(tnew));
       DecodeSetup s;
       s.tnew = tnew;
       std::mt19937_64 rng(9);
@@ -485,20 +568,28 @@ TEST_P(NonFinite, DecodePropagatesNaNFromQueryAndCachedKeysAndValues) {
       DecodeResult clean = decode(s, q, GetParam(), dtype);
       const std::int64_t g = s.Hq / s.Hkv;
       // Row t of sequence b sees keys u < lengths[b] − tnew + t + 1.
-      auto sees = [&](std::int64_t b, std::int64_t t, std::int64_t u) { return u < s.lengths[b] - tnew + t + 1; };
-      auto check = [&](DecodeResult& got, const std::function<Expect(std::int64_t, std::int64_t, std::int64_t, std::int64_t)>& o_rule,
-                       const std::function<Expect(std::int64_t, std::int64_t, std::int64_t)>& l_rule) {
-        for (std::int64_t b = 0; b < s.B; ++b)
-          for (std::int64_t t = 0; t < tnew; ++t)
-            for (std::int64_t h = 0; h < s.Hq; ++h) {
-              const std::string row = "b=" + std::to_string(b) + " t=" + std::to_string(t) + " h=" + std::to_string(h);
-              for (std::int64_t x = 0; x < s.D; ++x)
-                ASSERT_NO_FATAL_FAILURE(check_element(got.out.at(b, t, h, x), o_rule(b, t, h, x), clean.out.at(b, t, h, x), 0.0,
-                                                      "O " + row + " x=" + std::to_string(x)));
-              const std::size_t li = static_cast<std::size_t>((b * s.Hq + h) * tnew + t);
-              ASSERT_NO_FATAL_FAILURE(check_element(got.lse[li], l_rule(b, h, t), clean.lse[li], 0.0, "L " + row));
-            }
+      auto sees = [&](std::int64_t b, std::int64_t t, std::int64_t u) {
+        return u < s.lengths[b] - tnew + t + 1;
       };
+      auto check =
+          [&](DecodeResult& got,
+              const std::function<Expect(std::int64_t, std::int64_t, std::int64_t, std::int64_t)>&
+                  o_rule,
+              const std::function<Expect(std::int64_t, std::int64_t, std::int64_t)>& l_rule) {
+            for (std::int64_t b = 0; b < s.B; ++b)
+              for (std::int64_t t = 0; t < tnew; ++t)
+                for (std::int64_t h = 0; h < s.Hq; ++h) {
+                  const std::string row = "b=" + std::to_string(b) + " t=" + std::to_string(t) +
+                                          " h=" + std::to_string(h);
+                  for (std::int64_t x = 0; x < s.D; ++x)
+                    ASSERT_NO_FATAL_FAILURE(check_element(
+                        got.out.at(b, t, h, x), o_rule(b, t, h, x), clean.out.at(b, t, h, x), 0.0,
+                        "O " + row + " x=" + std::to_string(x)));
+                  const std::size_t li = static_cast<std::size_t>((b * s.Hq + h) * tnew + t);
+                  ASSERT_NO_FATAL_FAILURE(
+                      check_element(got.lse[li], l_rule(b, h, t), clean.lse[li], 0.0, "L " + row));
+                }
+          };
       {  // NaN query: that row only
         SCOPED_TRACE("NaN query");
         const std::int64_t b = 0, t = tnew - 1, h = 1;
@@ -507,34 +598,50 @@ TEST_P(NonFinite, DecodePropagatesNaNFromQueryAndCachedKeysAndValues) {
         DecodeResult got = decode(s, q, GetParam(), dtype);
         q.at(b, t, h, 4) = keep;
         auto hit = [&](auto bb, auto tt, auto hh) { return bb == b && tt == t && hh == h; };
-        check(got, [&](auto bb, auto tt, auto hh, auto) { return hit(bb, tt, hh) ? Expect::nan : Expect::clean; },
-              [&](auto bb, auto hh, auto tt) { return hit(bb, tt, hh) ? Expect::nan : Expect::clean; });
+        check(
+            got,
+            [&](auto bb, auto tt, auto hh, auto) {
+              return hit(bb, tt, hh) ? Expect::nan : Expect::clean;
+            },
+            [&](auto bb, auto hh, auto tt) {
+              return hit(bb, tt, hh) ? Expect::nan : Expect::clean;
+            });
       }
       // Keys in the first chunk, at a tile edge, in the second chunk, and the next-to-last key
       // (with tnew = 3 a future key of row 0, in the tile it reads).
-      for (std::int64_t u : {std::int64_t{5}, std::int64_t{64}, std::int64_t{1050}, s.lengths[0] - 2}) {
+      for (std::int64_t u :
+           {std::int64_t{5}, std::int64_t{64}, std::int64_t{1050}, s.lengths[0] - 2}) {
         for (bool value : {false, true}) {
-          SCOPED_TRACE(std::string(value ? "NaN in V" : "NaN in K") + " of key " + std::to_string(u));
+          SCOPED_TRACE(std::string(value ? "NaN in V" : "NaN in K") + " of key " +
+                       std::to_string(u));
           const std::int64_t b = 0, j = 1, x = 6;
           float& slot = value ? s.V(b, u, j, x) : s.K(b, u, j, x);
           const float keep = slot;
           slot = kNaN;
           DecodeResult got = decode(s, q, GetParam(), dtype);
           slot = keep;
-          auto hit = [&](auto bb, auto tt, auto hh) { return bb == b && hh / g == j && sees(bb, tt, u); };
-          check(got,
-                [&](auto bb, auto tt, auto hh, auto xx) {
-                  return hit(bb, tt, hh) && (!value || xx == x) ? Expect::nan : Expect::clean;
-                },
-                [&](auto bb, auto hh, auto tt) { return hit(bb, tt, hh) && !value ? Expect::nan : Expect::clean; });
+          auto hit = [&](auto bb, auto tt, auto hh) {
+            return bb == b && hh / g == j && sees(bb, tt, u);
+          };
+          check(
+              got,
+              [&](auto bb, auto tt, auto hh, auto xx) {
+                return hit(bb, tt, hh) && (!value || xx == x) ? Expect::nan : Expect::clean;
+              },
+              [&](auto bb, auto hh, auto tt) {
+                return hit(bb, tt, hh) && !value ? Expect::nan : Expect::clean;
+              });
         }
       }
     }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllIsas, NonFinite, ::testing::Values(Isa::portable, Isa::avx2, Isa::avx512),
-                         [](const ::testing::TestParamInfo<Isa>& info) { return std::string(to_string(info.param)); });
+INSTANTIATE_TEST_SUITE_P(AllIsas, NonFinite,
+                         ::testing::Values(Isa::portable, Isa::avx2, Isa::avx512),
+                         [](const ::testing::TestParamInfo<Isa>& info) {
+                           return std::string(to_string(info.param));
+                         });
 
 // ---- Helpers: softmax, log-sum-exp, the Jacobian product, merge_partials, the oracle ----
 
@@ -586,12 +693,14 @@ TEST(NonFiniteHelpers, JacobianPropagatesNaN) {
 TEST(NonFiniteHelpers, MergePartialsNaNIsNotEmpty) {
   const std::int64_t B = 1, T = 5, H = 1, D = 3;
   std::vector<float> o1(T * D, 1.0f), o2(T * D, 2.0f), out(T * D, kPoison);
-  std::vector<float> l1{kNaN, -kInf, 0.0f, 0.0f, -kInf}, l2{0.0f, 0.5f, -800.0f, -kInf, kNaN}, lo(T, kPoison);
+  std::vector<float> l1{kNaN, -kInf, 0.0f, 0.0f, -kInf}, l2{0.0f, 0.5f, -800.0f, -kInf, kNaN},
+      lo(T, kPoison);
   o1[1 * D + 0] = kNaN;  // row 1: part 1 is empty (L = −∞), its O is not read
   o2[2 * D + 1] = kNaN;  // row 2: part 2's weight e^{−800} underflows to 0, but it is not empty
-  merge_partials(ConstTensorView::bthd(o1.data(), B, T, H, D), ConstTensorView::bht(l1.data(), B, H, T),
-                 ConstTensorView::bthd(o2.data(), B, T, H, D), ConstTensorView::bht(l2.data(), B, H, T),
-                 TensorView::bthd(out.data(), B, T, H, D), TensorView::bht(lo.data(), B, H, T));
+  merge_partials(
+      ConstTensorView::bthd(o1.data(), B, T, H, D), ConstTensorView::bht(l1.data(), B, H, T),
+      ConstTensorView::bthd(o2.data(), B, T, H, D), ConstTensorView::bht(l2.data(), B, H, T),
+      TensorView::bthd(out.data(), B, T, H, D), TensorView::bht(lo.data(), B, H, T));
   // Rows 0 and 4: a NaN L makes the row NaN, on either side (it used to count as empty when
   // the other part was empty, std::max(−∞, NaN) being −∞).
   for (int r : {0, 4}) {
@@ -612,7 +721,8 @@ TEST(NonFiniteHelpers, MergePartialsNaNIsNotEmpty) {
 }
 
 TEST(NonFiniteHelpers, OraclePropagatesNaNAndKeepsMaskedKeysOut) {
-  const std::vector<double> sm = reference::softmax({-std::numeric_limits<double>::infinity(), std::nan("")});
+  const std::vector<double> sm =
+      reference::softmax({-std::numeric_limits<double>::infinity(), std::nan("")});
   EXPECT_TRUE(std::isnan(sm[0]) && std::isnan(sm[1]));
   EXPECT_TRUE(std::isnan(reference::logsumexp({std::nan(""), 1.0})));
   // A NaN in a future key (K and V): earlier rows are finite in the oracle, later rows NaN.

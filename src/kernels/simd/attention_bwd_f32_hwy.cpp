@@ -117,7 +117,8 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
           }
           delta[(b * p.hq + h) * p.tq + t] = e > 0 ? dsum : 0.0f;
           bs.delta_lane[i] = dsum;
-          bs.lse_lane[i] = e > 0 ? softmax_shift(args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2]) : 0.0f;
+          const float lse = args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2];
+          bs.lse_lane[i] = e > 0 ? softmax_shift(lse) : 0.0f;
         } else {
           for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = bs.dot[x * M + i] = 0.0f;
           bs.delta_lane[i] = bs.lse_lane[i] = 0.0f;
@@ -144,8 +145,9 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
           const VF lse = hn::Load(d, bs.lse_lane + i), dl = hn::Load(d, bs.delta_lane + i);
           const auto ends = hn::Load(di, bs.end_lane + i);
           for (std::int64_t u = 0; u < nt; ++u) {
-            const VF pu = ExpNaN(d, hn::Sub(hn::Load(d, st + u * M + i), lse));  // A = e^{S − L} (4.4)
-            VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dpt + u * M + i), dl));     // dS = A ⊙ (dA − D)
+            // A = e^{S − L} (4.4), dS = A ⊙ (dA − D)
+            const VF pu = ExpNaN(d, hn::Sub(hn::Load(d, st + u * M + i), lse));
+            VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dpt + u * M + i), dl));
             if (crosses) {  // causal mask (4.3), a select: no NaN of a masked key gets in
               const auto visible =
                   hn::RebindMask(d, hn::Lt(hn::Set(di, static_cast<std::int32_t>(u0 + u)), ends));
@@ -155,11 +157,12 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
           }
         }
         // dQᵀ += Kᵀ dSᵀ (keys from full_end on are masked for some lanes: 0 · K must add nothing)
-        GemmRowsMaskedIfNonFinite(d, dh, k_rows, 1, dh, st, M, nt, bs.dqt, M, true, nullptr, bs.full_end - u0, nt,
-                                  [&](std::int64_t u, std::int64_t i) {
-                                    const auto key = hn::Set(di, static_cast<std::int32_t>(u0 + u));
-                                    return hn::RebindMask(d, hn::Lt(key, hn::Load(di, bs.end_lane + i)));
-                                  });
+        const auto lane_sees = [&](std::int64_t u, std::int64_t i) {
+          const auto key = hn::Set(di, static_cast<std::int32_t>(u0 + u));
+          return hn::RebindMask(d, hn::Lt(key, hn::Load(di, bs.end_lane + i)));
+        };
+        GemmRowsMaskedIfNonFinite(d, dh, k_rows, 1, dh, st, M, nt, bs.dqt, M, true, nullptr,
+                                  bs.full_end - u0, nt, lane_sees);
       }
     }
 
@@ -284,11 +287,13 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
           std::int64_t r_full = 0;
           while (r_full < rows && p.visible_end(c0 + r_full) - u0 < keys) ++r_full;
           const auto row_sees = [&](std::int64_t r, std::int64_t i) {
-            const std::int64_t n_vis = std::clamp<std::int64_t>(p.visible_end(c0 + r) - u0 - i, 0, N);
-            return hn::FirstN(d, static_cast<std::size_t>(n_vis));
+            const std::int64_t n = std::clamp<std::int64_t>(p.visible_end(c0 + r) - u0 - i, 0, N);
+            return hn::FirstN(d, static_cast<std::size_t>(n));
           };
-          GemmRowsMaskedIfNonFinite(d, dh, do_rows, 1, lddo, s, M, rows, dvt, M, true, nullptr, 0, r_full, row_sees);
-          GemmRowsMaskedIfNonFinite(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true, nullptr, 0, r_full, row_sees);
+          GemmRowsMaskedIfNonFinite(d, dh, do_rows, 1, lddo, s, M, rows, dvt, M, true, nullptr, 0,
+                                    r_full, row_sees);
+          GemmRowsMaskedIfNonFinite(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true, nullptr, 0,
+                                    r_full, row_sees);
           if constexpr (kOnePass) {
             // dQᵀ[x][c0 + r] += Σ_u K[u][x] dS[r][u]: dS transposed to [key][row] (rows past
             // T_q zeroed), then the microkernel with B = dSᵀ, C = the chunk's columns of dQᵀ.
@@ -297,13 +302,14 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
               for (std::int64_t r = rows; r < M; ++r) dst[u * M + r] = 0.0f;
             }
             // Keys from visible_end(c0) on are not seen by the chunk's first rows.
-            GemmRowsMaskedIfNonFinite(
-                d, dh, k_nat, 1, dh, dst, M, keys, dqt + ((h - j * g) * tq_pad + c0) * dh, M, true, nullptr,
-                p.visible_end(c0) - u0, keys, [&](std::int64_t u, std::int64_t i) {
-                  // row c0 + i + lane sees key u0 + u  ⟺  lane ≥ u0 + u − shift − c0 − i (causal)
-                  const std::int64_t first = std::clamp<std::int64_t>(u0 + u - shift - c0 - i, 0, N);
-                  return hn::Not(hn::FirstN(d, static_cast<std::size_t>(first)));
-                });
+            // Row c0 + i + lane sees key u0 + u  ⟺  lane ≥ u0 + u − shift − c0 − i (causal).
+            const auto key_seen_by = [&](std::int64_t u, std::int64_t i) {
+              const std::int64_t n = std::clamp<std::int64_t>(u0 + u - shift - c0 - i, 0, N);
+              return hn::Not(hn::FirstN(d, static_cast<std::size_t>(n)));
+            };
+            GemmRowsMaskedIfNonFinite(d, dh, k_nat, 1, dh, dst, M, keys,
+                                      dqt + ((h - j * g) * tq_pad + c0) * dh, M, true, nullptr,
+                                      p.visible_end(c0) - u0, keys, key_seen_by);
           }
         }
       }

@@ -145,7 +145,8 @@ void DecodeUnits(const DecodeArgs& a) {
       // Keys from kfull on are not seen by every row; if their V rows are not finite, each row's
       // product stops at its own visible end (a masked key takes no part: 0 · NaN = NaN).
       bool v_bad = false;
-      for (std::int64_t i = std::clamp<std::int64_t>(kfull - u0, 0, nt) * dh; i < nt * dh && !v_bad; ++i) {
+      const std::int64_t first_partial = std::clamp<std::int64_t>(kfull - u0, 0, nt);
+      for (std::int64_t i = first_partial * dh; i < nt * dh && !v_bad; ++i) {
         v_bad = !std::isfinite(load_element(a.dtype, vt, i));
       }
       for (std::int64_t k0 = 0; k0 < nt; k0 += kSub) {
@@ -153,9 +154,16 @@ void DecodeUnits(const DecodeArgs& a) {
         const TB* vk = vt + k0 * dh;
         if (v_bad) {
           for (std::int64_t r = 0; r < nrows; ++r) {
-            const std::int64_t nk_r = std::clamp<std::int64_t>(a.visible_end(b, t0 + r / g) - u0 - k0, 0, nk);
-            for (x0 = 0; x0 < dh_full; x0 += W) GemmRows<1, kVD>(d, 1, st + r * T + k0, T, 1, vk + x0, dh, nk_r, acc + r * dh + x0, dh, true);
-            for (; x0 < dh_vec; x0 += N) GemmRows<1, 1>(d, 1, st + r * T + k0, T, 1, vk + x0, dh, nk_r, acc + r * dh + x0, dh, true);
+            const std::int64_t seen = a.visible_end(b, t0 + r / g) - u0 - k0;
+            const std::int64_t nk_r = std::clamp<std::int64_t>(seen, 0, nk);
+            const float* p_r = st + r * T + k0;
+            float* o_r = acc + r * dh;
+            for (x0 = 0; x0 < dh_full; x0 += W) {
+              GemmRows<1, kVD>(d, 1, p_r, T, 1, vk + x0, dh, nk_r, o_r + x0, dh, true);
+            }
+            for (; x0 < dh_vec; x0 += N) {
+              GemmRows<1, 1>(d, 1, p_r, T, 1, vk + x0, dh, nk_r, o_r + x0, dh, true);
+            }
           }
           continue;
         }
@@ -164,7 +172,7 @@ void DecodeUnits(const DecodeArgs& a) {
       }
       if (x0 < dh) {
         for (std::int64_t r = 0; r < nrows; ++r)  // visible keys only (0 · NaN = NaN)
-          for (std::int64_t u = 0; u < std::clamp<std::int64_t>(a.visible_end(b, t0 + r / g) - u0, 0, nt); ++u) {
+          for (std::int64_t u = 0; u < std::min(nt, a.visible_end(b, t0 + r / g) - u0); ++u) {
             const float p = st[r * T + u];
             for (std::int64_t x = x0; x < dh; ++x) acc[r * dh + x] += p * load_element(a.dtype, vt, u * dh + x);
           }

@@ -167,11 +167,12 @@ void AttentionFwd(const ForwardArgs& args) {
         // Oᵀ[x][i] ← Oᵀ[x][i] · e^{m − m'}[i] + Σ_u V[u0+u][x] · Pᵀ[u][i]   (4.4, 4.5; the
         // rescale rides on the microkernel's load of Oᵀ; Oᵀ is still zero on the first tile).
         // Keys from full_end on are not seen by every lane: 0 · V must not add a NaN there.
-        GemmRowsMaskedIfNonFinite(d, dh, v_rows, 1, dh, st, M, nt, bs.ot, M, true, u0 > 0 ? alphas : nullptr,
-                                  bs.full_end - u0, nt, [&](std::int64_t u, std::int64_t i) {
-                                    const auto key = hn::Set(di, static_cast<std::int32_t>(u0 + u));
-                                    return hn::RebindMask(d, hn::Lt(key, hn::Load(di, bs.end_lane + i)));
-                                  });
+        const auto lane_sees = [&](std::int64_t u, std::int64_t i) {
+          const auto key = hn::Set(di, static_cast<std::int32_t>(u0 + u));
+          return hn::RebindMask(d, hn::Lt(key, hn::Load(di, bs.end_lane + i)));
+        };
+        GemmRowsMaskedIfNonFinite(d, dh, v_rows, 1, dh, st, M, nt, bs.ot, M, true,
+                                  u0 > 0 ? alphas : nullptr, bs.full_end - u0, nt, lane_sees);
       }
     }
 

@@ -43,8 +43,8 @@ HWY_INLINE V ExpNaN(D d, V x) {
 
 // True if a[r·a_row + k·a_k] is NaN or ±∞ for some r < rows, k0 ≤ k < k1.
 template <class D>
-HWY_INLINE bool AnyNonFinite(D d, const float* a, std::int64_t a_row, std::int64_t a_k, std::int64_t rows,
-                             std::int64_t k0, std::int64_t k1) {
+HWY_INLINE bool AnyNonFinite(D d, const float* a, std::int64_t a_row, std::int64_t a_k,
+                             std::int64_t rows, std::int64_t k0, std::int64_t k1) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   auto probe = hn::Zero(d);  // Σ x · 0: ±0 while every x is finite, NaN (sticky) otherwise
   const auto zero = hn::Zero(d);
@@ -65,16 +65,18 @@ HWY_INLINE bool AnyNonFinite(D d, const float* a, std::int64_t a_row, std::int64
 // result), but a pair (k, lane) that visible(k, lane0) — a mask over lanes lane0.. — leaves out
 // takes no part. Register-light and slower: only used when a masked operand is not finite.
 template <class D, class VisibleFn>
-HWY_NOINLINE void GemmRowsMasked(D d, std::int64_t rows, const float* a, std::int64_t a_row, std::int64_t a_k,
-                                 const float* b, std::int64_t ldb, std::int64_t K, float* c, std::int64_t ldc,
-                                 std::int64_t m, bool accumulate, const float* c_scale, const VisibleFn& visible) {
+HWY_NOINLINE void GemmRowsMasked(D d, std::int64_t rows, const float* a, std::int64_t a_row,
+                                 std::int64_t a_k, const float* b, std::int64_t ldb, std::int64_t K,
+                                 float* c, std::int64_t ldc, std::int64_t m, bool accumulate,
+                                 const float* c_scale, const VisibleFn& visible) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   for (std::int64_t i = 0; i < m; i += N) {
     for (std::int64_t r = 0; r < rows; ++r) {
       auto acc = accumulate ? hn::LoadU(d, c + r * ldc + i) : hn::Zero(d);
       if (c_scale != nullptr) acc = hn::Mul(acc, hn::LoadU(d, c_scale + i));
       for (std::int64_t k = 0; k < K; ++k) {
-        const auto prod = hn::MulAdd(hn::Set(d, a[r * a_row + k * a_k]), hn::LoadU(d, b + k * ldb + i), acc);
+        const auto prod =
+            hn::MulAdd(hn::Set(d, a[r * a_row + k * a_k]), hn::LoadU(d, b + k * ldb + i), acc);
         acc = hn::IfThenElse(visible(k, i), prod, acc);
       }
       hn::StoreU(acc, d, c + r * ldc + i);
@@ -86,10 +88,12 @@ HWY_NOINLINE void GemmRowsMasked(D d, std::int64_t rows, const float* a, std::in
 // [k_lo, k_hi) — the k whose lanes are not all visible — else GemmRowsMasked. With an empty
 // range (every lane sees every k: the common case) there is no check at all.
 template <class D, class VisibleFn>
-HWY_INLINE void GemmRowsMaskedIfNonFinite(D d, std::int64_t rows, const float* a, std::int64_t a_row,
-                                          std::int64_t a_k, const float* b, std::int64_t ldb, std::int64_t K,
-                                          float* c, std::int64_t ldc, bool accumulate, const float* c_scale,
-                                          std::int64_t k_lo, std::int64_t k_hi, const VisibleFn& visible) {
+HWY_INLINE void GemmRowsMaskedIfNonFinite(D d, std::int64_t rows, const float* a,
+                                          std::int64_t a_row, std::int64_t a_k, const float* b,
+                                          std::int64_t ldb, std::int64_t K, float* c,
+                                          std::int64_t ldc, bool accumulate, const float* c_scale,
+                                          std::int64_t k_lo, std::int64_t k_hi,
+                                          const VisibleFn& visible) {
   k_lo = std::clamp<std::int64_t>(k_lo, 0, K);
   k_hi = std::clamp<std::int64_t>(k_hi, k_lo, K);
   if (k_lo < k_hi && AnyNonFinite(d, a, a_row, a_k, rows, k_lo, k_hi)) {

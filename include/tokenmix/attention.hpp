@@ -79,7 +79,8 @@ double backward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::i
 
 /// Merge two partial attentions over disjoint key sets (SPEC "Merging partial results"):
 ///   L = log(e^{L¹} + e^{L²}),  O = e^{L¹−L} O¹ + e^{L²−L} O².
-/// o1, o2, out: [B, T, H, d_h]; lse1, lse2, lse_out: [B, H, T]. A part with L = −∞ is empty.
+/// o1, o2, out: [B, T, H, d_h]; lse1, lse2, lse_out: [B, H, T]. A part with L = −∞ is empty
+/// (its O is not read); a NaN L is not empty: it makes the row NaN (SPEC 4.3).
 /// out/lse_out may alias o1/lse1 (in-place accumulation) but not o2/lse2.
 void merge_partials(ConstTensorView o1, ConstTensorView lse1, ConstTensorView o2,
                     ConstTensorView lse2, TensorView out, TensorView lse_out);

@@ -4,7 +4,8 @@
 //   J = ∂a/∂z = diag(a) − a aᵀ                      (4.6)   ∂a_i/∂z_j = a_i (δ_ij − a_j)  (4.7)
 //   J g = a ⊙ (g − ⟨a, g⟩)                          (matrix-free, no n×n buffer)
 // Entries equal to −∞ are masked: they get probability 0. A row whose entries are all −∞ has
-// log-sum-exp −∞ and softmax all zeros (never NaN).
+// log-sum-exp −∞ and softmax all zeros (never NaN). A NaN entry makes its row's softmax and
+// log-sum-exp NaN; a +∞ entry makes the softmax NaN (e^{∞−∞}) and the log-sum-exp +∞ (SPEC 4.3).
 #pragma once
 
 #include <cstdint>

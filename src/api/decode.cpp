@@ -18,6 +18,7 @@
 #include "api/kv_cache_access.hpp"
 #include "api/validate.hpp"
 #include "kernels/attention_kernels.hpp"
+#include "kernels/nonfinite.hpp"
 #include "kernels/registry.hpp"
 #include "kernels/scratch_arena.hpp"
 #include "tokenmix/error.hpp"
@@ -171,30 +172,38 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
       for (std::int64_t r = 0; r < rows; ++r) {
         const std::int64_t t = qb * a.qblock + r / g, h = j * g + r % g;
         if (t >= a.tnew) break;
+        // Chunks the row sees no key of take no part. Every other chunk is merged arithmetically
+        // (SPEC "Merging partial results"), even one whose keys all scored −∞ (m_c = −∞, l_c = 0):
+        // its Õ_c is 0, or NaN if a visible v was NaN (0 · NaN = NaN), and is weighted by 0, not
+        // skipped. m is a NaN-propagating max, so a NaN part makes the row NaN (SPEC 4.3).
+        const std::int64_t seen = a.visible_end(b, t);  // keys [0, seen) are visible to row t
         float m = kNegInf, l = 0.0f;
         std::fill(acc.begin(), acc.end(), 0.0f);
-        for (std::int64_t c = 0; c < a.chunks; ++c) {
+        bool first = true;
+        for (std::int64_t c = 0; c < a.chunks && c * a.chunk < seen; ++c) {
           const std::int64_t unit = grp * a.chunks + c;
           const float mc = a.part_m[unit * rows + r];
-          if (mc == kNegInf) continue;  // empty part: contributes nothing
           const float* oc = a.part_acc + (unit * rows + r) * a.dh;
           const float lc = a.part_l[unit * rows + r];
-          if (m == kNegInf) {
+          if (first) {
+            first = false;
             m = mc;
             l = lc;
             std::copy(oc, oc + a.dh, acc.begin());
             continue;
           }
-          const float mn = std::max(m, mc), w1 = std::exp(m - mn), w2 = std::exp(mc - mn);
+          const float mn = kernels::max_nan(m, mc), shift = kernels::softmax_shift(mn);
+          const float w1 = std::exp(m - shift), w2 = std::exp(mc - shift);
           l = l * w1 + lc * w2;
           for (std::int64_t x = 0; x < a.dh; ++x) acc[static_cast<std::size_t>(x)] = acc[static_cast<std::size_t>(x)] * w1 + oc[x] * w2;
           m = mn;
         }
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const float inv = kernels::inverse_sum(l);  // l = 0: O = 0 · Õ; l = NaN: O = NaN
         float* orow = po + b * out.strides[0] + t * out.strides[1] + h * out.strides[2];
         for (std::int64_t x = 0; x < a.dh; ++x) orow[x * out.strides[3]] = acc[static_cast<std::size_t>(x)] * inv;
         if (pl != nullptr) {
-          pl[b * lse.strides[0] + h * lse.strides[1] + t * lse.strides[2]] = l > 0.0f ? m + std::log(l) : kNegInf;
+          pl[b * lse.strides[0] + h * lse.strides[1] + t * lse.strides[2]] =
+              l == 0.0f ? kNegInf : m + std::log(l);
         }
       }
     }

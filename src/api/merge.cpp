@@ -5,6 +5,7 @@
 #include <string>
 
 #include "api/validate.hpp"
+#include "kernels/nonfinite.hpp"
 #include "tokenmix/attention.hpp"
 
 namespace tokenmix {
@@ -56,7 +57,8 @@ void merge_partials(ConstTensorView o1, ConstTensorView lse1, ConstTensorView o2
       for (std::int64_t t = 0; t < T; ++t) {
         const float L1 = l1[b * lse1.strides[0] + h * lse1.strides[1] + t * lse1.strides[2]];
         const float L2 = l2[b * lse2.strides[0] + h * lse2.strides[1] + t * lse2.strides[2]];
-        const float m = std::max(L1, L2);
+        // NaN-propagating: a NaN L is not an empty part, it makes the row NaN (SPEC 4.3).
+        const float m = kernels::max_nan(L1, L2);
         // L = log(e^{L¹} + e^{L²}) = m + log(e^{L¹−m} + e^{L²−m}); both parts empty → L = −∞, O = 0.
         double w1 = 0.0, w2 = 0.0, L = -std::numeric_limits<double>::infinity();
         if (m != -std::numeric_limits<float>::infinity()) {
@@ -71,8 +73,11 @@ void merge_partials(ConstTensorView o1, ConstTensorView lse1, ConstTensorView o2
         const float* r2 = p2 + b * o2.strides[0] + t * o2.strides[1] + h * o2.strides[2];
         float* ro = po + b * out.strides[0] + t * out.strides[1] + h * out.strides[2];
         for (std::int64_t i = 0; i < D; ++i) {
-          const double a = w1 == 0.0 ? 0.0 : w1 * r1[i * o1.strides[3]];
-          const double c = w2 == 0.0 ? 0.0 : w2 * r2[i * o2.strides[3]];
+          // An empty part (L = −∞) is not read; any other is weighted, even by an underflowed
+          // 0 (0 · NaN = NaN: a NaN in its O is not hidden).
+          constexpr float kEmpty = -std::numeric_limits<float>::infinity();
+          const double a = L1 == kEmpty ? 0.0 : w1 * r1[i * o1.strides[3]];
+          const double c = L2 == kEmpty ? 0.0 : w2 * r2[i * o2.strides[3]];
           ro[i * out.strides[3]] = static_cast<float>(a + c);
         }
         lo[b * lse_out.strides[0] + h * lse_out.strides[1] + t * lse_out.strides[2]] = static_cast<float>(L);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "api/validate.hpp"
+#include "kernels/nonfinite.hpp"
 
 namespace tokenmix {
 namespace {
@@ -41,13 +42,21 @@ void check_alias(const char* fn, const char* out_name, std::span<const float> ou
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// max of a row that is NaN if any entry is (std::max_element skips a NaN: softmax([−∞, NaN])
+// came out as [0, 0]). SPEC 4.3: a NaN read propagates.
+float row_max(const float* z, std::int64_t n) {
+  float m = kNegInf;
+  for (std::int64_t i = 0; i < n; ++i) m = kernels::max_nan(m, z[i]);
+  return m;
+}
+
 }  // namespace
 
 float logsumexp(std::span<const float> z) {
   check_data("logsumexp", "z", z.data(), z.size());
   if (z.empty()) return kNegInf;
-  const float m = *std::max_element(z.begin(), z.end());
-  if (std::isinf(m)) return m;  // all −∞ → −∞ ; any +∞ → +∞
+  const float m = row_max(z.data(), static_cast<std::int64_t>(z.size()));
+  if (std::isinf(m) || std::isnan(m)) return m;  // all −∞ → −∞ ; any NaN → NaN ; else +∞ → +∞
   double sum = 0.0;
   for (float x : z) sum += std::exp(static_cast<double>(x) - m);
   return static_cast<float>(m + std::log(sum));
@@ -66,7 +75,7 @@ void softmax_rows(std::span<const float> z, std::span<float> a, std::int64_t row
   for (std::int64_t r = 0; r < rows; ++r) {
     const float* zr = z.data() + r * n;
     float* ar = a.data() + r * n;
-    const float m = n > 0 ? *std::max_element(zr, zr + n) : kNegInf;
+    const float m = row_max(zr, n);  // NaN if the row holds one: the row becomes NaN
     if (m == kNegInf) {  // every entry masked: a row of zeros, not 0/0 = NaN
       std::fill(ar, ar + n, 0.0f);
       continue;

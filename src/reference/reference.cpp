@@ -21,6 +21,15 @@ namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
+// max that is NaN if either argument is (std::max / std::max_element skip a NaN depending on
+// its position). The oracle propagates NaN and ±∞ as IEEE arithmetic does (SPEC 4.3).
+double max_nan(double a, double b) { return (a != a || b != b) ? a + b : std::max(a, b); }
+double max_of(const std::vector<double>& z) {
+  double m = kNegInf;
+  for (double x : z) m = max_nan(m, x);
+  return m;
+}
+
 /// A dense row-major matrix of doubles, used for S, M, A, dA, dS of one (batch, head).
 struct Matrix {
   std::int64_t rows = 0, cols = 0;
@@ -102,7 +111,9 @@ HeadForward head_forward(const Matrix& Qh, const Matrix& Kj, const Options& o) {
   f.lse.resize(static_cast<std::size_t>(T_q));
   std::vector<double> z(static_cast<std::size_t>(T_k));
   for (std::int64_t t = 0; t < T_q; ++t) {
-    for (std::int64_t u = 0; u < T_k; ++u) z[static_cast<std::size_t>(u)] = f.S(t, u) + f.M(t, u);
+    // S + M, with M selecting: a masked entry is −∞ even where S is NaN (SPEC 4.3).
+    for (std::int64_t u = 0; u < T_k; ++u)
+      z[static_cast<std::size_t>(u)] = f.M(t, u) == 0.0 ? f.S(t, u) : kNegInf;
     const std::vector<double> a = softmax(z);
     for (std::int64_t u = 0; u < T_k; ++u) f.A(t, u) = a[static_cast<std::size_t>(u)];
     f.lse[static_cast<std::size_t>(t)] = logsumexp(z);
@@ -242,7 +253,7 @@ std::vector<double> softmax(const std::vector<double>& z) {
   std::vector<double> a(z.size(), 0.0);
   if (z.empty()) return a;
   // Stable form: subtract the row maximum m before exp, so every exponent is ≤ 0.
-  const double m = *std::max_element(z.begin(), z.end());
+  const double m = max_of(z);  // NaN if any entry is: then every a_i is NaN
   if (m == kNegInf) return a;  // every entry masked: no key visible → all zeros, never NaN
   double sum = 0.0;
   for (std::size_t i = 0; i < z.size(); ++i) {
@@ -255,7 +266,7 @@ std::vector<double> softmax(const std::vector<double>& z) {
 
 double logsumexp(const std::vector<double>& z) {
   if (z.empty()) return kNegInf;
-  const double m = *std::max_element(z.begin(), z.end());
+  const double m = max_of(z);
   if (m == kNegInf) return kNegInf;  // log of an empty sum
   double sum = 0.0;
   for (double x : z) sum += std::exp(x - m);
@@ -288,6 +299,7 @@ ForwardResult attention_forward(const Tensor64& q, const Tensor64& k, const Tens
       for (std::int64_t t = 0; t < T_q; ++t) {
         std::vector<double> o_t(static_cast<std::size_t>(d_h), 0.0);  // O_h[t] = Σ_u A_tu V_u
         for (std::int64_t u = 0; u < T_k; ++u) {
+          if (f.M(t, u) != 0.0) continue;  // a masked key takes no part (0 · NaN = NaN)
           const double a_tu = f.A(t, u);
           for (std::int64_t e = 0; e < d_h; ++e)
             o_t[static_cast<std::size_t>(e)] += a_tu * Vj.row(u)[e];
@@ -324,6 +336,7 @@ BackwardResult attention_backward(const Tensor64& q, const Tensor64& k, const Te
       Matrix dVh(T_k, d_h);
       for (std::int64_t t = 0; t < T_q; ++t)
         for (std::int64_t u = 0; u < T_k; ++u) {
+          if (f.M(t, u) != 0.0) continue;  // masked: no part, not a product with 0
           const double a_tu = f.A(t, u);
           for (std::int64_t e = 0; e < d_h; ++e) dVh.row(u)[e] += a_tu * dOh.row(t)[e];
         }
@@ -369,6 +382,7 @@ BackwardResult attention_backward(const Tensor64& q, const Tensor64& k, const Te
       for (std::int64_t t = 0; t < T_q; ++t) {
         std::vector<double> dq_t(static_cast<std::size_t>(d_h), 0.0);  // Σ_u dS_tu K_u
         for (std::int64_t u = 0; u < T_k; ++u) {
+          if (f.M(t, u) != 0.0) continue;  // masked: no part
           const double ds_tu = dS(t, u);
           for (std::int64_t e = 0; e < d_h; ++e)
             dq_t[static_cast<std::size_t>(e)] += ds_tu * Kj.row(u)[e];
@@ -381,6 +395,7 @@ BackwardResult attention_backward(const Tensor64& q, const Tensor64& k, const Te
       Matrix dKh(T_k, d_h);
       for (std::int64_t t = 0; t < T_q; ++t)
         for (std::int64_t u = 0; u < T_k; ++u) {
+          if (f.M(t, u) != 0.0) continue;  // masked: no part
           const double ds_tu = dS(t, u);
           for (std::int64_t e = 0; e < d_h; ++e) dKh.row(u)[e] += ds_tu * Qh.row(t)[e];
         }
@@ -433,7 +448,7 @@ ForwardResult merge(const Tensor64& o1, const Tensor64& lse1, const Tensor64& o2
       for (std::int64_t t = 0; t < T; ++t) {
         const double L1 = lse1.at(b, h, t, 0), L2 = lse2.at(b, h, t, 0);
         // L = log(e^{L¹} + e^{L²}), evaluated stably around m = max(L¹, L²).
-        const double m = std::max(L1, L2);
+        const double m = max_nan(L1, L2);  // a NaN L is not an empty part: the row is NaN
         if (m == kNegInf) {  // both parts empty: the union is empty too
           r.lse.at(b, h, t, 0) = kNegInf;
           continue;  // output row stays 0
@@ -443,7 +458,8 @@ ForwardResult merge(const Tensor64& o1, const Tensor64& lse1, const Tensor64& o2
         // O = e^{L¹−L} O¹ + e^{L²−L} O²  (an empty part has weight e^{−∞} = 0)
         const double w1 = std::exp(L1 - L), w2 = std::exp(L2 - L);
         for (std::int64_t e = 0; e < d_h; ++e)
-          r.out.at(b, t, h, e) = w1 * o1.at(b, t, h, e) + w2 * o2.at(b, t, h, e);
+          r.out.at(b, t, h, e) = (L1 == kNegInf ? 0.0 : w1 * o1.at(b, t, h, e)) +
+                                 (L2 == kNegInf ? 0.0 : w2 * o2.at(b, t, h, e));
       }
   return r;
 }

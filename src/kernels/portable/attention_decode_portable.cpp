@@ -18,6 +18,7 @@
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kernel_skeleton.hpp"
 #include "kernels/kv_element.hpp"
+#include "kernels/nonfinite.hpp"
 
 namespace tokenmix::kernels {
 namespace {
@@ -72,20 +73,20 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
         float tmax = kNegInf;
         for (std::int64_t u = 0; u < nt; ++u) {
           if (u0 + u >= end) score[u] = kNegInf;  // (4.3)
-          tmax = std::max(tmax, score[u]);
+          tmax = max_nan(tmax, score[u]);
         }
-        const float m_new = std::max(m_run[r], tmax);
-        if (m_new == kNegInf) continue;  // nothing visible yet
-        const float alpha = std::exp(m_run[r] - m_new);
+        // NaN-propagating max; shift 0 while no finite score is seen (P = e^{−∞} = 0, l = 0).
+        const float m_new = max_nan(m_run[r], tmax), shift = softmax_shift(m_new);
+        const float alpha = std::exp(m_run[r] - shift);
         float* o = acc + r * dh;
         if (m_new != m_run[r]) {
           for (std::int64_t x = 0; x < dh; ++x) o[x] *= alpha;
         }
         float sum = 0.0f;
         for (std::int64_t u = 0; u < nt; ++u) {  // Õ += P V  (4.4, 4.5)
-          const float p = std::exp(score[u] - m_new);
+          const float p = std::exp(score[u] - shift);
           sum += p;
-          if (p != 0.0f) {
+          if (u0 + u < end) {  // every visible key, even with p = 0 (0 · NaN = NaN); no masked one
             for (std::int64_t x = 0; x < dh; ++x) o[x] += p * vf[u * dh + x];
           }
         }

@@ -16,6 +16,10 @@
 //   pass 2, per key row u of KV head j, summing over the g query heads of its group and over the
 //                             queries that see u:  dk_u = s Σ ds_tu q_t,  dv_u = Σ p_tu dO_t
 // Pass 2 recomputes p and ds instead of storing them (no T×T buffer).
+//
+// Non-finite inputs (SPEC 4.3, kernels/nonfinite.hpp): only visible keys are looped over, so a
+// masked key takes no part; m is a NaN-propagating max, the shift is 0 while m = −∞, and every
+// visible key's p multiplies its v even when p = 0 (0 · NaN = NaN), as the SIMD kernels do.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -24,6 +28,7 @@
 
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kernel_skeleton.hpp"
+#include "kernels/nonfinite.hpp"
 
 namespace tokenmix::kernels {
 namespace {
@@ -119,17 +124,20 @@ void attention_fwd_f32_portable(const ForwardArgs& a) {
         float m = kNegInf;
         for (std::int64_t u = 0; u < end; ++u) {  // S = s · q_t K_jᵀ  (4.2)
           score[u] = p.scale * dot(q_row, k_pack + u * dh, dh);
-          m = std::max(m, score[u]);
+          m = max_nan(m, score[u]);
         }
         float l = 0.0f;
         std::fill(acc, acc + dh, 0.0f);
+        const float shift = softmax_shift(m);     // every visible score −∞: P = 0, l = 0
         for (std::int64_t u = 0; u < end; ++u) {  // A = softmax(S + M), O = A V  (4.4, 4.5)
-          const float pu = std::exp(score[u] - m);
+          const float pu = std::exp(score[u] - shift);
           l += pu;
           axpy(pu, v_pack + u * dh, acc, dh);
         }
-        for (std::int64_t i = 0; i < dh; ++i) acc[i] /= l;
-        lse = m + std::log(l);
+        // l = 0 (no finite score): O = Õ / ∞ = 0 (NaN if a visible v was NaN or ±∞)
+        const float div = l == 0.0f ? std::numeric_limits<float>::infinity() : l;
+        for (std::int64_t i = 0; i < dh; ++i) acc[i] /= div;
+        lse = l == 0.0f ? kNegInf : m + std::log(l);
       }
       scatter(acc, dh, out, a.out.s3);
       if (a.lse.data != nullptr) a.lse.data[b * a.lse.s0 + h * a.lse.s1 + t * a.lse.s2] = lse;
@@ -186,7 +194,7 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
           gather(a.dout.row(b, t, h), a.dout.s3, dh, do_row);
           gather(a.out.row(b, t, h), a.out.s3, dh, o_row);
           d_t = dot(do_row, o_row, dh);  // D_t = Σ_u A_tu dA_tu = ⟨dO_t, O_t⟩
-          const float lse = a.lse.data[b * a.lse.s0 + h * a.lse.s1 + t * a.lse.s2];
+          const float lse = softmax_shift(a.lse.data[b * a.lse.s0 + h * a.lse.s1 + t * a.lse.s2]);
           for (std::int64_t u = 0; u < end; ++u) {
             const float pu = std::exp(p.scale * dot(q_row, k_pack + u * dh, dh) - lse);  // A_tu
             const float dpu = dot(do_row, v_pack + u * dh, dh);                           // dA_tu
@@ -241,7 +249,7 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
           if (end <= u0) continue;
           gather(a.q.row(b, t, h), a.q.s3, dh, q_row);
           gather(a.dout.row(b, t, h), a.dout.s3, dh, do_row);
-          const float lse = a.lse.data[b * a.lse.s0 + h * a.lse.s1 + t * a.lse.s2];
+          const float lse = softmax_shift(a.lse.data[b * a.lse.s0 + h * a.lse.s1 + t * a.lse.s2]);
           const float d_t = delta[(b * p.hq + h) * p.tq + t];
           for (std::int64_t u = u0; u < end; ++u) {
             const float* k_u = k_pack + (u - u0) * dh;

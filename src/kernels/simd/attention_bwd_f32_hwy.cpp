@@ -17,12 +17,19 @@
 // Both passes use the forward's microkernel (microkernel-inl.h); Q, dO, K and V rows are read
 // in place, only the per-unit operands are packed transposed. Extra memory: D, 4·B·H_q·T_q
 // bytes, plus per worker O(d_h · tile).
+//
+// Non-finite inputs (SPEC 4.3, nonfinite-inl.h): P = ExpNaN(S − L), so a NaN in q, k, L reaches
+// the row; the causal mask selects dS (not only P), so a NaN in a masked key's S or dP, or in
+// the row's D, stays out; and the products over tiles that cross the diagonal leave out masked
+// (key, row) pairs whenever a masked operand is not finite. A saved L = −∞ with visible keys
+// (every visible score −∞) is used as 0: P = 0, as in the forward.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/simd/attention_bwd_f32_hwy.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "kernels/simd/microkernel-inl.h"
+#include "kernels/simd/nonfinite-inl.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,6 +38,7 @@
 #include <omp.h>
 
 #include "kernels/attention_kernels.hpp"
+#include "kernels/nonfinite.hpp"
 #include "kernels/simd/work_units.hpp"
 
 HWY_BEFORE_NAMESPACE();
@@ -123,8 +131,8 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
           }
           delta[(b * p.hq + h) * p.tq + t] = e > 0 ? dsum : 0.0f;
           bs.delta_lane[i] = dsum;
-          bs.lse_lane[i] =
-              e > 0 ? args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2] : 0.0f;
+          const float lse = args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2];
+          bs.lse_lane[i] = e > 0 ? softmax_shift(lse) : 0.0f;
         } else {
           for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = bs.dot[x * M + i] = 0.0f;
           bs.delta_lane[i] = bs.lse_lane[i] = 0.0f;
@@ -151,17 +159,24 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
           const VF lse = hn::Load(d, bs.lse_lane + i), dl = hn::Load(d, bs.delta_lane + i);
           const auto ends = hn::Load(di, bs.end_lane + i);
           for (std::int64_t u = 0; u < nt; ++u) {
-            VF pu = hn::Exp(d, hn::Sub(hn::Load(d, st + u * M + i), lse));  // A = e^{S − L} (4.4)
-            if (crosses) {                                                 // causal mask  (4.3)
+            // A = e^{S − L} (4.4), dS = A ⊙ (dA − D)
+            const VF pu = ExpNaN(d, hn::Sub(hn::Load(d, st + u * M + i), lse));
+            VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dpt + u * M + i), dl));
+            if (crosses) {  // causal mask (4.3), a select: no NaN of a masked key gets in
               const auto visible =
                   hn::RebindMask(d, hn::Lt(hn::Set(di, static_cast<std::int32_t>(u0 + u)), ends));
-              pu = hn::IfThenElseZero(visible, pu);
+              ds = hn::IfThenElseZero(visible, ds);
             }
-            // dS = A ⊙ (dA − D)
-            hn::Store(hn::Mul(pu, hn::Sub(hn::Load(d, dpt + u * M + i), dl)), d, st + u * M + i);
+            hn::Store(ds, d, st + u * M + i);
           }
         }
-        GemmRows(d, dh, k_rows, 1, dh, st, M, nt, bs.dqt, M, true);  // dQᵀ += Kᵀ dSᵀ
+        // dQᵀ += Kᵀ dSᵀ (keys from full_end on are masked for some lanes: 0 · K must add nothing)
+        const auto lane_sees = [&](std::int64_t u, std::int64_t i) {
+          const auto key = hn::Set(di, static_cast<std::int32_t>(u0 + u));
+          return hn::RebindMask(d, hn::Lt(key, hn::Load(di, bs.end_lane + i)));
+        };
+        GemmRowsMaskedIfNonFinite(d, dh, k_rows, 1, dh, st, M, nt, bs.dqt, M, true, nullptr,
+                                  bs.full_end - u0, nt, lane_sees);
       }
     }
 
@@ -278,20 +293,33 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
             const std::int64_t t = c0 + r;
             const std::int64_t visible = p.visible_end(t) - u0;  // lanes < visible are unmasked
             const float lse = args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2];
-            const VF l = hn::Set(d, visible > 0 ? lse : 0.0f);
+            const VF l = hn::Set(d, visible > 0 ? softmax_shift(lse) : 0.0f);
             const VF dl = hn::Set(d, delta[(b * p.hq + h) * p.tq + t]);
             for (std::int64_t i = 0; i < M; i += N) {
-              VF pu = hn::Exp(d, hn::Sub(hn::Load(d, scores + r * M + i), l));  // A = e^{S − L}
-              if (visible < i + N) {                                       // causal mask (4.3)
+              VF pu = ExpNaN(d, hn::Sub(hn::Load(d, scores + r * M + i), l));    // A = e^{S − L}
+              VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dp + r * M + i), dl));  // dS = A ⊙ (dA − D)
+              if (visible < i + N) {  // causal mask (4.3), a select on P and dS
                 const std::int64_t n_vis = std::clamp<std::int64_t>(visible - i, 0, N);
-                pu = hn::IfThenElseZero(hn::FirstN(d, static_cast<std::size_t>(n_vis)), pu);
+                const auto seen = hn::FirstN(d, static_cast<std::size_t>(n_vis));
+                pu = hn::IfThenElseZero(seen, pu);
+                ds = hn::IfThenElseZero(seen, ds);
               }
               hn::Store(pu, d, scores + r * M + i);
-              hn::Store(hn::Mul(pu, hn::Sub(hn::Load(d, dp + r * M + i), dl)), d, dp + r * M + i);  // dS
+              hn::Store(ds, d, dp + r * M + i);
             }
           }
-          GemmRows(d, dh, do_rows, 1, lddo, scores, M, rows, dvt, M, true);  // dVᵀ += dOᵀ P
-          GemmRows(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true);   // dKᵀ += Qᵀ dS
+          // dVᵀ += dOᵀ P, dKᵀ += Qᵀ dS. Rows [0, r_full) do not see every key of the block: a
+          // NaN in their dO or Q must not reach the keys they do not see (0 · NaN = NaN).
+          std::int64_t r_full = 0;
+          while (r_full < rows && p.visible_end(c0 + r_full) - u0 < keys) ++r_full;
+          const auto row_sees = [&](std::int64_t r, std::int64_t i) {
+            const std::int64_t n = std::clamp<std::int64_t>(p.visible_end(c0 + r) - u0 - i, 0, N);
+            return hn::FirstN(d, static_cast<std::size_t>(n));
+          };
+          GemmRowsMaskedIfNonFinite(d, dh, do_rows, 1, lddo, scores, M, rows, dvt, M, true, nullptr, 0,
+                                    r_full, row_sees);
+          GemmRowsMaskedIfNonFinite(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true, nullptr, 0,
+                                    r_full, row_sees);
           if constexpr (kOnePass) {
             // dQᵀ[x][c0 + r] += Σ_u K[u][x] dS[r][u]: dS transposed to [key][row] (rows past
             // T_q zeroed), then the microkernel with B = dSᵀ, C = the chunk's columns of dQᵀ.
@@ -299,7 +327,15 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
               for (std::int64_t r = 0; r < rows; ++r) dst[u * M + r] = dp[r * M + u];
               for (std::int64_t r = rows; r < M; ++r) dst[u * M + r] = 0.0f;
             }
-            GemmRows(d, dh, k_nat, 1, dh, dst, M, keys, dqt + ((h - j * g) * tq_pad + c0) * dh, M, true);
+            // Keys from visible_end(c0) on are not seen by the chunk's first rows.
+            // Row c0 + i + lane sees key u0 + u  ⟺  lane ≥ u0 + u − shift − c0 − i (causal).
+            const auto key_seen_by = [&](std::int64_t u, std::int64_t i) {
+              const std::int64_t n = std::clamp<std::int64_t>(u0 + u - shift - c0 - i, 0, N);
+              return hn::Not(hn::FirstN(d, static_cast<std::size_t>(n)));
+            };
+            GemmRowsMaskedIfNonFinite(d, dh, k_nat, 1, dh, dst, M, keys,
+                                      dqt + ((h - j * g) * tq_pad + c0) * dh, M, true, nullptr,
+                                      p.visible_end(c0) - u0, keys, key_seen_by);
           }
         }
       }

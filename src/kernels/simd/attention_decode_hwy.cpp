@@ -22,6 +22,7 @@
 #include "hwy/highway.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "kernels/simd/microkernel-inl.h"
+#include "kernels/simd/nonfinite-inl.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,6 +32,7 @@
 
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kv_element.hpp"
+#include "kernels/nonfinite.hpp"
 #include "kernels/simd/work_units.hpp"
 
 HWY_BEFORE_NAMESPACE();
@@ -112,12 +114,12 @@ void DecodeUnits(const DecodeArgs& a) {
         }
         VF vmax = hn::Load(d, score);
         for (std::int64_t i = N; i < kKeyTile; i += N) vmax = hn::Max(vmax, hn::Load(d, score + i));
-        const float m_old = m_run[r], m_new = std::max(m_old, hn::GetLane(hn::MaxOfLanes(d, vmax)));
+        const float m_old = m_run[r], m_new = max_nan(m_old, hn::GetLane(hn::MaxOfLanes(d, vmax)));
         // A row with nothing visible yet keeps P = 0 (shift 0: e^{−∞} = 0).
         const VF shift = hn::Set(d, m_new == kNegInf ? 0.0f : m_new);
         VF vsum = hn::Zero(d);
         for (std::int64_t i = 0; i < kKeyTile; i += N) {
-          const VF p = hn::Exp(d, hn::Sub(hn::Load(d, score + i), shift));
+          const VF p = ExpNaN(d, hn::Sub(hn::Load(d, score + i), shift));  // NaN score: l = NaN
           hn::Store(p, d, score + i);
           vsum = hn::Add(vsum, p);
         }
@@ -140,15 +142,37 @@ void DecodeUnits(const DecodeArgs& a) {
       // The V tile is consumed in sub-tiles of kSub keys, all d_h chunks of a sub-tile before the
       // next, so memory is read front to back (row-strided passes over the whole tile halve the
       // DRAM bandwidth a core gets).
+      // Keys from kfull on are not seen by every row; if their V rows are not finite, each row's
+      // product stops at its own visible end (a masked key takes no part: 0 · NaN = NaN).
+      bool v_bad = false;
+      const std::int64_t first_partial = std::clamp<std::int64_t>(kfull - u0, 0, nt);
+      for (std::int64_t i = first_partial * dh; i < nt * dh && !v_bad; ++i) {
+        v_bad = !std::isfinite(load_element(a.dtype, vt, i));
+      }
       for (std::int64_t k0 = 0; k0 < nt; k0 += kSub) {
         const std::int64_t nk = std::min(kSub, nt - k0);
         const TB* vk = vt + k0 * dh;
+        if (v_bad) {
+          for (std::int64_t r = 0; r < nrows; ++r) {
+            const std::int64_t seen = a.visible_end(b, t0 + r / g) - u0 - k0;
+            const std::int64_t nk_r = std::clamp<std::int64_t>(seen, 0, nk);
+            const float* p_r = st + r * kKeyTile + k0;
+            float* o_r = acc + r * dh;
+            for (x0 = 0; x0 < dh_full; x0 += W) {
+              GemmRows<1, kVD>(d, 1, p_r, kKeyTile, 1, vk + x0, dh, nk_r, o_r + x0, dh, true);
+            }
+            for (; x0 < dh_vec; x0 += N) {
+              GemmRows<1, 1>(d, 1, p_r, kKeyTile, 1, vk + x0, dh, nk_r, o_r + x0, dh, true);
+            }
+          }
+          continue;
+        }
         for (x0 = 0; x0 < dh_full; x0 += W) GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
         for (; x0 < dh_vec; x0 += N) GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
       }
       if (x0 < dh) {
-        for (std::int64_t r = 0; r < nrows; ++r)
-          for (std::int64_t u = 0; u < nt; ++u) {
+        for (std::int64_t r = 0; r < nrows; ++r)  // visible keys only (0 · NaN = NaN)
+          for (std::int64_t u = 0; u < std::min(nt, a.visible_end(b, t0 + r / g) - u0); ++u) {
             const float p = st[r * kKeyTile + u];
             for (std::int64_t x = x0; x < dh; ++x) acc[r * dh + x] += p * load_element(a.dtype, vt, u * dh + x);
           }

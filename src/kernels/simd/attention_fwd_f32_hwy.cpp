@@ -19,7 +19,9 @@
 // Key tiles above the causal diagonal are never visited; only tiles crossing it are masked (4.3).
 //
 // exp: Highway's contrib Exp, max error 1 ULP on float32, returns exactly 0 below its range
-// (so e^{−∞} = 0 and masked keys contribute exactly nothing).
+// (so e^{−∞} = 0 and masked keys contribute exactly nothing); through ExpNaN, so a NaN score
+// gives a NaN weight (nonfinite-inl.h). Non-finite inputs (SPEC 4.3): a NaN or +∞ score makes
+// the lane's l NaN, hence O and L NaN; keys a lane does not see take no part (selected away).
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/simd/attention_fwd_f32_hwy.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -27,6 +29,7 @@
 #include "hwy/highway.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "kernels/simd/microkernel-inl.h"
+#include "kernels/simd/nonfinite-inl.h"
 
 #include <algorithm>
 #include <cmath>
@@ -35,6 +38,7 @@
 #include <omp.h>
 
 #include "kernels/attention_kernels.hpp"
+#include "kernels/nonfinite.hpp"
 #include "kernels/simd/work_units.hpp"
 
 HWY_BEFORE_NAMESPACE();
@@ -149,10 +153,10 @@ void AttentionFwd(const ForwardArgs& args) {
           const VF m_old = hn::Load(d, bs.m_run + i);
           const VF m_new = hn::Max(m_old, tile_max);
           const VF shift = hn::IfThenZeroElse(hn::Eq(m_new, hn::Set(d, kNegInf)), m_new);
-          const VF alpha = hn::Exp(d, hn::Sub(m_old, shift));
+          const VF alpha = ExpNaN(d, hn::Sub(m_old, shift));
           VF sum = hn::Zero(d);
           for (std::int64_t u = 0; u < nt; ++u) {
-            const VF pu = hn::Exp(d, hn::Sub(hn::Load(d, st + u * M + i), shift));
+            const VF pu = ExpNaN(d, hn::Sub(hn::Load(d, st + u * M + i), shift));
             hn::Store(pu, d, st + u * M + i);
             sum = hn::Add(sum, pu);
           }
@@ -161,8 +165,14 @@ void AttentionFwd(const ForwardArgs& args) {
           hn::Store(alpha, d, alphas + i);
         }
         // Oᵀ[x][i] ← Oᵀ[x][i] · e^{m − m'}[i] + Σ_u V[u0+u][x] · Pᵀ[u][i]   (4.4, 4.5; the
-        // rescale rides on the microkernel's load of Oᵀ; Oᵀ is still zero on the first tile)
-        GemmRows(d, dh, v_rows, 1, dh, st, M, nt, bs.ot, M, true, u0 > 0 ? alphas : nullptr);
+        // rescale rides on the microkernel's load of Oᵀ; Oᵀ is still zero on the first tile).
+        // Keys from full_end on are not seen by every lane: 0 · V must not add a NaN there.
+        const auto lane_sees = [&](std::int64_t u, std::int64_t i) {
+          const auto key = hn::Set(di, static_cast<std::int32_t>(u0 + u));
+          return hn::RebindMask(d, hn::Lt(key, hn::Load(di, bs.end_lane + i)));
+        };
+        GemmRowsMaskedIfNonFinite(d, dh, v_rows, 1, dh, st, M, nt, bs.ot, M, true,
+                                  u0 > 0 ? alphas : nullptr, bs.full_end - u0, nt, lane_sees);
       }
     }
 
@@ -172,11 +182,11 @@ void AttentionFwd(const ForwardArgs& args) {
       const std::int64_t bb = bs.blk.b;
       ForEachRow(layout, bs.blk, [&](std::int64_t i, std::int64_t h, std::int64_t t) HWY_ATTR {
         const float l = bs.l_run[i];
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const float inv = inverse_sum(l);  // l = 0: no finite score; l = NaN: a NaN was read
         StoreColumn(bs.ot, M, i, dh, inv, args.out.row(bb, t, h), args.out.s3);
         if (args.lse.data != nullptr) {
           args.lse.data[bb * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2] =
-              l > 0.0f ? bs.m_run[i] + std::log(l) : kNegInf;
+              l == 0.0f ? kNegInf : bs.m_run[i] + std::log(l);
         }
       });
     }

@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <sys/mman.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -404,41 +406,65 @@ TEST(Dispatch, AllocationFailureIsAResourceErrorNamingTheSize) {
   }
 }
 
-// A head width whose kernel scratch cannot exist (issue: d_h = 2^26 crashed the AVX2 kernels):
-// q, k, v and out are d_h-long views with stride 0 (valid, one float each), so validation
-// accepts them and the kernel's scratch allocation is what fails, before anything is written.
+// A head width whose kernel scratch cannot exist (issue: d_h = 2^26 crashed the AVX2 kernels).
+// q, k, v and dO are d_h-long views with stride 0 (valid, one float each). Outputs may not have a
+// zero stride (they would overlap themselves), so out, dq, dk and dv are unit-stride views
+// in a reserved, inaccessible address range (PROT_NONE: no memory behind it): validation only
+// does arithmetic on their extents, and the kernel's scratch allocation (tens of TiB at
+// d_h = 2^40, on any path) fails before anything is written — a write would fault here.
+class NoAccessRange {
+ public:
+  explicit NoAccessRange(std::size_t bytes) : bytes_(bytes) {
+    void* p = mmap(nullptr, bytes_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    base_ = p == MAP_FAILED ? nullptr : p;
+  }
+  ~NoAccessRange() {
+    if (base_ != nullptr) munmap(base_, bytes_);
+  }
+  NoAccessRange(const NoAccessRange&) = delete;
+  NoAccessRange& operator=(const NoAccessRange&) = delete;
+  float* data() const { return static_cast<float*>(base_); }
+
+ private:
+  std::size_t bytes_;
+  void* base_ = nullptr;
+};
+
 void huge_head_width(Isa isa, std::int64_t dh, ErrorCode code) {
-  float q = 0.5f, k = 0.25f, v = 1.0f, out = std::nanf(""), lse = std::nanf("");
-  float dq = std::nanf(""), dk = std::nanf(""), dv = std::nanf(""), dout = 1.0f;
+  float q = 0.5f, k = 0.25f, v = 1.0f, lse = std::nanf(""), dout = 1.0f;
+  // Three disjoint outputs of d_h floats each (out / dq, dk, dv).
+  const NoAccessRange no_access(3 * static_cast<std::size_t>(dh) * sizeof(float));
+  ASSERT_NE(no_access.data(), nullptr) << "mmap(PROT_NONE) of 3 * d_h floats failed";
+  float* const unwritable = no_access.data();
   const auto in = [&](const float* p) {
     return ConstTensorView{p, DType::f32, 4, {1, 1, 1, dh}, {0, 0, 0, 0}};
   };
   const auto outv = [&](float* p) {
-    return TensorView{p, DType::f32, 4, {1, 1, 1, dh}, {0, 0, 0, 0}};
+    return TensorView{p, DType::f32, 4, {1, 1, 1, dh}, {dh, dh, dh, 1}};
   };
   AttentionOptions o;
   o.isa = isa;
   const std::string bytes = code == ErrorCode::out_of_memory ? "bytes" : "overflows";
   expect_error<ResourceError>(
       [&] {
-        attention_forward(in(&q), in(&k), in(&v), outv(&out), TensorView::bht(&lse, 1, 1, 1), o);
+        attention_forward(in(&q), in(&k), in(&v), outv(unwritable),
+                          TensorView::bht(&lse, 1, 1, 1), o);
       },
       code, {"attention_forward", std::string("attention_fwd_f32_") + to_string(isa), bytes});
   expect_error<ResourceError>(
       [&] {
-        attention_backward(in(&q), in(&k), in(&v), in(&out), ConstTensorView::bht(&lse, 1, 1, 1),
-                           in(&dout), outv(&dq), outv(&dk), outv(&dv), o);
+        attention_backward(in(&q), in(&k), in(&v), in(&q), ConstTensorView::bht(&lse, 1, 1, 1),
+                           in(&dout), outv(unwritable), outv(unwritable + dh),
+                           outv(unwritable + 2 * dh), o);
       },
       code, {"attention_backward", std::string("attention_bwd_f32_") + to_string(isa), bytes});
-  EXPECT_TRUE(std::isnan(out) && std::isnan(lse) && std::isnan(dq) && std::isnan(dk) &&
-              std::isnan(dv));
+  EXPECT_TRUE(std::isnan(lse));
 }
 
 TEST(Dispatch, HugeHeadWidthIsAResourceErrorOnEveryPath) {
   for (Isa isa : available_isas()) {
     SCOPED_TRACE(to_string(isa));
-    huge_head_width(isa, std::int64_t{1} << 48, ErrorCode::out_of_memory);  // petabytes
-    huge_head_width(isa, std::int64_t{1} << 60, ErrorCode::overflow);       // > 2^63 bytes
+    huge_head_width(isa, std::int64_t{1} << 40, ErrorCode::out_of_memory);  // TiB of scratch
   }
 }
 

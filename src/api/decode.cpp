@@ -8,6 +8,8 @@
 // m = −∞ (no visible key) contributes nothing. The chunk size depends only on the problem, never
 // on the thread count, and each row is merged left to right by one thread: the result is
 // bitwise identical for any number of threads.
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -138,6 +140,7 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   const kernels::CallSite site{fn, named.name};
   kernels::ScratchLayout worker_layout(site);
   a.slots = kernels::DecodeScratch(worker_layout, rows, a.dh);
+  const auto merge_slot = worker_layout.add<float>(a.dh);  // the merge's running Õ of one row
   kernels::ScratchLayout partials_layout(site);
   const std::int64_t part_rows = kernels::scratch_mul(units, rows, site, "decode partials");
   const auto acc_slot =
@@ -165,7 +168,7 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   {
     kernel(a);
     // Merge the chunks of every row in chunk order and normalise: O = Õ / l, L = m + log l.
-    std::vector<float> acc(static_cast<std::size_t>(a.dh));
+    float* const acc = a.scratch.at(merge_slot, omp_get_thread_num());  // [d_h]
 #pragma omp for schedule(static)
     for (std::int64_t grp = 0; grp < groups; ++grp) {
       const std::int64_t qb = grp % a.qblocks, j = (grp / a.qblocks) % a.hkv, b = grp / (a.qblocks * a.hkv);
@@ -178,7 +181,7 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
         // skipped. m is a NaN-propagating max, so a NaN part makes the row NaN (SPEC 4.3).
         const std::int64_t seen = a.visible_end(b, t);  // keys [0, seen) are visible to row t
         float m = kNegInf, l = 0.0f;
-        std::fill(acc.begin(), acc.end(), 0.0f);
+        std::fill(acc, acc + a.dh, 0.0f);
         bool first = true;
         for (std::int64_t c = 0; c < a.chunks && c * a.chunk < seen; ++c) {
           const std::int64_t unit = grp * a.chunks + c;
@@ -189,18 +192,18 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
             first = false;
             m = mc;
             l = lc;
-            std::copy(oc, oc + a.dh, acc.begin());
+            std::copy(oc, oc + a.dh, acc);
             continue;
           }
           const float mn = kernels::max_nan(m, mc), shift = kernels::softmax_shift(mn);
           const float w1 = std::exp(m - shift), w2 = std::exp(mc - shift);
           l = l * w1 + lc * w2;
-          for (std::int64_t x = 0; x < a.dh; ++x) acc[static_cast<std::size_t>(x)] = acc[static_cast<std::size_t>(x)] * w1 + oc[x] * w2;
+          for (std::int64_t x = 0; x < a.dh; ++x) acc[x] = acc[x] * w1 + oc[x] * w2;
           m = mn;
         }
         const float inv = kernels::inverse_sum(l);  // l = 0: O = 0 · Õ; l = NaN: O = NaN
         float* orow = po + b * out.strides[0] + t * out.strides[1] + h * out.strides[2];
-        for (std::int64_t x = 0; x < a.dh; ++x) orow[x * out.strides[3]] = acc[static_cast<std::size_t>(x)] * inv;
+        for (std::int64_t x = 0; x < a.dh; ++x) orow[x * out.strides[3]] = acc[x] * inv;
         if (pl != nullptr) {
           pl[b * lse.strides[0] + h * lse.strides[1] + t * lse.strides[2]] =
               l == 0.0f ? kNegInf : m + std::log(l);

@@ -15,8 +15,9 @@
 //     the argument and the reason — never nanobind's generic "incompatible function arguments";
 //   * tokenmix::ArgumentError → tokenmix.ArgumentError (a ValueError),
 //     tokenmix::UnsupportedError → tokenmix.UnsupportedError (a NotImplementedError),
-//     tokenmix::FileError → tokenmix.FileError (an OSError); each carries the C++ message and
-//     an attribute `code` with the ErrorCode name ("shape_mismatch", ...);
+//     tokenmix::FileError → tokenmix.FileError (an OSError),
+//     tokenmix::ResourceError → tokenmix.ResourceError (a MemoryError); each carries the C++
+//     message and an attribute `code` with the ErrorCode name ("shape_mismatch", ...);
 //   * the GIL is released around every computation; objects (layer, cache) carry a mutex so two
 //     Python threads using one object do not race.
 //
@@ -84,8 +85,8 @@ namespace tokenmix_py {
 // ---------------------------------------------------------------------------------------------
 // Errors (errors.cpp)
 
-/// Creates tokenmix.ArgumentError, UnsupportedError and FileError in `m` and registers the
-/// translator of tokenmix::Error. Must run before any other bind_* function.
+/// Creates tokenmix.ArgumentError, UnsupportedError, FileError and ResourceError in `m` and
+/// registers the translator of tokenmix::Error. Must run before any other bind_* function.
 void bind_errors(nb::module_& m);
 
 [[noreturn]] void type_error(const std::string& msg);
@@ -124,7 +125,10 @@ std::string shape_string(const std::int64_t* shape, size_t rank);
 // ---------------------------------------------------------------------------------------------
 // Options (convert.cpp)
 
-tmx::CausalAlign parse_align(const std::string& s);  // "bottom_right" | "top_left"
+/// "bottom_right" | "top_left" through tokenmix::parse_causal_align (the one spelling and parser
+/// of the library and the CLI): another value → tokenmix.ArgumentError (a ValueError, code
+/// "invalid_argument") whose message starts "<fn>: align must be one of bottom_right, top_left".
+tmx::CausalAlign parse_align(const char* fn, const std::string& s);
 tmx::RopePairing parse_pairing(const std::string& s);
 tmx::DType parse_dtype(const std::string& s);
 /// A thread count from any Python integer (int of any size, NumPy integer): outside

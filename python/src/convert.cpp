@@ -215,10 +215,8 @@ std::string shape_string(const std::int64_t* shape, size_t rank) {
 // ---------------------------------------------------------------------------------------------
 // Options
 
-tmx::CausalAlign parse_align(const std::string& s) {
-  if (s == "bottom_right") return tmx::CausalAlign::bottom_right;
-  if (s == "top_left") return tmx::CausalAlign::top_left;
-  value_error("align must be 'bottom_right' or 'top_left'; got '" + s + "'");
+tmx::CausalAlign parse_align(const char* fn, const std::string& s) {
+  return tmx::parse_causal_align(s, (std::string(fn) + ": align").c_str());
 }
 
 tmx::RopePairing parse_pairing(const std::string& s) {
@@ -258,7 +256,7 @@ tmx::AttentionOptions attention_options(const char* fn, std::optional<double> sc
   tmx::AttentionOptions o;
   o.scale = scale;
   o.causal = causal;
-  o.align = parse_align(align);
+  o.align = parse_align(fn, align);
   o.threads = thread_count(threads, fn);
   o.isa = tmx::parse_isa(isa, "isa");
   return o;

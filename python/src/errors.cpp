@@ -3,6 +3,7 @@
 //   tokenmix::ArgumentError    → tokenmix.ArgumentError    (a ValueError)
 //   tokenmix::UnsupportedError → tokenmix.UnsupportedError (a NotImplementedError)
 //   tokenmix::FileError        → tokenmix.FileError        (an OSError)
+//   tokenmix::ResourceError    → tokenmix.ResourceError    (a MemoryError)
 // each with the C++ message and an attribute `code`, the ErrorCode name ("shape_mismatch", ...).
 #include <exception>
 #include <string>
@@ -15,6 +16,7 @@ namespace {
 PyObject* g_argument_error = nullptr;
 PyObject* g_unsupported_error = nullptr;
 PyObject* g_file_error = nullptr;
+PyObject* g_resource_error = nullptr;
 
 void raise_with_code(PyObject* type, const tmx::Error& e) {
   PyObject* exc = PyObject_CallFunction(type, "s", e.what());
@@ -37,6 +39,8 @@ void translate(const std::exception_ptr& p, void*) {
     raise_with_code(g_argument_error, e);
   } catch (const tmx::FileError& e) {
     raise_with_code(g_file_error, e);
+  } catch (const tmx::ResourceError& e) {
+    raise_with_code(g_resource_error, e);
   } catch (const tmx::Error& e) {
     raise_with_code(g_argument_error, e);
   }
@@ -58,12 +62,19 @@ void bind_errors(nb::module_& m) {
   g_file_error = PyErr_NewExceptionWithDoc("tokenmix.FileError",
                                            "A malformed or unreadable file. Attribute `code`.",
                                            PyExc_OSError, nullptr);
-  if (g_argument_error == nullptr || g_unsupported_error == nullptr || g_file_error == nullptr) {
+  g_resource_error = PyErr_NewExceptionWithDoc(
+      "tokenmix.ResourceError",
+      "Memory a call needs (e.g. kernel scratch) could not be allocated (code 'out_of_memory'), "
+      "or its size overflows 64-bit arithmetic (code 'overflow'). Attribute `code`.",
+      PyExc_MemoryError, nullptr);
+  if (g_argument_error == nullptr || g_unsupported_error == nullptr || g_file_error == nullptr ||
+      g_resource_error == nullptr) {
     throw nb::python_error();
   }
   m.attr("ArgumentError") = nb::handle(g_argument_error);
   m.attr("UnsupportedError") = nb::handle(g_unsupported_error);
   m.attr("FileError") = nb::handle(g_file_error);
+  m.attr("ResourceError") = nb::handle(g_resource_error);
   nb::register_exception_translator(translate);
 }
 

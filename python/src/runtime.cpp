@@ -1,8 +1,10 @@
-// python/src/runtime.cpp — version, kernel paths (ISAs), CPU features, default thread count
-// (include/tokenmix/runtime.hpp).
+// python/src/runtime.cpp — version, kernel paths (ISAs), CPU features and the TOKENMIX_CPU_CAP
+// cap, default thread count (include/tokenmix/runtime.hpp).
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +32,12 @@ void bind_runtime(nb::module_& m) {
       "describe_kernel",
       [](const std::string& isa) { return tmx::describe_kernel(tmx::parse_isa(isa, "isa")); },
       "isa"_a);
+  // The TOKENMIX_CPU_CAP cap in effect (read at each call): None when there is none.
+  m.def("cpu_cap", []() -> std::optional<std::string> {
+    const tmx::Isa cap = tmx::cpu_cap();
+    if (cap == tmx::Isa::automatic) return std::nullopt;
+    return std::string(tmx::to_string(cap));
+  });
   m.def("cpu_features", [] {
     const tmx::CpuFeatures& f = tmx::cpu_features();
     nb::dict d;

@@ -15,18 +15,22 @@ import numpy as np
 import tokenmix
 import tokenmix._tokenmix as _C
 
-# Every public name of `tokenmix` before the split (its __all__ then), in one explicit list.
+# Every public name of `tokenmix` before the split (its __all__ then), in one explicit list, plus
+# those added since: ResourceError, backward_flops, cpu_cap.
 PUBLIC_NAMES = [
     "ArgumentError",
     "CausalSelfAttention",
     "FileError",
     "KVCache",
     "LayerGradients",
+    "ResourceError",
     "UnsupportedError",
     "attention_backward",
     "attention_decode",
     "attention_forward",
     "available_isas",
+    "backward_flops",
+    "cpu_cap",
     "cpu_features",
     "default_threads",
     "describe_kernel",
@@ -49,8 +53,8 @@ SUBMODULES = {"torch", "bench"}
 # Written in Python (the private modules); they present themselves as tokenmix.<name>.
 PYTHON_DEFINED = [
     "CausalSelfAttention", "LayerGradients", "attention_backward", "attention_decode",
-    "attention_forward", "forward_flops", "logsumexp", "merge_partials", "resolve_isa",
-    "rope_backward", "rope_forward", "softmax", "softmax_jacobian",
+    "attention_forward", "backward_flops", "forward_flops", "logsumexp", "merge_partials",
+    "resolve_isa", "rope_backward", "rope_forward", "softmax", "softmax_jacobian",
     "softmax_jacobian_vector_product", "visible_keys", "visible_pairs",
 ]
 
@@ -73,9 +77,11 @@ def test_objects_present_themselves_as_tokenmix():
         assert getattr(tokenmix, name).__module__ == "tokenmix", name
     # The native parts are the extension's, the errors tokenmix.<Name> as documented.
     assert tokenmix.KVCache is _C.KVCache and tokenmix.version is _C.version
+    assert tokenmix.cpu_cap is _C.cpu_cap
     for err, base in ((tokenmix.ArgumentError, ValueError),
                       (tokenmix.UnsupportedError, NotImplementedError),
-                      (tokenmix.FileError, OSError)):
+                      (tokenmix.FileError, OSError),
+                      (tokenmix.ResourceError, MemoryError)):
         assert err is getattr(_C, err.__name__) and issubclass(err, base)
         assert f"{err.__module__}.{err.__name__}" == f"tokenmix.{err.__name__}"
     grads = tokenmix.LayerGradients(*(np.full(2, i, np.float32) for i in range(5)))
@@ -91,8 +97,13 @@ def test_torch_and_bench_subpackages():
     assert tokenmix.torch.__all__ == ["scaled_dot_product_attention"]
     assert callable(tokenmix.torch.scaled_dot_product_attention)
     assert callable(tokenmix.bench.main)
-    # SPEC "Useful-work counts": backward = 2.5 × forward, in one named constant.
-    assert tokenmix.bench.BACKWARD_FLOP_FACTOR == 2.5
+    # SPEC "Useful-work counts": the benchmark counts with the library (backward = 2.5 ×
+    # forward), not with a constant of its own.
+    assert not hasattr(tokenmix.bench, "BACKWARD_FLOP_FACTOR")
+    assert tokenmix.bench.case_flops(2, 64, 3, 16, "fwd") == tokenmix.forward_flops(
+        2, 64, 64, 3, 16, True, "top_left")
+    assert tokenmix.bench.case_flops(2, 64, 3, 16, "fwd+bwd") == 3.5 * tokenmix.forward_flops(
+        2, 64, 64, 3, 16, True, "top_left")
 
 
 # --- the type stubs (_tokenmix.pyi) against the extension -------------------------------------

@@ -22,11 +22,13 @@ lse    [B, H_q, T_q]              row log-sum-exp L_t (4.4); always [B, H, T]
 Dtype policy: only native-endian float32 is computed. Any other dtype (float64, a big-endian
 ``'>f4'``, ...) raises ``TypeError`` naming the argument — no silent conversion (it would be a
 hidden copy and a silent precision change). Errors from the C++ library raise
-:class:`ArgumentError` (a ``ValueError``) or :class:`UnsupportedError` (a
-``NotImplementedError``) with the library's message and an attribute ``code``
-(``"shape_mismatch"``, ``"aliasing"``, ...); so do a NumPy view whose byte stride is not a
-multiple of its element size and a ``threads`` outside [0, 2**31 − 1] (ArgumentError,
-``"invalid_argument"``). The GIL is released while the library computes.
+:class:`ArgumentError` (a ``ValueError``), :class:`UnsupportedError` (a
+``NotImplementedError``) or :class:`ResourceError` (a ``MemoryError``: kernel scratch that
+cannot be allocated) with the library's message and an attribute ``code``
+(``"shape_mismatch"``, ``"aliasing"``, ``"out_of_memory"``, ...); so do a NumPy view whose byte
+stride is not a multiple of its element size, a ``threads`` outside [0, 2**31 − 1] and an
+``align`` other than ``"bottom_right"``/``"top_left"`` (ArgumentError, ``"invalid_argument"``).
+The GIL is released while the library computes.
 
 For a differentiable, drop-in replacement of ``torch.nn.functional.scaled_dot_product_attention``
 see :mod:`tokenmix.torch`; for a side-by-side benchmark run ``python -m tokenmix.bench``.
@@ -40,11 +42,12 @@ helpers) and the native extension ``_tokenmix`` (python/src).
 from ._attention import (
     attention_backward,
     attention_forward,
+    backward_flops,
     forward_flops,
     visible_keys,
     visible_pairs,
 )
-from ._errors import ArgumentError, FileError, UnsupportedError
+from ._errors import ArgumentError, FileError, ResourceError, UnsupportedError
 from ._kv_cache import KVCache, attention_decode, kv_cache_bytes
 from ._layer import CausalSelfAttention, LayerGradients
 from ._ops import (
@@ -58,6 +61,7 @@ from ._ops import (
 )
 from ._runtime import (
     available_isas,
+    cpu_cap,
     cpu_features,
     default_threads,
     describe_kernel,
@@ -69,6 +73,7 @@ __all__ = [
     "ArgumentError",
     "UnsupportedError",
     "FileError",
+    "ResourceError",
     "attention_forward",
     "attention_backward",
     "merge_partials",
@@ -81,6 +86,7 @@ __all__ = [
     "visible_keys",
     "visible_pairs",
     "forward_flops",
+    "backward_flops",
     "kv_cache_bytes",
     "KVCache",
     "attention_decode",
@@ -88,6 +94,7 @@ __all__ = [
     "LayerGradients",
     "version",
     "cpu_features",
+    "cpu_cap",
     "available_isas",
     "resolve_isa",
     "default_threads",

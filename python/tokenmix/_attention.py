@@ -42,8 +42,9 @@ def attention_forward(
         causal: apply the causal mask M (4.3).
         align: ``"bottom_right"`` (default: query t is at absolute position t + T_k − T_q, as
             KV-cache decoding needs) or ``"top_left"`` (query t sees keys u ≤ t, PyTorch's
-            ``is_causal``). Identical when T_q == T_k. A query that sees no key gets O = 0,
-            L = −inf.
+            ``is_causal``) — the library's one spelling (the CLI's ``--align`` too); another
+            value raises ArgumentError (a ValueError, code ``"invalid_argument"``). Identical
+            when T_q == T_k. A query that sees no key gets O = 0, L = −inf.
         layout: ``"bthd"`` or ``"bhtd"`` — the memory order of q, k, v and out.
         threads: worker threads, 0 = all; results do not depend on it.
         isa: ``"auto"``, ``"portable"``, ``"avx2"`` or ``"avx512"`` (force a kernel path).
@@ -122,12 +123,15 @@ def attention_backward(
 def visible_keys(
     t: int, T_q: int, T_k: int, causal: bool = True, align: str = "bottom_right"
 ) -> int:
-    """pairs(t): number of keys query t sees (SPEC 4.3, "Useful-work counts")."""
+    """pairs(t): number of keys query t sees (SPEC 4.3, "Useful-work counts"). Raises
+    ArgumentError (code ``"invalid_argument"``) for t outside [0, T_q), a negative size or an
+    align other than ``"bottom_right"``/``"top_left"``."""
     return _C.visible_keys(t, T_q, T_k, causal, align)
 
 
 def visible_pairs(T_q: int, T_k: int, causal: bool = True, align: str = "bottom_right") -> int:
-    """P = Σ_t pairs(t) (T(T+1)/2 for causal T_q = T_k = T)."""
+    """P = Σ_t pairs(t) (T(T+1)/2 for causal T_q = T_k = T), exact. Raises ArgumentError as
+    :func:`visible_keys`, with code ``"overflow"`` when P exceeds 2**63 − 1."""
     return _C.visible_pairs(T_q, T_k, causal, align)
 
 
@@ -135,5 +139,15 @@ def forward_flops(
     B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool = True,
     align: str = "bottom_right",
 ) -> float:
-    """Forward FLOPs 4·d_h·H_q·P·B (SPEC "Useful-work counts"); backward is 2.5× this."""
+    """Forward FLOPs 4·d_h·H_q·P·B (SPEC "Useful-work counts"), a float (no overflow).
+    Raises ArgumentError for a negative size or an unknown align."""
     return _C.forward_flops(B, T_q, T_k, H_q, d_h, causal, align)
+
+
+def backward_flops(
+    B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool = True,
+    align: str = "bottom_right",
+) -> float:
+    """Backward FLOPs = 2.5 × :func:`forward_flops` (SPEC "Useful-work counts": five matrix
+    products instead of two, the convention of the FlashAttention papers)."""
+    return _C.backward_flops(B, T_q, T_k, H_q, d_h, causal, align)

@@ -8,11 +8,15 @@ tokenmix ErrorCode (``"shape_mismatch"``, ``"aliasing"``, ``"invalid_argument"``
   pointers, aliasing, overflowing sizes, a thread count outside [0, 2**31 − 1];
 - :class:`UnsupportedError` (a ``NotImplementedError``): a valid request this build or CPU cannot
   serve (e.g. a forced ISA the CPU lacks);
-- :class:`FileError` (an ``OSError``): a malformed or unreadable file.
+- :class:`FileError` (an ``OSError``): a malformed or unreadable file;
+- :class:`ResourceError` (a ``MemoryError``): memory a call needs (e.g. a kernel's scratch for
+  a huge head width) could not be allocated (``code == "out_of_memory"``), or its size overflows
+  64-bit arithmetic (``"overflow"``); nothing has been written to any output. (Counts that
+  overflow — ``visible_pairs`` beyond 2**63 − 1 — are an ArgumentError with code ``"overflow"``.)
 
 Arrays of a dtype other than native-endian float32 raise ``TypeError`` (no silent conversion).
 """
 
-from ._tokenmix import ArgumentError, FileError, UnsupportedError
+from ._tokenmix import ArgumentError, FileError, ResourceError, UnsupportedError
 
-__all__ = ["ArgumentError", "UnsupportedError", "FileError"]
+__all__ = ["ArgumentError", "UnsupportedError", "FileError", "ResourceError"]

@@ -1,4 +1,4 @@
-"""Version, kernel paths (ISAs) and CPU features, default thread count.
+"""Version, kernel paths (ISAs), CPU features and the TOKENMIX_CPU_CAP cap, default thread count.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ cpu_features = _C.cpu_features
 available_isas = _C.available_isas
 default_threads = _C.default_threads
 describe_kernel = _C.describe_kernel
+cpu_cap = _C.cpu_cap  # None, or the TOKENMIX_CPU_CAP cap in effect ("portable"/"avx2"/"avx512")
 
 
 def resolve_isa(isa: str = "auto") -> str:

@@ -6,7 +6,9 @@ Arrays are native-endian float32 NumPy arrays or CPU torch tensors ("Array"), pa
 copying, any non-negative strides that are whole elements. Attention tensors are logical
 [B, T, H, d_h]; log-sum-exp [B, H, T]. Errors name the function and the argument: another dtype
 (also '>f4') or device → TypeError; a byte stride not a multiple of 4, ``threads`` outside
-[0, 2**31 − 1] or a library error → ArgumentError (``code``); a read-only output → ValueError.
+[0, 2**31 − 1] or a library error → ArgumentError (``code``); kernel scratch that cannot be
+allocated → ResourceError (a MemoryError); a read-only output → ValueError. ``align`` is
+"bottom_right" or "top_left" (tokenmix::parse_causal_align; else ArgumentError).
 """
 
 from typing import Any, Optional
@@ -22,6 +24,11 @@ class UnsupportedError(NotImplementedError):
     code: str
 
 class FileError(OSError):
+    code: str
+
+class ResourceError(MemoryError):
+    """Memory a call needs could not be allocated ("out_of_memory") or its size overflows
+    ("overflow")."""
     code: str
 
 def attention_forward(q: Array, k: Array, v: Array, out: Array, lse: Optional[Array],
@@ -40,6 +47,9 @@ def visible_keys(t: int, T_q: int, T_k: int, causal: bool, align: str) -> int: .
 def visible_pairs(T_q: int, T_k: int, causal: bool, align: str) -> int: ...
 def forward_flops(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
                   align: str) -> float: ...
+def backward_flops(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
+                   align: str) -> float:
+    """2.5 × forward_flops (SPEC "Useful-work counts")."""
 def rope_forward(x: Array, pairing: str, base: float, position_offset: int) -> None:
     """Rotates x [B,T,H,d_h] in place (SPEC 4.1, RoPE)."""
 def rope_backward(dx: Array, pairing: str, base: float, position_offset: int) -> None:
@@ -57,6 +67,8 @@ def default_threads() -> int: ...
 def available_isas() -> list[str]: ...
 def resolve_isa(isa: str) -> str: ...
 def describe_kernel(isa: str) -> str: ...
+def cpu_cap() -> Optional[str]:
+    """The TOKENMIX_CPU_CAP cap in effect ("portable", "avx2", "avx512"), None when unset."""
 def cpu_features() -> dict[str, Any]:
     """{"model": str, "avx2_fma": bool, "avx512f": bool, "avx512_bf16": bool, "amx_tile": bool,
     "flags": list[str]}"""

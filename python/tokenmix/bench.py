@@ -41,10 +41,15 @@ from threadpoolctl import threadpool_limits
 import tokenmix
 from tokenmix.torch import scaled_dot_product_attention as tm_sdpa
 
-# Backward FLOPs = 2.5 × forward FLOPs (five matrix products instead of two; SPEC "Useful-work
-# counts", the convention of the FlashAttention papers). A forward+backward case does 1 + 2.5
-# times the forward's useful work.
-BACKWARD_FLOP_FACTOR = 2.5
+
+def case_flops(B: int, T: int, H_q: int, d_h: int, mode: str) -> float:
+    """Useful FLOPs of one causal self-attention call (T_q = T_k = T) in ``mode`` "fwd" or
+    "fwd+bwd", as the library counts them (SPEC "Useful-work counts": tokenmix.forward_flops,
+    and tokenmix.backward_flops = 2.5 × that, five matrix products instead of two)."""
+    flops = tokenmix.forward_flops(B, T, T, H_q, d_h, True, "top_left")
+    if mode != "fwd":
+        flops += tokenmix.backward_flops(B, T, T, H_q, d_h, True, "top_left")
+    return flops
 
 
 def _cpu_model() -> str:
@@ -142,8 +147,7 @@ def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
         min(times[n][i] for n in names if n.startswith("torch")) for i in range(args.repeats)
     ]
     ratios = [t / o for t, o in zip(torch_rounds, times["tokenmix"])]
-    fwd_flops = tokenmix.forward_flops(B, T, T, Hq, D, True, "top_left")
-    flops = fwd_flops * (1.0 if mode == "fwd" else 1.0 + BACKWARD_FLOP_FACTOR)
+    flops = case_flops(B, T, Hq, D, mode)
     return {
         "torch": med["torch"],
         "torch_expanded": med.get("torch_expanded", float("nan")),

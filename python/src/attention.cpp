@@ -45,36 +45,45 @@ void bind_attention(nb::module_& m) {
       "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "dout"_a, "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(),
       "causal"_a, "align"_a, "threads"_a, "isa"_a);
 
-  // The counts throw tokenmix::ArgumentError (invalid_argument for a t outside [0, T_q) or a
-  // negative size, overflow for P > 2^63 − 1), which the translator raises as
+  // The counts take their sizes as any Python integer (int64_arg: beyond int64 →
+  // ArgumentError(overflow), not an integer → TypeError, never nanobind's "incompatible function
+  // arguments") and throw tokenmix::ArgumentError (invalid_argument for a t outside [0, T_q) or
+  // a negative size, overflow for P > 2^63 − 1), which the translator raises as
   // tokenmix.ArgumentError; a bad align names the function as well.
   m.def(
       "visible_keys",
-      [](std::int64_t t, std::int64_t T_q, std::int64_t T_k, bool causal,
-         const std::string& align) {
-        return tmx::visible_keys(t, T_q, T_k, causal, parse_align("visible_keys", align));
+      [](IntArg t, IntArg T_q, IntArg T_k, bool causal, const std::string& align) {
+        constexpr const char* fn = "visible_keys";
+        return tmx::visible_keys(int64_arg(t, fn, "t"), int64_arg(T_q, fn, "T_q"),
+                                 int64_arg(T_k, fn, "T_k"), causal, parse_align(fn, align));
       },
       "t"_a, "T_q"_a, "T_k"_a, "causal"_a, "align"_a);
   m.def(
       "visible_pairs",
-      [](std::int64_t T_q, std::int64_t T_k, bool causal, const std::string& align) {
-        return tmx::visible_pairs(T_q, T_k, causal, parse_align("visible_pairs", align));
+      [](IntArg T_q, IntArg T_k, bool causal, const std::string& align) {
+        constexpr const char* fn = "visible_pairs";
+        return tmx::visible_pairs(int64_arg(T_q, fn, "T_q"), int64_arg(T_k, fn, "T_k"), causal,
+                                  parse_align(fn, align));
       },
       "T_q"_a, "T_k"_a, "causal"_a, "align"_a);
   m.def(
       "forward_flops",
-      [](std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q, std::int64_t d_h,
-         bool causal, const std::string& align) {
-        return tmx::forward_flops(B, T_q, T_k, H_q, d_h, causal,
-                                  parse_align("forward_flops", align));
+      [](IntArg B, IntArg T_q, IntArg T_k, IntArg H_q, IntArg d_h, bool causal,
+         const std::string& align) {
+        constexpr const char* fn = "forward_flops";
+        return tmx::forward_flops(int64_arg(B, fn, "B"), int64_arg(T_q, fn, "T_q"),
+                                  int64_arg(T_k, fn, "T_k"), int64_arg(H_q, fn, "H_q"),
+                                  int64_arg(d_h, fn, "d_h"), causal, parse_align(fn, align));
       },
       "B"_a, "T_q"_a, "T_k"_a, "H_q"_a, "d_h"_a, "causal"_a, "align"_a);
   m.def(
       "backward_flops",
-      [](std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q, std::int64_t d_h,
-         bool causal, const std::string& align) {
-        return tmx::backward_flops(B, T_q, T_k, H_q, d_h, causal,
-                                   parse_align("backward_flops", align));
+      [](IntArg B, IntArg T_q, IntArg T_k, IntArg H_q, IntArg d_h, bool causal,
+         const std::string& align) {
+        constexpr const char* fn = "backward_flops";
+        return tmx::backward_flops(int64_arg(B, fn, "B"), int64_arg(T_q, fn, "T_q"),
+                                   int64_arg(T_k, fn, "T_k"), int64_arg(H_q, fn, "H_q"),
+                                   int64_arg(d_h, fn, "d_h"), causal, parse_align(fn, align));
       },
       "B"_a, "T_q"_a, "T_k"_a, "H_q"_a, "d_h"_a, "causal"_a, "align"_a);
 }

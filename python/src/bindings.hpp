@@ -135,6 +135,10 @@ tmx::DType parse_dtype(const std::string& s);
 /// [0, INT_MAX] → ArgumentError naming `fn` and `threads`, not an integer → TypeError (nanobind's
 /// own int caster would only say "incompatible function arguments").
 int thread_count(const IntArg& threads, const char* fn);
+/// A size (the useful-work counts' T_q, B, ...) from any Python integer: beyond int64 →
+/// ArgumentError(overflow) naming `fn` and `name`, not an integer → TypeError; the range the
+/// size must be in is the library's to check (ArgumentError, e.g. a negative T_q).
+std::int64_t int64_arg(const IntArg& arg, const char* fn, const char* name);
 tmx::AttentionOptions attention_options(const char* fn, std::optional<double> scale, bool causal,
                                         const std::string& align, const IntArg& threads,
                                         const std::string& isa);

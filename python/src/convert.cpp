@@ -232,16 +232,42 @@ tmx::DType parse_dtype(const std::string& s) {
   value_error("dtype must be 'f32', 'bf16' or 'f16'; got '" + s + "'");
 }
 
-int thread_count(const IntArg& threads, const char* fn) {
-  const std::string what = std::string(fn) + ": threads";
-  nb::object index = nb::steal(PyNumber_Index(threads.obj.ptr()));  // int(x) for integers only
+namespace {
+
+// int(x) of an integer argument (int of any size, NumPy integer), as a long long; `overflow` set
+// (and the value meaningless) when it does not fit. Not an integer → TypeError naming `what`.
+long long integer_value(const IntArg& arg, const std::string& what, nb::object& index,
+                        int& overflow) {
+  index = nb::steal(PyNumber_Index(arg.obj.ptr()));  // int(x) for integers only
   if (!index.is_valid()) {
     PyErr_Clear();
-    type_error(what + " must be an integer; got " + nb::type_name(threads.obj.type()).c_str());
+    type_error(what + " must be an integer; got " + nb::type_name(arg.obj.type()).c_str());
   }
-  int overflow = 0;
+  overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
   if (v == -1 && overflow == 0 && PyErr_Occurred()) throw nb::python_error();
+  return v;
+}
+
+}  // namespace
+
+std::int64_t int64_arg(const IntArg& arg, const char* fn, const char* name) {
+  const std::string what = std::string(fn) + ": " + name;
+  nb::object index;
+  int overflow = 0;
+  const long long v = integer_value(arg, what, index, overflow);
+  if (overflow != 0) {
+    argument_error(tmx::ErrorCode::overflow,
+                   what + " must fit in a signed 64-bit integer; got " + py_str(index));
+  }
+  return static_cast<std::int64_t>(v);
+}
+
+int thread_count(const IntArg& threads, const char* fn) {
+  const std::string what = std::string(fn) + ": threads";
+  nb::object index;
+  int overflow = 0;
+  const long long v = integer_value(threads, what, index, overflow);
   if (overflow != 0 || v < 0 || v > INT_MAX) {
     argument_error(
         tmx::ErrorCode::invalid_argument,

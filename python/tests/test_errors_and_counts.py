@@ -167,6 +167,28 @@ def test_count_arguments_out_of_range_are_argument_errors():
     assert e.value.code == "invalid_argument" and "H_q must be >= 0; got -1" in str(e.value)
 
 
+def test_count_sizes_of_any_integer_type_beyond_int64_and_non_integers():
+    """Sizes are converted in the binding, which names the function and the argument (never
+    nanobind's "incompatible function arguments")."""
+    assert tm.visible_pairs(np.int64(8), np.uint16(8)) == 36
+    assert tm.backward_flops(np.int32(1), 8, 8, 2, np.int8(16)) == 2.5 * 4 * 16 * 2 * 36
+    for fn, call, name, value in [
+        ("visible_pairs", lambda: tm.visible_pairs(2**70, 3), "T_q", 2**70),
+        ("visible_keys", lambda: tm.visible_keys(0, 3, -(2**63) - 1), "T_k", -(2**63) - 1),
+        ("forward_flops", lambda: tm.forward_flops(2**64, 3, 3, 1, 1), "B", 2**64),
+        ("backward_flops", lambda: tm.backward_flops(1, 3, 3, 1, 2**63), "d_h", 2**63),
+    ]:
+        with pytest.raises(tm.ArgumentError) as e:
+            call()
+        assert e.value.code == "overflow"
+        assert str(e.value) == f"{fn}: {name} must fit in a signed 64-bit integer; got {value}"
+    with pytest.raises(TypeError) as e:
+        tm.forward_flops(1, 3.0, 3, 1, 1)
+    assert str(e.value) == "forward_flops: T_q must be an integer; got float"
+    with pytest.raises(TypeError, match=r"^visible_keys: t must be an integer; got str$"):
+        tm.visible_keys("0", 3, 3)
+
+
 @pytest.mark.parametrize("causal,align", [(True, "bottom_right"), (True, "top_left"),
                                           (False, "bottom_right")])
 def test_backward_flops_is_two_and_a_half_times_forward(causal, align):

@@ -162,9 +162,11 @@ std::int64_t visible_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, Caus
   return static_cast<std::int64_t>(p);
 }
 
-double forward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
-                     std::int64_t d_h, bool causal, CausalAlign align) {
-  constexpr const char* fn = "forward_flops";
+namespace {
+
+// 4 · d_h · H_q · P · B (SPEC "Useful-work counts"); errors name the public function `fn`.
+double forward_flops_checked(const char* fn, std::int64_t B, std::int64_t T_q, std::int64_t T_k,
+                             std::int64_t H_q, std::int64_t d_h, bool causal, CausalAlign align) {
   check_count_args(fn, T_q, T_k, align);
   const std::pair<const char*, std::int64_t> sizes[] = {{"B", B}, {"H_q", H_q}, {"d_h", d_h}};
   for (auto [name, x] : sizes) {
@@ -175,6 +177,13 @@ double forward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::in
   // SPEC "Useful-work counts": 4 · d_h · H_q · P · B.
   return 4.0 * static_cast<double>(d_h) * static_cast<double>(H_q) *
          static_cast<double>(pairs_exact(T_q, T_k, causal, align)) * static_cast<double>(B);
+}
+
+}  // namespace
+
+double forward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
+                     std::int64_t d_h, bool causal, CausalAlign align) {
+  return forward_flops_checked("forward_flops", B, T_q, T_k, H_q, d_h, causal, align);
 }
 
 void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
@@ -232,7 +241,7 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
 double backward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
                       std::int64_t d_h, bool causal, CausalAlign align) {
   // SPEC "Useful-work counts": backward = 2.5 × forward (five products instead of two).
-  return 2.5 * forward_flops(B, T_q, T_k, H_q, d_h, causal, align);
+  return 2.5 * forward_flops_checked("backward_flops", B, T_q, T_k, H_q, d_h, causal, align);
 }
 
 }  // namespace tokenmix

@@ -1,6 +1,8 @@
 // src/kernels/scratch_arena.cpp — the one allocation function of the kernels (scratch_arena.hpp).
 #include "kernels/scratch_arena.hpp"
 
+#include <unistd.h>
+
 #include <new>
 #include <string>
 
@@ -40,6 +42,18 @@ void AlignedFree::operator()(std::byte* p) const noexcept {
 AlignedBytes allocate_bytes(std::int64_t bytes, const CallSite& site, const char* what) {
   if (bytes < 0) overflow(site, what, std::to_string(bytes));
   const std::size_t n = bytes == 0 ? kScratchAlign : static_cast<std::size_t>(bytes);
+  // Scratch larger than the machine's physical memory can never be used: refuse it here rather
+  // than let an overcommitting kernel (vm.overcommit_memory = 1) hand out address space that
+  // the kernel's first pass over it would turn into an out-of-memory kill.
+  const long pages = sysconf(_SC_PHYS_PAGES), page_bytes = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page_bytes > 0 &&
+      static_cast<double>(bytes) > static_cast<double>(pages) * static_cast<double>(page_bytes)) {
+    throw ResourceError(ErrorCode::out_of_memory,
+                        std::string(site.entry) + ": cannot allocate " + std::to_string(bytes) +
+                            " bytes for " + what + " of kernel " + site.kernel +
+                            " (more than the machine's physical memory, " +
+                            std::to_string(static_cast<long long>(pages) * page_bytes) + " bytes)");
+  }
   void* p = ::operator new[](n, std::align_val_t{kScratchAlign}, std::nothrow);
   if (p == nullptr) {
     throw ResourceError(ErrorCode::out_of_memory, std::string(site.entry) + ": cannot allocate " +

@@ -39,6 +39,20 @@ TEST(UsefulWork, BackwardIsTwoAndAHalfTimesForward) {
             2.5 * 4 * 8 * 1 * (4 * 5 / 2));
 }
 
+TEST(UsefulWork, CountErrorsNameTheFunctionCalled) {
+  for (bool backward : {false, true}) {
+    const char* fn = backward ? "backward_flops" : "forward_flops";
+    try {
+      (backward ? backward_flops : forward_flops)(1, 8, 8, -2, 16, true, CausalAlign::top_left);
+      ADD_FAILURE() << fn << " accepted H_q = -2";
+    } catch (const ArgumentError& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      EXPECT_EQ(std::string(e.what()).rfind(std::string(fn) + ": ", 0), 0u) << e.what();
+      EXPECT_NE(std::string(e.what()).find("H_q"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(UsefulWork, CaseTableShapeUsesThePublicCounts) {
   testkit::AttentionShape s{2, 33, 77, 8, 2, 16, true, CausalAlign::top_left};
   EXPECT_EQ(s.forward_flops(), forward_flops(2, 33, 77, 8, 16, true, CausalAlign::top_left));

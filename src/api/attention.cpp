@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <string>
 
-#include "api/validate.hpp"
+#include "util/validate.hpp"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/registry.hpp"
 #include "tokenmix/error.hpp"

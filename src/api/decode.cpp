@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "api/kv_cache_access.hpp"
-#include "api/validate.hpp"
+#include "model/kv_cache_access.hpp"
+#include "util/validate.hpp"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/nonfinite.hpp"
 #include "kernels/registry.hpp"

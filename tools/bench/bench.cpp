@@ -18,7 +18,7 @@
 #include <random>
 #include <sstream>
 
-#include "api/huge_pages.hpp"
+#include "util/huge_pages.hpp"
 #include "kernels/kv_element.hpp"
 #include "reference/reference.hpp"
 #include "testkit.hpp"

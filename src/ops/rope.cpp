@@ -1,11 +1,11 @@
-// src/api/rope.cpp — rotary position embedding, forward and inverse (SPEC 4.1, "RoPE").
+// src/ops/rope.cpp — rotary position embedding, forward and inverse (SPEC 4.1, "RoPE").
 #include "tokenmix/rope.hpp"
 
 #include <cmath>
 #include <string>
 #include <vector>
 
-#include "api/validate.hpp"
+#include "util/validate.hpp"
 
 namespace tokenmix {
 namespace {

@@ -1,4 +1,4 @@
-// src/api/softmax.cpp — softmax, log-sum-exp and the softmax Jacobian (SPEC 4.4, 4.6–4.7).
+// src/ops/softmax.cpp — softmax, log-sum-exp and the softmax Jacobian (SPEC 4.4, 4.6–4.7).
 #include "tokenmix/softmax.hpp"
 
 #include <algorithm>
@@ -6,7 +6,7 @@
 #include <limits>
 #include <string>
 
-#include "api/validate.hpp"
+#include "util/validate.hpp"
 #include "kernels/nonfinite.hpp"
 
 namespace tokenmix {

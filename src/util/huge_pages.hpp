@@ -1,4 +1,4 @@
-// src/api/huge_pages.hpp — backing a large buffer that is swept front to back with transparent
+// src/util/huge_pages.hpp — backing a large buffer that is swept front to back with transparent
 // huge pages: the KV cache's storage (kv_cache.cpp) and the streaming-read ceiling that decode is
 // measured against (tools/bench), which must get the same page treatment to be a fair bar.
 #pragma once

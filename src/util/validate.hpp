@@ -1,4 +1,4 @@
-// src/api/validate.hpp — argument checking shared by every public entry point.
+// src/util/validate.hpp — argument checking shared by every public entry point.
 //
 // Each check throws a typed tokenmix error whose message starts with the entry point's name
 // and names the argument, what was expected and what was given.

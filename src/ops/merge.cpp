@@ -1,10 +1,10 @@
-// src/api/merge.cpp — combining attention over disjoint key sets (SPEC "Merging partial results").
+// src/ops/merge.cpp — combining attention over disjoint key sets (SPEC "Merging partial results").
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
 
-#include "api/validate.hpp"
+#include "util/validate.hpp"
 #include "kernels/nonfinite.hpp"
 #include "tokenmix/attention.hpp"
 

@@ -1,4 +1,4 @@
-// src/api/kv_cache.cpp — KVCache: contiguous and paged K/V storage for decoding (SPEC 4.8).
+// src/model/kv_cache.cpp — KVCache: contiguous and paged K/V storage for decoding (SPEC 4.8).
 // Layout and guarantees: tokenmix/kv_cache.hpp. Every method validates first and mutates after,
 // so a throwing call leaves the cache byte-for-byte unchanged.
 #include "tokenmix/kv_cache.hpp"
@@ -8,9 +8,9 @@
 #include <algorithm>
 #include <string>
 
-#include "api/huge_pages.hpp"
-#include "api/kv_cache_access.hpp"
-#include "api/validate.hpp"
+#include "util/huge_pages.hpp"
+#include "model/kv_cache_access.hpp"
+#include "util/validate.hpp"
 #include "kernels/kv_element.hpp"
 #include "tokenmix/error.hpp"
 #include "tokenmix/layer.hpp"

@@ -1,4 +1,4 @@
-#include "api/validate.hpp"
+#include "util/validate.hpp"
 
 #include <algorithm>
 #include <array>

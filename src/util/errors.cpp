@@ -1,4 +1,4 @@
-// Names of error codes and dtypes.
+// src/util/errors.cpp — names of error codes and dtypes, and the error classes.
 #include "tokenmix/error.hpp"
 #include "tokenmix/tensor.hpp"
 

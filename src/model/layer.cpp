@@ -1,4 +1,4 @@
-// src/api/layer.cpp — the causal self-attention layer (SPEC 4.1–4.5) and KV-cache sizing (4.8).
+// src/model/layer.cpp — the causal self-attention layer (SPEC 4.1–4.5) and KV-cache sizing (4.8).
 #include "tokenmix/layer.hpp"
 
 #include <cblas.h>
@@ -7,7 +7,7 @@
 #include <cmath>
 #include <string>
 
-#include "api/validate.hpp"
+#include "util/validate.hpp"
 #include "tokenmix/kv_cache.hpp"
 
 namespace tokenmix {

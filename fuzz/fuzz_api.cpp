@@ -15,7 +15,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <cstring>
 #include <deque>
 #include <limits>
@@ -165,14 +167,16 @@ Decoded decode_view(Input& in, Arenas& arenas, int rank, std::array<i64, 4> want
   if (!negative && !empty) {
     for (int i = 0; i < used; ++i) {
       count = std::min<i128>(count * v.shape[i], kI64Max + 1);
-      extent += static_cast<i128>(v.shape[i] - 1) * v.strides[i];
+      // Each term < 2^126: clamp so that four of them cannot overflow 128 bits.
+      extent += std::min<i128>(static_cast<i128>(v.shape[i] - 1) * v.strides[i], i128{1} << 100);
     }
     if (count > kI64Max || (extent + 1) * 4 > kI64Max) d.must_fail = true;
   }
   const std::uint8_t ptr = in.byte();
   if (empty || negative || v.rank > 4) {
     v.data = ptr < 16 ? nullptr : arenas.dummy.data();
-  } else if (extent + 1 > kMaxElements) {
+  } else if (extent + 1 > kMaxElements || count > 64 * kMaxElements) {
+    // Too much memory to back, or (zero strides) too many elements to compute on quickly.
     v.data = arenas.dummy.data();
     if (!d.must_fail) d.too_big = true;
   } else if (ptr < 8) {
@@ -202,10 +206,17 @@ void expect_contract(bool must_fail, F&& call) {
     call();
   } catch (const Error&) {
     return;
+  } catch (const std::exception& e) {  // any other exception escaping an entry point: a finding
+    std::fprintf(stderr, "fuzz_api: a non-tokenmix exception escaped: %s\n", e.what());
+    std::abort();
   } catch (...) {
-    std::abort();  // any other exception escaping a public entry point is a finding
+    std::fprintf(stderr, "fuzz_api: a non-std exception escaped\n");
+    std::abort();
   }
-  if (must_fail) std::abort();  // invalid arguments were accepted
+  if (must_fail) {
+    std::fprintf(stderr, "fuzz_api: invalid arguments were accepted (no tokenmix::Error)\n");
+    std::abort();
+  }
 }
 
 /// a·k saturated to the int64 range (the fuzzer's own arithmetic must not overflow).

@@ -67,13 +67,15 @@ void merge_partials(ConstTensorView o1, ConstTensorView lse1, ConstTensorView o2
           w1 /= sum;
           w2 /= sum;
         }
-        const float* r1 = p1 + b * o1.strides[0] + t * o1.strides[1] + h * o1.strides[2];
-        const float* r2 = p2 + b * o2.strides[0] + t * o2.strides[1] + h * o2.strides[2];
-        float* ro = po + b * out.strides[0] + t * out.strides[1] + h * out.strides[2];
-        for (std::int64_t i = 0; i < D; ++i) {
-          const double a = w1 == 0.0 ? 0.0 : w1 * r1[i * o1.strides[3]];
-          const double c = w2 == 0.0 ? 0.0 : w2 * r2[i * o2.strides[3]];
-          ro[i * out.strides[3]] = static_cast<float>(a + c);
+        if (D > 0) {  // with d_h = 0 the O views hold no element and may be null
+          const float* r1 = p1 + b * o1.strides[0] + t * o1.strides[1] + h * o1.strides[2];
+          const float* r2 = p2 + b * o2.strides[0] + t * o2.strides[1] + h * o2.strides[2];
+          float* ro = po + b * out.strides[0] + t * out.strides[1] + h * out.strides[2];
+          for (std::int64_t i = 0; i < D; ++i) {
+            const double a = w1 == 0.0 ? 0.0 : w1 * r1[i * o1.strides[3]];
+            const double c = w2 == 0.0 ? 0.0 : w2 * r2[i * o2.strides[3]];
+            ro[i * out.strides[3]] = static_cast<float>(a + c);
+          }
         }
         lo[b * lse_out.strides[0] + h * lse_out.strides[1] + t * lse_out.strides[2]] = static_cast<float>(L);
       }

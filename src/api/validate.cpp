@@ -84,7 +84,11 @@ void check_view(const ConstTensorView& v, int rank, const char* fn, const char* 
       }
     }
   }
-  checked_mul(offset + 1, static_cast<std::int64_t>(sizeof(float)), fn, (n + " byte extent").c_str());
+  std::int64_t elements = 0;  // offset + 1, which itself may overflow
+  if (__builtin_add_overflow(offset, 1, &elements)) {
+    fail(ErrorCode::overflow, fn, n + " extent overflows 64-bit arithmetic");
+  }
+  checked_mul(elements, static_cast<std::int64_t>(sizeof(float)), fn, (n + " byte extent").c_str());
   if (count > 0 && v.data == nullptr) {
     fail(ErrorCode::null_pointer, fn,
          n + ".data must not be null for a tensor of shape " + shape_string(v));

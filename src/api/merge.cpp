@@ -45,6 +45,7 @@ void merge_partials(ConstTensorView o1, ConstTensorView lse1, ConstTensorView o2
   if (o1.data == nullptr) o1 = out_c;
   if (lse1.data == nullptr) lse1 = lse_out_c;
 
+  if (B == 0 || H == 0 || T == 0) return;  // no rows (B may still be huge: do not loop over it)
   const auto* p1 = static_cast<const float*>(o1.data);
   const auto* p2 = static_cast<const float*>(o2.data);
   const auto* l1 = static_cast<const float*>(lse1.data);

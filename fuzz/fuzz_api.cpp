@@ -17,9 +17,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <exception>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <limits>
 #include <optional>
 #include <span>
@@ -135,8 +135,10 @@ Decoded decode_view(Input& in, Arenas& arenas, int rank, std::array<i64, 4> want
   v.dtype = DType::f32;
   const std::uint8_t mode = in.byte();
   if (mode >= 250) {  // an unusual rank or dtype
-    if (in.flag()) v.rank = in.byte() % 6;  // 5 is beyond the shape array
-    else v.dtype = static_cast<DType>(1 + in.byte() % 3);  // bf16, f16 or an invalid value
+    if (in.flag())
+      v.rank = in.byte() % 6;  // 5 is beyond the shape array
+    else
+      v.dtype = static_cast<DType>(1 + in.byte() % 3);  // bf16, f16 or an invalid value
   }
   for (int i = 0; i < 4; ++i) v.shape[i] = (i < rank && in.byte() < 232) ? want[i] : in.size();
   if (v.rank != rank || v.dtype != DType::f32) d.must_fail = true;
@@ -222,8 +224,8 @@ void expect_contract(bool must_fail, F&& call) {
 /// a·k saturated to the int64 range (the fuzzer's own arithmetic must not overflow).
 i64 times(i64 a, i64 k) {
   i64 r = 0;
-  if (__builtin_mul_overflow(a, k, &r)) return a < 0 ? std::numeric_limits<i64>::min()
-                                                     : std::numeric_limits<i64>::max();
+  if (__builtin_mul_overflow(a, k, &r))
+    return a < 0 ? std::numeric_limits<i64>::min() : std::numeric_limits<i64>::max();
   return r;
 }
 
@@ -368,7 +370,8 @@ void fuzz_softmax(Input& in) {
         softmax_jacobian(a, z);
         break;
       default:
-        softmax_jacobian_vector_product(a, z, in.flag() ? std::span<float>(z) : std::span<float>(a));
+        softmax_jacobian_vector_product(a, z,
+                                        in.flag() ? std::span<float>(z) : std::span<float>(a));
         break;
     }
   });
@@ -496,8 +499,8 @@ void fuzz_layer(Input& in) {
   (void)options_invalid;
   const bool invalid = c.d_model < 1 || c.heads_q < 1 || c.heads_kv < 1 || c.head_dim < 1;
   if (!invalid) {
-    const long double w = static_cast<long double>(c.d_model) * c.head_dim *
-                          (2.0L * c.heads_q + 2.0L * c.heads_kv);
+    const long double w =
+        static_cast<long double>(c.d_model) * c.head_dim * (2.0L * c.heads_q + 2.0L * c.heads_kv);
     if (w > (1 << 20)) {
       if (w < 0x1p70L) return;
       expect_contract(true, [&] { CausalSelfAttention layer(c); });
@@ -518,8 +521,8 @@ void fuzz_layer(Input& in) {
   const long double rows = static_cast<long double>(batch) * seq * c.d_model;
   const i64 want = rows >= 0 && rows <= kMaxElements ? static_cast<i64>(rows) : -1;
   // The layer allocates Q, K, V, Y for batch·seq tokens: skip valid calls that would be large.
-  const long double saved = static_cast<long double>(batch) * seq * c.head_dim *
-                            (2.0L * c.heads_q + 2.0L * c.heads_kv);
+  const long double saved =
+      static_cast<long double>(batch) * seq * c.head_dim * (2.0L * c.heads_q + 2.0L * c.heads_kv);
   if (want >= 0 && saved > (1 << 22)) return;
   std::vector<float> u(span_len(want), 0.25f), out(span_len(want), 0.0f);
   const std::uint8_t op = in.byte() % 3;
@@ -541,7 +544,8 @@ void fuzz_layer(Input& in) {
     const i64 layer_index = in.byte() % 3, first = in.byte() % 4;
     for (int i = 0; i < 3; ++i) {
       if (op == 1)
-        expect_contract(false, [&] { layer->prefill(u, batch, seq, cache, layer_index, out, first); });
+        expect_contract(false,
+                        [&] { layer->prefill(u, batch, seq, cache, layer_index, out, first); });
       else
         expect_contract(false, [&] { layer->step(u, batch, cache, layer_index, out, first); });
     }

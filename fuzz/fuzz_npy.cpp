@@ -5,14 +5,15 @@
 // allocation the file size does not justify) is a finding. An accepted array must survive a
 // round trip through encode_npy/parse_npy unchanged (bit for bit, NaN payloads included), and
 // read_npy on the same bytes in a file must agree with parse_npy (same array or both rejecting).
+#include <unistd.h>
+
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cstdio>
 #include <span>
 #include <string>
-#include <unistd.h>
 
 #include "io/npy.hpp"
 #include "tokenmix/error.hpp"
@@ -55,7 +56,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     array = io::parse_npy(std::span<const unsigned char>(data, size), "fuzz.npy");
   } catch (const FileError& e) {
     if (e.code() != ErrorCode::format_error) std::abort();  // no file system involved
-    if (file_ok) std::abort();                               // read_npy accepted it
+    if (file_ok) std::abort();                              // read_npy accepted it
     return 0;
   }
   if (!file_ok || !same(array, from_file)) std::abort();

@@ -22,12 +22,34 @@ packages=(
   python3             # the Python package (python/) and helper scripts
   python3-venv        # the persistent virtual environment of python/run-tests.sh
   python3-dev         # Python.h for the nanobind extension
+  # Fuzzing and ThreadSanitizer (scripts/fuzz.sh, scripts/tsan.sh)
+  clang               # clang 14: libFuzzer targets and the TSan build
+  libclang-rt-14-dev  # compiler-rt: libFuzzer and the sanitizer runtimes for clang
+  libomp-dev          # LLVM's OpenMP runtime (libomp), which ThreadSanitizer understands
+  libomp5-14          # ... and its TSan annotation tool, libarcher.so
+  # 64-bit ARM cross build, tests under qemu-user (scripts/test-aarch64.sh)
+  g++-aarch64-linux-gnu  # cross compiler (pulls the arm64 libc, libstdc++ and libgomp)
+  qemu-user              # qemu-aarch64 runs the arm64 test binary
+  libopenblas-dev:arm64  # arm64 libraries through Debian multiarch (dpkg --add-architecture)
+  libhwy-dev:arm64
+  libgtest-dev:arm64
 )
 
+# arm64 packages need the architecture enabled in dpkg (Debian multiarch); the default
+# debian.sources has no Architectures line, so apt then fetches the arm64 indexes too.
+need_arch=0
+if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+  need_arch=1
+fi
+
 missing=()
+native=$(dpkg --print-architecture)
 for pkg in "${packages[@]}"; do
-  status=$(dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null || true)
-  if [[ "$status" != "installed" ]]; then
+  # One line per installed architecture; "pkg" means the native (or an arch-all) package.
+  want="$native|all"
+  [[ "$pkg" == *:* ]] && want=${pkg##*:}
+  if ! dpkg-query -W -f='${db:Status-Status} ${Architecture}\n' "$pkg" 2>/dev/null |
+       grep -qE "^installed ($want)\$"; then
     missing+=("$pkg")
   fi
 done
@@ -49,6 +71,10 @@ fi
 
 echo "install-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
+if [[ $need_arch -eq 1 ]]; then
+  echo "install-deps: enabling the arm64 architecture (dpkg --add-architecture arm64)"
+  "${as_root[@]}" dpkg --add-architecture arm64
+fi
 "${as_root[@]}" apt-get update
 "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive \
   apt-get install -y --no-install-recommends "${missing[@]}"

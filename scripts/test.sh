@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # README command 2, and what CI runs (.ci/run). From a fresh Debian 12 machine:
 #   1. install the Debian packages (scripts/install-deps.sh; does nothing if all are there);
-#   2. Release build of everything in build/release, then ctest;
+#   2. Release build of everything in build/release, then ctest; then ctest again with
+#      TOKENMIX_CPU_CAP=avx2 and =portable (the library then behaves as on a CPU without the
+#      capped features), so an AVX2-only and a non-x86 CPU are tested on every machine;
 #   3. Debug build with AddressSanitizer + UBSan (-DTOKENMIX_SANITIZE=ON) of the library, tools
-#      and tests (not the benchmarks) in build/sanitize, then ctest under the sanitizers.
-#   4. Python package (python/run-tests.sh): `pip wheel .` into a persistent virtual environment
+#      and tests (not the benchmarks) in build/sanitize, then ctest under the sanitizers;
+#   4. fuzzing (scripts/fuzz.sh): libFuzzer targets under ASan + UBSan, about a minute each;
+#   5. ThreadSanitizer (scripts/tsan.sh): the multi-threaded kernel tests;
+#   6. Python package (python/run-tests.sh): `pip wheel .` into a persistent virtual environment
 #      (${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv; NumPy and PyTorch installed from PyPI once,
 #      when missing), then pytest on python/tests (exit status 5, "no tests ran", is a failure).
 # Both ctest runs include the install test `install.consumer` (tests/consumer: `cmake --install`
@@ -13,7 +17,10 @@
 # Every stage runs even if an earlier one failed (a stage whose build failed skips its tests);
 # a summary with timings comes last. Exit status is non-zero if anything failed.
 #
-# Environment: TOKENMIX_JOBS (parallel build and test jobs, default 2).
+# 64-bit ARM (cross build, tests under qemu-user) is scripts/test-aarch64.sh, run separately.
+#
+# Environment: TOKENMIX_JOBS (parallel build and test jobs, default 2); TOKENMIX_FUZZ_SECONDS
+# (fuzzing time per target, default 60).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 root=$(pwd)
@@ -70,12 +77,15 @@ build_stage() {
   ' build_stage "$dir" "$jobs" "$@"
 }
 
-# test_stage NAME DIR : ctest in DIR; the note says how many tests ran and which failed.
+# test_stage NAME DIR [LOG_TAG [CTEST_ARGS...]] : ctest in DIR; the note says how many tests
+# ran and which failed. Variables in the environment (e.g. TOKENMIX_CPU_CAP) reach the tests.
 test_stage() {
-  local name=$1 dir=$2 start=$SECONDS log
-  log="$logs/$(basename "$dir")-ctest.log"
+  local name=$1 dir=$2 tag=${3:-} start=$SECONDS log
+  shift $(($# < 3 ? $# : 3))
+  log="$logs/$(basename "$dir")${tag:+-$tag}-ctest.log"
   banner "$name"
-  ctest --test-dir "$dir" --output-on-failure --no-tests=error --parallel "$jobs" 2>&1 | tee "$log"
+  ctest --test-dir "$dir" --output-on-failure --no-tests=error --parallel "$jobs" "$@" 2>&1 |
+    tee "$log"
   local rc=${PIPESTATUS[0]} note counts failed_list
   counts=$(grep -E 'tests passed, [0-9]+ tests? failed out of [0-9]+' "$log" | tail -n 1)
   note=${counts:-no ctest summary}
@@ -134,11 +144,21 @@ g++ --version | head -n 1
 cmake --version | head -n 1
 mkdir -p "$logs"
 
-# 2. Release: everything, all tests.
+# 2. Release: everything, all tests. Then the same tests (all but the install test, which
+#    only rebuilds the library) with the CPU features the library detects capped
+#    (TOKENMIX_CPU_CAP): once to AVX2 and once to the portable path, so an AVX2-only CPU and a
+#    CPU without x86 SIMD are tested on every machine (the library then behaves exactly as
+#    there: paths, `tokenmix info`, TOKENMIX_ISA and AttentionOptions::isa requests).
 if build_stage "release: configure + build" "$release_dir" -DCMAKE_BUILD_TYPE=Release; then
   test_stage "release: ctest" "$release_dir"
+  for cap in avx2 portable; do
+    TOKENMIX_CPU_CAP=$cap test_stage "release: ctest, CPU cap $cap" "$release_dir" "cap-$cap" \
+      --exclude-regex '^install\.'
+  done
 else
   skip "release: ctest" "build failed"
+  skip "release: ctest, CPU cap avx2" "build failed"
+  skip "release: ctest, CPU cap portable" "build failed"
 fi
 
 # 3. Debug + AddressSanitizer + UndefinedBehaviorSanitizer. The options apply to the test
@@ -156,7 +176,18 @@ else
   skip "sanitize: ctest" "build failed"
 fi
 
-# 4. Python package and its tests against PyTorch; independent of the C++ stages above.
+# 4. Fuzzing (scripts/fuzz.sh): clang + libFuzzer with ASan + UBSan; replays the committed
+#    corpus (past crashes included) through ctest, then fuzzes each target for
+#    TOKENMIX_FUZZ_SECONDS (default 60) seconds. Its own sanitizer options.
+run_stage "fuzz: build, corpus, ${TOKENMIX_FUZZ_SECONDS:-60} s per target" \
+  env -u ASAN_OPTIONS -u UBSAN_OPTIONS -u LSAN_OPTIONS bash scripts/fuzz.sh
+
+# 5. ThreadSanitizer (scripts/tsan.sh): clang + LLVM's OpenMP (libomp) with its TSan
+#    annotations (libarcher), the multi-threaded kernel tests.
+run_stage "tsan: kernel tests" env -u ASAN_OPTIONS -u UBSAN_OPTIONS -u LSAN_OPTIONS \
+  bash scripts/tsan.sh
+
+# 6. Python package and its tests against PyTorch; independent of the C++ stages above.
 python_stage() {
   local name="python: wheel + pytest" start=$SECONDS log="$logs/python-pytest.log" rc note
   banner "$name"

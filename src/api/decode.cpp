@@ -53,6 +53,11 @@ kernels::ReusableScratch& partials_buffer() {
 
 std::uint64_t decode_bytes(const KVCache& cache, std::int64_t layer, std::int64_t first_seq, std::int64_t batch) {
   const KVCacheConfig& c = cache.config();
+  if (first_seq < 0 || batch < 0 || first_seq > c.batch || batch > c.batch - first_seq) {
+    fail(ErrorCode::invalid_argument, "decode_bytes",
+         "sequences [first_seq, first_seq + batch) must lie in [0, batch = " + str(c.batch) +
+             "); got first_seq = " + str(first_seq) + ", batch = " + str(batch));
+  }
   std::uint64_t tokens = 0;
   for (std::int64_t b = first_seq; b < first_seq + batch; ++b) tokens += static_cast<std::uint64_t>(cache.length(b, layer));
   // 2 · Σ_b L_b · H_kv · d_h · sizeof  (SPEC "Useful-work counts", decode bytes)

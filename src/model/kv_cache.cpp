@@ -61,10 +61,10 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
     block_tokens_ = c.block_tokens;
     pool_blocks_ = c.pool_blocks != 0
                        ? c.pool_blocks
-                       : checked_mul(c.batch, (c.capacity + block_tokens_ - 1) / block_tokens_, fn, "pool size");
+                       : checked_mul(c.batch, blocks_needed(c.capacity), fn, "pool size");
   }
   if (pool_blocks_ > INT32_MAX) fail(ErrorCode::overflow, fn, "the pool exceeds 2^31 - 1 blocks");
-  table_width_ = (c.capacity + block_tokens_ - 1) / block_tokens_;
+  table_width_ = blocks_needed(c.capacity);
   // Storage = SPEC 4.8's figure with B · T = pool_blocks · block_tokens (kv_cache_bytes checks overflow).
   const std::uint64_t bytes = kv_cache_bytes(c.layers, pool_blocks_, block_tokens_, c.heads_kv, c.head_dim, elem_);
   checked_mul(c.batch, table_width_, fn, "block table size");
@@ -113,7 +113,8 @@ bool KVCache::active(std::int64_t seq) const {
 }
 
 std::int64_t KVCache::blocks_needed(std::int64_t tokens) const noexcept {
-  return (tokens + block_tokens_ - 1) / block_tokens_;
+  // ⌈tokens / block_tokens⌉ without forming tokens + block_tokens − 1 (both may be near 2^63).
+  return tokens / block_tokens_ + (tokens % block_tokens_ != 0 ? 1 : 0);
 }
 
 std::int64_t KVCache::max_length(std::int64_t seq) const noexcept {

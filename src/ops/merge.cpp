@@ -46,6 +46,7 @@ void merge_partials(ConstTensorView o1, ConstTensorView lse1, ConstTensorView o2
   if (o1.data == nullptr) o1 = out_c;
   if (lse1.data == nullptr) lse1 = lse_out_c;
 
+  if (B == 0 || H == 0 || T == 0) return;  // no rows (B may still be huge: do not loop over it)
   const auto* p1 = static_cast<const float*>(o1.data);
   const auto* p2 = static_cast<const float*>(o2.data);
   const auto* l1 = static_cast<const float*>(lse1.data);
@@ -69,16 +70,18 @@ void merge_partials(ConstTensorView o1, ConstTensorView lse1, ConstTensorView o2
           w1 /= sum;
           w2 /= sum;
         }
-        const float* r1 = p1 + b * o1.strides[0] + t * o1.strides[1] + h * o1.strides[2];
-        const float* r2 = p2 + b * o2.strides[0] + t * o2.strides[1] + h * o2.strides[2];
-        float* ro = po + b * out.strides[0] + t * out.strides[1] + h * out.strides[2];
-        for (std::int64_t i = 0; i < D; ++i) {
-          // An empty part (L = −∞) is not read; any other is weighted, even by an underflowed
-          // 0 (0 · NaN = NaN: a NaN in its O is not hidden).
-          constexpr float kEmpty = -std::numeric_limits<float>::infinity();
-          const double a = L1 == kEmpty ? 0.0 : w1 * r1[i * o1.strides[3]];
-          const double c = L2 == kEmpty ? 0.0 : w2 * r2[i * o2.strides[3]];
-          ro[i * out.strides[3]] = static_cast<float>(a + c);
+        if (D > 0) {  // with d_h = 0 the O views hold no element and may be null
+          const float* r1 = p1 + b * o1.strides[0] + t * o1.strides[1] + h * o1.strides[2];
+          const float* r2 = p2 + b * o2.strides[0] + t * o2.strides[1] + h * o2.strides[2];
+          float* ro = po + b * out.strides[0] + t * out.strides[1] + h * out.strides[2];
+          for (std::int64_t i = 0; i < D; ++i) {
+            // An empty part (L = −∞) is not read; any other is weighted, even by an underflowed
+            // 0 (0 · NaN = NaN: a NaN in its O is not hidden).
+            constexpr float kEmpty = -std::numeric_limits<float>::infinity();
+            const double a = L1 == kEmpty ? 0.0 : w1 * r1[i * o1.strides[3]];
+            const double c = L2 == kEmpty ? 0.0 : w2 * r2[i * o2.strides[3]];
+            ro[i * out.strides[3]] = static_cast<float>(a + c);
+          }
         }
         lo[b * lse_out.strides[0] + h * lse_out.strides[1] + t * lse_out.strides[2]] = static_cast<float>(L);
       }

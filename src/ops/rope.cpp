@@ -32,6 +32,8 @@ void rotate(const char* fn, const char* name, TensorView x, const RopeOptions& o
   if (T > 0 && __builtin_add_overflow(o.position_offset, T - 1, &last)) {
     fail(ErrorCode::overflow, fn, "options.position_offset + T overflows 64-bit arithmetic");
   }
+  // Nothing to rotate: no per-d_h table for a view with no elements (its d_h may be huge).
+  if (B == 0 || T == 0 || H == 0 || D == 0) return;
   const std::int64_t half = D / 2;
   auto* data = static_cast<float*>(x.data);
   const auto& s = x.strides;

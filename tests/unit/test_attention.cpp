@@ -366,8 +366,10 @@ TEST(AttentionTable, CoversEveryAxisValue) {
     EXPECT_TRUE(has([&](const Case& c) { return c.Tq == T || c.Tk == T; })) << "T=" << T;
   for (std::int64_t D : {8, 64, 80, 128, 256})
     EXPECT_TRUE(has([&](const Case& c) { return c.D == D; })) << "d_h=" << D;
-  for (auto [hq, hkv] : {std::pair<int, int>{1, 1}, {4, 4}, {8, 2}, {8, 1}, {14, 2}})
+  for (auto heads : {std::pair<int, int>{1, 1}, {4, 4}, {8, 2}, {8, 1}, {14, 2}}) {
+    const int hq = heads.first, hkv = heads.second;  // clang 14: lambdas cannot capture bindings
     EXPECT_TRUE(has([&](const Case& c) { return c.Hq == hq && c.Hkv == hkv; })) << hq << "," << hkv;
+  }
   for (std::int64_t B : {1, 3}) EXPECT_TRUE(has([&](const Case& c) { return c.B == B; }));
   for (auto align : {CausalAlign::bottom_right, CausalAlign::top_left}) {
     EXPECT_TRUE(has([&](const Case& c) { return c.causal && c.align == align && c.Tq < c.Tk; }));

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cli.hpp"
 #include "common.hpp"
 
 namespace {
@@ -28,7 +29,7 @@ int report_error(std::string message) {
   return tokenmix::cli::kExitError;
 }
 
-int run_main(int argc, char** argv) {
+int run_main(int argc, char** argv, bool parse_only) {
   using namespace tokenmix::cli;
   CLI::App app{"tokenmix " + std::string(tokenmix::version()) +
                    " - exact causal self-attention (SPEC 4.1-4.8) on CPUs",
@@ -56,15 +57,15 @@ int run_main(int argc, char** argv) {
     return report_error(std::string(e.what()) + " (see 'tokenmix --help')");
   }
   for (const Command& c : commands)
-    if (c.app->parsed()) return c.run();
+    if (c.app->parsed()) return parse_only ? tokenmix::cli::kExitOk : c.run();
   return report_error("no command given (see 'tokenmix --help')");
 }
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int tokenmix::cli::run_cli(int argc, char** argv, bool parse_only) {
   try {
-    return run_main(argc, argv);
+    return run_main(argc, argv, parse_only);
   } catch (const tokenmix::Error& e) {
     return report_error(e.what());
   } catch (const std::bad_alloc&) {
@@ -75,3 +76,7 @@ int main(int argc, char** argv) {
     return report_error("unknown exception");
   }
 }
+
+#ifndef TOKENMIX_CLI_NO_MAIN
+int main(int argc, char** argv) { return tokenmix::cli::run_cli(argc, argv); }
+#endif

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (fuzz/, clang with -fsanitize=fuzzer,address,undefined) in
+# build/fuzz, replays the committed corpus through ctest (seeds and every input that once found a
+# bug: the regression tests), then fuzzes each target for TOKENMIX_FUZZ_SECONDS seconds
+# (default 60), starting from that corpus. New interesting inputs go to build/fuzz-corpus/<target>
+# (not committed); a crash, leak, timeout or sanitizer report leaves its input in
+# build/fuzz-artifacts/ and fails the script. To turn a finding into a regression test: fix it,
+# then copy the input into fuzz/corpus/<target>/ (ctest replays it from then on).
+#
+#   bash scripts/fuzz.sh                      # all targets
+#   bash scripts/fuzz.sh fuzz_npy             # one target
+#   build/fuzz/fuzz/fuzz_api build/fuzz-artifacts/crash-...   # reproduce one input
+#
+# Environment: TOKENMIX_JOBS (build jobs, default 2), TOKENMIX_FUZZ_SECONDS.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+jobs=${TOKENMIX_JOBS:-2}
+seconds=${TOKENMIX_FUZZ_SECONDS:-60}
+dir=build/fuzz
+targets=("$@")
+[[ ${#targets[@]} -gt 0 ]] || targets=(fuzz_npy fuzz_api fuzz_cli)
+
+cmake -S . -B "$dir" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DTOKENMIX_BUILD_FUZZERS=ON -DTOKENMIX_BUILD_CLI=OFF -DTOKENMIX_BUILD_TESTS=OFF \
+  -DTOKENMIX_BUILD_BENCHMARKS=OFF -DTOKENMIX_BUILD_PYTHON=OFF || exit 1
+cmake --build "$dir" --parallel "$jobs" --target "${targets[@]}" || exit 1
+
+# The kernels run with two threads (as on the CI machine) whatever the core count.
+export OMP_NUM_THREADS=2
+export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:allocator_may_return_null=0"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+failed=0
+
+# 1. Regression: the committed corpus, every input once.
+regex=$(IFS='|'; echo "${targets[*]}")
+ctest --test-dir "$dir" --output-on-failure --no-tests=error -R "^fuzz\\.(${regex})\\.corpus$" ||
+  failed=1
+
+# 2. Fuzzing, one target after the other.
+mkdir -p build/fuzz-artifacts build/fuzz-logs
+for t in "${targets[@]}"; do
+  mkdir -p "build/fuzz-corpus/$t"
+  log="build/fuzz-logs/$t.log"
+  echo "fuzz.sh: $t for ${seconds} s (log: $log)"
+  start=$SECONDS
+  # -close_fd_mask=1: the CLI's --help text would flood stdout. Errors and reports: stderr, log.
+  if "$dir/fuzz/$t" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=2048 -max_len=4096 \
+       -close_fd_mask=1 -print_final_stats=1 -artifact_prefix="build/fuzz-artifacts/$t-" \
+       "build/fuzz-corpus/$t" "fuzz/corpus/$t" >"$log" 2>&1; then
+    echo "fuzz.sh: $t: $(grep -E '^stat::number_of_executed_units' "$log" | awk '{print $2}') runs," \
+      "$(grep -E '^stat::new_units_added' "$log" | awk '{print $2}') new inputs," \
+      "$((SECONDS - start)) s, no finding"
+  else
+    failed=1
+    echo "fuzz.sh: $t FAILED: finding in build/fuzz-artifacts/ (end of $log below)"
+    grep -v -E '^tokenmix: error:' "$log" | tail -n 60
+  fi
+done
+exit $failed

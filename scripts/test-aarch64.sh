@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# 64-bit ARM: cross-builds the library and its unit tests with Debian's g++-aarch64-linux-gnu
+# (toolchain file cmake/toolchains/aarch64-linux-gnu.cmake; arm64 OpenBLAS, Highway and
+# GoogleTest from Debian multiarch, installed by scripts/install-deps.sh) into build/aarch64 and
+# runs the unit tests under qemu-user (qemu-aarch64). The tests compare every kernel path the
+# (emulated) CPU offers, and the portable path, with the float64 oracle, exactly as on x86.
+#
+# Environment: TOKENMIX_JOBS (build jobs, default 2); TOKENMIX_AARCH64_FILTER (a --gtest_filter,
+# default all tests); QEMU_CPU (qemu's CPU model, default max).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+jobs=${TOKENMIX_JOBS:-2}
+dir=build/aarch64
+start=$SECONDS
+
+cmake -S . -B "$dir" -G Ninja \
+  -DCMAKE_TOOLCHAIN_FILE="$PWD/cmake/toolchains/aarch64-linux-gnu.cmake" \
+  -DCMAKE_BUILD_TYPE=Release \
+  -DTOKENMIX_BUILD_CLI=OFF -DTOKENMIX_BUILD_BENCHMARKS=OFF -DTOKENMIX_BUILD_PYTHON=OFF \
+  -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST
+cmake --build "$dir" --parallel "$jobs" --target tokenmix_tests
+built=$SECONDS
+
+export QEMU_LD_PREFIX=/usr/aarch64-linux-gnu
+export QEMU_CPU=${QEMU_CPU:-max}
+# OpenBLAS's own thread pool hangs at start-up under qemu-user (the process never reaches
+# main()); the layer tests' sgemm runs on one thread. tokenmix's OpenMP threads are unaffected.
+export OPENBLAS_NUM_THREADS=1
+qemu-aarch64 "$dir/tests/tokenmix_tests" --gtest_brief=1 \
+  --gtest_filter="${TOKENMIX_AARCH64_FILTER:-*}"
+echo "test-aarch64: build $((built - start)) s, tests $((SECONDS - built)) s under qemu-aarch64"

@@ -282,8 +282,8 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
       for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {  // the g query heads of group j (4.8)
         for (std::int64_t c0 = c_begin; c0 < p.tq; c0 += chunk) {
           const std::int64_t rows = std::min(chunk, p.tq - c0);
-          // Q and dO rows are read in place (packing them per chunk measured slower: 0.61 vs
-          // 0.64 of sgemm per CPU-second at T = 2048); only a non-unit d_h stride forces a copy.
+          // Q and dO rows are read in place (packing them per chunk was slower, docs/
+          // performance.md "Backward"); only a non-unit d_h stride forces a copy.
           std::int64_t ldq = 0, lddo = 0;
           const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq);
           const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo);

@@ -31,7 +31,8 @@ namespace tokenmix {
 enum class Isa { automatic = 0, portable = 1, avx2 = 2, avx512 = 3, neon = 4 };
 
 const char* to_string(Isa isa) noexcept;
-/// Parses "auto", "portable", "avx2", "avx512", "neon" (throws ArgumentError naming `what` otherwise).
+/// Parses "auto", "portable", "avx2", "avx512", "neon" (throws ArgumentError naming `what`
+/// otherwise).
 Isa parse_isa(const std::string& text, const char* what = "isa");
 
 /// What this CPU and OS support (independent of what this build compiled).

@@ -4,8 +4,8 @@
 // One KernelSet per ISA path (portable, avx2, avx512, neon); an x86 build compiles no neon
 // kernels and an AArch64 build no avx2/avx512 ones (their entries are there, not compiled).
 // Each names its forward, backward and decode kernels per dtype (activations for
-// forward/backward, the KV cache's element type for decode) and describes them. Adding a path = one entry here plus its kernel files; adding a
-// dtype = filling its column. A null kernel means "not built / not implemented": dispatch
+// forward/backward, the KV cache's element type for decode) and describes them. Adding a
+// path = one entry here plus its kernel files; adding a dtype = filling its column. A null kernel means "not built / not implemented": dispatch
 // throws UnsupportedError naming it, never substitutes another.
 //
 // The one rule that picks a kernel of another set is explicit (select_forward/select_backward):

@@ -53,10 +53,9 @@ Isa parse_isa(const std::string& text, const char* what) {
   for (Isa i : {Isa::automatic, Isa::portable, Isa::avx2, Isa::avx512, Isa::neon}) {
     if (text == to_string(i)) return i;
   }
-  throw ArgumentError(ErrorCode::invalid_argument,
-                      std::string(what) +
-                          " must be one of auto, portable, avx2, avx512, neon; got '" + text +
-                          "'");
+  throw ArgumentError(
+      ErrorCode::invalid_argument,
+      std::string(what) + " must be one of auto, portable, avx2, avx512, neon; got '" + text + "'");
 }
 
 std::vector<Isa> available_isas() { return available(detail::cpu_features("available_isas")); }

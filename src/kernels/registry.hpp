@@ -5,8 +5,9 @@
 // kernels and an AArch64 build no avx2/avx512 ones (their entries are there, not compiled).
 // Each names its forward, backward and decode kernels per dtype (activations for
 // forward/backward, the KV cache's element type for decode) and describes them. Adding a
-// path = one entry here plus its kernel files; adding a dtype = filling its column. A null kernel means "not built / not implemented": dispatch
-// throws UnsupportedError naming it, never substitutes another.
+// path = one entry here plus its kernel files; adding a dtype = filling its column. A null kernel
+// means "not built / not implemented": dispatch throws UnsupportedError naming it, never
+// substitutes another.
 //
 // The one rule that picks a kernel of another set is explicit (select_forward/select_backward):
 // a set serves T_k ≤ max_keys (the SIMD kernels index key positions with int32 lanes); a larger

@@ -22,6 +22,7 @@ packages=(
   python3             # the Python package (python/) and helper scripts
   python3-venv        # the persistent virtual environment of python/run-tests.sh
   python3-dev         # Python.h for the nanobind extension
+  clang-format        # the one formatter (.clang-format; scripts/check-format.sh, test.sh stage)
   # Fuzzing and ThreadSanitizer (scripts/fuzz.sh, scripts/tsan.sh)
   clang               # clang 14: libFuzzer targets and the TSan build
   libclang-rt-14-dev  # compiler-rt: libFuzzer and the sanitizer runtimes for clang

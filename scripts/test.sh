@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # README command 2, and what CI runs (.ci/run). From a fresh Debian 12 machine:
-#   1. install the Debian packages (scripts/install-deps.sh; does nothing if all are there);
+#   1. install the Debian packages (scripts/install-deps.sh; does nothing if all are there),
+#      then check that every C++ file is clang-formatted (scripts/check-format.sh);
 #   2. Release build of everything in build/release, then ctest; then ctest again with
 #      TOKENMIX_CPU_CAP=avx2 and =portable (the library then behaves as on a CPU without the
 #      capped features), so an AVX2-only and a non-x86 CPU are tested on every machine;
@@ -143,6 +144,9 @@ fi
 g++ --version | head -n 1
 cmake --version | head -n 1
 mkdir -p "$logs"
+
+# 1b. Format: every tracked C++ file exactly as clang-format leaves it (scripts/check-format.sh).
+run_stage "format: clang-format" bash scripts/check-format.sh
 
 # 2. Release: everything, all tests. Then the same tests (all but the install test, which
 #    only rebuilds the library) with the CPU features the library detects capped

@@ -40,8 +40,8 @@ struct AttentionOptions {
   std::optional<double> scale;  ///< s in (4.2); default 1/sqrt(d_h). Must be finite.
   bool causal = true;           ///< apply the mask M of (4.3)
   CausalAlign align = CausalAlign::bottom_right;
-  int threads = 0;              ///< 0 = all (default_threads()); results do not depend on it
-  Isa isa = Isa::automatic;     ///< force a (lower) kernel path; see runtime.hpp
+  int threads = 0;           ///< 0 = all (default_threads()); results do not depend on it
+  Isa isa = Isa::automatic;  ///< force a (lower) kernel path; see runtime.hpp
 };
 
 /// Forward pass. `lse` may be an empty view (data == nullptr) when not wanted.

@@ -41,12 +41,12 @@ namespace tokenmix {
 
 /// Sizes and element type of a KVCache.
 struct KVCacheConfig {
-  std::int64_t layers = 0;     ///< n
-  std::int64_t batch = 0;      ///< B (sequence slots)
-  std::int64_t heads_kv = 0;   ///< H_kv
-  std::int64_t head_dim = 0;   ///< d_h
-  std::int64_t capacity = 0;   ///< T_max: most positions one sequence may hold
-  DType dtype = DType::f32;    ///< element type of K and V in the cache
+  std::int64_t layers = 0;    ///< n
+  std::int64_t batch = 0;     ///< B (sequence slots)
+  std::int64_t heads_kv = 0;  ///< H_kv
+  std::int64_t head_dim = 0;  ///< d_h
+  std::int64_t capacity = 0;  ///< T_max: most positions one sequence may hold
+  DType dtype = DType::f32;   ///< element type of K and V in the cache
   /// 0 = contiguous (one block of T_max rounded up to 64 per sequence). Otherwise paged: block
   /// size in positions, a positive multiple of KVCache::kKeyTile (64).
   std::int64_t block_tokens = 0;
@@ -105,7 +105,9 @@ class KVCache {
   /// Bytes of K/V storage (SPEC 4.8): contiguous 2 · n · B · T · H_kv · d_h · sizeof(element)
   /// with T = T_max rounded up to 64 (= kv_cache_bytes(n, B, T, …)); paged the same with
   /// B · T replaced by pool_blocks · block_tokens.
-  std::uint64_t storage_bytes() const noexcept { return static_cast<std::uint64_t>(storage_.size()); }
+  std::uint64_t storage_bytes() const noexcept {
+    return static_cast<std::uint64_t>(storage_.size());
+  }
   /// All memory the cache holds: storage plus block tables, lengths and bookkeeping.
   std::uint64_t memory_bytes() const noexcept;
 
@@ -123,13 +125,13 @@ class KVCache {
 
   KVCacheConfig config_;
   std::int64_t block_tokens_ = 0, pool_blocks_ = 0, table_width_ = 0;
-  std::size_t elem_ = 4;             // bytes per element
+  std::size_t elem_ = 4;  // bytes per element
   // [n][pool_blocks][H_kv][block_tokens / 64][K tile, V tile]: kernels::KVTileLayout
   // (src/kernels/kv_tile_layout.hpp) is the one description, for writer and readers.
   std::vector<std::byte> storage_;
   std::vector<std::int32_t> table_;  // [B][table_width]: physical block of logical block i, or −1
-  std::vector<std::int64_t> lengths_;  // [n][B]
-  std::vector<std::uint8_t> active_;   // [B]
+  std::vector<std::int64_t> lengths_;    // [n][B]
+  std::vector<std::uint8_t> active_;     // [B]
   std::vector<std::int32_t> free_list_;  // free physical blocks (paged), popped from the back
 };
 

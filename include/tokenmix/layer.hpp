@@ -22,10 +22,10 @@ namespace tokenmix {
 class KVCache;  // tokenmix/kv_cache.hpp
 
 struct LayerConfig {
-  std::int64_t d_model = 0;   ///< d
-  std::int64_t heads_q = 0;   ///< H_q
-  std::int64_t heads_kv = 0;  ///< H_kv (divides H_q)
-  std::int64_t head_dim = 0;  ///< d_h
+  std::int64_t d_model = 0;         ///< d
+  std::int64_t heads_q = 0;         ///< H_q
+  std::int64_t heads_kv = 0;        ///< H_kv (divides H_q)
+  std::int64_t head_dim = 0;        ///< d_h
   std::optional<RopeOptions> rope;  ///< rotary embedding of Q and K (position_offset ignored)
   /// scale, threads, isa; causal and align must keep their defaults (causal, bottom_right).
   AttentionOptions attention;
@@ -43,7 +43,8 @@ struct LayerGradients {
 /// KV-cache bytes (SPEC 4.8): 2 · n_layers · B · T · H_kv · d_h · sizeof(element).
 /// Throws ArgumentError(overflow) if the product does not fit in 64 bits.
 std::uint64_t kv_cache_bytes(std::int64_t n_layers, std::int64_t batch, std::int64_t tokens,
-                             std::int64_t heads_kv, std::int64_t head_dim, std::size_t element_bytes);
+                             std::int64_t heads_kv, std::int64_t head_dim,
+                             std::size_t element_bytes);
 
 class CausalSelfAttention {
  public:
@@ -68,7 +69,8 @@ class CausalSelfAttention {
   void init_random(std::uint64_t seed);
 
   /// O = layer(U). u and out are [batch, seq, d] row-major. Saves what backward needs.
-  void forward(std::span<const float> u, std::int64_t batch, std::int64_t seq, std::span<float> out);
+  void forward(std::span<const float> u, std::int64_t batch, std::int64_t seq,
+               std::span<float> out);
 
   /// From dO [batch, seq, d] of the most recent forward, computes dU and the four weight
   /// gradients. Throws ArgumentError if no forward was run or d_out has the wrong size.

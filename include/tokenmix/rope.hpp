@@ -19,8 +19,8 @@ enum class RopePairing { rotate_half, interleaved };
 
 struct RopeOptions {
   RopePairing pairing = RopePairing::rotate_half;
-  double base = 10000.0;            ///< 10000 classic, 500000 Llama-3; must be finite and > 0
-  std::int64_t position_offset = 0; ///< absolute position of t = 0 (e.g. KV-cache length); ≥ 0
+  double base = 10000.0;             ///< 10000 classic, 500000 Llama-3; must be finite and > 0
+  std::int64_t position_offset = 0;  ///< absolute position of t = 0 (e.g. KV-cache length); ≥ 0
 };
 
 /// Rotates x [B, T, H, d_h] in place (d_h must be even).

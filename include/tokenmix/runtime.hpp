@@ -37,14 +37,15 @@ Isa parse_isa(const std::string& text, const char* what = "isa");
 
 /// What this CPU and OS support (independent of what this build compiled).
 struct CpuFeatures {
-  std::string model;        ///< e.g. "AMD EPYC 9R14" (from CPUID brand string or /proc/cpuinfo)
-  bool avx2_fma = false;    ///< AVX2 + FMA + OS saves YMM state
-  bool avx512f = false;     ///< AVX-512F/BW/DQ/VL + OS saves ZMM/opmask state
+  std::string model;      ///< e.g. "AMD EPYC 9R14" (from CPUID brand string or /proc/cpuinfo)
+  bool avx2_fma = false;  ///< AVX2 + FMA + OS saves YMM state
+  bool avx512f = false;   ///< AVX-512F/BW/DQ/VL + OS saves ZMM/opmask state
   bool avx512_bf16 = false;
-  bool amx_tile = false;    ///< AMX-TILE reported by CPUID (use also needs a Linux permission request)
-  bool neon = false;        ///< AArch64 Advanced SIMD (HWCAP_ASIMD) and the AES/PMULL/SHA1/SHA2
-                            ///< "crypto" extension (HWCAP_AES|PMULL|SHA1|SHA2) that Highway's
-                            ///< NEON target is compiled with
+  bool amx_tile =
+      false;  ///< AMX-TILE reported by CPUID (use also needs a Linux permission request)
+  /// AArch64 Advanced SIMD (HWCAP_ASIMD) and the AES/PMULL/SHA1/SHA2 "crypto" extension
+  /// (HWCAP_AES|PMULL|SHA1|SHA2) that Highway's NEON target is compiled with.
+  bool neon = false;
   std::vector<std::string> flags() const;  ///< names of the features above that are present
 };
 /// Detected once; the TOKENMIX_CPU_CAP cap (read at each call) is applied on top.

@@ -39,12 +39,14 @@ struct BasicTensorView {
 
   /// Contiguous [B, T, H, D] float32.
   template <class T>
-  static BasicTensorView bthd(T* p, std::int64_t B, std::int64_t T_, std::int64_t H, std::int64_t D) {
+  static BasicTensorView bthd(T* p, std::int64_t B, std::int64_t T_, std::int64_t H,
+                              std::int64_t D) {
     return {p, DType::f32, 4, {B, T_, H, D}, {T_ * H * D, H * D, D, 1}};
   }
   /// Logical [B, T, H, D] over memory laid out as [B, H, T, D] (PyTorch SDPA layout).
   template <class T>
-  static BasicTensorView bhtd(T* p, std::int64_t B, std::int64_t T_, std::int64_t H, std::int64_t D) {
+  static BasicTensorView bhtd(T* p, std::int64_t B, std::int64_t T_, std::int64_t H,
+                              std::int64_t D) {
     return {p, DType::f32, 4, {B, T_, H, D}, {H * T_ * D, D, T_ * D, 1}};
   }
   /// Contiguous row log-sum-exp [B, H, T] float32.
@@ -55,8 +57,7 @@ struct BasicTensorView {
 
   /// A mutable view converts to a read-only one.
   operator BasicTensorView<const void*>() const  // NOLINT(google-explicit-constructor)
-    requires(!std::is_same_v<Pointer, const void*>)
-  {
+      requires(!std::is_same_v<Pointer, const void*>) {
     return {data, dtype, rank, shape, strides};
   }
 };

@@ -6,13 +6,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 
-#include "util/validate.hpp"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/registry.hpp"
 #include "tokenmix/error.hpp"
+#include "util/validate.hpp"
 
 namespace tokenmix {
 namespace {
@@ -35,15 +35,21 @@ kernels::AttentionProblem make_problem(const char* fn, const ConstTensorView& q,
   p.dh = q.dim(3);
   p.tk = k.dim(1);
   p.hkv = k.dim(2);
-  if (p.hq < 1) fail(ErrorCode::invalid_argument, fn, "q.shape[2] (H_q) must be >= 1; got " + std::to_string(p.hq));
-  if (p.dh < 1) fail(ErrorCode::invalid_argument, fn, "q.shape[3] (d_h) must be >= 1; got " + std::to_string(p.dh));
+  if (p.hq < 1)
+    fail(ErrorCode::invalid_argument, fn,
+         "q.shape[2] (H_q) must be >= 1; got " + std::to_string(p.hq));
+  if (p.dh < 1)
+    fail(ErrorCode::invalid_argument, fn,
+         "q.shape[3] (d_h) must be >= 1; got " + std::to_string(p.dh));
   check_dim(k, 0, p.batch, fn, "k", "B", "q.shape[0]");
   check_dim(k, 3, p.dh, fn, "k", "d_h", "q.shape[3]");
-  if (p.hkv < 1) fail(ErrorCode::invalid_argument, fn, "k.shape[2] (H_kv) must be >= 1; got " + std::to_string(p.hkv));
+  if (p.hkv < 1)
+    fail(ErrorCode::invalid_argument, fn,
+         "k.shape[2] (H_kv) must be >= 1; got " + std::to_string(p.hkv));
   if (p.hkv > p.hq) {
     fail(ErrorCode::shape_mismatch, fn,
-         "k.shape[2] (H_kv) must be <= q.shape[2] (H_q = " + std::to_string(p.hq) + "); got H_kv = " +
-             std::to_string(p.hkv));
+         "k.shape[2] (H_kv) must be <= q.shape[2] (H_q = " + std::to_string(p.hq) +
+             "); got H_kv = " + std::to_string(p.hkv));
   }
   if (p.hq % p.hkv != 0) {
     fail(ErrorCode::shape_mismatch, fn,
@@ -57,14 +63,16 @@ kernels::AttentionProblem make_problem(const char* fn, const ConstTensorView& q,
 
   const double scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(p.dh)));
   if (!std::isfinite(scale)) {
-    fail(ErrorCode::invalid_argument, fn, "options.scale must be finite; got " + std::to_string(scale));
+    fail(ErrorCode::invalid_argument, fn,
+         "options.scale must be finite; got " + std::to_string(scale));
   }
   if (!std::isfinite(static_cast<float>(scale))) {
     fail(ErrorCode::invalid_argument, fn,
          "options.scale must be representable as float32; got " + std::to_string(scale));
   }
   if (o.threads < 0) {
-    fail(ErrorCode::invalid_argument, fn, "options.threads must be >= 0 (0 = all); got " + std::to_string(o.threads));
+    fail(ErrorCode::invalid_argument, fn,
+         "options.threads must be >= 0 (0 = all); got " + std::to_string(o.threads));
   }
   detail::check_align(fn, "options.align", o.align);
   p.scale = static_cast<float>(scale);
@@ -75,8 +83,8 @@ kernels::AttentionProblem make_problem(const char* fn, const ConstTensorView& q,
 }
 
 // Checks that `x` has the shape of q ([B,T_q,H_q,d_h]) or k ([B,T_k,H_kv,d_h]).
-void check_like(const char* fn, const ConstTensorView& x, const char* name, std::int64_t b, std::int64_t t,
-                std::int64_t h, std::int64_t d, const char* like) {
+void check_like(const char* fn, const ConstTensorView& x, const char* name, std::int64_t b,
+                std::int64_t t, std::int64_t h, std::int64_t d, const char* like) {
   check_view(x, 4, fn, name);
   const std::string from = std::string(like) + ".shape";
   check_dim(x, 0, b, fn, name, "B", (from + "[0]").c_str());
@@ -95,7 +103,8 @@ void check_lse(const char* fn, const ConstTensorView& lse, const char* name,
 
 template <class V>
 auto strided(const V& v) {
-  using Ptr = std::conditional_t<std::is_same_v<decltype(v.data), const void*>, const float*, float*>;
+  using Ptr =
+      std::conditional_t<std::is_same_v<decltype(v.data), const void*>, const float*, float*>;
   return kernels::Strided<Ptr>{static_cast<Ptr>(v.data), v.strides[0], v.strides[1], v.strides[2],
                                v.strides[3]};
 }
@@ -207,9 +216,10 @@ void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, 
   kernel.fn(args);
 }
 
-void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v, ConstTensorView out,
-                        ConstTensorView lse, ConstTensorView dout, TensorView dq, TensorView dk,
-                        TensorView dv, const AttentionOptions& options) {
+void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                        ConstTensorView out, ConstTensorView lse, ConstTensorView dout,
+                        TensorView dq, TensorView dk, TensorView dv,
+                        const AttentionOptions& options) {
   constexpr const char* fn = "attention_backward";
   kernels::BackwardArgs args;
   args.p = make_problem(fn, q, k, v, options);
@@ -220,8 +230,9 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   check_like(fn, dq, "dq", p.batch, p.tq, p.hq, p.dh, "q");
   check_like(fn, dk, "dk", p.batch, p.tk, p.hkv, p.dh, "k");
   check_like(fn, dv, "dv", p.batch, p.tk, p.hkv, p.dh, "k");
-  detail::check_no_overlap(fn, {{"dq", dq}, {"dk", dk}, {"dv", dv}},
-                           {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}, {"dout", dout}});
+  detail::check_no_overlap(
+      fn, {{"dq", dq}, {"dk", dk}, {"dv", dv}},
+      {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}, {"dout", dout}});
   const Isa isa = resolve_isa(options.isa, fn);
 
   args.q = strided(q);

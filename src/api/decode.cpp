@@ -17,29 +17,33 @@
 #include <string>
 #include <vector>
 
-#include "model/kv_cache_access.hpp"
-#include "util/validate.hpp"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/nonfinite.hpp"
 #include "kernels/registry.hpp"
 #include "kernels/scratch_arena.hpp"
+#include "model/kv_cache_access.hpp"
 #include "tokenmix/error.hpp"
 #include "tokenmix/kv_cache.hpp"
+#include "util/validate.hpp"
 
 namespace tokenmix {
 namespace {
 
 using detail::fail;
 using Access = detail::KVCacheAccess;
-std::string str(std::int64_t x) { return std::to_string(x); }
+std::string str(std::int64_t x) {
+  return std::to_string(x);
+}
 
 constexpr std::int64_t kChunkKeys = 1024;  // keys per split (16 key tiles): fixed, see top
 constexpr std::int64_t kMaxRows = 128;     // g · query positions per unit (bounds unit scratch)
 
 template <class V>
 auto strided(const V& v) {
-  using Ptr = std::conditional_t<std::is_same_v<decltype(v.data), const void*>, const float*, float*>;
-  return kernels::Strided<Ptr>{static_cast<Ptr>(v.data), v.strides[0], v.strides[1], v.strides[2], v.strides[3]};
+  using Ptr =
+      std::conditional_t<std::is_same_v<decltype(v.data), const void*>, const float*, float*>;
+  return kernels::Strided<Ptr>{static_cast<Ptr>(v.data), v.strides[0], v.strides[1], v.strides[2],
+                               v.strides[3]};
 }
 
 // Per-thread reusable scratch + partials buffer (the decode step runs every token: no
@@ -51,7 +55,8 @@ kernels::ReusableScratch& partials_buffer() {
 
 }  // namespace
 
-std::uint64_t decode_bytes(const KVCache& cache, std::int64_t layer, std::int64_t first_seq, std::int64_t batch) {
+std::uint64_t decode_bytes(const KVCache& cache, std::int64_t layer, std::int64_t first_seq,
+                           std::int64_t batch) {
   const KVCacheConfig& c = cache.config();
   if (first_seq < 0 || batch < 0 || first_seq > c.batch || batch > c.batch - first_seq) {
     fail(ErrorCode::invalid_argument, "decode_bytes",
@@ -59,7 +64,8 @@ std::uint64_t decode_bytes(const KVCache& cache, std::int64_t layer, std::int64_
              "); got first_seq = " + str(first_seq) + ", batch = " + str(batch));
   }
   std::uint64_t tokens = 0;
-  for (std::int64_t b = first_seq; b < first_seq + batch; ++b) tokens += static_cast<std::uint64_t>(cache.length(b, layer));
+  for (std::int64_t b = first_seq; b < first_seq + batch; ++b)
+    tokens += static_cast<std::uint64_t>(cache.length(b, layer));
   // 2 · Σ_b L_b · H_kv · d_h · sizeof  (SPEC "Useful-work counts", decode bytes)
   return 2 * tokens * static_cast<std::uint64_t>(c.heads_kv * c.head_dim) * size_of(c.dtype);
 }
@@ -69,7 +75,8 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   constexpr const char* fn = "attention_decode";
   const KVCacheConfig& cc = cache.config();
   if (layer < 0 || layer >= cc.layers) {
-    fail(ErrorCode::invalid_argument, fn, "layer must be in [0, layers = " + str(cc.layers) + "); got " + str(layer));
+    fail(ErrorCode::invalid_argument, fn,
+         "layer must be in [0, layers = " + str(cc.layers) + "); got " + str(layer));
   }
   detail::check_view(q, 4, fn, "q");
   kernels::DecodeArgs a;
@@ -80,19 +87,21 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   a.hkv = cc.heads_kv;
   if (o.first_seq < 0 || o.first_seq > cc.batch || a.batch > cc.batch - o.first_seq) {
     fail(ErrorCode::invalid_argument, fn,
-         "sequences [options.first_seq, options.first_seq + q.shape[0]) must lie in [0, batch = " + str(cc.batch) +
-             "); got first_seq = " + str(o.first_seq) + ", q.shape[0] = " + str(a.batch));
+         "sequences [options.first_seq, options.first_seq + q.shape[0]) must lie in [0, batch = " +
+             str(cc.batch) + "); got first_seq = " + str(o.first_seq) +
+             ", q.shape[0] = " + str(a.batch));
   }
   if (a.hq < a.hkv || a.hq % a.hkv != 0) {
     fail(ErrorCode::shape_mismatch, fn,
-         "q.shape[2] (H_q) must be a multiple of the cache's heads_kv = " + str(a.hkv) + " (SPEC 4.8); got H_q = " +
-             str(a.hq));
+         "q.shape[2] (H_q) must be a multiple of the cache's heads_kv = " + str(a.hkv) +
+             " (SPEC 4.8); got H_q = " + str(a.hq));
   }
   detail::check_dim(q, 3, cc.head_dim, fn, "q", "d_h", "the cache's head_dim");
   detail::check_view(out, 4, fn, "out");
   for (int axis = 0; axis < 4; ++axis) {
     const char* names[] = {"B", "T_new", "H_q", "d_h"};
-    detail::check_dim(out, axis, q.dim(axis), fn, "out", names[axis], ("q.shape[" + str(axis) + "]").c_str());
+    detail::check_dim(out, axis, q.dim(axis), fn, "out", names[axis],
+                      ("q.shape[" + str(axis) + "]").c_str());
   }
   if (!lse.empty()) {
     detail::check_view(lse, 3, fn, "lse");
@@ -107,15 +116,19 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   for (std::int64_t b = o.first_seq; b < o.first_seq + a.batch; ++b) {
     if (!cache.active(b)) {
       fail(ErrorCode::invalid_argument, fn,
-           "sequence " + str(b) + " was released; its keys and values are gone (reset it to reuse the slot)");
+           "sequence " + str(b) +
+               " was released; its keys and values are gone (reset it to reuse the slot)");
     }
     max_len = std::max(max_len, cache.length(b, layer));
   }
   const double scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(a.dh)));
   if (!std::isfinite(scale) || !std::isfinite(static_cast<float>(scale))) {
-    fail(ErrorCode::invalid_argument, fn, "options.scale must be finite in float32; got " + std::to_string(scale));
+    fail(ErrorCode::invalid_argument, fn,
+         "options.scale must be finite in float32; got " + std::to_string(scale));
   }
-  if (o.threads < 0) fail(ErrorCode::invalid_argument, fn, "options.threads must be >= 0 (0 = all); got " + str(o.threads));
+  if (o.threads < 0)
+    fail(ErrorCode::invalid_argument, fn,
+         "options.threads must be >= 0 (0 = all); got " + str(o.threads));
   const Isa isa = resolve_isa(o.isa, fn);  // the one dispatch decision of this call
   if (a.batch == 0 || a.tnew == 0 || a.hq == 0) return;
 
@@ -176,7 +189,8 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
     float* const acc = a.scratch.at(merge_slot, omp_get_thread_num());  // [d_h]
 #pragma omp for schedule(static)
     for (std::int64_t grp = 0; grp < groups; ++grp) {
-      const std::int64_t qb = grp % a.qblocks, j = (grp / a.qblocks) % a.hkv, b = grp / (a.qblocks * a.hkv);
+      const std::int64_t qb = grp % a.qblocks, j = (grp / a.qblocks) % a.hkv,
+                         b = grp / (a.qblocks * a.hkv);
       for (std::int64_t r = 0; r < rows; ++r) {
         const std::int64_t t = qb * a.qblock + r / g, h = j * g + r % g;
         if (t >= a.tnew) break;

@@ -50,19 +50,21 @@ CpuFeatures detect() {
       __get_cpuid(0x80000002u + i, &a, &b, &c, &d);
       const unsigned regs[4] = {a, b, c, d};
       for (int r = 0; r < 4; ++r)
-        for (int byte = 0; byte < 4; ++byte) brand[i * 16 + r * 4 + byte] = static_cast<char>((regs[r] >> (8 * byte)) & 0xff);
+        for (int byte = 0; byte < 4; ++byte)
+          brand[i * 16 + r * 4 + byte] = static_cast<char>((regs[r] >> (8 * byte)) & 0xff);
     }
     f.model = brand;
     const auto first = f.model.find_first_not_of(' ');
     f.model = first == std::string::npos ? "" : f.model.substr(first);
-    while (!f.model.empty() && (f.model.back() == ' ' || f.model.back() == '\0')) f.model.pop_back();
+    while (!f.model.empty() && (f.model.back() == ' ' || f.model.back() == '\0'))
+      f.model.pop_back();
   }
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
   const bool osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1;
   if (!osxsave || !avx) return f;
   const std::uint64_t xcr0 = read_xcr0();
-  const bool ymm_state = (xcr0 & 0x6) == 0x6;      // SSE + AVX state
-  const bool zmm_state = (xcr0 & 0xe6) == 0xe6;    // + opmask, ZMM_Hi256, Hi16_ZMM
+  const bool ymm_state = (xcr0 & 0x6) == 0x6;           // SSE + AVX state
+  const bool zmm_state = (xcr0 & 0xe6) == 0xe6;         // + opmask, ZMM_Hi256, Hi16_ZMM
   const bool tile_state = (xcr0 & 0x60000) == 0x60000;  // XTILECFG + XTILEDATA
   if (__get_cpuid_max(0, nullptr) < 7) return f;
   __cpuid_count(7, 0, a, b, c, d);
@@ -158,8 +160,12 @@ const CpuFeatures& cpu_features(const char* fn) {
 
 }  // namespace detail
 
-const CpuFeatures& cpu_features() { return detail::cpu_features("cpu_features"); }
+const CpuFeatures& cpu_features() {
+  return detail::cpu_features("cpu_features");
+}
 
-Isa cpu_cap() { return detail::cpu_cap("cpu_cap"); }
+Isa cpu_cap() {
+  return detail::cpu_cap("cpu_cap");
+}
 
 }  // namespace tokenmix

@@ -1,5 +1,7 @@
 // src/dispatch/runtime.cpp — ISA choice (one per public call), threads and version. Which
 // paths exist and which kernels they run comes from the kernel registry (kernels/registry.cpp).
+#include "tokenmix/runtime.hpp"
+
 #include <omp.h>
 
 #include <cstdlib>
@@ -8,7 +10,6 @@
 #include "dispatch/cpu_cap.hpp"
 #include "kernels/registry.hpp"
 #include "tokenmix/error.hpp"
-#include "tokenmix/runtime.hpp"
 
 #ifndef TOKENMIX_VERSION
 #define TOKENMIX_VERSION "0.0.0"
@@ -17,9 +18,13 @@
 namespace tokenmix {
 namespace {
 
-bool compiled(Isa isa) { return kernels::kernel_set(isa).compiled(); }
+bool compiled(Isa isa) {
+  return kernels::kernel_set(isa).compiled();
+}
 
-bool cpu_supports(const CpuFeatures& f, Isa isa) { return kernels::kernel_set(isa).runs_on(f); }
+bool cpu_supports(const CpuFeatures& f, Isa isa) {
+  return kernels::kernel_set(isa).runs_on(f);
+}
 
 // Paths compiled and runnable under features `f`, lowest first (the registry's order).
 std::vector<Isa> available(const CpuFeatures& f) {
@@ -40,11 +45,16 @@ std::string list(const std::vector<Isa>& isas) {
 
 const char* to_string(Isa isa) noexcept {
   switch (isa) {
-    case Isa::automatic: return "auto";
-    case Isa::portable: return "portable";
-    case Isa::avx2: return "avx2";
-    case Isa::avx512: return "avx512";
-    case Isa::neon: return "neon";
+    case Isa::automatic:
+      return "auto";
+    case Isa::portable:
+      return "portable";
+    case Isa::avx2:
+      return "avx2";
+    case Isa::avx512:
+      return "avx512";
+    case Isa::neon:
+      return "neon";
   }
   return "unknown";
 }
@@ -58,7 +68,9 @@ Isa parse_isa(const std::string& text, const char* what) {
       std::string(what) + " must be one of auto, portable, avx2, avx512, neon; got '" + text + "'");
 }
 
-std::vector<Isa> available_isas() { return available(detail::cpu_features("available_isas")); }
+std::vector<Isa> available_isas() {
+  return available(detail::cpu_features("available_isas"));
+}
 
 Isa resolve_isa(Isa requested, const char* fn) {
   const CpuFeatures& f = detail::cpu_features(fn);  // the cap is read once per resolve
@@ -70,19 +82,21 @@ Isa resolve_isa(Isa requested, const char* fn) {
   const std::vector<Isa> avail = available(f);
   if (requested == Isa::automatic) return avail.back();
   if (!compiled(requested)) {
-    throw UnsupportedError(std::string(fn) + ": isa '" + to_string(requested) +
-                           "' was requested but this build has no kernels for it (available: " +
-                           list(avail) + ")");
+    throw UnsupportedError(
+        std::string(fn) + ": isa '" + to_string(requested) +
+        "' was requested but this build has no kernels for it (available: " + list(avail) + ")");
   }
   if (!cpu_supports(f, requested)) {
-    throw UnsupportedError(std::string(fn) + ": isa '" + to_string(requested) +
-                           "' was requested but this CPU/OS does not support it (available: " +
-                           list(avail) + ")");
+    throw UnsupportedError(
+        std::string(fn) + ": isa '" + to_string(requested) +
+        "' was requested but this CPU/OS does not support it (available: " + list(avail) + ")");
   }
   return requested;
 }
 
-int default_threads() { return omp_get_max_threads(); }
+int default_threads() {
+  return omp_get_max_threads();
+}
 
 std::string describe_kernel(Isa isa) {
   if (isa == Isa::automatic) isa = resolve_isa(Isa::automatic, "describe_kernel");
@@ -98,6 +112,8 @@ std::string describe_kernel(Isa isa) {
   return names + ": " + set.description;
 }
 
-const char* version() noexcept { return TOKENMIX_VERSION; }
+const char* version() noexcept {
+  return TOKENMIX_VERSION;
+}
 
 }  // namespace tokenmix

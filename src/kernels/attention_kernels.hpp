@@ -48,9 +48,9 @@ struct AttentionProblem {
 
 struct ForwardArgs {
   AttentionProblem p;
-  In q, k, v;   // q [B,T_q,H_q,d_h], k/v [B,T_k,H_kv,d_h]; unit stride along d_h NOT assumed
-  Out out;      // [B,T_q,H_q,d_h]
-  Out lse;      // [B,H_q,T_q] (s0,s1,s2 used); data may be null
+  In q, k, v;  // q [B,T_q,H_q,d_h], k/v [B,T_k,H_kv,d_h]; unit stride along d_h NOT assumed
+  Out out;     // [B,T_q,H_q,d_h]
+  Out lse;     // [B,H_q,T_q] (s0,s1,s2 used); data may be null
 };
 
 struct BackwardArgs {
@@ -95,22 +95,24 @@ struct DecodeArgs {
   std::int64_t table_width = 0;
   const std::int64_t* lengths = nullptr;  // [batch] cached positions of each sequence (this layer)
   In q;                                   // [batch, tnew, hq, dh]
-  std::int64_t qblock = 1;   // query positions per unit
-  std::int64_t qblocks = 1;  // ceil(tnew / qblock)
-  std::int64_t chunk = 0;    // keys per chunk (multiple of kDecodeKeyTile)
-  std::int64_t chunks = 0;   // chunks per (b, j, query block)
-  float* part_acc = nullptr;  // [units][rows_max][dh]
-  float* part_m = nullptr;    // [units][rows_max]
-  float* part_l = nullptr;    // [units][rows_max]
-  DecodeScratch slots;        // per-worker buffers ...
-  WorkerScratch scratch;      // ... in these regions (worker w: scratch.at(slot, w))
+  std::int64_t qblock = 1;                // query positions per unit
+  std::int64_t qblocks = 1;               // ceil(tnew / qblock)
+  std::int64_t chunk = 0;                 // keys per chunk (multiple of kDecodeKeyTile)
+  std::int64_t chunks = 0;                // chunks per (b, j, query block)
+  float* part_acc = nullptr;              // [units][rows_max][dh]
+  float* part_m = nullptr;                // [units][rows_max]
+  float* part_l = nullptr;                // [units][rows_max]
+  DecodeScratch slots;                    // per-worker buffers ...
+  WorkerScratch scratch;                  // ... in these regions (worker w: scratch.at(slot, w))
   int threads = 1;
 
   std::int64_t group() const { return hq / hkv; }
   std::int64_t rows_max() const { return group() * qblock; }
   std::int64_t units() const { return batch * hkv * qblocks * chunks; }
   /// Query t of sequence b sees keys [0, visible_end) (bottom-right, SPEC 4.3); may be ≤ 0.
-  std::int64_t visible_end(std::int64_t b, std::int64_t t) const { return lengths[b] - tnew + t + 1; }
+  std::int64_t visible_end(std::int64_t b, std::int64_t t) const {
+    return lengths[b] - tnew + t + 1;
+  }
   /// Element offset, from k_layer for the K tile and from v_layer for its V tile, of the tile
   /// holding key u of sequence b, KV head j.
   std::int64_t tile_offset(std::int64_t b, std::int64_t j, std::int64_t u) const {

@@ -13,17 +13,21 @@ namespace tokenmix::kernels {
 
 inline std::uint16_t f32_to_bf16(float f) {
   const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+  if ((x & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<std::uint16_t>((x >> 16) | 0x40u);  // quiet NaN
   // Round to nearest, ties to even, on the 16 dropped bits (carries into the exponent and to ∞).
   return static_cast<std::uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
-inline float bf16_to_f32(std::uint16_t h) { return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16); }
+inline float bf16_to_f32(std::uint16_t h) {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16);
+}
 
 inline std::uint16_t f32_to_f16(float f) {
   const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
   const std::uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-  if (ax > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));  // NaN
+  if (ax > 0x7f800000u)
+    return static_cast<std::uint16_t>(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));  // NaN
   if (ax >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // ≥ 65520 (or ∞) → ∞
   if (ax >= 0x38800000u) {  // normal f16: rebias the exponent (127 → 15), round 13 bits RNE
     const std::uint32_t r = ax - (112u << 23);
@@ -53,18 +57,27 @@ inline float f16_to_f32(std::uint16_t h) {
 /// Stores x as element `i` of a `dtype` array.
 inline void store_element(DType dtype, void* base, std::int64_t i, float x) {
   switch (dtype) {
-    case DType::f32: static_cast<float*>(base)[i] = x; return;
-    case DType::bf16: static_cast<std::uint16_t*>(base)[i] = f32_to_bf16(x); return;
-    case DType::f16: static_cast<std::uint16_t*>(base)[i] = f32_to_f16(x); return;
+    case DType::f32:
+      static_cast<float*>(base)[i] = x;
+      return;
+    case DType::bf16:
+      static_cast<std::uint16_t*>(base)[i] = f32_to_bf16(x);
+      return;
+    case DType::f16:
+      static_cast<std::uint16_t*>(base)[i] = f32_to_f16(x);
+      return;
   }
 }
 
 /// Element `i` of a `dtype` array, widened to fp32 (exact).
 inline float load_element(DType dtype, const void* base, std::int64_t i) {
   switch (dtype) {
-    case DType::f32: return static_cast<const float*>(base)[i];
-    case DType::bf16: return bf16_to_f32(static_cast<const std::uint16_t*>(base)[i]);
-    case DType::f16: return f16_to_f32(static_cast<const std::uint16_t*>(base)[i]);
+    case DType::f32:
+      return static_cast<const float*>(base)[i];
+    case DType::bf16:
+      return bf16_to_f32(static_cast<const std::uint16_t*>(base)[i]);
+    case DType::f16:
+      return f16_to_f32(static_cast<const std::uint16_t*>(base)[i]);
   }
   return 0.0f;
 }

@@ -3,17 +3,16 @@
 // so a throwing call leaves the cache byte-for-byte unchanged.
 #include "tokenmix/kv_cache.hpp"
 
-#include <cstdint>
-
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
-#include "util/huge_pages.hpp"
-#include "model/kv_cache_access.hpp"
-#include "util/validate.hpp"
 #include "kernels/kv_element.hpp"
+#include "model/kv_cache_access.hpp"
 #include "tokenmix/error.hpp"
 #include "tokenmix/layer.hpp"
+#include "util/huge_pages.hpp"
+#include "util/validate.hpp"
 
 namespace tokenmix {
 namespace {
@@ -21,7 +20,9 @@ namespace {
 using detail::checked_mul;
 using detail::fail;
 
-std::string str(std::int64_t x) { return std::to_string(x); }
+std::string str(std::int64_t x) {
+  return std::to_string(x);
+}
 
 }  // namespace
 
@@ -33,7 +34,8 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
                                                         {"config.head_dim", c.head_dim},
                                                         {"config.capacity", c.capacity}};
   for (auto [name, x] : sizes) {
-    if (x < 1) fail(ErrorCode::invalid_argument, fn, std::string(name) + " must be >= 1; got " + str(x));
+    if (x < 1)
+      fail(ErrorCode::invalid_argument, fn, std::string(name) + " must be >= 1; got " + str(x));
   }
   if (c.dtype != DType::f32 && c.dtype != DType::bf16 && c.dtype != DType::f16) {
     fail(ErrorCode::invalid_argument, fn,
@@ -41,20 +43,24 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
   }
   if (c.block_tokens < 0 || c.block_tokens % kKeyTile != 0) {
     fail(ErrorCode::invalid_argument, fn,
-         "config.block_tokens must be 0 (contiguous) or a positive multiple of " + str(kKeyTile) + "; got " +
-             str(c.block_tokens));
+         "config.block_tokens must be 0 (contiguous) or a positive multiple of " + str(kKeyTile) +
+             "; got " + str(c.block_tokens));
   }
   if (c.pool_blocks < 0) {
-    fail(ErrorCode::invalid_argument, fn, "config.pool_blocks must be >= 0; got " + str(c.pool_blocks));
+    fail(ErrorCode::invalid_argument, fn,
+         "config.pool_blocks must be >= 0; got " + str(c.pool_blocks));
   }
   if (c.block_tokens == 0 && c.pool_blocks != 0) {
     fail(ErrorCode::invalid_argument, fn,
-         "config.pool_blocks applies to a paged cache only (config.block_tokens > 0); got pool_blocks = " +
+         "config.pool_blocks applies to a paged cache only (config.block_tokens > 0); got "
+         "pool_blocks = " +
              str(c.pool_blocks));
   }
-  if (c.capacity > INT64_MAX - kKeyTile) fail(ErrorCode::overflow, fn, "config.capacity is too large");
+  if (c.capacity > INT64_MAX - kKeyTile)
+    fail(ErrorCode::overflow, fn, "config.capacity is too large");
   elem_ = size_of(c.dtype);
-  if (c.block_tokens == 0) {  // contiguous: one block of T_max (rounded up to a key tile) per sequence
+  if (c.block_tokens ==
+      0) {  // contiguous: one block of T_max (rounded up to a key tile) per sequence
     block_tokens_ = (c.capacity + kKeyTile - 1) / kKeyTile * kKeyTile;
     pool_blocks_ = c.batch;
   } else {
@@ -65,8 +71,10 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
   }
   if (pool_blocks_ > INT32_MAX) fail(ErrorCode::overflow, fn, "the pool exceeds 2^31 - 1 blocks");
   table_width_ = blocks_needed(c.capacity);
-  // Storage = SPEC 4.8's figure with B · T = pool_blocks · block_tokens (kv_cache_bytes checks overflow).
-  const std::uint64_t bytes = kv_cache_bytes(c.layers, pool_blocks_, block_tokens_, c.heads_kv, c.head_dim, elem_);
+  // Storage = SPEC 4.8's figure with B · T = pool_blocks · block_tokens (kv_cache_bytes checks
+  // overflow).
+  const std::uint64_t bytes =
+      kv_cache_bytes(c.layers, pool_blocks_, block_tokens_, c.heads_kv, c.head_dim, elem_);
   checked_mul(c.batch, table_width_, fn, "block table size");
   storage_.assign(static_cast<std::size_t>(bytes), std::byte{0});
   detail::back_with_huge_pages(storage_.data(), storage_.size());  // swept by every decode step
@@ -74,17 +82,20 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
   lengths_.assign(static_cast<std::size_t>(checked_mul(c.layers, c.batch, fn, "lengths")), 0);
   active_.assign(static_cast<std::size_t>(c.batch), 1);
   if (!paged()) {
-    for (std::int64_t b = 0; b < c.batch; ++b) table_[static_cast<std::size_t>(b * table_width_)] = static_cast<std::int32_t>(b);
+    for (std::int64_t b = 0; b < c.batch; ++b)
+      table_[static_cast<std::size_t>(b * table_width_)] = static_cast<std::int32_t>(b);
   } else {
     free_list_.reserve(static_cast<std::size_t>(pool_blocks_));
     // Popped from the back: block 0 is handed out first.
-    for (std::int64_t p = pool_blocks_ - 1; p >= 0; --p) free_list_.push_back(static_cast<std::int32_t>(p));
+    for (std::int64_t p = pool_blocks_ - 1; p >= 0; --p)
+      free_list_.push_back(static_cast<std::int32_t>(p));
   }
 }
 
 std::uint64_t KVCache::memory_bytes() const noexcept {
-  return storage_.size() + table_.capacity() * sizeof(std::int32_t) + lengths_.capacity() * sizeof(std::int64_t) +
-         active_.capacity() + free_list_.capacity() * sizeof(std::int32_t) + sizeof(KVCache);
+  return storage_.size() + table_.capacity() * sizeof(std::int32_t) +
+         lengths_.capacity() * sizeof(std::int64_t) + active_.capacity() +
+         free_list_.capacity() * sizeof(std::int32_t) + sizeof(KVCache);
 }
 
 void KVCache::check_seq(const char* fn, std::int64_t seq) const {
@@ -119,11 +130,13 @@ std::int64_t KVCache::blocks_needed(std::int64_t tokens) const noexcept {
 
 std::int64_t KVCache::max_length(std::int64_t seq) const noexcept {
   std::int64_t m = 0;
-  for (std::int64_t l = 0; l < config_.layers; ++l) m = std::max(m, lengths_[static_cast<std::size_t>(l * config_.batch + seq)]);
+  for (std::int64_t l = 0; l < config_.layers; ++l)
+    m = std::max(m, lengths_[static_cast<std::size_t>(l * config_.batch + seq)]);
   return m;
 }
 
-void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView k, ConstTensorView v) {
+void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView k,
+                     ConstTensorView v) {
   constexpr const char* fn = "KVCache::append";
   check_layer(fn, layer);
   detail::check_view(k, 4, fn, "k");
@@ -131,14 +144,16 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
   const std::int64_t seqs = k.dim(0), tnew = k.dim(1);
   if (first_seq < 0 || first_seq > config_.batch || seqs > config_.batch - first_seq) {
     fail(ErrorCode::invalid_argument, fn,
-         "sequences [first_seq, first_seq + k.shape[0]) must lie in [0, batch = " + str(config_.batch) +
-             "); got first_seq = " + str(first_seq) + ", k.shape[0] = " + str(seqs));
+         "sequences [first_seq, first_seq + k.shape[0]) must lie in [0, batch = " +
+             str(config_.batch) + "); got first_seq = " + str(first_seq) +
+             ", k.shape[0] = " + str(seqs));
   }
   detail::check_dim(k, 2, config_.heads_kv, fn, "k", "H_kv", "the cache's heads_kv");
   detail::check_dim(k, 3, config_.head_dim, fn, "k", "d_h", "the cache's head_dim");
   for (int axis = 0; axis < 4; ++axis) {
     const char* names[] = {"B", "T_new", "H_kv", "d_h"};
-    detail::check_dim(v, axis, k.dim(axis), fn, "v", names[axis], ("k.shape[" + str(axis) + "]").c_str());
+    detail::check_dim(v, axis, k.dim(axis), fn, "v", names[axis],
+                      ("k.shape[" + str(axis) + "]").c_str());
   }
   // Positions, capacity and (paged) free blocks for every sequence, before anything is written.
   std::int64_t new_blocks = 0;
@@ -151,15 +166,16 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
     std::int64_t end = 0;
     if (__builtin_add_overflow(len, tnew, &end)) {
       fail(ErrorCode::overflow, fn,
-           "position length + T_new of sequence " + str(b) + " overflows 64-bit arithmetic (" + str(len) + " + " +
-               str(tnew) + ")");
+           "position length + T_new of sequence " + str(b) + " overflows 64-bit arithmetic (" +
+               str(len) + " + " + str(tnew) + ")");
     }
     if (end > config_.capacity) {
       fail(ErrorCode::invalid_argument, fn,
-           "appending T_new = " + str(tnew) + " positions to sequence " + str(b) + " (length " + str(len) +
-               ") exceeds the capacity T_max = " + str(config_.capacity));
+           "appending T_new = " + str(tnew) + " positions to sequence " + str(b) + " (length " +
+               str(len) + ") exceeds the capacity T_max = " + str(config_.capacity));
     }
-    if (paged()) new_blocks += std::max<std::int64_t>(0, blocks_needed(end) - blocks_needed(max_length(b)));
+    if (paged())
+      new_blocks += std::max<std::int64_t>(0, blocks_needed(end) - blocks_needed(max_length(b)));
   }
   if (new_blocks > free_blocks()) {
     fail(ErrorCode::invalid_argument, fn,
@@ -185,7 +201,8 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
     }
     for (std::int64_t t = 0; t < tnew; ++t) {
       const std::int64_t pos = len + t;
-      const std::int64_t blk = table_[static_cast<std::size_t>(b * table_width_ + pos / block_tokens_)];
+      const std::int64_t blk =
+          table_[static_cast<std::size_t>(b * table_width_ + pos / block_tokens_)];
       const std::int64_t off = pos % block_tokens_;
       for (std::int64_t h = 0; h < H; ++h) {
         // K: lane off % 64 of its tile's [d_h][64];  V: row off % 64 of its tile's [64][d_h].
@@ -213,7 +230,8 @@ void KVCache::shrink(std::int64_t seq, std::int64_t new_length) {
         storage_.data() + static_cast<std::size_t>(l * tiles.layer_elems()) * elem_;
     std::int64_t& len = lengths_[static_cast<std::size_t>(l * config_.batch + seq)];
     for (std::int64_t pos = new_length; pos < len; ++pos) {
-      const std::int64_t blk = table_[static_cast<std::size_t>(seq * table_width_ + pos / block_tokens_)];
+      const std::int64_t blk =
+          table_[static_cast<std::size_t>(seq * table_width_ + pos / block_tokens_)];
       const std::int64_t off = pos % block_tokens_;
       for (std::int64_t h = 0; h < H; ++h) {
         const std::int64_t kt = tiles.k_tile(blk, h, off), vt = tiles.v_tile(blk, h, off);
@@ -242,7 +260,8 @@ void KVCache::truncate(std::int64_t seq, std::int64_t new_length) {
   constexpr const char* fn = "KVCache::truncate";
   check_seq(fn, seq);
   if (!active_[static_cast<std::size_t>(seq)]) {
-    fail(ErrorCode::invalid_argument, fn, "sequence " + str(seq) + " was released; reset(" + str(seq) + ") it first");
+    fail(ErrorCode::invalid_argument, fn,
+         "sequence " + str(seq) + " was released; reset(" + str(seq) + ") it first");
   }
   const std::int64_t longest = max_length(seq);
   if (new_length < 0 || new_length > longest) {

@@ -7,8 +7,8 @@
 #include <cmath>
 #include <string>
 
-#include "util/validate.hpp"
 #include "tokenmix/kv_cache.hpp"
+#include "util/validate.hpp"
 
 namespace tokenmix {
 namespace {
@@ -18,15 +18,18 @@ using detail::fail;
 
 // C[M,N] = op(A) op(B) (+ C if accumulate), row-major, through OpenBLAS sgemm. BLAS takes int
 // sizes, so each is checked (a larger layer is an overflow error, not a silent wrap).
-void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, const float* A,
-          const float* B, float* C, bool accumulate) {
+void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K,
+          const float* A, const float* B, float* C, bool accumulate) {
   for (std::int64_t x : {M, N, K}) {
-    if (x > INT_MAX) fail(ErrorCode::overflow, "CausalSelfAttention", "matrix size " + std::to_string(x) + " exceeds BLAS int range");
+    if (x > INT_MAX)
+      fail(ErrorCode::overflow, "CausalSelfAttention",
+           "matrix size " + std::to_string(x) + " exceeds BLAS int range");
   }
   const int lda = static_cast<int>(trans_a ? M : K), ldb = static_cast<int>(trans_b ? K : N);
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-              static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0f, A, lda, B, ldb,
-              accumulate ? 1.0f : 0.0f, C, static_cast<int>(N));
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, static_cast<int>(M), static_cast<int>(N),
+              static_cast<int>(K), 1.0f, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, C,
+              static_cast<int>(N));
 }
 
 // Deterministic, platform-independent uniform numbers (splitmix64).
@@ -41,29 +44,34 @@ std::uint64_t splitmix64(std::uint64_t x) {
 void fill_uniform(std::vector<float>& w, std::uint64_t seed, std::int64_t fan_in) {
   const double a = std::sqrt(3.0 / static_cast<double>(fan_in));
   for (std::size_t i = 0; i < w.size(); ++i) {
-    const double unit = static_cast<double>(splitmix64(seed ^ (i * 0x2545f4914f6cdd1dull)) >> 11) * 0x1.0p-53;
+    const double unit =
+        static_cast<double>(splitmix64(seed ^ (i * 0x2545f4914f6cdd1dull)) >> 11) * 0x1.0p-53;
     w[i] = static_cast<float>((2.0 * unit - 1.0) * a);
   }
 }
 
-void check_span(const char* fn, const char* name, std::size_t got, std::int64_t expected, const char* what) {
+void check_span(const char* fn, const char* name, std::size_t got, std::int64_t expected,
+                const char* what) {
   if (static_cast<std::int64_t>(got) != expected) {
     fail(ErrorCode::shape_mismatch, fn,
-         std::string(name) + ".size() must equal " + what + " = " + std::to_string(expected) + "; got " +
-             std::to_string(got));
+         std::string(name) + ".size() must equal " + what + " = " + std::to_string(expected) +
+             "; got " + std::to_string(got));
   }
 }
 
 // Validates the [batch, seq, d] input and output of forward/prefill; returns batch · seq.
 std::int64_t check_layer_io(const char* fn, std::span<const float> u, std::span<float> out,
                             std::int64_t batch, std::int64_t seq, std::int64_t d_model) {
-  if (batch < 1) fail(ErrorCode::invalid_argument, fn, "batch must be >= 1; got " + std::to_string(batch));
-  if (seq < 1) fail(ErrorCode::invalid_argument, fn, "seq must be >= 1; got " + std::to_string(seq));
+  if (batch < 1)
+    fail(ErrorCode::invalid_argument, fn, "batch must be >= 1; got " + std::to_string(batch));
+  if (seq < 1)
+    fail(ErrorCode::invalid_argument, fn, "seq must be >= 1; got " + std::to_string(seq));
   const std::int64_t rows = checked_mul(batch, seq, fn, "batch * seq");
   const std::int64_t n_u = checked_mul(rows, d_model, fn, "batch * seq * d_model");
   check_span(fn, "u", u.size(), n_u, "batch * seq * d_model");
   check_span(fn, "out", out.size(), n_u, "batch * seq * d_model");
-  if (u.data() == nullptr || out.data() == nullptr) fail(ErrorCode::null_pointer, fn, "u and out must not be null");
+  if (u.data() == nullptr || out.data() == nullptr)
+    fail(ErrorCode::null_pointer, fn, "u and out must not be null");
   if (out.data() < u.data() + u.size() && u.data() < out.data() + out.size()) {
     fail(ErrorCode::aliasing, fn, "out overlaps u; the layer cannot run in place");
   }
@@ -73,12 +81,18 @@ std::int64_t check_layer_io(const char* fn, std::span<const float> u, std::span<
 }  // namespace
 
 std::uint64_t kv_cache_bytes(std::int64_t n_layers, std::int64_t batch, std::int64_t tokens,
-                             std::int64_t heads_kv, std::int64_t head_dim, std::size_t element_bytes) {
+                             std::int64_t heads_kv, std::int64_t head_dim,
+                             std::size_t element_bytes) {
   constexpr const char* fn = "kv_cache_bytes";
-  const std::pair<const char*, std::int64_t> args[] = {
-      {"n_layers", n_layers}, {"batch", batch}, {"tokens", tokens}, {"heads_kv", heads_kv}, {"head_dim", head_dim}};
+  const std::pair<const char*, std::int64_t> args[] = {{"n_layers", n_layers},
+                                                       {"batch", batch},
+                                                       {"tokens", tokens},
+                                                       {"heads_kv", heads_kv},
+                                                       {"head_dim", head_dim}};
   for (auto [name, x] : args) {
-    if (x < 0) fail(ErrorCode::invalid_argument, fn, std::string(name) + " must be >= 0; got " + std::to_string(x));
+    if (x < 0)
+      fail(ErrorCode::invalid_argument, fn,
+           std::string(name) + " must be >= 0; got " + std::to_string(x));
   }
   if (element_bytes > static_cast<std::size_t>(INT64_MAX)) {
     fail(ErrorCode::overflow, fn, "element_bytes is too large");
@@ -97,12 +111,14 @@ CausalSelfAttention::CausalSelfAttention(const LayerConfig& config) : config_(co
                                                         {"config.heads_kv", config.heads_kv},
                                                         {"config.head_dim", config.head_dim}};
   for (auto [name, x] : sizes) {
-    if (x < 1) fail(ErrorCode::invalid_argument, fn, std::string(name) + " must be >= 1; got " + std::to_string(x));
+    if (x < 1)
+      fail(ErrorCode::invalid_argument, fn,
+           std::string(name) + " must be >= 1; got " + std::to_string(x));
   }
   if (config.heads_kv > config.heads_q || config.heads_q % config.heads_kv != 0) {
     fail(ErrorCode::shape_mismatch, fn,
-         "config.heads_kv must divide config.heads_q (SPEC 4.8); got H_q = " + std::to_string(config.heads_q) +
-             ", H_kv = " + std::to_string(config.heads_kv));
+         "config.heads_kv must divide config.heads_q (SPEC 4.8); got H_q = " +
+             std::to_string(config.heads_q) + ", H_kv = " + std::to_string(config.heads_kv));
   }
   if (config.rope) {
     if (config.head_dim % 2 != 0) {
@@ -171,7 +187,8 @@ void CausalSelfAttention::forward(std::span<const float> u, std::int64_t batch, 
   s.y.resize(s.q.size());
   s.lse.resize(static_cast<std::size_t>(checked_mul(batch * c.heads_q, seq, fn, "LSE size")));
 
-  gemm(false, false, rows, qw, c.d_model, u.data(), w_q_.data(), s.q.data(), false);  // Q = U W_Q (4.1)
+  gemm(false, false, rows, qw, c.d_model, u.data(), w_q_.data(), s.q.data(),
+       false);  // Q = U W_Q (4.1)
   gemm(false, false, rows, kw, c.d_model, u.data(), w_k_.data(), s.k.data(), false);  // K = U W_K
   gemm(false, false, rows, kw, c.d_model, u.data(), w_v_.data(), s.v.data(), false);  // V = U W_V
   const auto q = TensorView::bthd(s.q.data(), batch, seq, c.heads_q, c.head_dim);
@@ -184,8 +201,10 @@ void CausalSelfAttention::forward(std::span<const float> u, std::int64_t batch, 
     rope_forward(k, r);
   }
   const auto y = TensorView::bthd(s.y.data(), batch, seq, c.heads_q, c.head_dim);
-  attention_forward(q, k, v, y, TensorView::bht(s.lse.data(), batch, c.heads_q, seq), c.attention);  // (4.2–4.5)
-  gemm(false, false, rows, c.d_model, qw, s.y.data(), w_o_.data(), out.data(), false);  // O = [Y_1|…] W_O
+  attention_forward(q, k, v, y, TensorView::bht(s.lse.data(), batch, c.heads_q, seq),
+                    c.attention);  // (4.2–4.5)
+  gemm(false, false, rows, c.d_model, qw, s.y.data(), w_o_.data(), out.data(),
+       false);  // O = [Y_1|…] W_O
   saved_ = std::move(s);
 }
 
@@ -193,16 +212,20 @@ void CausalSelfAttention::backward(std::span<const float> d_out, LayerGradients&
   constexpr const char* fn = "CausalSelfAttention::backward";
   const LayerConfig& c = config_;
   const Saved& s = saved_;
-  if (s.batch == 0) fail(ErrorCode::invalid_argument, fn, "backward needs a preceding forward; none was run");
+  if (s.batch == 0)
+    fail(ErrorCode::invalid_argument, fn, "backward needs a preceding forward; none was run");
   const std::int64_t rows = s.batch * s.seq;
   const std::int64_t qw = c.heads_q * c.head_dim, kw = c.heads_kv * c.head_dim;
-  check_span(fn, "d_out", d_out.size(), rows * c.d_model, "batch * seq * d_model of the last forward");
+  check_span(fn, "d_out", d_out.size(), rows * c.d_model,
+             "batch * seq * d_model of the last forward");
   if (d_out.data() == nullptr) fail(ErrorCode::null_pointer, fn, "d_out must not be null");
 
   g.d_w_o.resize(static_cast<std::size_t>(qw * c.d_model));
-  gemm(true, false, qw, c.d_model, rows, s.y.data(), d_out.data(), g.d_w_o.data(), false);  // dW_O = Yᵀ dO
+  gemm(true, false, qw, c.d_model, rows, s.y.data(), d_out.data(), g.d_w_o.data(),
+       false);  // dW_O = Yᵀ dO
   std::vector<float> dy(static_cast<std::size_t>(rows * qw));
-  gemm(false, true, rows, qw, c.d_model, d_out.data(), w_o_.data(), dy.data(), false);  // dY = dO W_Oᵀ
+  gemm(false, true, rows, qw, c.d_model, d_out.data(), w_o_.data(), dy.data(),
+       false);  // dY = dO W_Oᵀ
 
   std::vector<float> dq(s.q.size()), dk(s.k.size()), dv(s.v.size());
   const auto B = s.batch, T = s.seq;
@@ -224,9 +247,12 @@ void CausalSelfAttention::backward(std::span<const float> d_out, LayerGradients&
   g.d_w_q.resize(w_q_.size());
   g.d_w_k.resize(w_k_.size());
   g.d_w_v.resize(w_v_.size());
-  gemm(true, false, c.d_model, qw, rows, s.u.data(), dq.data(), g.d_w_q.data(), false);  // dW_Q = Uᵀ dQ
-  gemm(true, false, c.d_model, kw, rows, s.u.data(), dk.data(), g.d_w_k.data(), false);  // dW_K = Uᵀ dK
-  gemm(true, false, c.d_model, kw, rows, s.u.data(), dv.data(), g.d_w_v.data(), false);  // dW_V = Uᵀ dV
+  gemm(true, false, c.d_model, qw, rows, s.u.data(), dq.data(), g.d_w_q.data(),
+       false);  // dW_Q = Uᵀ dQ
+  gemm(true, false, c.d_model, kw, rows, s.u.data(), dk.data(), g.d_w_k.data(),
+       false);  // dW_K = Uᵀ dK
+  gemm(true, false, c.d_model, kw, rows, s.u.data(), dv.data(), g.d_w_v.data(),
+       false);               // dW_V = Uᵀ dV
   g.d_u.resize(s.u.size());  // dU = dQ W_Qᵀ + dK W_Kᵀ + dV W_Vᵀ
   gemm(false, true, rows, c.d_model, qw, dq.data(), w_q_.data(), g.d_u.data(), false);
   gemm(false, true, rows, c.d_model, kw, dk.data(), w_k_.data(), g.d_u.data(), true);
@@ -242,18 +268,20 @@ void CausalSelfAttention::prefill(std::span<const float> u, std::int64_t batch, 
   const std::int64_t rows = check_layer_io(fn, u, out, batch, seq, c.d_model);
   if (kc.heads_kv != c.heads_kv || kc.head_dim != c.head_dim) {
     fail(ErrorCode::shape_mismatch, fn,
-         "cache (heads_kv = " + std::to_string(kc.heads_kv) + ", head_dim = " + std::to_string(kc.head_dim) +
-             ") must match the layer (heads_kv = " + std::to_string(c.heads_kv) +
-             ", head_dim = " + std::to_string(c.head_dim) + ")");
+         "cache (heads_kv = " + std::to_string(kc.heads_kv) +
+             ", head_dim = " + std::to_string(kc.head_dim) + ") must match the layer (heads_kv = " +
+             std::to_string(c.heads_kv) + ", head_dim = " + std::to_string(c.head_dim) + ")");
   }
   if (layer < 0 || layer >= kc.layers) {
     fail(ErrorCode::invalid_argument, fn,
-         "layer must be in [0, cache layers = " + std::to_string(kc.layers) + "); got " + std::to_string(layer));
+         "layer must be in [0, cache layers = " + std::to_string(kc.layers) + "); got " +
+             std::to_string(layer));
   }
   if (first_seq < 0 || first_seq > kc.batch || batch > kc.batch - first_seq) {
     fail(ErrorCode::invalid_argument, fn,
-         "sequences [first_seq, first_seq + batch) must lie in [0, cache batch = " + std::to_string(kc.batch) +
-             "); got first_seq = " + std::to_string(first_seq) + ", batch = " + std::to_string(batch));
+         "sequences [first_seq, first_seq + batch) must lie in [0, cache batch = " +
+             std::to_string(kc.batch) + "); got first_seq = " + std::to_string(first_seq) +
+             ", batch = " + std::to_string(batch));
   }
   // Everything that can fail is checked before the cache changes (a failed call leaves it byte
   // for byte as it was): the sequences, their room, and the kernel path (TOKENMIX_ISA may be

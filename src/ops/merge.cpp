@@ -4,9 +4,9 @@
 #include <limits>
 #include <string>
 
-#include "util/validate.hpp"
 #include "kernels/nonfinite.hpp"
 #include "tokenmix/attention.hpp"
+#include "util/validate.hpp"
 
 namespace tokenmix {
 namespace {
@@ -17,8 +17,8 @@ bool same_view(const ConstTensorView& a, const ConstTensorView& b) {
 
 }  // namespace
 
-void merge_partials(ConstTensorView o1, ConstTensorView lse1, ConstTensorView o2, ConstTensorView lse2,
-                    TensorView out, TensorView lse_out) {
+void merge_partials(ConstTensorView o1, ConstTensorView lse1, ConstTensorView o2,
+                    ConstTensorView lse2, TensorView out, TensorView lse_out) {
   constexpr const char* fn = "merge_partials";
   using detail::check_dim;
   detail::check_view(o1, 4, fn, "o1");
@@ -60,7 +60,8 @@ void merge_partials(ConstTensorView o1, ConstTensorView lse1, ConstTensorView o2
         const float L2 = l2[b * lse2.strides[0] + h * lse2.strides[1] + t * lse2.strides[2]];
         // NaN-propagating: a NaN L is not an empty part, it makes the row NaN (SPEC 4.3).
         const float m = kernels::max_nan(L1, L2);
-        // L = log(e^{L¹} + e^{L²}) = m + log(e^{L¹−m} + e^{L²−m}); both parts empty → L = −∞, O = 0.
+        // L = log(e^{L¹} + e^{L²}) = m + log(e^{L¹−m} + e^{L²−m}); both parts empty → L = −∞, O =
+        // 0.
         double w1 = 0.0, w2 = 0.0, L = -std::numeric_limits<double>::infinity();
         if (m != -std::numeric_limits<float>::infinity()) {
           w1 = std::exp(static_cast<double>(L1) - m);
@@ -83,7 +84,8 @@ void merge_partials(ConstTensorView o1, ConstTensorView lse1, ConstTensorView o2
             ro[i * out.strides[3]] = static_cast<float>(a + c);
           }
         }
-        lo[b * lse_out.strides[0] + h * lse_out.strides[1] + t * lse_out.strides[2]] = static_cast<float>(L);
+        lo[b * lse_out.strides[0] + h * lse_out.strides[1] + t * lse_out.strides[2]] =
+            static_cast<float>(L);
       }
 }
 

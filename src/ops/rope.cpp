@@ -18,11 +18,13 @@ void rotate(const char* fn, const char* name, TensorView x, const RopeOptions& o
   const std::int64_t B = x.dim(0), T = x.dim(1), H = x.dim(2), D = x.dim(3);
   if (D % 2 != 0) {
     fail(ErrorCode::invalid_argument, fn,
-         std::string(name) + ".shape[3] (d_h) must be even for RoPE (coordinates are rotated in pairs); got " +
+         std::string(name) +
+             ".shape[3] (d_h) must be even for RoPE (coordinates are rotated in pairs); got " +
              std::to_string(D));
   }
   if (!std::isfinite(o.base) || o.base <= 0.0) {
-    fail(ErrorCode::invalid_argument, fn, "options.base must be finite and > 0; got " + std::to_string(o.base));
+    fail(ErrorCode::invalid_argument, fn,
+         "options.base must be finite and > 0; got " + std::to_string(o.base));
   }
   if (o.position_offset < 0) {
     fail(ErrorCode::invalid_argument, fn,
@@ -68,7 +70,9 @@ void rotate(const char* fn, const char* name, TensorView x, const RopeOptions& o
 
 }  // namespace
 
-void rope_forward(TensorView x, const RopeOptions& options) { rotate("rope_forward", "x", x, options, 1.0); }
+void rope_forward(TensorView x, const RopeOptions& options) {
+  rotate("rope_forward", "x", x, options, 1.0);
+}
 
 void rope_backward(TensorView dx, const RopeOptions& options) {
   // The rotation R is orthogonal, so ∂L/∂x = Rᵀ ∂L/∂(Rx) = R(−φ) dx.

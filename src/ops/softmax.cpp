@@ -6,8 +6,8 @@
 #include <limits>
 #include <string>
 
-#include "util/validate.hpp"
 #include "kernels/nonfinite.hpp"
+#include "util/validate.hpp"
 
 namespace tokenmix {
 namespace {
@@ -18,18 +18,19 @@ void check_size(const char* fn, const char* name, std::size_t got, std::int64_t 
                 const char* expected_what) {
   if (static_cast<std::int64_t>(got) != expected) {
     fail(ErrorCode::shape_mismatch, fn,
-         std::string(name) + ".size() must equal " + expected_what + " = " + std::to_string(expected) +
-             "; got " + std::to_string(got));
+         std::string(name) + ".size() must equal " + expected_what + " = " +
+             std::to_string(expected) + "; got " + std::to_string(got));
   }
 }
 
 void check_data(const char* fn, const char* name, const void* p, std::size_t n) {
-  if (n > 0 && p == nullptr) fail(ErrorCode::null_pointer, fn, std::string(name) + ".data() must not be null");
+  if (n > 0 && p == nullptr)
+    fail(ErrorCode::null_pointer, fn, std::string(name) + ".data() must not be null");
 }
 
 // Two spans may be the same memory (in-place) or disjoint, never partially overlapping.
-void check_alias(const char* fn, const char* out_name, std::span<const float> out, const char* in_name,
-                 std::span<const float> in) {
+void check_alias(const char* fn, const char* out_name, std::span<const float> out,
+                 const char* in_name, std::span<const float> in) {
   if (out.empty() || in.empty() || out.data() == in.data()) return;
   const float* o0 = out.data();
   const float* i0 = in.data();
@@ -64,7 +65,8 @@ float logsumexp(std::span<const float> z) {
 
 void softmax_rows(std::span<const float> z, std::span<float> a, std::int64_t rows, std::int64_t n) {
   constexpr const char* fn = "softmax_rows";
-  if (rows < 0) fail(ErrorCode::invalid_argument, fn, "rows must be >= 0; got " + std::to_string(rows));
+  if (rows < 0)
+    fail(ErrorCode::invalid_argument, fn, "rows must be >= 0; got " + std::to_string(rows));
   if (n < 0) fail(ErrorCode::invalid_argument, fn, "n must be >= 0; got " + std::to_string(n));
   const std::int64_t total = detail::checked_mul(rows, n, fn, "rows * n");
   check_size(fn, "z", z.size(), total, "rows * n");
@@ -76,7 +78,7 @@ void softmax_rows(std::span<const float> z, std::span<float> a, std::int64_t row
     const float* zr = z.data() + r * n;
     float* ar = a.data() + r * n;
     const float m = row_max(zr, n);  // NaN if the row holds one: the row becomes NaN
-    if (m == kNegInf) {  // every entry masked: a row of zeros, not 0/0 = NaN
+    if (m == kNegInf) {              // every entry masked: a row of zeros, not 0/0 = NaN
       std::fill(ar, ar + n, 0.0f);
       continue;
     }
@@ -91,7 +93,8 @@ void softmax_rows(std::span<const float> z, std::span<float> a, std::int64_t row
 void softmax_jacobian(std::span<const float> a, std::span<float> jacobian) {
   constexpr const char* fn = "softmax_jacobian";
   const auto n = static_cast<std::int64_t>(a.size());
-  check_size(fn, "jacobian", jacobian.size(), detail::checked_mul(n, n, fn, "a.size()^2"), "a.size()^2");
+  check_size(fn, "jacobian", jacobian.size(), detail::checked_mul(n, n, fn, "a.size()^2"),
+             "a.size()^2");
   check_data(fn, "a", a.data(), a.size());
   check_data(fn, "jacobian", jacobian.data(), jacobian.size());
   check_alias(fn, "jacobian", jacobian, "a", a);

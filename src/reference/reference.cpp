@@ -23,7 +23,9 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
 // max that is NaN if either argument is (std::max / std::max_element skip a NaN depending on
 // its position). The oracle propagates NaN and ±∞ as IEEE arithmetic does (SPEC 4.3).
-double max_nan(double a, double b) { return (a != a || b != b) ? a + b : std::max(a, b); }
+double max_nan(double a, double b) {
+  return (a != a || b != b) ? a + b : std::max(a, b);
+}
 double max_of(const std::vector<double>& z) {
   double m = kNegInf;
   for (double x : z) m = max_nan(m, x);
@@ -449,7 +451,7 @@ ForwardResult merge(const Tensor64& o1, const Tensor64& lse1, const Tensor64& o2
         const double L1 = lse1.at(b, h, t, 0), L2 = lse2.at(b, h, t, 0);
         // L = log(e^{L¹} + e^{L²}), evaluated stably around m = max(L¹, L²).
         const double m = max_nan(L1, L2);  // a NaN L is not an empty part: the row is NaN
-        if (m == kNegInf) {  // both parts empty: the union is empty too
+        if (m == kNegInf) {                // both parts empty: the union is empty too
           r.lse.at(b, h, t, 0) = kNegInf;
           continue;  // output row stays 0
         }

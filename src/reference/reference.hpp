@@ -86,7 +86,7 @@ struct LayerGrads {
 /// u [B, T, d] → out [B, T, d] (causal, bottom-right, T_q = T_k = T).
 std::vector<double> layer_forward(const LayerWeights& w, const std::vector<double>& u,
                                   std::int64_t batch, std::int64_t seq);
-LayerGrads layer_backward(const LayerWeights& w, const std::vector<double>& u,
-                          std::int64_t batch, std::int64_t seq, const std::vector<double>& d_out);
+LayerGrads layer_backward(const LayerWeights& w, const std::vector<double>& u, std::int64_t batch,
+                          std::int64_t seq, const std::vector<double>& d_out);
 
 }  // namespace tokenmix::reference

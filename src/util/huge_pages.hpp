@@ -13,10 +13,10 @@
 namespace tokenmix::detail {
 
 // Linux: advise the 2 MiB-aligned interior of [data, data + bytes) as MADV_HUGEPAGE, then
-// collapse it (MADV_COLLAPSE, Linux ≥ 6.1) — call after the range has been written once. A
-// sweep then runs without a page walk every 4 KiB: measured on the development machine (1 thread,
-// bf16 decode, T_k = 32768) 13.3–14.1 → 15.5–16.1 GB/s; advising *before* first touch measured
-// slower. Advisory only: any failure (older kernel, THP disabled) is ignored.
+// collapse it (MADV_COLLAPSE, Linux ≥ 6.1) — call after the range has been written once (advising
+// before first touch was slower). A sweep then runs without a page walk every 4 KiB; the figures
+// are in docs/performance.md ("huge pages"). Advisory only: any failure (older kernel, THP
+// disabled) is ignored.
 inline void back_with_huge_pages(void* data, std::size_t bytes) {
 #if defined(__linux__)
   constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;

@@ -240,7 +240,8 @@ double scale_of(const Case& c) {
 
 /// max over (b, h, t, u) of |s · ⟨x[b, t, h], y[b, u, j(h)]⟩| with j(h) = h / g, in float64;
 /// only over visible pairs when `visible_only`.
-double max_abs_pair_dot(const Problem& p, const Tensor64& x, const Tensor64& y, double s, bool visible_only) {
+double max_abs_pair_dot(const Problem& p, const Tensor64& x, const Tensor64& y, double s,
+                        bool visible_only) {
   const Case& c = p.c;
   const std::int64_t g = c.Hq / c.Hkv;
   double m = 0.0;
@@ -257,10 +258,14 @@ double max_abs_pair_dot(const Problem& p, const Tensor64& x, const Tensor64& y, 
 }
 
 /// max |S_tu| over visible pairs (b, h, t, u), from the fp32 inputs (4.2).
-double max_abs_score(const Problem& p) { return max_abs_pair_dot(p, p.q64, p.k64, scale_of(p.c), true); }
+double max_abs_score(const Problem& p) {
+  return max_abs_pair_dot(p, p.q64, p.k64, scale_of(p.c), true);
+}
 
 /// max_{b,h,t,u} |dO_t · V_u| over the head pairs (b, h, j(h)).
-double max_abs_dA(const Problem& p) { return max_abs_pair_dot(p, p.dout64, p.v64, 1.0, false); }
+double max_abs_dA(const Problem& p) {
+  return max_abs_pair_dot(p, p.dout64, p.v64, 1.0, false);
+}
 
 double max_abs(const Tensor64& x) {
   double m = 0.0;

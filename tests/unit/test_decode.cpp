@@ -40,11 +40,16 @@ struct Filled {
   std::vector<std::int64_t> lengths;
   std::int64_t hkv, dh, lmax;
   std::vector<float> k, v;
-  float& K(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t x) { return k[((b * lmax + t) * hkv + h) * dh + x]; }
-  float& V(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t x) { return v[((b * lmax + t) * hkv + h) * dh + x]; }
+  float& K(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t x) {
+    return k[((b * lmax + t) * hkv + h) * dh + x];
+  }
+  float& V(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t x) {
+    return v[((b * lmax + t) * hkv + h) * dh + x];
+  }
 };
 
-Filled make_kv(std::vector<std::int64_t> lengths, std::int64_t hkv, std::int64_t dh, std::mt19937_64& rng) {
+Filled make_kv(std::vector<std::int64_t> lengths, std::int64_t hkv, std::int64_t dh,
+               std::mt19937_64& rng) {
   Filled f{lengths, hkv, dh, *std::max_element(lengths.begin(), lengths.end()), {}, {}};
   const std::size_t n = static_cast<std::size_t>(lengths.size() * f.lmax * hkv * dh);
   std::normal_distribution<float> dist;
@@ -79,7 +84,8 @@ void fill_cache(KVCache& cache, std::int64_t layer, Filled& f) {
 
 // The oracle for sequence b: q [1, T_new, H_q, d_h] against its L_b stored (rounded) keys.
 reference::ForwardResult oracle(StridedTensor& q, std::int64_t b, Filled& f, DType dtype) {
-  const std::int64_t L = f.lengths[static_cast<std::size_t>(b)], tnew = q.view.shape[1], hq = q.view.shape[2];
+  const std::int64_t L = f.lengths[static_cast<std::size_t>(b)], tnew = q.view.shape[1],
+                     hq = q.view.shape[2];
   Tensor64 q64({1, tnew, hq, f.dh}), k64({1, L, f.hkv, f.dh}), v64({1, L, f.hkv, f.dh});
   for (std::int64_t t = 0; t < tnew; ++t)
     for (std::int64_t h = 0; h < hq; ++h)
@@ -100,7 +106,8 @@ struct DecodeCase {
 
 std::vector<DecodeCase> decode_cases() {
   std::vector<DecodeCase> cases;
-  for (std::int64_t L : {1, 63, 64, 65, 1023, 1024, 1025, 2100}) cases.push_back({{L, L / 2 + 1}, 1, 8, 2, 64});
+  for (std::int64_t L : {1, 63, 64, 65, 1023, 1024, 1025, 2100})
+    cases.push_back({{L, L / 2 + 1}, 1, 8, 2, 64});
   for (std::int64_t tnew : {2, 3, 4}) cases.push_back({{1025, 130}, tnew, 8, 2, 64});
   for (std::int64_t g : {1, 4, 8, 32}) cases.push_back({{700, 65}, 2, 2 * g, 2, 32});
   cases.push_back({{300, 129}, 3, 4, 1, 40});
@@ -123,16 +130,17 @@ TEST_P(Decode, MatchesFloat64ReferenceAllDtypesAndCaches) {
       for (std::int64_t b = 0; b < B; ++b) refs.push_back(oracle(q, b, f, dtype));
       for (std::int64_t block : {0, 128}) {
         SCOPED_TRACE("L0=" + std::to_string(c.lengths[0]) + " L1=" + std::to_string(c.lengths[1]) +
-                     " T_new=" + std::to_string(c.tnew) + " H_q=" + std::to_string(c.hq) + " H_kv=" +
-                     std::to_string(c.hkv) + " d_h=" + std::to_string(c.dh) + " dtype=" + to_string(dtype) +
-                     " block=" + std::to_string(block));
+                     " T_new=" + std::to_string(c.tnew) + " H_q=" + std::to_string(c.hq) +
+                     " H_kv=" + std::to_string(c.hkv) + " d_h=" + std::to_string(c.dh) +
+                     " dtype=" + to_string(dtype) + " block=" + std::to_string(block));
         KVCache cache({2, B, c.hkv, c.dh, 2200, dtype, block, 0});
         fill_cache(cache, 1, f);
         StridedTensor out(B, c.tnew, c.hq, c.dh, Layout::bthd);
         std::vector<float> lse(static_cast<std::size_t>(B * c.hq * c.tnew), kPoison);
         DecodeOptions o;
         o.isa = GetParam();
-        attention_decode(q.view, cache, 1, out.view, TensorView::bht(lse.data(), B, c.hq, c.tnew), o);
+        attention_decode(q.view, cache, 1, out.view, TensorView::bht(lse.data(), B, c.hq, c.tnew),
+                         o);
         for (std::int64_t b = 0; b < B; ++b) {
           const auto& ref = refs[static_cast<std::size_t>(b)];
           double diff = 0.0, mx = 0.0, lse_diff = 0.0;
@@ -202,7 +210,8 @@ TEST_P(Decode, PagedBitwiseEqualsContiguous) {
     o.isa = GetParam();
     attention_decode(q.view, contiguous, 0, o1.view, {}, o);
     attention_decode(q.view, paged, 0, o2.view, {}, o);
-    EXPECT_EQ(0, std::memcmp(o1.storage.data(), o2.storage.data(), o1.storage.size() * sizeof(float)));
+    EXPECT_EQ(0,
+              std::memcmp(o1.storage.data(), o2.storage.data(), o1.storage.size() * sizeof(float)));
   }
 }
 
@@ -223,7 +232,8 @@ TEST_P(Decode, SequenceSubsetMatchesFullBatch) {
   q12.data = &q.at(1, 0, 0, 0);
   o.first_seq = 1;
   attention_decode(q12, cache, 0, part.view, {}, o);
-  EXPECT_EQ(0, std::memcmp(&all.at(1, 0, 0, 0), part.storage.data(), part.storage.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(&all.at(1, 0, 0, 0), part.storage.data(),
+                           part.storage.size() * sizeof(float)));
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, Decode, AllIsas(), IsaName);
@@ -232,7 +242,8 @@ INSTANTIATE_TEST_SUITE_P(AllIsas, Decode, AllIsas(), IsaName);
 TEST(DecodeBytes, CountsEachKvHeadOnce) {
   KVCache cache({2, 2, 4, 32, 100, DType::bf16, 0, 0});
   std::vector<float> k(static_cast<std::size_t>(2 * 70 * 4 * 32), 0.5f);
-  cache.append(1, 0, ConstTensorView::bthd(k.data(), 2, 70, 4, 32), ConstTensorView::bthd(k.data(), 2, 70, 4, 32));
+  cache.append(1, 0, ConstTensorView::bthd(k.data(), 2, 70, 4, 32),
+               ConstTensorView::bthd(k.data(), 2, 70, 4, 32));
   cache.truncate(1, 20);
   EXPECT_EQ(decode_bytes(cache, 1, 0, 2), 2u * (70 + 20) * 4 * 32 * 2);
   EXPECT_EQ(decode_bytes(cache, 1, 1, 1), 2u * 20 * 4 * 32 * 2);

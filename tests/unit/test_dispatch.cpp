@@ -6,10 +6,9 @@
 // has (e.g. with TOKENMIX_CPU_CAP=avx2, avx512 is never available and auto resolves to the best
 // path ≤ avx2), so they also exercise "a CPU without AVX-512" on an AVX-512 machine.
 #include <gtest/gtest.h>
-
-#include <algorithm>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -495,8 +494,8 @@ void huge_head_width(Isa isa, std::int64_t dh, ErrorCode code) {
   const std::string bytes = code == ErrorCode::out_of_memory ? "bytes" : "overflows";
   expect_error<ResourceError>(
       [&] {
-        attention_forward(in(&q), in(&k), in(&v), outv(unwritable),
-                          TensorView::bht(&lse, 1, 1, 1), o);
+        attention_forward(in(&q), in(&k), in(&v), outv(unwritable), TensorView::bht(&lse, 1, 1, 1),
+                          o);
       },
       code, {"attention_forward", std::string("attention_fwd_f32_") + to_string(isa), bytes});
   expect_error<ResourceError>(

@@ -21,8 +21,8 @@
 
 #include <cmath>
 #include <cstring>
-#include <span>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -45,8 +45,7 @@ struct SimdCase {
 std::vector<SimdCase> simd_cases() {
   std::vector<SimdCase> cases;
   // Key-tile edges (64) and AVX2 lane edges (24) with T_q = T_k, MHA and GQA.
-  for (std::int64_t T : {1, 23, 24, 25, 49, 63, 64, 65, 129})
-    cases.push_back({1, T, T, 4, 2, 64});
+  for (std::int64_t T : {1, 23, 24, 25, 49, 63, 64, 65, 129}) cases.push_back({1, T, T, 4, 2, 64});
   // Head widths, including the ones with microkernel remainders.
   for (std::int64_t D : {1, 3, 64, 80, 96, 128, 256}) cases.push_back({1, 70, 70, 2, 1, D});
   // Group sizes g = H_q / H_kv.
@@ -65,16 +64,17 @@ std::vector<SimdCase> simd_cases() {
 }
 
 std::string case_name(const SimdCase& c) {
-  return "B" + std::to_string(c.B) + "_Tq" + std::to_string(c.Tq) + "_Tk" + std::to_string(c.Tk) + "_Hq" +
-         std::to_string(c.Hq) + "_Hkv" + std::to_string(c.Hkv) + "_d" + std::to_string(c.D) +
-         (c.causal ? "" : "_noncausal") + (c.align == CausalAlign::top_left ? "_topleft" : "") + "_" +
-         layout_name(c.layout);
+  return "B" + std::to_string(c.B) + "_Tq" + std::to_string(c.Tq) + "_Tk" + std::to_string(c.Tk) +
+         "_Hq" + std::to_string(c.Hq) + "_Hkv" + std::to_string(c.Hkv) + "_d" +
+         std::to_string(c.D) + (c.causal ? "" : "_noncausal") +
+         (c.align == CausalAlign::top_left ? "_topleft" : "") + "_" + layout_name(c.layout);
 }
 
 reference::Options ref_options(const SimdCase& c) {
   reference::Options o;
   o.causal = c.causal;
-  o.align = c.align == CausalAlign::bottom_right ? reference::Align::bottom_right : reference::Align::top_left;
+  o.align = c.align == CausalAlign::bottom_right ? reference::Align::bottom_right
+                                                 : reference::Align::top_left;
   return o;
 }
 
@@ -95,7 +95,8 @@ TEST_P(FlashKernels, MatchesFloat64ReferenceAcrossTileEdges) {
     opt.causal = c.causal;
     opt.align = c.align;
     opt.isa = GetParam();
-    attention_forward(q.view, k.view, v.view, out.view, TensorView::bht(lse.data(), c.B, c.Hq, c.Tq), opt);
+    attention_forward(q.view, k.view, v.view, out.view,
+                      TensorView::bht(lse.data(), c.B, c.Hq, c.Tq), opt);
     const auto ref = reference::attention_forward(q.to64(), k.to64(), v.to64(), ref_options(c));
     EXPECT_LE(rel_err(out, ref.out), kBound);
     // LSE: −∞ exactly where the reference has −∞ (rows with no visible key), close elsewhere.
@@ -125,7 +126,8 @@ TEST_P(FlashKernels, NonUnitHeadDimStride) {
     buf.assign(static_cast<std::size_t>(B * D * T * heads), 0.0f);
     std::normal_distribution<float> dist;
     for (float& x : buf) x = dist(rng);
-    return TensorView{buf.data(), DType::f32, 4, {B, T, heads, D}, {D * T * heads, heads, 1, T * heads}};
+    return TensorView{
+        buf.data(), DType::f32, 4, {B, T, heads, D}, {D * T * heads, heads, 1, T * heads}};
   };
   std::vector<float> qb, kb, vb, ob;
   const TensorView q = make(H, qb), k = make(Hkv, kb), v = make(Hkv, vb), o = make(H, ob);
@@ -138,7 +140,8 @@ TEST_P(FlashKernels, NonUnitHeadDimStride) {
     const auto* p = static_cast<const float*>(x.data);
     for (std::int64_t t = 0; t < x.shape[1]; ++t)
       for (std::int64_t h = 0; h < x.shape[2]; ++h)
-        for (std::int64_t d = 0; d < D; ++d) r.at(0, t, h, d) = p[t * x.strides[1] + h * x.strides[2] + d * x.strides[3]];
+        for (std::int64_t d = 0; d < D; ++d)
+          r.at(0, t, h, d) = p[t * x.strides[1] + h * x.strides[2] + d * x.strides[3]];
     return r;
   };
   const auto ref = reference::attention_forward(to64(q), to64(k), to64(v));
@@ -150,7 +153,8 @@ TEST_P(FlashKernels, NonUnitHeadDimStride) {
 TEST_P(FlashKernels, BitwiseIdenticalAcrossThreadCounts) {
   const std::int64_t B = 2, T = 131, Hq = 8, Hkv = 2, D = 64;
   std::mt19937_64 rng(99);
-  StridedTensor q(B, T, Hq, D, Layout::bthd), k(B, T, Hkv, D, Layout::bthd), v(B, T, Hkv, D, Layout::bthd);
+  StridedTensor q(B, T, Hq, D, Layout::bthd), k(B, T, Hkv, D, Layout::bthd),
+      v(B, T, Hkv, D, Layout::bthd);
   q.fill_random(rng);
   k.fill_random(rng);
   v.fill_random(rng);
@@ -175,8 +179,8 @@ TEST_P(FlashKernels, BitwiseIdenticalAcrossThreadCounts) {
 TEST_P(FlashKernels, LargeMagnitudeScoresStayFinite) {
   const std::int64_t B = 1, T = 97, Hq = 4, Hkv = 1, D = 64;
   std::mt19937_64 rng(5);
-  StridedTensor q(B, T, Hq, D, Layout::bthd), k(B, T, Hkv, D, Layout::bthd), v(B, T, Hkv, D, Layout::bthd),
-      out(B, T, Hq, D, Layout::bthd);
+  StridedTensor q(B, T, Hq, D, Layout::bthd), k(B, T, Hkv, D, Layout::bthd),
+      v(B, T, Hkv, D, Layout::bthd), out(B, T, Hq, D, Layout::bthd);
   q.fill_random(rng, 100.0);
   k.fill_random(rng, 100.0);
   v.fill_random(rng);
@@ -208,9 +212,14 @@ struct BackwardRun {
   StridedTensor q, k, v, out, dout, dq, dk, dv;
   std::vector<float> lse;
   BackwardRun(const SimdCase& c, std::mt19937_64& rng)
-      : q(c.B, c.Tq, c.Hq, c.D, c.layout), k(c.B, c.Tk, c.Hkv, c.D, c.layout), v(c.B, c.Tk, c.Hkv, c.D, c.layout),
-        out(c.B, c.Tq, c.Hq, c.D, c.layout), dout(c.B, c.Tq, c.Hq, c.D, c.layout), dq(c.B, c.Tq, c.Hq, c.D, c.layout),
-        dk(c.B, c.Tk, c.Hkv, c.D, c.layout), dv(c.B, c.Tk, c.Hkv, c.D, c.layout),
+      : q(c.B, c.Tq, c.Hq, c.D, c.layout),
+        k(c.B, c.Tk, c.Hkv, c.D, c.layout),
+        v(c.B, c.Tk, c.Hkv, c.D, c.layout),
+        out(c.B, c.Tq, c.Hq, c.D, c.layout),
+        dout(c.B, c.Tq, c.Hq, c.D, c.layout),
+        dq(c.B, c.Tq, c.Hq, c.D, c.layout),
+        dk(c.B, c.Tk, c.Hkv, c.D, c.layout),
+        dv(c.B, c.Tk, c.Hkv, c.D, c.layout),
         lse(static_cast<std::size_t>(c.B * c.Hq * c.Tq), kPoison) {
     q.fill_random(rng);
     k.fill_random(rng);
@@ -228,7 +237,8 @@ struct BackwardRun {
     dq.poison();
     dk.poison();
     dv.poison();
-    attention_backward(q.view, k.view, v.view, out.view, L, dout.view, dq.view, dk.view, dv.view, opt);
+    attention_backward(q.view, k.view, v.view, out.view, L, dout.view, dq.view, dk.view, dv.view,
+                       opt);
   }
 };
 
@@ -237,7 +247,8 @@ void ExpectBackwardMatchesReference(const SimdCase& c, Isa isa, std::mt19937_64&
   SCOPED_TRACE(case_name(c));
   BackwardRun r(c, rng);
   r.run(c, isa);
-  const auto ref = reference::attention_backward(r.q.to64(), r.k.to64(), r.v.to64(), r.dout.to64(), ref_options(c));
+  const auto ref = reference::attention_backward(r.q.to64(), r.k.to64(), r.v.to64(), r.dout.to64(),
+                                                 ref_options(c));
   const double floor = max_abs(r.dout) * max_abs(r.v) / std::sqrt(static_cast<double>(c.D));
   EXPECT_LE(rel_err(r.dq, ref.dq, floor), kBackwardBound) << "dq";
   EXPECT_LE(rel_err(r.dk, ref.dk, floor), kBackwardBound) << "dk";
@@ -258,11 +269,11 @@ std::vector<SimdCase> one_pass_cases() {
       {2, 70, 70, 8, 4, 32},
       {1, 129, 129, 16, 8, 64},
       {1, 65, 65, 8, 8, 3},
-      {2, 25, 150, 8, 4, 16},                                  // T_q < T_k
-      {2, 150, 25, 8, 4, 16},                                  // T_q > T_k: empty rows
+      {2, 25, 150, 8, 4, 16},  // T_q < T_k
+      {2, 150, 25, 8, 4, 16},  // T_q > T_k: empty rows
       {2, 40, 100, 8, 4, 16, true, CausalAlign::top_left},
       {2, 100, 40, 8, 4, 16, true, CausalAlign::top_left},
-      {1, 63, 97, 56, 8, 24, false},                          // g = 7, non-causal
+      {1, 63, 97, 56, 8, 24, false},  // g = 7, non-causal
       {2, 49, 49, 8, 4, 40, true, CausalAlign::bottom_right, Layout::bhtd},
       {2, 33, 71, 8, 4, 20, true, CausalAlign::bottom_right, Layout::strided},
   };
@@ -281,8 +292,9 @@ TEST_P(FlashKernels, BackwardOnePassMatchesFloat64Reference) {
 // reference backward. h = 1e-5 in float64: truncation O(h²) ≈ 1e-10, rounding ≈ 1e-16/h = 1e-11.
 TEST_P(FlashKernels, BackwardMatchesFiniteDifferences) {
   std::mt19937_64 rng(77);
-  for (const SimdCase& c : {SimdCase{1, 7, 9, 4, 2, 5}, SimdCase{2, 9, 5, 6, 2, 4, true, CausalAlign::top_left},
-                            SimdCase{1, 5, 8, 3, 1, 6, false}}) {
+  for (const SimdCase& c :
+       {SimdCase{1, 7, 9, 4, 2, 5}, SimdCase{2, 9, 5, 6, 2, 4, true, CausalAlign::top_left},
+        SimdCase{1, 5, 8, 3, 1, 6, false}}) {
     SCOPED_TRACE(case_name(c));
     BackwardRun r(c, rng);
     r.run(c, GetParam());
@@ -339,11 +351,13 @@ void ExpectBackwardIndependentOfThreads(const SimdCase& c, Isa isa, std::uint64_
 }
 
 TEST_P(FlashKernels, BackwardBitwiseIdenticalAcrossThreadCounts) {
-  ExpectBackwardIndependentOfThreads({2, 131, 131, 8, 2, 64}, GetParam(), 3);  // B·H_kv = 4: two passes
+  ExpectBackwardIndependentOfThreads({2, 131, 131, 8, 2, 64}, GetParam(),
+                                     3);  // B·H_kv = 4: two passes
 }
 
 TEST_P(FlashKernels, BackwardOnePassBitwiseIdenticalAcrossThreadCounts) {
-  ExpectBackwardIndependentOfThreads({2, 97, 97, 8, 4, 32}, GetParam(), 31);  // B·H_kv = 8: one pass
+  ExpectBackwardIndependentOfThreads({2, 97, 97, 8, 4, 32}, GetParam(),
+                                     31);  // B·H_kv = 8: one pass
 }
 
 // Masked pairs contribute exactly nothing: keys no query sees get dK = dV = 0 exactly, rows that
@@ -393,7 +407,8 @@ TEST_P(FlashKernels, MaskedPositionsGetExactlyZeroGradient) {
     for (std::int64_t u = u_first; u < c.Tk; ++u)
       for (std::int64_t h = 0; h < c.Hkv; ++h)
         for (std::int64_t e = 0; e < c.D; ++e) {
-          const std::size_t i = static_cast<std::size_t>(&r.dk.at(0, u, h, e) - r.dk.storage.data());
+          const std::size_t i =
+              static_cast<std::size_t>(&r.dk.at(0, u, h, e) - r.dk.storage.data());
           ASSERT_EQ(r.dk.storage[i], dk0[i]) << "u=" << u;
           ASSERT_EQ(r.dv.storage[i], dv0[i]) << "u=" << u;
         }
@@ -415,7 +430,8 @@ TEST_P(FlashKernels, TrainingLoopLossDecreasesMonotonically) {
   const std::int64_t B = 2, T = 33, n = B * T * cfg.d_model;
   std::mt19937_64 rng(11);
   std::normal_distribution<float> dist;
-  std::vector<float> u(static_cast<std::size_t>(n)), target(u.size()), out(u.size()), d_out(u.size());
+  std::vector<float> u(static_cast<std::size_t>(n)), target(u.size()), out(u.size()),
+      d_out(u.size());
   for (float& x : u) x = dist(rng);
   for (float& x : target) x = dist(rng);
   LayerGradients grads;

@@ -53,15 +53,15 @@ TEST(KVCacheElements, Bf16RoundsToNearestEven) {
 
 TEST(KVCacheElements, F16RoundsToNearestEven) {
   EXPECT_EQ(f32_to_f16(1.0f), 0x3c00);
-  EXPECT_EQ(f32_to_f16(1.0f + 0x1.0p-11f), 0x3c00);                 // tie → even (down)
-  EXPECT_EQ(f32_to_f16(1.0f + 3 * 0x1.0p-11f), 0x3c02);             // tie → even (up)
-  EXPECT_EQ(f32_to_f16(65504.0f), 0x7bff);                          // largest finite
-  EXPECT_EQ(f32_to_f16(65519.0f), 0x7bff);                          // below the tie to ∞
-  EXPECT_EQ(f32_to_f16(65520.0f), 0x7c00);                          // tie → ∞
-  EXPECT_EQ(f32_to_f16(-0x1.0p-24f), 0x8001);                       // smallest subnormal
-  EXPECT_EQ(f32_to_f16(0x1.0p-25f), 0x0000);                        // tie → even (zero)
-  EXPECT_EQ(f32_to_f16(0x1.8p-24f), 0x0002);                        // 1.5 ulp → 2 (even)
-  EXPECT_EQ(f32_to_f16(0x1.ffcp-15f), 0x0400);                      // carries into the normals
+  EXPECT_EQ(f32_to_f16(1.0f + 0x1.0p-11f), 0x3c00);      // tie → even (down)
+  EXPECT_EQ(f32_to_f16(1.0f + 3 * 0x1.0p-11f), 0x3c02);  // tie → even (up)
+  EXPECT_EQ(f32_to_f16(65504.0f), 0x7bff);               // largest finite
+  EXPECT_EQ(f32_to_f16(65519.0f), 0x7bff);               // below the tie to ∞
+  EXPECT_EQ(f32_to_f16(65520.0f), 0x7c00);               // tie → ∞
+  EXPECT_EQ(f32_to_f16(-0x1.0p-24f), 0x8001);            // smallest subnormal
+  EXPECT_EQ(f32_to_f16(0x1.0p-25f), 0x0000);             // tie → even (zero)
+  EXPECT_EQ(f32_to_f16(0x1.8p-24f), 0x0002);             // 1.5 ulp → 2 (even)
+  EXPECT_EQ(f32_to_f16(0x1.ffcp-15f), 0x0400);           // carries into the normals
   EXPECT_TRUE(std::isnan(f16_to_f32(f32_to_f16(NAN))));
   // Every f16 value round-trips exactly through fp32.
   for (std::uint32_t h = 0; h < 0x10000; ++h) {
@@ -91,8 +91,8 @@ std::vector<float> random_vec(std::size_t n, std::mt19937_64& rng) {
   return x;
 }
 
-void append_rows(KVCache& c, std::int64_t layer, std::int64_t seq, const std::vector<float>& kv, std::int64_t t0,
-                 std::int64_t n) {
+void append_rows(KVCache& c, std::int64_t layer, std::int64_t seq, const std::vector<float>& kv,
+                 std::int64_t t0, std::int64_t n) {
   const auto H = c.config().heads_kv, D = c.config().head_dim;
   const auto view = ConstTensorView::bthd(kv.data() + t0 * H * D, 1, n, H, D);
   c.append(layer, seq, view, view);
@@ -103,8 +103,8 @@ TEST(KVCache, PagedGrowsWithoutReallocationAndReturnsBlocks) {
   KVCache c({1, 3, 2, 32, 1000, DType::bf16, 64, 12});
   const std::byte* base = c.raw_storage().data();
   const auto kv = random_vec(1000 * 2 * 32, rng);
-  append_rows(c, 0, 0, kv, 0, 65);  // 2 blocks
-  append_rows(c, 0, 1, kv, 0, 64);  // 1 block
+  append_rows(c, 0, 0, kv, 0, 65);   // 2 blocks
+  append_rows(c, 0, 1, kv, 0, 64);   // 1 block
   append_rows(c, 0, 0, kv, 65, 63);  // fills block 2 of sequence 0 exactly
   EXPECT_EQ(c.free_blocks(), 9);
   append_rows(c, 0, 2, kv, 0, 300);  // 5 blocks
@@ -139,18 +139,22 @@ TEST(KVCache, TruncateThenAppendEqualsNeverAppended) {
           append_rows(*c, l, 0, real, 0, 60);
           append_rows(*c, l, 1, real, 0, 10);
         }
-      for (std::int64_t l = 0; l < 2; ++l) append_rows(a, l, 0, draft, 60, 7);  // crosses a tile edge
+      for (std::int64_t l = 0; l < 2; ++l)
+        append_rows(a, l, 0, draft, 60, 7);  // crosses a tile edge
       a.truncate(0, 60);
       for (KVCache* c : {&a, &b})
         for (std::int64_t l = 0; l < 2; ++l) append_rows(*c, l, 0, real, 60, 5);
       EXPECT_EQ(a.length(0, 1), 65);
       if (block == 0) {
         ASSERT_EQ(a.raw_storage().size(), b.raw_storage().size());
-        EXPECT_EQ(0, std::memcmp(a.raw_storage().data(), b.raw_storage().data(), a.raw_storage().size()));
+        EXPECT_EQ(
+            0, std::memcmp(a.raw_storage().data(), b.raw_storage().data(), a.raw_storage().size()));
       }
       std::vector<float> q = random_vec(2 * 1 * 4 * 16, rng), oa(q.size()), ob(q.size());
-      attention_decode(ConstTensorView::bthd(q.data(), 2, 1, 4, 16), a, 1, TensorView::bthd(oa.data(), 2, 1, 4, 16));
-      attention_decode(ConstTensorView::bthd(q.data(), 2, 1, 4, 16), b, 1, TensorView::bthd(ob.data(), 2, 1, 4, 16));
+      attention_decode(ConstTensorView::bthd(q.data(), 2, 1, 4, 16), a, 1,
+                       TensorView::bthd(oa.data(), 2, 1, 4, 16));
+      attention_decode(ConstTensorView::bthd(q.data(), 2, 1, 4, 16), b, 1,
+                       TensorView::bthd(ob.data(), 2, 1, 4, 16));
       EXPECT_EQ(0, std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)));
     }
   }
@@ -189,14 +193,18 @@ double prefill_steps_vs_forward(DType dtype, std::int64_t block, LayerCase lc, I
   }
   // Chunk of 3 tokens for both sequences at once (T_new = 3 against different lengths).
   std::vector<float> ub(static_cast<std::size_t>(2 * chunk * d)), ob(ub.size());
-  for (int b = 0; b < 2; ++b) std::copy_n(u[b].begin() + P[b] * d, chunk * d, ub.begin() + b * chunk * d);
+  for (int b = 0; b < 2; ++b)
+    std::copy_n(u[b].begin() + P[b] * d, chunk * d, ub.begin() + b * chunk * d);
   layer.prefill(ub, 2, chunk, cache, 1, ob);
-  for (int b = 0; b < 2; ++b) std::copy_n(ob.begin() + b * chunk * d, chunk * d, got[b].begin() + P[b] * d);
+  for (int b = 0; b < 2; ++b)
+    std::copy_n(ob.begin() + b * chunk * d, chunk * d, got[b].begin() + P[b] * d);
   for (std::int64_t s = 0; s < S; ++s) {
     std::vector<float> us(static_cast<std::size_t>(2 * d)), os(us.size());
-    for (int b = 0; b < 2; ++b) std::copy_n(u[b].begin() + (P[b] + chunk + s) * d, d, us.begin() + b * d);
+    for (int b = 0; b < 2; ++b)
+      std::copy_n(u[b].begin() + (P[b] + chunk + s) * d, d, us.begin() + b * d);
     layer.step(us, 2, cache, 1, os);
-    for (int b = 0; b < 2; ++b) std::copy_n(os.begin() + b * d, d, got[b].begin() + (P[b] + chunk + s) * d);
+    for (int b = 0; b < 2; ++b)
+      std::copy_n(os.begin() + b * d, d, got[b].begin() + (P[b] + chunk + s) * d);
   }
   EXPECT_EQ(cache.length(0, 1), P[0] + chunk + S);
   EXPECT_EQ(cache.length(1, 1), P[1] + chunk + S);
@@ -217,11 +225,13 @@ TEST_P(KVCacheLayer, PrefillThenStepsEqualsFullForward) {
     const double bound = dtype == DType::f32 ? 1e-5 : dtype == DType::bf16 ? 0x1.0p-8 : 0x1.0p-11;
     for (std::int64_t block : {0, 64})
       for (LayerCase lc : {LayerCase{4, 4}, LayerCase{8, 2}, LayerCase{8, 1}, LayerCase{32, 1}}) {
-        SCOPED_TRACE(std::string(to_string(dtype)) + " block=" + std::to_string(block) + " H_q=" +
-                     std::to_string(lc.hq) + " H_kv=" + std::to_string(lc.hkv));
+        SCOPED_TRACE(std::string(to_string(dtype)) + " block=" + std::to_string(block) +
+                     " H_q=" + std::to_string(lc.hq) + " H_kv=" + std::to_string(lc.hkv));
         const double err = prefill_steps_vs_forward(dtype, block, lc, GetParam());
         EXPECT_LE(err, bound);
-        if (std::getenv("TOKENMIX_TEST_VERBOSE")) std::printf("  %s block=%lld H_q=%lld H_kv=%lld rel_err=%.3g\n", to_string(dtype), (long long)block, (long long)lc.hq, (long long)lc.hkv, err);
+        if (std::getenv("TOKENMIX_TEST_VERBOSE"))
+          std::printf("  %s block=%lld H_q=%lld H_kv=%lld rel_err=%.3g\n", to_string(dtype),
+                      (long long)block, (long long)lc.hq, (long long)lc.hkv, err);
       }
   }
 }
@@ -235,7 +245,8 @@ struct Snapshot {
   std::vector<std::int64_t> lengths;
   std::vector<bool> active;
   std::int64_t free_blocks;
-  explicit Snapshot(const KVCache& c) : bytes(c.raw_storage().begin(), c.raw_storage().end()), free_blocks(c.free_blocks()) {
+  explicit Snapshot(const KVCache& c)
+      : bytes(c.raw_storage().begin(), c.raw_storage().end()), free_blocks(c.free_blocks()) {
     for (std::int64_t l = 0; l < c.config().layers; ++l)
       for (std::int64_t b = 0; b < c.config().batch; ++b) lengths.push_back(c.length(b, l));
     for (std::int64_t b = 0; b < c.config().batch; ++b) active.push_back(c.active(b));
@@ -260,47 +271,75 @@ TEST(KVCacheErrors, BadInputLeavesCacheUnchanged) {
   std::mt19937_64 rng(5);
   KVCache c({2, 2, 2, 16, 100, DType::bf16, 64, 3});  // pool of 3 blocks of 64
   const auto kv = random_vec(200 * 2 * 16, rng);
-  append_rows(c, 0, 0, kv, 0, 90);   // 2 blocks
+  append_rows(c, 0, 0, kv, 0, 90);  // 2 blocks
   append_rows(c, 1, 0, kv, 0, 90);
-  append_rows(c, 0, 1, kv, 0, 10);   // 1 block: pool exhausted
+  append_rows(c, 0, 1, kv, 0, 10);  // 1 block: pool exhausted
   const auto K = [&](std::int64_t T, std::int64_t H = 2, std::int64_t D = 16) {
     return ConstTensorView::bthd(kv.data(), 1, T, H, D);
   };
   using AE = ArgumentError;
-  expect_rejected<AE>(c, [&] { c.append(0, 0, K(11), K(11)); }, ErrorCode::invalid_argument, "capacity");
-  expect_rejected<AE>(c, [&] { c.append(0, 1, K(60), K(60)); }, ErrorCode::invalid_argument, "pool");
-  expect_rejected<AE>(c, [&] { c.append(2, 0, K(1), K(1)); }, ErrorCode::invalid_argument, "layer");
-  expect_rejected<AE>(c, [&] { c.append(-1, 0, K(1), K(1)); }, ErrorCode::invalid_argument, "layer");
-  expect_rejected<AE>(c, [&] { c.append(0, 2, K(1), K(1)); }, ErrorCode::invalid_argument, "first_seq");
-  expect_rejected<AE>(c, [&] { c.append(0, 0, K(1, 4), K(1, 4)); }, ErrorCode::shape_mismatch, "H_kv");
-  expect_rejected<AE>(c, [&] { c.append(0, 0, K(1, 2, 8), K(1, 2, 8)); }, ErrorCode::shape_mismatch, "d_h");
-  expect_rejected<AE>(c, [&] { c.append(0, 0, K(1), K(2)); }, ErrorCode::shape_mismatch, "v.shape[1]");
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 0, K(11), K(11)); }, ErrorCode::invalid_argument, "capacity");
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 1, K(60), K(60)); }, ErrorCode::invalid_argument, "pool");
+  expect_rejected<AE>(
+      c, [&] { c.append(2, 0, K(1), K(1)); }, ErrorCode::invalid_argument, "layer");
+  expect_rejected<AE>(
+      c, [&] { c.append(-1, 0, K(1), K(1)); }, ErrorCode::invalid_argument, "layer");
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 2, K(1), K(1)); }, ErrorCode::invalid_argument, "first_seq");
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 0, K(1, 4), K(1, 4)); }, ErrorCode::shape_mismatch, "H_kv");
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 0, K(1, 2, 8), K(1, 2, 8)); }, ErrorCode::shape_mismatch, "d_h");
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 0, K(1), K(2)); }, ErrorCode::shape_mismatch, "v.shape[1]");
   ConstTensorView half = K(1);
   half.dtype = DType::bf16;
-  expect_rejected<UnsupportedError>(c, [&] { c.append(0, 0, half, K(1)); }, ErrorCode::unsupported, "dtype");
-  expect_rejected<AE>(c, [&] { c.truncate(0, 91); }, ErrorCode::invalid_argument, "new_length");
-  expect_rejected<AE>(c, [&] { c.truncate(0, -1); }, ErrorCode::invalid_argument, "new_length");
-  expect_rejected<AE>(c, [&] { c.truncate(5, 0); }, ErrorCode::invalid_argument, "seq");
+  expect_rejected<UnsupportedError>(
+      c, [&] { c.append(0, 0, half, K(1)); }, ErrorCode::unsupported, "dtype");
+  expect_rejected<AE>(
+      c, [&] { c.truncate(0, 91); }, ErrorCode::invalid_argument, "new_length");
+  expect_rejected<AE>(
+      c, [&] { c.truncate(0, -1); }, ErrorCode::invalid_argument, "new_length");
+  expect_rejected<AE>(
+      c, [&] { c.truncate(5, 0); }, ErrorCode::invalid_argument, "seq");
 
   // Decode: bad layer, widths, head ratio, sequence range.
   std::vector<float> q(2 * 1 * 4 * 16), o(q.size());
-  auto Q = [&](std::int64_t B, std::int64_t H, std::int64_t D) { return ConstTensorView::bthd(q.data(), B, 1, H, D); };
-  auto O = [&](std::int64_t B, std::int64_t H, std::int64_t D) { return TensorView::bthd(o.data(), B, 1, H, D); };
-  expect_rejected<AE>(c, [&] { attention_decode(Q(2, 4, 16), c, 2, O(2, 4, 16)); }, ErrorCode::invalid_argument, "layer");
-  expect_rejected<AE>(c, [&] { attention_decode(Q(2, 4, 8), c, 0, O(2, 4, 8)); }, ErrorCode::shape_mismatch, "d_h");
-  expect_rejected<AE>(c, [&] { attention_decode(Q(2, 3, 16), c, 0, O(2, 3, 16)); }, ErrorCode::shape_mismatch, "H_q");
-  expect_rejected<AE>(c, [&] { attention_decode(Q(2, 4, 16), c, 0, O(1, 4, 16)); }, ErrorCode::shape_mismatch, "out");
+  auto Q = [&](std::int64_t B, std::int64_t H, std::int64_t D) {
+    return ConstTensorView::bthd(q.data(), B, 1, H, D);
+  };
+  auto O = [&](std::int64_t B, std::int64_t H, std::int64_t D) {
+    return TensorView::bthd(o.data(), B, 1, H, D);
+  };
+  expect_rejected<AE>(
+      c, [&] { attention_decode(Q(2, 4, 16), c, 2, O(2, 4, 16)); }, ErrorCode::invalid_argument,
+      "layer");
+  expect_rejected<AE>(
+      c, [&] { attention_decode(Q(2, 4, 8), c, 0, O(2, 4, 8)); }, ErrorCode::shape_mismatch, "d_h");
+  expect_rejected<AE>(
+      c, [&] { attention_decode(Q(2, 3, 16), c, 0, O(2, 3, 16)); }, ErrorCode::shape_mismatch,
+      "H_q");
+  expect_rejected<AE>(
+      c, [&] { attention_decode(Q(2, 4, 16), c, 0, O(1, 4, 16)); }, ErrorCode::shape_mismatch,
+      "out");
   DecodeOptions shifted;
   shifted.first_seq = 1;
-  expect_rejected<AE>(c, [&] { attention_decode(Q(2, 4, 16), c, 0, O(2, 4, 16), {}, shifted); },
-                      ErrorCode::invalid_argument, "first_seq");
+  expect_rejected<AE>(
+      c, [&] { attention_decode(Q(2, 4, 16), c, 0, O(2, 4, 16), {}, shifted); },
+      ErrorCode::invalid_argument, "first_seq");
 
   // A released sequence can be neither read nor appended to until reset.
   c.release(1);
   EXPECT_EQ(c.free_blocks(), 1);
-  expect_rejected<AE>(c, [&] { attention_decode(Q(2, 4, 16), c, 0, O(2, 4, 16)); }, ErrorCode::invalid_argument, "released");
-  expect_rejected<AE>(c, [&] { c.append(0, 1, K(1), K(1)); }, ErrorCode::invalid_argument, "released");
-  expect_rejected<AE>(c, [&] { c.truncate(1, 0); }, ErrorCode::invalid_argument, "released");
+  expect_rejected<AE>(
+      c, [&] { attention_decode(Q(2, 4, 16), c, 0, O(2, 4, 16)); }, ErrorCode::invalid_argument,
+      "released");
+  expect_rejected<AE>(
+      c, [&] { c.append(0, 1, K(1), K(1)); }, ErrorCode::invalid_argument, "released");
+  expect_rejected<AE>(
+      c, [&] { c.truncate(1, 0); }, ErrorCode::invalid_argument, "released");
 
   // The layer: mismatched cache, bad layer index, released sequence, capacity.
   LayerConfig cfg;
@@ -311,16 +350,23 @@ TEST(KVCacheErrors, BadInputLeavesCacheUnchanged) {
   CausalSelfAttention layer(cfg);
   layer.init_random(1);
   std::vector<float> u(32 * 20), out(u.size());
-  expect_rejected<AE>(c, [&] { layer.step(std::span(u).first(32), 1, c, 2, std::span(out).first(32)); },
-                      ErrorCode::invalid_argument, "layer");
-  expect_rejected<AE>(c, [&] { layer.step(std::span(u).first(32), 1, c, 0, std::span(out).first(32), 1); },
-                      ErrorCode::invalid_argument, "released");
-  expect_rejected<AE>(c, [&] { layer.prefill(std::span(u).first(32 * 11), 1, 11, c, 0, std::span(out).first(32 * 11)); },
-                      ErrorCode::invalid_argument, "capacity");
+  expect_rejected<AE>(
+      c, [&] { layer.step(std::span(u).first(32), 1, c, 2, std::span(out).first(32)); },
+      ErrorCode::invalid_argument, "layer");
+  expect_rejected<AE>(
+      c, [&] { layer.step(std::span(u).first(32), 1, c, 0, std::span(out).first(32), 1); },
+      ErrorCode::invalid_argument, "released");
+  expect_rejected<AE>(
+      c,
+      [&] {
+        layer.prefill(std::span(u).first(32 * 11), 1, 11, c, 0, std::span(out).first(32 * 11));
+      },
+      ErrorCode::invalid_argument, "capacity");
   cfg.heads_kv = 4;
   CausalSelfAttention wide(cfg);
-  expect_rejected<AE>(c, [&] { wide.step(std::span(u).first(32), 1, c, 0, std::span(out).first(32)); },
-                      ErrorCode::shape_mismatch, "heads_kv");
+  expect_rejected<AE>(
+      c, [&] { wide.step(std::span(u).first(32), 1, c, 0, std::span(out).first(32)); },
+      ErrorCode::shape_mismatch, "heads_kv");
 
   // Positions that overflow 64-bit arithmetic (a zero-stride view of 2^63 − 1 positions).
   KVCache tiny({1, 1, 1, 1, 10, DType::f32, 0, 0});
@@ -328,7 +374,8 @@ TEST(KVCacheErrors, BadInputLeavesCacheUnchanged) {
   tiny.append(0, 0, ConstTensorView{&one, DType::f32, 4, {1, 1, 1, 1}, {0, 0, 0, 0}},
               ConstTensorView{&one, DType::f32, 4, {1, 1, 1, 1}, {0, 0, 0, 0}});
   const ConstTensorView huge{&one, DType::f32, 4, {1, INT64_MAX, 1, 1}, {0, 0, 0, 0}};
-  expect_rejected<AE>(tiny, [&] { tiny.append(0, 0, huge, huge); }, ErrorCode::overflow, "overflow");
+  expect_rejected<AE>(
+      tiny, [&] { tiny.append(0, 0, huge, huge); }, ErrorCode::overflow, "overflow");
 }
 
 TEST(KVCacheErrors, BadConfigIsRejected) {
@@ -346,7 +393,8 @@ TEST(KVCacheErrors, BadConfigIsRejected) {
   bad({1, 1, 1, 16, 10, static_cast<DType>(9), 0, 0}, ErrorCode::invalid_argument, "config.dtype");
   bad({1, 1, 1, 16, 10, DType::f32, 100, 0}, ErrorCode::invalid_argument, "config.block_tokens");
   bad({1, 1, 1, 16, 10, DType::f32, 0, 4}, ErrorCode::invalid_argument, "config.pool_blocks");
-  bad({1 << 20, 1 << 20, 1 << 20, 1 << 20, 1 << 20, DType::f32, 0, 0}, ErrorCode::overflow, "overflow");
+  bad({1 << 20, 1 << 20, 1 << 20, 1 << 20, 1 << 20, DType::f32, 0, 0}, ErrorCode::overflow,
+      "overflow");
 }
 
 // Large caches are re-backed by huge pages after allocation (madvise + collapse on Linux, an
@@ -362,7 +410,8 @@ TEST(KVCache, HugePageBackingKeepsContents) {
     k[i] = static_cast<float>(i) * 0.25f;
     v[i] = -static_cast<float>(i);
   }
-  cache.append(0, 0, ConstTensorView::bthd(k.data(), 1, 3, 8, 128), ConstTensorView::bthd(v.data(), 1, 3, 8, 128));
+  cache.append(0, 0, ConstTensorView::bthd(k.data(), 1, 3, 8, 128),
+               ConstTensorView::bthd(v.data(), 1, 3, 8, 128));
   EXPECT_EQ(cache.length(0), 3);
   // Every appended value is somewhere in the storage, bit for bit (the layout is the kernel's).
   std::vector<float> stored(raw.size() / 4);

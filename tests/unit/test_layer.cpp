@@ -146,11 +146,12 @@ TEST(Layer, BackwardMatchesReferenceAndFiniteDifferences) {
       return s;
     };
     auto fd_of = [&](std::vector<double>& param) {
-      return testkit::central_differences(param, [&] { return loss(w, u64); }, kFdStep);
+      return testkit::central_differences(
+          param, [&] { return loss(w, u64); }, kFdStep);
     };
     std::vector<double> u_var = u64;
-    const std::vector<double> fd_u =
-        testkit::central_differences(u_var, [&] { return loss(w, u_var); }, kFdStep);
+    const std::vector<double> fd_u = testkit::central_differences(
+        u_var, [&] { return loss(w, u_var); }, kFdStep);
     const auto fd_wq = fd_of(w.w_q), fd_wk = fd_of(w.w_k), fd_wv = fd_of(w.w_v),
                fd_wo = fd_of(w.w_o);
     // The oracle's analytic backward agrees with its finite differences to ~1e-9 ...

@@ -18,13 +18,13 @@
 #include <random>
 #include <sstream>
 
-#include "util/huge_pages.hpp"
 #include "kernels/kv_element.hpp"
 #include "reference/reference.hpp"
 #include "testkit.hpp"
 #include "tokenmix/error.hpp"
 #include "tokenmix/kv_cache.hpp"
 #include "tokenmix/runtime.hpp"
+#include "util/huge_pages.hpp"
 
 namespace tokenmix::bench {
 namespace {

@@ -70,7 +70,9 @@ Command add_bench_command(CLI::App& parent) {
             for (const std::string& name : o->isas) cfg.isas.push_back(parse_isa(name, "--isa"));
             cfg.cache_dtypes.clear();
             for (const std::string& name : o->cache_dtypes) {
-              cfg.cache_dtypes.push_back(name == "f32" ? DType::f32 : name == "bf16" ? DType::bf16 : DType::f16);
+              cfg.cache_dtypes.push_back(name == "f32"    ? DType::f32
+                                         : name == "bf16" ? DType::bf16
+                                                          : DType::f16);
             }
             bench::run(cfg, std::cout);
             return kExitOk;

@@ -62,7 +62,9 @@ int run_command(CLI::App& sub, RunArgs& a) {
                     "run always uses the causal bottom_right mask and scale 1/sqrt(d_h)");
     a.layer.threads = a.threads;
     a.layer.isa = isa;
-    a.layer.cache_dtype = a.cache_dtype == "f32" ? DType::f32 : a.cache_dtype == "f16" ? DType::f16 : DType::bf16;
+    a.layer.cache_dtype = a.cache_dtype == "f32"   ? DType::f32
+                          : a.cache_dtype == "f16" ? DType::f16
+                                                   : DType::bf16;
     return run_layer(a.layer);
   }
 
@@ -121,11 +123,13 @@ Command add_run_command(CLI::App& parent) {
       ->check(CLI::Range(0, 4096));
   sub->add_option("--isa", a.isa, "Kernel path: auto, portable, avx2, avx512, neon")
       ->capture_default_str();
-  sub->add_option("--decode-steps", a.layer.decode_steps,
-                  "Tokens generated one at a time with the KV cache after the prefill (0 = no decode phase)")
+  sub->add_option(
+         "--decode-steps", a.layer.decode_steps,
+         "Tokens generated one at a time with the KV cache after the prefill (0 = no decode phase)")
       ->capture_default_str()
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 16));
-  sub->add_option("--cache-dtype", a.cache_dtype, "KV-cache element type of the decode phase: f32, bf16, f16")
+  sub->add_option("--cache-dtype", a.cache_dtype,
+                  "KV-cache element type of the decode phase: f32, bf16, f16")
       ->capture_default_str()
       ->check(CLI::IsMember({"f32", "bf16", "f16"}));
 

@@ -78,5 +78,7 @@ int tokenmix::cli::run_cli(int argc, char** argv, bool parse_only) {
 }
 
 #ifndef TOKENMIX_CLI_NO_MAIN
-int main(int argc, char** argv) { return tokenmix::cli::run_cli(argc, argv); }
+int main(int argc, char** argv) {
+  return tokenmix::cli::run_cli(argc, argv);
+}
 #endif

@@ -15,8 +15,8 @@ struct LayerRunOptions {
   std::uint64_t seed = 20240418;  ///< Llama-3 release date
   int threads = 0;                ///< 0 = default_threads()
   Isa isa = Isa::automatic;
-  std::int64_t decode_steps = 64;  ///< tokens generated one by one after the prefill
-  DType cache_dtype = DType::bf16; ///< KV-cache element type of the decode phase
+  std::int64_t decode_steps = 64;   ///< tokens generated one by one after the prefill
+  DType cache_dtype = DType::bf16;  ///< KV-cache element type of the decode phase
 };
 int run_layer(const LayerRunOptions& options);
 

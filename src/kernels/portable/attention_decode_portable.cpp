@@ -9,11 +9,11 @@
 //   online softmax (4.4): m' = max(m, max_u S_u), Õ ← Õ e^{m−m'} + Σ_u e^{S_u−m'} v_u,
 //   l ← l e^{m−m'} + Σ_u e^{S_u−m'}                                             (4.5)
 // and the unit stores (Õ, m, l) of each row; decode.cpp merges chunks and normalises.
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
-
-#include <omp.h>
 
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kernel_skeleton.hpp"
@@ -39,7 +39,7 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
     float* sc = a.scratch.at(a.slots.scores, worker);    // scores [rows][64]
     float* kf = a.scratch.at(a.slots.k_f32, worker);     // K tile [d_h][64], fp32
     float* vf = a.scratch.at(a.slots.v_f32, worker);     // V rows [64][d_h], fp32
-    float* acc = a.part_acc + unit * rows * dh;                        // Õ [rows][d_h]
+    float* acc = a.part_acc + unit * rows * dh;          // Õ [rows][d_h]
     float* m_run = a.part_m + unit * rows;
     float* l_run = a.part_l + unit * rows;
 
@@ -99,8 +99,14 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
 
 }  // namespace
 
-void attention_decode_f32_portable(const DecodeArgs& a) { DecodeUnitsPortable<DType::f32>(a); }
-void attention_decode_bf16_portable(const DecodeArgs& a) { DecodeUnitsPortable<DType::bf16>(a); }
-void attention_decode_f16_portable(const DecodeArgs& a) { DecodeUnitsPortable<DType::f16>(a); }
+void attention_decode_f32_portable(const DecodeArgs& a) {
+  DecodeUnitsPortable<DType::f32>(a);
+}
+void attention_decode_bf16_portable(const DecodeArgs& a) {
+  DecodeUnitsPortable<DType::bf16>(a);
+}
+void attention_decode_f16_portable(const DecodeArgs& a) {
+  DecodeUnitsPortable<DType::f16>(a);
+}
 
 }  // namespace tokenmix::kernels

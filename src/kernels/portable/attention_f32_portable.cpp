@@ -12,7 +12,8 @@
 // Backward (SPEC "Backward pass") in two passes, each output row owned by one work unit, so the
 // result is deterministic and independent of the thread count:
 //   pass 1, per query row t:  D_t = ⟨dO_t, O_t⟩;  p_u = exp(s_u − L_t);  dp_u = ⟨dO_t, v_u⟩;
-//                             ds_u = p_u (dp_u − D_t)  (J·g of 4.7 row by row);  dq_t = s Σ_u ds_u k_u
+//                             ds_u = p_u (dp_u − D_t)  (J·g of 4.7 row by row);  dq_t = s Σ_u ds_u
+//                             k_u
 //   pass 2, per key row u of KV head j, summing over the g query heads of its group and over the
 //                             queries that see u:  dk_u = s Σ ds_tu q_t,  dv_u = Σ p_tu dO_t
 // Pass 2 recomputes p and ds instead of storing them (no T×T buffer).
@@ -20,11 +21,11 @@
 // Non-finite inputs (SPEC 4.3, kernels/nonfinite.hpp): only visible keys are looped over, so a
 // masked key takes no part; m is a NaN-propagating max, the shift is 0 while m = −∞, and every
 // visible key's p multiplies its v even when p = 0 (0 · NaN = NaN), as the SIMD kernels do.
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
-
-#include <omp.h>
 
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kernel_skeleton.hpp"
@@ -33,7 +34,8 @@
 namespace tokenmix::kernels {
 namespace {
 
-constexpr std::int64_t kRowBlock = 64;  // query rows (forward, pass 1) or key rows (pass 2) per unit
+constexpr std::int64_t kRowBlock =
+    64;  // query rows (forward, pass 1) or key rows (pass 2) per unit
 
 // ⟨a, b⟩ of two contiguous rows with 8 independent partial sums: a fixed summation order (so
 // results never depend on threads) that compilers vectorise without -ffast-math.
@@ -71,7 +73,9 @@ void pack_rows(const In& x, std::int64_t b, std::int64_t head, std::int64_t row0
   for (std::int64_t r = 0; r < rows; ++r) gather(x.row(b, row0 + r, head), x.s3, dh, dst + r * dh);
 }
 
-std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
+  return (a + b - 1) / b;
+}
 
 }  // namespace
 
@@ -174,8 +178,8 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
       const std::int64_t t0 = block * kRowBlock, t1 = std::min(p.tq, t0 + kRowBlock);
 
       const int worker = omp_get_thread_num();
-      float* k_pack = scratch.at(k_slot, worker);  // [T_k, d_h]
-      float* v_pack = scratch.at(v_slot, worker);  // [T_k, d_h]
+      float* k_pack = scratch.at(k_slot, worker);    // [T_k, d_h]
+      float* v_pack = scratch.at(v_slot, worker);    // [T_k, d_h]
       float* q_row = scratch.at(rows_slot, worker);  // [d_h] each:
       float* do_row = q_row + dh;
       float* o_row = do_row + dh;
@@ -197,7 +201,7 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
           const float lse = softmax_shift(a.lse.data[b * a.lse.s0 + h * a.lse.s1 + t * a.lse.s2]);
           for (std::int64_t u = 0; u < end; ++u) {
             const float pu = std::exp(p.scale * dot(q_row, k_pack + u * dh, dh) - lse);  // A_tu
-            const float dpu = dot(do_row, v_pack + u * dh, dh);                           // dA_tu
+            const float dpu = dot(do_row, v_pack + u * dh, dh);                          // dA_tu
             axpy(pu * (dpu - d_t), k_pack + u * dh, dq_acc, dh);  // dS_tu k_u, dS = A ⊙ (dA − D)
           }
           for (std::int64_t i = 0; i < dh; ++i) dq_acc[i] *= p.scale;  // dQ = s · dS K
@@ -254,9 +258,9 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
           for (std::int64_t u = u0; u < end; ++u) {
             const float* k_u = k_pack + (u - u0) * dh;
             const float pu = std::exp(p.scale * dot(q_row, k_u, dh) - lse);  // A_tu
-            const float dpu = dot(do_row, v_pack + (u - u0) * dh, dh);         // dA_tu
-            axpy(pu * (dpu - d_t), q_row, dk_acc + (u - u0) * dh, dh);        // dSᵀ Q
-            axpy(pu, do_row, dv_acc + (u - u0) * dh, dh);                      // Aᵀ dO
+            const float dpu = dot(do_row, v_pack + (u - u0) * dh, dh);       // dA_tu
+            axpy(pu * (dpu - d_t), q_row, dk_acc + (u - u0) * dh, dh);       // dSᵀ Q
+            axpy(pu, do_row, dv_acc + (u - u0) * dh, dh);                    // Aᵀ dO
           }
         }
       }

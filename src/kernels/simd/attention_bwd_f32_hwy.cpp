@@ -23,6 +23,8 @@
 // the row's D, stays out; and the products over tiles that cross the diagonal leave out masked
 // (key, row) pairs whenever a masked operand is not finite. A saved L = −∞ with visible keys
 // (every visible score −∞) is used as 0: P = 0, as in the forward.
+// Highway's per-target re-inclusion: these includes must follow foreach_target.h, in order.
+// clang-format off
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/simd/attention_bwd_f32_hwy.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -30,12 +32,13 @@
 #include "hwy/contrib/math/math-inl.h"
 #include "kernels/simd/microkernel-inl.h"
 #include "kernels/simd/nonfinite-inl.h"
+// clang-format on
+
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-
-#include <omp.h>
 
 #include "kernels/attention_kernels.hpp"
 #include "kernels/nonfinite.hpp"
@@ -45,7 +48,7 @@ HWY_BEFORE_NAMESPACE();
 namespace tokenmix::kernels::HWY_NAMESPACE {
 
 constexpr std::int64_t kKeyTile = KVTileLayout::kKeyTile;  // pass 1: keys per tile
-constexpr std::int64_t kQueryChunk = 64;  // two-pass pass 2: query rows per chunk
+constexpr std::int64_t kQueryChunk = 64;                   // two-pass pass 2: query rows per chunk
 constexpr std::int64_t kBlocksPerUnit = 4;  // pass 1: lane blocks sharing each K/V tile
 // B·H_kv at which the one-pass backward is used (its units are (b, KV head) pairs).
 constexpr std::int64_t kOnePassMinUnits = 8;
@@ -152,7 +155,7 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
         BlockState& bs = blocks[lb];
         if (u0 >= bs.key_end) continue;
         const std::int64_t nt = std::min(tile, bs.key_end - u0);
-        GemmRows(d, nt, k_rows, dh, 1, bs.qt, M, dh, st, M, false);    // Sᵀ = K (scale·Q)ᵀ   (4.2)
+        GemmRows(d, nt, k_rows, dh, 1, bs.qt, M, dh, st, M, false);  // Sᵀ = K (scale·Q)ᵀ   (4.2)
         GemmRows(d, nt, v_rows, dh, 1, bs.dot, M, dh, dpt, M, false);  // dPᵀ = V dOᵀ = dAᵀ
         const bool crosses = u0 + nt > bs.full_end;
         for (std::int64_t i = 0; i < M; i += N) {
@@ -240,10 +243,10 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
     const std::int64_t kb_end = kOnePass ? kblocks : kb_first + 1;
 
     const int worker = omp_get_thread_num();
-    float* kt = scratch.at(kv_acc_slot, worker);  // scale·Kᵀ [dh][M]
-    float* vt = kt + dh * M;                      // Vᵀ [dh][M]
-    float* dkt = vt + dh * M;                     // dKᵀ [dh][M]
-    float* dvt = dkt + dh * M;                    // dVᵀ [dh][M]
+    float* kt = scratch.at(kv_acc_slot, worker);        // scale·Kᵀ [dh][M]
+    float* vt = kt + dh * M;                            // Vᵀ [dh][M]
+    float* dkt = vt + dh * M;                           // dKᵀ [dh][M]
+    float* dvt = dkt + dh * M;                          // dVᵀ [dh][M]
     float* scores = scratch.at(scores_slot, worker);    // S → P [chunk][M]
     float* dp = scratch.at(dp_slot, worker);            // dP → dS [chunk][M]
     float* q_pack = scratch.at(q_pack_slot, worker);    // [chunk][dh] if needed
@@ -282,8 +285,8 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
       for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {  // the g query heads of group j (4.8)
         for (std::int64_t c0 = c_begin; c0 < p.tq; c0 += chunk) {
           const std::int64_t rows = std::min(chunk, p.tq - c0);
-          // Q and dO rows are read in place (packing them per chunk measured slower: 0.61 vs
-          // 0.64 of sgemm per CPU-second at T = 2048); only a non-unit d_h stride forces a copy.
+          // Q and dO rows are read in place (packing them per chunk was slower, docs/
+          // performance.md "Backward"); only a non-unit d_h stride forces a copy.
           std::int64_t ldq = 0, lddo = 0;
           const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq);
           const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo);
@@ -296,7 +299,7 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
             const VF l = hn::Set(d, visible > 0 ? softmax_shift(lse) : 0.0f);
             const VF dl = hn::Set(d, delta[(b * p.hq + h) * p.tq + t]);
             for (std::int64_t i = 0; i < M; i += N) {
-              VF pu = ExpNaN(d, hn::Sub(hn::Load(d, scores + r * M + i), l));    // A = e^{S − L}
+              VF pu = ExpNaN(d, hn::Sub(hn::Load(d, scores + r * M + i), l));  // A = e^{S − L}
               VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dp + r * M + i), dl));  // dS = A ⊙ (dA − D)
               if (visible < i + N) {  // causal mask (4.3), a select on P and dS
                 const std::int64_t n_vis = std::clamp<std::int64_t>(visible - i, 0, N);
@@ -316,8 +319,8 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
             const std::int64_t n = std::clamp<std::int64_t>(p.visible_end(c0 + r) - u0 - i, 0, N);
             return hn::FirstN(d, static_cast<std::size_t>(n));
           };
-          GemmRowsMaskedIfNonFinite(d, dh, do_rows, 1, lddo, scores, M, rows, dvt, M, true, nullptr, 0,
-                                    r_full, row_sees);
+          GemmRowsMaskedIfNonFinite(d, dh, do_rows, 1, lddo, scores, M, rows, dvt, M, true, nullptr,
+                                    0, r_full, row_sees);
           GemmRowsMaskedIfNonFinite(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true, nullptr, 0,
                                     r_full, row_sees);
           if constexpr (kOnePass) {

@@ -16,6 +16,8 @@
 // the online softmax per row (4.4): mask keys u ≥ visible_end(r) to −∞ (4.3), m' = max(m, max S),
 // P = e^{S − m'}, l ← l e^{m − m'} + Σ P, Õ ← Õ e^{m − m'} (only when m grows).
 // exp: Highway's contrib Exp (1 ULP), exactly 0 for −∞.
+// Highway's per-target re-inclusion: these includes must follow foreach_target.h, in order.
+// clang-format off
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/simd/attention_decode_hwy.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -24,12 +26,13 @@
 #include "hwy/contrib/math/math-inl.h"
 #include "kernels/simd/microkernel-inl.h"
 #include "kernels/simd/nonfinite-inl.h"
+// clang-format on
+
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-
-#include <omp.h>
 
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kv_element.hpp"
@@ -74,7 +77,7 @@ void DecodeUnits(const DecodeArgs& a) {
     const int worker = omp_get_thread_num();
     float* qs = a.scratch.at(a.slots.q_scaled, worker);  // scale·Q [rows][d_h]
     float* st = a.scratch.at(a.slots.scores, worker);    // S, then P [rows][64]
-    float* acc = a.part_acc + unit * rows * dh;                    // Õ [rows][d_h]
+    float* acc = a.part_acc + unit * rows * dh;          // Õ [rows][d_h]
     float* m_run = a.part_m + unit * rows;
     float* l_run = a.part_l + unit * rows;
 
@@ -109,10 +112,13 @@ void DecodeUnits(const DecodeArgs& a) {
         float* score = st + r * kKeyTile;
         const std::int64_t end = a.visible_end(b, t0 + r / g);
         if (u0 + kKeyTile > kfull) {  // tile crosses some row's end: −∞ for lanes u0 + i ≥ end
-          const auto lim = hn::Set(di, static_cast<std::int32_t>(std::clamp<std::int64_t>(end - u0, 0, kKeyTile)));
+          const auto lim = hn::Set(
+              di, static_cast<std::int32_t>(std::clamp<std::int64_t>(end - u0, 0, kKeyTile)));
           for (std::int64_t i = 0; i < kKeyTile; i += N) {
-            const auto visible = hn::RebindMask(d, hn::Lt(hn::Iota(di, static_cast<std::int32_t>(i)), lim));
-            hn::Store(hn::IfThenElse(visible, hn::Load(d, score + i), hn::Set(d, kNegInf)), d, score + i);
+            const auto visible =
+                hn::RebindMask(d, hn::Lt(hn::Iota(di, static_cast<std::int32_t>(i)), lim));
+            hn::Store(hn::IfThenElse(visible, hn::Load(d, score + i), hn::Set(d, kNegInf)), d,
+                      score + i);
           }
         }
         VF vmax = hn::Load(d, score);
@@ -170,14 +176,17 @@ void DecodeUnits(const DecodeArgs& a) {
           }
           continue;
         }
-        for (x0 = 0; x0 < dh_full; x0 += W) GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
-        for (; x0 < dh_vec; x0 += N) GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
+        for (x0 = 0; x0 < dh_full; x0 += W)
+          GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
+        for (; x0 < dh_vec; x0 += N)
+          GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
       }
       if (x0 < dh) {
         for (std::int64_t r = 0; r < nrows; ++r)  // visible keys only (0 · NaN = NaN)
           for (std::int64_t u = 0; u < std::min(nt, a.visible_end(b, t0 + r / g) - u0); ++u) {
             const float p = st[r * kKeyTile + u];
-            for (std::int64_t x = x0; x < dh; ++x) acc[r * dh + x] += p * load_element(a.dtype, vt, u * dh + x);
+            for (std::int64_t x = x0; x < dh; ++x)
+              acc[r * dh + x] += p * load_element(a.dtype, vt, u * dh + x);
           }
       }
     }

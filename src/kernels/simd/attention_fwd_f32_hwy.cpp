@@ -23,20 +23,22 @@
 // (so e^{−∞} = 0 and masked keys contribute exactly nothing); through ExpNaN, so a NaN score
 // gives a NaN weight (nonfinite-inl.h). Non-finite inputs (SPEC 4.3): a NaN or +∞ score makes
 // the lane's l NaN, hence O and L NaN; keys a lane does not see take no part (selected away).
+// Highway's per-target re-inclusion: these includes must follow foreach_target.h, in order.
+// clang-format off
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/simd/attention_fwd_f32_hwy.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
-// clang-format: the two includes below must follow foreach_target.h
 #include "hwy/highway.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "kernels/simd/microkernel-inl.h"
 #include "kernels/simd/nonfinite-inl.h"
+// clang-format on
+
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-
-#include <omp.h>
 
 #include "kernels/attention_kernels.hpp"
 #include "kernels/nonfinite.hpp"
@@ -141,8 +143,8 @@ void AttentionFwd(const ForwardArgs& args) {
             const auto key = hn::Set(di, static_cast<std::int32_t>(u0 + u));
             for (std::int64_t i = 0; i < M; i += N) {
               const auto visible = hn::RebindMask(d, hn::Lt(key, hn::Load(di, bs.end_lane + i)));
-              hn::Store(hn::IfThenElse(visible, hn::Load(d, st + u * M + i), hn::Set(d, kNegInf)), d,
-                        st + u * M + i);
+              hn::Store(hn::IfThenElse(visible, hn::Load(d, st + u * M + i), hn::Set(d, kNegInf)),
+                        d, st + u * M + i);
             }
           }
         }
@@ -150,7 +152,8 @@ void AttentionFwd(const ForwardArgs& args) {
         // l' = l·e^{m − m'} + Σ_u P, Oᵀ ← Oᵀ·e^{m − m'}. A lane with m' = −∞ uses 0 as its shift.
         for (std::int64_t i = 0; i < M; i += N) {
           VF tile_max = hn::Load(d, st + i);
-          for (std::int64_t u = 1; u < nt; ++u) tile_max = hn::Max(tile_max, hn::Load(d, st + u * M + i));
+          for (std::int64_t u = 1; u < nt; ++u)
+            tile_max = hn::Max(tile_max, hn::Load(d, st + u * M + i));
           const VF m_old = hn::Load(d, bs.m_run + i);
           const VF m_new = hn::Max(m_old, tile_max);
           const VF shift = hn::IfThenZeroElse(hn::Eq(m_new, hn::Set(d, kNegInf)), m_new);

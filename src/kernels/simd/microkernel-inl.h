@@ -65,7 +65,8 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   V acc[R][VN];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < VN; ++v) acc[r][v] = accumulate ? hn::LoadU(d, c + r * ldc + v * N) : hn::Zero(d);
+    for (int v = 0; v < VN; ++v)
+      acc[r][v] = accumulate ? hn::LoadU(d, c + r * ldc + v * N) : hn::Zero(d);
   if (c_scale != nullptr) {  // C ← C · diag(c_scale) before accumulating (lane-wise rescale)
     for (int v = 0; v < VN; ++v) {
       const V sv = hn::LoadU(d, c_scale + v * N);
@@ -89,9 +90,9 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
 // first scaled lane-wise: C ← C · diag(c_scale) + A B (the online softmax's rescale of Õ,
 // fused into the load of C).
 template <int R = kR, int VN = kV, bool kTop = true, class TB = float, class D>
-HWY_INLINE void GemmRows(D d, std::int64_t rows, const float* a, std::int64_t a_row, std::int64_t a_k,
-                         const TB* b, std::int64_t ldb, std::int64_t K, float* c, std::int64_t ldc,
-                         bool accumulate, const float* c_scale = nullptr) {
+HWY_INLINE void GemmRows(D d, std::int64_t rows, const float* a, std::int64_t a_row,
+                         std::int64_t a_k, const TB* b, std::int64_t ldb, std::int64_t K, float* c,
+                         std::int64_t ldc, bool accumulate, const float* c_scale = nullptr) {
   if constexpr (kTop) {
     for (; rows >= R; rows -= R, a += R * a_row, c += R * ldc) {
       MicroKernel<R, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale);

@@ -23,10 +23,15 @@ struct QueryUnits {
   std::int64_t lanes, g, gh, mq, head_chunks, qblocks, blocks, qgroups, count;
 
   QueryUnits(const AttentionProblem& p, std::int64_t M, std::int64_t blocks_per_unit)
-      : lanes(M), g(p.group()), gh(std::min(g, M)), mq(std::max<std::int64_t>(1, M / gh)),
-        head_chunks((g + gh - 1) / gh), qblocks((p.tq + mq - 1) / mq),
+      : lanes(M),
+        g(p.group()),
+        gh(std::min(g, M)),
+        mq(std::max<std::int64_t>(1, M / gh)),
+        head_chunks((g + gh - 1) / gh),
+        qblocks((p.tq + mq - 1) / mq),
         blocks(std::max<std::int64_t>(1, std::min(blocks_per_unit, qblocks))),
-        qgroups((qblocks + blocks - 1) / blocks), count(p.batch * p.hkv * head_chunks * qgroups) {}
+        qgroups((qblocks + blocks - 1) / blocks),
+        count(p.batch * p.hkv * head_chunks * qgroups) {}
 
   struct Block {
     std::int64_t b, j, h0, heads, t0, positions;  // positions ≤ 0: past T_q, nothing to do

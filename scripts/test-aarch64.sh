@@ -23,8 +23,12 @@ built=$SECONDS
 
 export QEMU_LD_PREFIX=/usr/aarch64-linux-gnu
 export QEMU_CPU=${QEMU_CPU:-max}
-# OpenBLAS's own thread pool hangs at start-up under qemu-user (the process never reaches
-# main()); the layer tests' sgemm runs on one thread. tokenmix's OpenMP threads are unaffected.
+# The loader comes from the cross glibc (QEMU_LD_PREFIX) but the test's RUNPATH reaches the
+# multiarch libc6:arm64 in /usr/lib/aarch64-linux-gnu, a different glibc build: with the two
+# mixed, pthread_create spins forever (the first OpenMP region, and OpenBLAS's thread pool,
+# never start). Take libc, libstdc++ and libgomp from the cross glibc, matching its loader.
+export LD_LIBRARY_PATH=/usr/aarch64-linux-gnu/lib
+# OpenBLAS on one thread (its pool hung with the mixed glibc above; kept single-threaded).
 export OPENBLAS_NUM_THREADS=1
 qemu-aarch64 "$dir/tests/tokenmix_tests" --gtest_brief=1 \
   --gtest_filter="${TOKENMIX_AARCH64_FILTER:-*}"

@@ -1,18 +1,23 @@
 // tokenmix/runtime.hpp — which kernels run: CPU feature detection, ISA choice and threads.
 //
 // The kernel path is chosen once per public call from what the CPU *and* the OS support
-// (CPUID plus XCR0 for AVX/AVX-512 state). Callers may force a lower path with
-// AttentionOptions::isa or the environment variable TOKENMIX_ISA
-// (= auto | portable | avx2 | avx512); asking for a path this build or CPU cannot run throws
-// UnsupportedError (naming the entry point) rather than crashing with an illegal instruction.
+// (x86: CPUID plus XCR0 for AVX/AVX-512 state; AArch64: the kernel's HWCAP bits). Callers may
+// force a lower path with AttentionOptions::isa or the environment variable TOKENMIX_ISA
+// (= auto | portable | avx2 | avx512 | neon); asking for a path this build or CPU cannot run
+// throws UnsupportedError (naming the entry point) rather than crashing with an illegal
+// instruction. An x86 build has no neon kernels and an AArch64 build no avx2/avx512 kernels:
+// forcing one of them throws UnsupportedError saying the build lacks it.
 //
 // The environment variable TOKENMIX_CPU_CAP (= portable | avx2 | avx512; unset or empty = no
 // cap) caps the CPU features the library detects, e.g. to test the AVX2 path on an AVX-512
 // machine: with `avx2` the library behaves exactly as on a CPU without AVX-512 (cpu_features()
 // reports no AVX-512/BF16/AMX, available_isas() lacks avx512, forcing avx512 throws
-// UnsupportedError); with `portable` as on a non-x86 CPU; `avx512` hides AMX. It is read at
-// every call that looks at CPU features (so setenv before a call takes effect); another value
-// throws ArgumentError naming TOKENMIX_CPU_CAP and the allowed values.
+// UnsupportedError); with `portable` as on a CPU without any SIMD path (x86 features and NEON
+// hidden); `avx512` hides AMX. The cap is an ordered level, portable < avx2 < avx512, and neon
+// ranks with avx2 (each architecture's first SIMD level): `portable` hides it, `avx2` and
+// `avx512` leave it. It is read at every call that looks at CPU features (so setenv before a
+// call takes effect); another value throws ArgumentError naming TOKENMIX_CPU_CAP and the
+// allowed values.
 #pragma once
 
 #include <string>
@@ -20,11 +25,14 @@
 
 namespace tokenmix {
 
-/// Instruction-set paths, lowest first. `automatic` means "the best available".
-enum class Isa { automatic = 0, portable = 1, avx2 = 2, avx512 = 3 };
+/// Instruction-set paths. `automatic` means "the best available". portable runs everywhere;
+/// avx2/avx512 are x86-64 paths, neon (AArch64 Advanced SIMD, 128-bit) the ARM one; values
+/// are stable (neon was appended).
+enum class Isa { automatic = 0, portable = 1, avx2 = 2, avx512 = 3, neon = 4 };
 
 const char* to_string(Isa isa) noexcept;
-/// Parses "auto", "portable", "avx2", "avx512" (throws ArgumentError naming `what` otherwise).
+/// Parses "auto", "portable", "avx2", "avx512", "neon" (throws ArgumentError naming `what`
+/// otherwise).
 Isa parse_isa(const std::string& text, const char* what = "isa");
 
 /// What this CPU and OS support (independent of what this build compiled).
@@ -35,6 +43,9 @@ struct CpuFeatures {
   bool avx512_bf16 = false;
   bool amx_tile =
       false;  ///< AMX-TILE reported by CPUID (use also needs a Linux permission request)
+  /// AArch64 Advanced SIMD (HWCAP_ASIMD) and the AES/PMULL/SHA1/SHA2 "crypto" extension
+  /// (HWCAP_AES|PMULL|SHA1|SHA2) that Highway's NEON target is compiled with.
+  bool neon = false;
   std::vector<std::string> flags() const;  ///< names of the features above that are present
 };
 /// Detected once; the TOKENMIX_CPU_CAP cap (read at each call) is applied on top.

@@ -46,6 +46,7 @@ void bind_runtime(nb::module_& m) {
     d["avx512f"] = f.avx512f;
     d["avx512_bf16"] = f.avx512_bf16;
     d["amx_tile"] = f.amx_tile;
+    d["neon"] = f.neon;
     d["flags"] = f.flags();
     return d;
   });

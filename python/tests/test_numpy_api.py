@@ -243,7 +243,7 @@ def test_errors():
         tm.attention_forward(q, q, q, layout="tbhd")
     with pytest.raises(tm.ArgumentError, match="isa"):
         tm.attention_forward(q, q, q, isa="sse9")
-    missing = [i for i in ("avx2", "avx512") if i not in tm.available_isas()]
+    missing = [i for i in ("avx2", "avx512", "neon") if i not in tm.available_isas()]
     for isa in missing:  # a path this CPU lacks: NotImplementedError, never a crash
         with pytest.raises(NotImplementedError):
             tm.attention_forward(q, q, q, isa=isa)
@@ -256,7 +256,7 @@ def test_every_available_isa_gives_the_same_answer():
     for isa in tm.available_isas():
         assert_close(tm.attention_forward(q, k, v, isa=isa), ref, FWD_ATOL, FWD_RTOL, isa)
     assert tm.resolve_isa() in tm.available_isas()
-    assert set(tm.cpu_features()) >= {"model", "avx2_fma", "avx512f", "flags"}
+    assert set(tm.cpu_features()) >= {"model", "avx2_fma", "avx512f", "neon", "flags"}
 
 
 def test_gil_is_released_during_compute():

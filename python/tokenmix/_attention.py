@@ -47,7 +47,8 @@ def attention_forward(
             when T_q == T_k. A query that sees no key gets O = 0, L = −inf.
         layout: ``"bthd"`` or ``"bhtd"`` — the memory order of q, k, v and out.
         threads: worker threads, 0 = all; results do not depend on it.
-        isa: ``"auto"``, ``"portable"``, ``"avx2"`` or ``"avx512"`` (force a kernel path).
+        isa: ``"auto"``, ``"portable"``, ``"avx2"``, ``"avx512"`` or ``"neon"`` (force a kernel
+            path).
         return_lse: allocate and return lse as well.
 
     Returns:

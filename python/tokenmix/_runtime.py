@@ -14,6 +14,6 @@ cpu_cap = _C.cpu_cap  # None, or the TOKENMIX_CPU_CAP cap in effect ("portable"/
 
 
 def resolve_isa(isa: str = "auto") -> str:
-    """The kernel path a call with ``isa`` would run ("portable", "avx2", "avx512");
+    """The kernel path a call with ``isa`` would run ("portable", "avx2", "avx512", "neon");
     honours TOKENMIX_ISA for "auto". Raises UnsupportedError for a path this CPU/build lacks."""
     return _C.resolve_isa(isa)

@@ -71,7 +71,7 @@ def cpu_cap() -> Optional[str]:
     """The TOKENMIX_CPU_CAP cap in effect ("portable", "avx2", "avx512"), None when unset."""
 def cpu_features() -> dict[str, Any]:
     """{"model": str, "avx2_fma": bool, "avx512f": bool, "avx512_bf16": bool, "amx_tile": bool,
-    "flags": list[str]}"""
+    "neon": bool, "flags": list[str]}"""
 def kv_cache_bytes(n_layers: int, batch: int, tokens: int, heads_kv: int, head_dim: int,
                    element_bytes: int) -> int:
     """2 · n · B · T · H_kv · d_h · sizeof(element) (SPEC 4.8)."""

@@ -4,9 +4,14 @@
 // (XCR0 bits, read with XGETBV), or AVX/AVX-512 instructions fault. AMX additionally needs the
 // Linux ARCH_REQ_XCOMP_PERM request per process before any tile instruction; we only report it.
 //
+// On AArch64 the kernel reports the CPU's features in the auxiliary vector (getauxval(AT_HWCAP));
+// Advanced SIMD is architecturally mandatory there, but we read its bit (and those of the
+// "crypto" extension Highway's NEON target is compiled with, "+crypto") rather than assume it.
+//
 // TOKENMIX_CPU_CAP (= portable | avx2 | avx512) hides features above a path, so the library
 // behaves exactly as on a CPU that lacks them: avx2 clears AVX-512, AVX-512 BF16 and AMX;
-// portable clears everything (as on a non-x86 CPU); avx512 clears AMX.
+// portable clears everything (NEON too: as on a CPU without SIMD); avx512 clears AMX. NEON
+// ranks with avx2 (runtime.hpp), so avx2 and avx512 leave it.
 #include <array>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +25,10 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #define TOKENMIX_X86 1
+#elif defined(__aarch64__) && defined(__linux__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#define TOKENMIX_AARCH64_LINUX 1
 #endif
 
 namespace tokenmix {
@@ -85,6 +94,11 @@ CpuFeatures detect() {
       if (key == "Model") break;
     }
   }
+#ifdef TOKENMIX_AARCH64_LINUX
+  const unsigned long hw = getauxval(AT_HWCAP);
+  constexpr unsigned long kCrypto = HWCAP_AES | HWCAP_PMULL | HWCAP_SHA1 | HWCAP_SHA2;
+  f.neon = (hw & HWCAP_ASIMD) != 0 && (hw & kCrypto) == kCrypto;
+#endif
   return f;
 }
 #endif
@@ -97,6 +111,7 @@ std::vector<std::string> CpuFeatures::flags() const {
   if (avx512f) out.emplace_back("avx512f/bw/dq/vl");
   if (avx512_bf16) out.emplace_back("avx512_bf16");
   if (amx_tile) out.emplace_back("amx-tile");
+  if (neon) out.emplace_back("neon(asimd+crypto)");
   return out;
 }
 
@@ -115,6 +130,7 @@ CpuFeatures capped(Isa cap) {
   f.avx512f = f.avx512_bf16 = false;
   if (cap == Isa::avx2) return f;
   f.avx2_fma = false;
+  f.neon = false;
   return f;
 }
 

@@ -53,17 +53,19 @@ const char* to_string(Isa isa) noexcept {
       return "avx2";
     case Isa::avx512:
       return "avx512";
+    case Isa::neon:
+      return "neon";
   }
   return "unknown";
 }
 
 Isa parse_isa(const std::string& text, const char* what) {
-  for (Isa i : {Isa::automatic, Isa::portable, Isa::avx2, Isa::avx512}) {
+  for (Isa i : {Isa::automatic, Isa::portable, Isa::avx2, Isa::avx512, Isa::neon}) {
     if (text == to_string(i)) return i;
   }
   throw ArgumentError(
       ErrorCode::invalid_argument,
-      std::string(what) + " must be one of auto, portable, avx2, avx512; got '" + text + "'");
+      std::string(what) + " must be one of auto, portable, avx2, avx512, neon; got '" + text + "'");
 }
 
 std::vector<Isa> available_isas() {

@@ -137,8 +137,9 @@ void attention_decode_f32_portable(const DecodeArgs& args);
 void attention_decode_bf16_portable(const DecodeArgs& args);
 void attention_decode_f16_portable(const DecodeArgs& args);
 
-// SIMD (src/kernels/simd/, Highway): the per-target instantiations, one constant per x86 target;
-// null where this build has no code for the target (e.g. a non-x86 build). Query and key
+// SIMD (src/kernels/simd/, Highway): the per-target instantiations, one constant per target
+// (x86: AVX2, AVX-512; AArch64: NEON); null where this build has no code for the target (the
+// x86 constants in an AArch64 build and the NEON ones in an x86 build). Query and key
 // positions are indexed with int32 lanes: they serve T_k < 2^31 − 1 (KernelSet::max_keys).
 extern const ForwardKernel attention_fwd_f32_avx2, attention_fwd_f32_avx512;
 extern const BackwardKernel attention_bwd_f32_avx2, attention_bwd_f32_avx512;
@@ -146,5 +147,9 @@ extern const DecodeKernel attention_decode_f32_avx2, attention_decode_bf16_avx2,
     attention_decode_f16_avx2;
 extern const DecodeKernel attention_decode_f32_avx512, attention_decode_bf16_avx512,
     attention_decode_f16_avx512;
+extern const ForwardKernel attention_fwd_f32_neon;
+extern const BackwardKernel attention_bwd_f32_neon;
+extern const DecodeKernel attention_decode_f32_neon, attention_decode_bf16_neon,
+    attention_decode_f16_neon;
 
 }  // namespace tokenmix::kernels

@@ -16,7 +16,7 @@ constexpr std::int64_t kInt32LaneKeys = (std::int64_t{1} << 31) - 2;
 constexpr std::int64_t kAnyKeys = INT64_MAX;
 
 // Column order = DType values: f32, bf16, f16. Forward/backward take f32 activations only.
-std::array<KernelSet, 3> make_sets() {
+std::array<KernelSet, 4> make_sets() {
   return {{
       {Isa::portable,
        [](const CpuFeatures&) { return true; },
@@ -52,6 +52,17 @@ std::array<KernelSet, 3> make_sets() {
        kInt32LaneKeys,
        "Highway AVX-512 (16 lanes, 6x4 microkernel): the same flash forward, backward and "
        "decode kernels as avx2 with 64 query rows per lane block"},
+      {Isa::neon,
+       [](const CpuFeatures& f) { return f.neon; },
+       {{"attention_fwd_f32_neon", attention_fwd_f32_neon}, {}, {}},
+       {{"attention_bwd_f32_neon", attention_bwd_f32_neon}, {}, {}},
+       {{"attention_decode_f32_neon", attention_decode_f32_neon},
+        {"attention_decode_bf16_neon", attention_decode_bf16_neon},
+        {"attention_decode_f16_neon", attention_decode_f16_neon}},
+       kInt32LaneKeys,
+       "Highway NEON, AArch64 Advanced SIMD (4 lanes, 6x4 microkernel): the same flash forward, "
+       "backward and decode kernels as avx2 with 16 query rows per lane block; bf16/f16 caches "
+       "widened exactly in registers (shift / FCVTL)"},
   }};
 }
 
@@ -72,7 +83,7 @@ NamedKernel<Fn> pick(const NamedKernel<Fn> (&column)[kDTypeCount], const char* e
 }  // namespace
 
 std::span<const KernelSet> kernel_sets() {
-  static const std::array<KernelSet, 3> sets = make_sets();
+  static const std::array<KernelSet, 4> sets = make_sets();
   return sets;
 }
 

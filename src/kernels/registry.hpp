@@ -1,11 +1,13 @@
 // src/kernels/registry.hpp — which kernel runs, for every ISA path and dtype: the one table
 // (kernels/registry.cpp) that dispatch, `tokenmix info` and the tests read.
 //
-// One KernelSet per ISA path (portable, avx2, avx512). Each names its forward, backward and
-// decode kernels per dtype (activations for forward/backward, the KV cache's element type for
-// decode) and describes them. Adding a path = one entry here plus its kernel files; adding a
-// dtype = filling its column. A null kernel means "not built / not implemented": dispatch
-// throws UnsupportedError naming it, never substitutes another.
+// One KernelSet per ISA path (portable, avx2, avx512, neon); an x86 build compiles no neon
+// kernels and an AArch64 build no avx2/avx512 ones (their entries are there, not compiled).
+// Each names its forward, backward and decode kernels per dtype (activations for
+// forward/backward, the KV cache's element type for decode) and describes them. Adding a
+// path = one entry here plus its kernel files; adding a dtype = filling its column. A null kernel
+// means "not built / not implemented": dispatch throws UnsupportedError naming it, never
+// substitutes another.
 //
 // The one rule that picks a kernel of another set is explicit (select_forward/select_backward):
 // a set serves T_k ≤ max_keys (the SIMD kernels index key positions with int32 lanes); a larger
@@ -42,7 +44,8 @@ struct KernelSet {
   bool compiled() const { return forward[0].fn != nullptr; }
 };
 
-/// Every path, lowest first: portable, avx2, avx512.
+/// Every path: portable, avx2, avx512 (x86, lowest first), neon (AArch64). At most one SIMD
+/// family is compiled into a build, so the compiled and runnable ones are in ascending order.
 std::span<const KernelSet> kernel_sets();
 /// The set of a concrete path (not Isa::automatic).
 const KernelSet& kernel_set(Isa isa);

@@ -234,6 +234,13 @@ tokenmix_cli_error(error_empty_overflowing_sizes "b0_huge.npy.*T \\* H \\* d_h o
                         --v ${_cli_bad}/b0_huge.npy --out ${_cli_e})
 tokenmix_cli_error(error_bad_scale "scale" ARGS run ${_cli_qkv_a} --out ${_cli_e} --scale nan)
 tokenmix_cli_error(error_bad_isa "isa.*bogus" ARGS run --isa bogus)
+if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
+  # An x86 build has no neon kernels: forcing that path names the build, nothing is written.
+  tokenmix_cli_error(error_isa_not_built "isa 'neon'.*this build has no kernels"
+                     ARGS run ${_cli_qkv_a} --out ${_cli_e} --isa neon)
+  tokenmix_cli_error(error_check_isa_not_built "isa 'neon'.*this build has no kernels"
+                     ARGS check --isa neon)
+endif()
 tokenmix_cli_error(error_seq_in_file_mode "--seq applies only to the built-in layer run"
                    ARGS run ${_cli_qkv_a} --out ${_cli_e} --seq 8)
 tokenmix_cli_error(error_scale_without_files "--scale applies only to file mode"

@@ -160,11 +160,23 @@ std::vector<float> decode_once(Isa isa, DType dtype) {
 
 TEST(Dispatch, RegistryHasOneEntryPerPathWithKernelsNamedAfterIt) {
   const auto sets = kernels::kernel_sets();
-  ASSERT_EQ(sets.size(), 3u);
+  ASSERT_EQ(sets.size(), 4u);
   EXPECT_EQ(sets[0].isa, Isa::portable);
   EXPECT_EQ(sets[1].isa, Isa::avx2);
   EXPECT_EQ(sets[2].isa, Isa::avx512);
+  EXPECT_EQ(sets[3].isa, Isa::neon);
   EXPECT_TRUE(sets[0].compiled());
+  // Which SIMD family a build has follows its architecture: x86 builds the AVX paths and no
+  // NEON, AArch64 builds NEON and no AVX path.
+#if defined(__x86_64__)
+  EXPECT_FALSE(sets[3].compiled());
+  EXPECT_TRUE(sets[1].compiled() && sets[2].compiled());
+  EXPECT_FALSE(uncapped_features().neon);
+#elif defined(__aarch64__)
+  EXPECT_TRUE(sets[3].compiled());
+  EXPECT_FALSE(sets[1].compiled() || sets[2].compiled());
+  EXPECT_FALSE(uncapped_features().avx2_fma || uncapped_features().avx512f);
+#endif
   const DType dtypes[] = {DType::f32, DType::bf16, DType::f16};
   for (const kernels::KernelSet& s : sets) {
     SCOPED_TRACE(to_string(s.isa));
@@ -278,6 +290,37 @@ TEST(Dispatch, ForcedIsaErrorsNameTheEntryPoint) {
                               {"attention_forward", "TOKENMIX_ISA", "sse9"});
 }
 
+TEST(Dispatch, ForcingAPathThisBuildLacksNamesTheBuild) {
+  // x86 builds have no neon kernels, AArch64 builds no avx2/avx512 ones: forcing one (option or
+  // TOKENMIX_ISA) is an UnsupportedError saying so, whatever the CPU and the cap.
+  const ScopedEnv cap("TOKENMIX_CPU_CAP", nullptr);
+  int lacking = 0;
+  for (const kernels::KernelSet& set : kernels::kernel_sets()) {
+    if (set.compiled()) continue;
+    ++lacking;
+    const Isa isa = set.isa;
+    SCOPED_TRACE(to_string(isa));
+    EXPECT_FALSE(contains(available_isas(), isa));
+    const std::initializer_list<std::string> parts = {"attention_forward", to_string(isa),
+                                                      "this build has no kernels for it"};
+    Small s;
+    expect_error<UnsupportedError>([&] { s.forward(isa); }, ErrorCode::unsupported, parts);
+    {
+      const ScopedEnv isa_env("TOKENMIX_ISA", to_string(isa));
+      expect_error<UnsupportedError>([&] { s.forward(Isa::automatic); }, ErrorCode::unsupported,
+                                     parts);
+      expect_error<UnsupportedError>([&] { (void)decode_once(Isa::automatic, DType::f16); },
+                                     ErrorCode::unsupported,
+                                     {"attention_decode", to_string(isa), "this build"});
+    }
+    EXPECT_TRUE(std::all_of(s.out.begin(), s.out.end(), [](float x) { return std::isnan(x); }));
+    EXPECT_NE(describe_kernel(isa).find("not compiled"), std::string::npos);
+  }
+#if defined(__x86_64__) || defined(__aarch64__)
+  EXPECT_GE(lacking, 1);  // neon on x86; avx2 and avx512 on AArch64
+#endif
+}
+
 // ---- TOKENMIX_CPU_CAP --------------------------------------------------------------------------
 
 TEST(Dispatch, CpuCapAvx2BehavesLikeACpuWithoutAvx512) {
@@ -291,17 +334,22 @@ TEST(Dispatch, CpuCapAvx2BehavesLikeACpuWithoutAvx512) {
   EXPECT_FALSE(f.avx512f);
   EXPECT_FALSE(f.avx512_bf16);
   EXPECT_FALSE(f.amx_tile);
+  EXPECT_EQ(f.neon, real.neon);  // neon ranks with avx2 (runtime.hpp): the cap leaves it
   const auto avail = available_isas();
   EXPECT_FALSE(contains(avail, Isa::avx512));
+  EXPECT_EQ(contains(avail, Isa::neon), real.neon && kernels::kernel_set(Isa::neon).compiled());
   EXPECT_EQ(contains(avail, Isa::avx2), real.avx2_fma && kernels::kernel_set(Isa::avx2).compiled());
   const Isa best = avail.back();
   EXPECT_EQ(resolve_isa(Isa::automatic), best);
   EXPECT_NE(describe_kernel(Isa::automatic).find(std::string("_") + to_string(best)),
             std::string::npos);
-  // Forcing avx512 fails as on a CPU without it.
+  // Forcing avx512 fails as on a CPU without it (on a build without avx512 kernels, because of
+  // the build: ForcingAPathThisBuildLacksNamesTheBuild).
   Small s;
-  expect_error<UnsupportedError>([&] { s.forward(Isa::avx512); }, ErrorCode::unsupported,
-                                 {"attention_forward", "avx512", "does not support"});
+  expect_error<UnsupportedError>(
+      [&] { s.forward(Isa::avx512); }, ErrorCode::unsupported,
+      {"attention_forward", "avx512",
+       kernels::kernel_set(Isa::avx512).compiled() ? "does not support" : "this build has no"});
   // Auto runs the capped path: bitwise the same as forcing it.
   s.forward(Isa::automatic);
   Small forced;
@@ -323,7 +371,7 @@ TEST(Dispatch, CpuCapPortableBehavesLikeANonX86Cpu) {
   EXPECT_EQ(cpu_cap(), Isa::portable);
   const CpuFeatures& f = cpu_features();
   EXPECT_EQ(f.model, real.model);
-  EXPECT_FALSE(f.avx2_fma || f.avx512f || f.avx512_bf16 || f.amx_tile);
+  EXPECT_FALSE(f.avx2_fma || f.avx512f || f.avx512_bf16 || f.amx_tile || f.neon);
   EXPECT_TRUE(f.flags().empty());
   EXPECT_EQ(available_isas(), std::vector<Isa>{Isa::portable});
   EXPECT_EQ(resolve_isa(Isa::automatic), Isa::portable);

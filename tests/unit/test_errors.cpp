@@ -286,7 +286,7 @@ TEST(Errors, AttentionForwardOptionsAndTypes) {
   BACKWARD_CASE([](Attn& a) { a.dk.dtype = DType::bf16; }, {kUnsupported}, {"dk", "bf16"});
   // Forcing an ISA this build or CPU lacks (runtime.hpp): UnsupportedError, nothing written.
   const auto avail = available_isas();
-  for (Isa isa : {Isa::avx2, Isa::avx512}) {
+  for (Isa isa : {Isa::avx2, Isa::avx512, Isa::neon}) {
     if (std::find(avail.begin(), avail.end(), isa) != avail.end()) continue;
     AttentionOptions opt;
     opt.isa = isa;
@@ -615,8 +615,13 @@ TEST(Errors, Runtime) {
   EXPECT_EQ(parse_isa("portable"), Isa::portable);
   EXPECT_EQ(parse_isa("avx2"), Isa::avx2);
   EXPECT_EQ(parse_isa("avx512"), Isa::avx512);
-  for (Isa i : {Isa::portable, Isa::avx2, Isa::avx512}) EXPECT_EQ(parse_isa(to_string(i)), i);
-  EXPECT_ERROR([] { (void)parse_isa("avx3"); }, kInvalid, {"isa", "avx3"});
+  EXPECT_EQ(parse_isa("neon"), Isa::neon);
+  for (Isa i : {Isa::portable, Isa::avx2, Isa::avx512, Isa::neon}) {
+    EXPECT_EQ(parse_isa(to_string(i)), i);
+  }
+  EXPECT_ERROR([] { (void)parse_isa("avx3"); }, kInvalid,
+               {"isa", "avx3", "auto, portable, avx2, avx512, neon"});
+  EXPECT_ERROR([] { (void)parse_isa("NEON"); }, kInvalid, {"isa", "NEON"});
   EXPECT_ERROR([] { (void)parse_isa("sse4", "TOKENMIX_ISA"); }, kInvalid, {"TOKENMIX_ISA", "sse4"});
   EXPECT_ERROR([] { (void)parse_isa(""); }, kInvalid, {"isa"});
 
@@ -624,7 +629,7 @@ TEST(Errors, Runtime) {
   ASSERT_FALSE(avail.empty());
   EXPECT_EQ(avail.front(), Isa::portable);
   EXPECT_EQ(resolve_isa(Isa::portable), Isa::portable);
-  for (Isa isa : {Isa::avx2, Isa::avx512}) {
+  for (Isa isa : {Isa::avx2, Isa::avx512, Isa::neon}) {
     if (std::find(avail.begin(), avail.end(), isa) != avail.end()) {
       EXPECT_EQ(resolve_isa(isa), isa);
     } else {
@@ -691,7 +696,7 @@ TEST(Errors, CausalAlignSpellingAndValidation) {
   c = good(), c.attention.scale = 1e300;  // finite double, infinite float32
   CONFIG_CASE(c, {kInvalid}, {"CausalSelfAttention", "scale"});
   const auto avail = available_isas();
-  for (Isa isa : {Isa::avx2, Isa::avx512}) {  // a forced path this CPU lacks fails up front
+  for (Isa isa : {Isa::avx2, Isa::avx512, Isa::neon}) {  // a forced path this CPU lacks fails
     c = good(), c.attention.isa = isa;
     if (std::find(avail.begin(), avail.end(), isa) != avail.end()) {
       EXPECT_NO_THROW(CausalSelfAttention layer(c));

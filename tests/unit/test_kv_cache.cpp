@@ -519,7 +519,7 @@ TEST(KVCacheErrors, FailedPrefillAndStepLeaveCacheUnchanged) {
       expect_fails(("TOKENMIX_ISA step" + at).c_str(), ErrorCode::invalid_argument, "TOKENMIX_ISA",
                    step);
     }
-    for (Isa isa : {Isa::avx2, Isa::avx512}) {  // a valid TOKENMIX_ISA this CPU lacks
+    for (Isa isa : {Isa::avx2, Isa::avx512, Isa::neon}) {  // a valid TOKENMIX_ISA this CPU lacks
       if (std::find(avail.begin(), avail.end(), isa) != avail.end()) continue;
       IsaEnv env(to_string(isa));
       expect_fails(("unsupported isa prefill" + at).c_str(), ErrorCode::unsupported, to_string(isa),

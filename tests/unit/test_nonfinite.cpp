@@ -638,7 +638,7 @@ TEST_P(NonFinite, DecodePropagatesNaNFromQueryAndCachedKeysAndValues) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, NonFinite,
-                         ::testing::Values(Isa::portable, Isa::avx2, Isa::avx512),
+                         ::testing::Values(Isa::portable, Isa::avx2, Isa::avx512, Isa::neon),
                          [](const ::testing::TestParamInfo<Isa>& info) {
                            return std::string(to_string(info.param));
                          });

@@ -50,7 +50,7 @@ class PerIsaTest : public ::testing::TestWithParam<Isa> {
     if (!why.empty()) GTEST_SKIP() << why;
   }
 };
-/// Every concrete path (portable, avx2, avx512), as gtest parameters named after the path.
+/// Every concrete path (portable, avx2, avx512, neon), as gtest parameters named after the path.
 inline auto AllIsas() {
   return ::testing::ValuesIn(testkit::concrete_isas());
 }

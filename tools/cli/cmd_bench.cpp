@@ -40,7 +40,8 @@ Command add_bench_command(CLI::App& parent) {
   app->add_option("--threads", o->config.threads, "Thread counts, one case each (0 = all)")
       ->delimiter(',')
       ->capture_default_str();
-  app->add_option("--isa", o->isas, "Kernel paths: auto, portable, avx2, avx512 (comma-separated)")
+  app->add_option("--isa", o->isas,
+                  "Kernel paths: auto, portable, avx2, avx512, neon (comma-separated)")
       ->delimiter(',')
       ->capture_default_str();
   app->add_option("--align", o->align, "Causal alignment: bottom_right or top_left")

@@ -390,7 +390,8 @@ Command add_check_command(CLI::App& parent) {
   };
   auto args = std::make_shared<Args>();
   sub->add_option("--isa", args->isa,
-                  "Check only this kernel path (portable, avx2, avx512); auto = every available")
+                  "Check only this kernel path (portable, avx2, avx512, neon); auto = every "
+                  "available")
       ->capture_default_str();
   sub->add_option("--threads", args->threads, "Threads (0 = all)")
       ->capture_default_str()

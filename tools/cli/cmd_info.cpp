@@ -15,8 +15,8 @@ int run_info() {
   std::cout << "cpu:             " << (cpu.model.empty() ? "(unknown)" : cpu.model) << "\n";
   std::string flags;
   for (const auto& f : cpu.flags()) flags += (flags.empty() ? "" : " ") + f;
-  std::cout << "cpu features:    " << (flags.empty() ? "(none of avx2_fma, avx512f, ...)" : flags)
-            << "\n";
+  std::cout << "cpu features:    "
+            << (flags.empty() ? "(none of avx2_fma, avx512f, neon, ...)" : flags) << "\n";
   if (const Isa cap = cpu_cap(); cap != Isa::automatic)
     std::cout << "cpu cap:         " << to_string(cap)
               << " (TOKENMIX_CPU_CAP: features above it are hidden)\n";

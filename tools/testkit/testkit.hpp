@@ -221,7 +221,7 @@ std::vector<float> random_normal(std::size_t n, std::uint64_t seed, double sigma
 
 // --- kernel paths --------------------------------------------------------------------------------
 
-/// The concrete kernel paths, lowest first: portable, avx2, avx512.
+/// The concrete kernel paths: portable, avx2, avx512 (x86, lowest first), neon (AArch64).
 const std::vector<Isa>& concrete_isas();
 
 /// Empty if `isa` runs here; otherwise why not, naming the CPU: "this CPU/OS does not support

@@ -386,6 +386,7 @@ namespace tokenmix::kernels {
 
 const BackwardKernel attention_bwd_f32_avx512 = TOKENMIX_SIMD_AVX512(AttentionBwd);
 const BackwardKernel attention_bwd_f32_avx2 = TOKENMIX_SIMD_AVX2(AttentionBwd);
+const BackwardKernel attention_bwd_f32_neon = TOKENMIX_SIMD_NEON(AttentionBwd);
 
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

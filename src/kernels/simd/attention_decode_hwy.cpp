@@ -1,6 +1,7 @@
 // src/kernels/simd/attention_decode_hwy.cpp — decode attention over a KVCache, SIMD (Highway),
-// compiled once per x86 target (AVX-512 = AVX3, AVX2+FMA) and exported per target and cache
-// element type as attention_decode_<f32|bf16|f16>_<avx512|avx2> (the registry picks one). Unit
+// compiled once per target (x86: AVX-512 = AVX3, AVX2+FMA; AArch64: NEON) and exported per
+// target and cache element type as attention_decode_<f32|bf16|f16>_<avx512|avx2|neon> (the
+// registry picks one). Unit
 // contract: DecodeArgs in attention_kernels.hpp; chunks are merged by src/api/decode.cpp.
 //
 // A unit is (sequence b, KV head j, query block, chunk of ≤ 1024 keys). Its rows are all g query
@@ -47,6 +48,8 @@ namespace hn = hwy::HWY_NAMESPACE;
 constexpr int kRD = 6, kVD = 4;  // 24 accumulators + 4 B vectors of 32 zmm; 64 lanes
 #elif HWY_TARGET == HWY_AVX2
 constexpr int kRD = 2, kVD = 4;  // 8 accumulators + 4 B vectors of 16 ymm; 32 lanes
+#elif HWY_TARGET == HWY_NEON
+constexpr int kRD = 6, kVD = 4;  // 24 accumulators + 4 B vectors of 32 q registers; 16 lanes
 #else
 constexpr int kRD = 2, kVD = 1;  // fallback targets (not dispatched to by tokenmix)
 #endif
@@ -205,6 +208,9 @@ const DecodeKernel attention_decode_f16_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnit
 const DecodeKernel attention_decode_f32_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<float>);
 const DecodeKernel attention_decode_bf16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<bfloat16_t>);
 const DecodeKernel attention_decode_f16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<float16_t>);
+const DecodeKernel attention_decode_f32_neon = TOKENMIX_SIMD_NEON(DecodeUnits<float>);
+const DecodeKernel attention_decode_bf16_neon = TOKENMIX_SIMD_NEON(DecodeUnits<bfloat16_t>);
+const DecodeKernel attention_decode_f16_neon = TOKENMIX_SIMD_NEON(DecodeUnits<float16_t>);
 
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

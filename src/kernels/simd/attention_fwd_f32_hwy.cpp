@@ -1,7 +1,8 @@
 // src/kernels/simd/attention_fwd_f32_hwy.cpp — fused flash-attention forward, fp32, SIMD.
 //
-// Compiled once per x86 target (AVX-512 = Highway's AVX3, AVX2+FMA) by Highway's
-// foreach_target mechanism and exported per target as attention_fwd_f32_avx512 / _avx2; the
+// Compiled once per target (x86: AVX-512 = Highway's AVX3, AVX2+FMA; AArch64: NEON) by Highway's
+// foreach_target mechanism and exported per target as attention_fwd_f32_avx512 / _avx2 / _neon;
+// the
 // registry (kernels/registry.cpp) maps the resolved path to one of them. Exact attention
 // (SPEC 4.2–4.5, 4.8); no T×T matrix.
 //
@@ -204,6 +205,7 @@ namespace tokenmix::kernels {
 
 const ForwardKernel attention_fwd_f32_avx512 = TOKENMIX_SIMD_AVX512(AttentionFwd);
 const ForwardKernel attention_fwd_f32_avx2 = TOKENMIX_SIMD_AVX2(AttentionFwd);
+const ForwardKernel attention_fwd_f32_neon = TOKENMIX_SIMD_NEON(AttentionFwd);
 
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

@@ -31,6 +31,13 @@ namespace hn = hwy::HWY_NAMESPACE;
 constexpr int kR = 6, kV = 4;  // 24 of 32 zmm registers: M = 64 lanes
 #elif HWY_TARGET == HWY_AVX2
 constexpr int kR = 3, kV = 3;  // 9 of 16 ymm registers: M = 24 lanes
+#elif HWY_TARGET == HWY_NEON
+constexpr int kR = 6, kV = 4;  // 24 of 32 128-bit q registers (+ 4 B, 1 A): M = 16 lanes
+// LoadB's f16 → f32 widening must be the exact hardware conversion (FCVTL; base AArch64), not
+// Highway's bit-twiddling fallback, which would turn f16 Inf/NaN into finite values.
+#if !(__ARM_FP & 2)
+#error "NEON target without half-precision conversion (__ARM_FP & 2): f16 cache widening"
+#endif
 #else
 constexpr int kR = 2, kV = 2;  // fallback targets (not dispatched to by tokenmix)
 #endif

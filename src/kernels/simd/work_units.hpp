@@ -164,7 +164,7 @@ inline const float* RowsOf(const In& x, std::int64_t b, std::int64_t row0, std::
 
 // The per-target instantiation of kernel FN, or nullptr if this build lacks the target; for the
 // HWY_ONCE section of a foreach_target translation unit, which exports one constant per target
-// (attention_<op>_<dtype>_avx512 / _avx2, declared in attention_kernels.hpp).
+// (attention_<op>_<dtype>_avx512 / _avx2 / _neon, declared in attention_kernels.hpp).
 #if HWY_TARGETS & HWY_AVX3
 #define TOKENMIX_SIMD_AVX512(FN) &N_AVX3::FN
 #else
@@ -174,4 +174,9 @@ inline const float* RowsOf(const In& x, std::int64_t b, std::int64_t row0, std::
 #define TOKENMIX_SIMD_AVX2(FN) &N_AVX2::FN
 #else
 #define TOKENMIX_SIMD_AVX2(FN) nullptr
+#endif
+#if HWY_TARGETS & HWY_NEON
+#define TOKENMIX_SIMD_NEON(FN) &N_NEON::FN
+#else
+#define TOKENMIX_SIMD_NEON(FN) nullptr
 #endif

@@ -33,12 +33,17 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 // e^x that is NaN for NaN x. For every other argument the kernels pass (x ≤ ~88: a score minus
 // the row maximum or minus L) e^x > x, so Max(Exp(x), x) = Exp(x) bit for bit, and e^{−∞} = 0.
-// For NaN x the result is x: x86's vmaxps returns its second operand when either is NaN (and
-// NEON/SVE/WASM max propagate NaN); test_nonfinite checks it on every path. One op per element,
-// where IfThenElse(IsNaN(x), x, Exp(x)) would cost two.
+// For NaN x the result is x: x86's vmaxps returns its second operand when either is NaN (one op
+// per element). Elsewhere Highway's Max may drop a NaN (NEON's FMAXNM does), so other targets
+// select it explicitly (two ops). test_nonfinite checks it on every path.
 template <class D, class V>
 HWY_INLINE V ExpNaN(D d, V x) {
-  return hn::Max(hn::Exp(d, x), x);
+#if HWY_ARCH_X86
+  return hn::Max(hn::Exp(d, x), x);  // vmaxps returns its second operand if either is NaN
+#else
+  // Highway's Max on NEON is FMAXNM (the non-NaN operand wins): select the NaN explicitly.
+  return hn::IfThenElse(hn::IsNaN(x), x, hn::Exp(d, x));
+#endif
 }
 
 // True if a[r·a_row + k·a_k] is NaN or ±∞ for some r < rows, k0 ≤ k < k1.

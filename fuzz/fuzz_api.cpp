@@ -553,13 +553,19 @@ void fuzz_layer(Input& in) {
 }
 
 void fuzz_misc(Input& in) {
-  // Counting helpers (noexcept, defined for non-negative sizes), names and parsers.
+  // Counting helpers (they throw ArgumentError for t outside [0, T_q), negative sizes, a bad
+  // align or a count beyond int64), names and parsers.
   const i64 tq = in.byte() % 200, tk = in.size() & ((i64{1} << 40) - 1);
   const bool causal = in.flag();
-  const CausalAlign align = in.flag() ? CausalAlign::top_left : CausalAlign::bottom_right;
-  (void)visible_keys(in.byte() % 200, tq, tk, causal, align);
-  (void)visible_pairs(tq, tk, causal, align);
-  (void)forward_flops(in.size() & 0xffff, tq, tk, in.byte(), in.byte(), causal, align);
+  const std::uint8_t align_byte = in.byte();
+  const CausalAlign align = static_cast<CausalAlign>(align_byte % 3);  // 2: not an enumerator
+  const bool bad_align = align_byte % 3 == 2;
+  const i64 row = in.byte() % 200, batch = in.size() & 0xffff, hq = in.byte(), dw = in.byte();
+  expect_contract(bad_align || row >= tq, [&] { (void)visible_keys(row, tq, tk, causal, align); });
+  expect_contract(bad_align, [&] { (void)visible_pairs(tq, tk, causal, align); });
+  expect_contract(bad_align, [&] { (void)forward_flops(batch, tq, tk, hq, dw, causal, align); });
+  expect_contract(bad_align, [&] { (void)backward_flops(batch, tq, tk, hq, dw, causal, align); });
+  (void)to_string(align);
   (void)to_string(static_cast<Isa>(in.byte() % 8));
   (void)to_string(static_cast<DType>(in.byte() % 8));
   (void)to_string(static_cast<ErrorCode>(in.byte() % 12));
@@ -567,6 +573,7 @@ void fuzz_misc(Input& in) {
   std::string text;
   for (std::uint8_t n = in.byte() % 12; n > 0; --n) text.push_back(static_cast<char>(in.byte()));
   expect_contract(false, [&] { (void)parse_isa(text, "fuzz"); });
+  expect_contract(false, [&] { (void)parse_causal_align(text, "fuzz"); });
   const i64 l = in.size(), b = in.size(), t = in.size(), h = in.size(), dh = in.size();
   const std::size_t e = in.byte() % 9;
   expect_contract(false, [&] { (void)kv_cache_bytes(l, b, t, h, dh, e); });

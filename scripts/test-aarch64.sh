@@ -30,6 +30,9 @@ export QEMU_CPU=${QEMU_CPU:-max}
 export LD_LIBRARY_PATH=/usr/aarch64-linux-gnu/lib
 # OpenBLAS on one thread (its pool hung with the mixed glibc above; kept single-threaded).
 export OPENBLAS_NUM_THREADS=1
+# Left out under emulation only: Dispatch.HugeHeadWidthIsAResourceErrorOnEveryPath reserves
+# 12 TiB of PROT_NONE address space (outputs nothing may write), which qemu-user backs with host
+# memory until the OOM killer ends the run; natively (x86 CI, a real ARM machine) it runs.
 qemu-aarch64 "$dir/tests/tokenmix_tests" --gtest_brief=1 \
-  --gtest_filter="${TOKENMIX_AARCH64_FILTER:-*}"
+  --gtest_filter="${TOKENMIX_AARCH64_FILTER:-*-Dispatch.HugeHeadWidthIsAResourceErrorOnEveryPath}"
 echo "test-aarch64: build $((built - start)) s, tests $((SECONDS - built)) s under qemu-aarch64"

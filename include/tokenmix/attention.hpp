@@ -36,12 +36,40 @@ const char* to_string(CausalAlign align) noexcept;
 /// listing the allowed values otherwise).
 CausalAlign parse_causal_align(const std::string& text, const char* what = "align");
 
+/// Options of the attention entry points. The score variants (SPEC "Score variants used by real
+/// models") combine freely with each other, with the causal mask and with both alignments:
+///   S_{t,u} = cap(z_{t,u}) + b_h(t,u) + bias_{b,h,t,u},   z = s·⟨q_t, k_u⟩   (4.2)
+/// and key u is visible to row t of (b, h) iff the causal mask (4.3), the window, the key length
+/// of sequence b and the boolean mask all allow it. p(t) = t + (T_k − T_q) bottom-right, t
+/// top-left, is query t's position (for the window and ALiBi; also when causal is false).
+/// A row that sees no key gives O = 0 and L = −∞ (with sinks: O = 0, L = σ_h).
 struct AttentionOptions {
   std::optional<double> scale;  ///< s in (4.2); default 1/sqrt(d_h). Must be finite.
   bool causal = true;           ///< apply the mask M of (4.3)
   CausalAlign align = CausalAlign::bottom_right;
   int threads = 0;           ///< 0 = all (default_threads()); results do not depend on it
   Isa isa = Isa::automatic;  ///< force a (lower) kernel path; see runtime.hpp
+
+  /// Sliding window W ≥ 1: key u is visible to row t only if p(t) − W < u (the last W positions
+  /// up to p(t); FlashAttention's window_size = (W − 1, 0)). Work per row is O(W).
+  std::optional<std::int64_t> window;
+  /// Logit soft-capping c > 0: cap(z) = c·tanh(z / c), after the scale. Finite in float32.
+  std::optional<double> softcap;
+  /// ALiBi slopes, rank 1 [H_q] f32 (any stride): b_h(t,u) = −m_h·(p(t) − u). Empty = off.
+  ConstTensorView alibi_slopes;
+  /// Attention sinks, rank 1 [H_q] f32: a logit σ_h per query head that joins each row's softmax
+  /// denominator with no value vector; L includes it. Empty = off. Gradient: attention_backward's
+  /// dsinks.
+  ConstTensorView sinks;
+  /// Explicit mask, rank 4, logical [B, H_q, T_q, T_k]: each dimension the full size or 1, any
+  /// strides (stride 0 broadcasts without a copy). DType::boolean (nonzero = may attend) or f32
+  /// (an additive bias; −∞ excludes a key by weight 0). Combined with the causal mask when both
+  /// are given. Boolean masks whose every row is one interval of keys (causal, padding, window)
+  /// are detected and run at the unmasked speed.
+  ConstTensorView mask;
+  /// Key padding, rank 1 [B], i32 or i64: keys u ≥ key_lengths[b] of sequence b are invisible
+  /// (the alignment stays that of the full T_q, T_k). Empty = every key.
+  ConstTensorView key_lengths;
 };
 
 /// Forward pass. `lse` may be an empty view (data == nullptr) when not wanted.
@@ -53,11 +81,33 @@ void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, 
                        TensorView lse = {}, const AttentionOptions& options = {});
 
 /// Backward pass from the forward's q, k, v, out, lse and the incoming gradient dout.
-/// Writes dq [B,T_q,H_q,d_h], dk and dv [B,T_k,H_kv,d_h] (overwritten, not accumulated).
+/// Writes dq [B,T_q,H_q,d_h], dk and dv [B,T_k,H_kv,d_h] (overwritten, not accumulated), and,
+/// when options.sinks is set and dsinks is not empty, dsinks [H_q] f32:
+/// dσ_h = −Σ_{b,t} e^{σ_h − L_t} D_t (SPEC "Score variants": sinks). Options as for the forward
+/// (the same ones, or the gradients are of a different function). An f32 mask gets no gradient.
 void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                         ConstTensorView out, ConstTensorView lse, ConstTensorView dout,
                         TensorView dq, TensorView dk, TensorView dv,
-                        const AttentionOptions& options = {});
+                        const AttentionOptions& options = {}, TensorView dsinks = {});
+
+/// Variable-length batches (SPEC "Score variants": varlen; FlashAttention's varlen API).
+///   q [total_q, H_q, d_h], k and v [total_k, H_kv, d_h] (rank 3, any strides)
+///   cu_seqlens_q, cu_seqlens_k: rank 1 [n + 1], i32 or i64, cu[0] = 0, non-decreasing, ending
+///   at total_q / total_k; sequence i owns query rows [cu_q[i], cu_q[i+1]) and keys
+///   [cu_k[i], cu_k[i+1]); no token attends across sequences; alignment, window and ALiBi
+///   positions are per sequence.
+///   out [total_q, H_q, d_h]; lse [H_q, total_q] (rank 2) or empty.
+/// options.mask and options.key_lengths must be empty (UnsupportedError otherwise). Bad offsets
+/// throw ArgumentError naming the index.
+void attention_forward_varlen(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                              ConstTensorView cu_seqlens_q, ConstTensorView cu_seqlens_k,
+                              TensorView out, TensorView lse = {},
+                              const AttentionOptions& options = {});
+void attention_backward_varlen(ConstTensorView q, ConstTensorView k, ConstTensorView v,
+                               ConstTensorView out, ConstTensorView lse, ConstTensorView dout,
+                               ConstTensorView cu_seqlens_q, ConstTensorView cu_seqlens_k,
+                               TensorView dq, TensorView dk, TensorView dv,
+                               const AttentionOptions& options = {}, TensorView dsinks = {});
 
 /// Number of keys visible to query t, 0 ≤ t < T_q (SPEC "Useful-work counts": pairs(t)).
 /// Throws ArgumentError(invalid_argument) for t outside [0, T_q), a negative size or an align

@@ -17,9 +17,9 @@
 
 namespace tokenmix {
 
-/// Element type of a view. Only f32 is computed on today; the field exists so bf16/f16 storage
-/// (KV caches, mixed precision) can be added without changing the view type.
-enum class DType : std::uint8_t { f32 = 0, bf16 = 1, f16 = 2 };
+/// Element type of a view. Attention tensors are f32 (bf16/f16: KV-cache storage); boolean (one
+/// byte, nonzero = true) and the integer types describe masks, key lengths and varlen offsets.
+enum class DType : std::uint8_t { f32 = 0, bf16 = 1, f16 = 2, boolean = 3, i32 = 4, i64 = 5 };
 
 const char* to_string(DType dtype) noexcept;
 std::size_t size_of(DType dtype) noexcept;

@@ -75,6 +75,11 @@ kernels::AttentionProblem make_problem(const char* fn, const ConstTensorView& q,
          "options.threads must be >= 0 (0 = all); got " + std::to_string(o.threads));
   }
   detail::check_align(fn, "options.align", o.align);
+  if (o.window || o.softcap || !o.alibi_slopes.empty() || !o.sinks.empty() || !o.mask.empty() ||
+      !o.key_lengths.empty()) {
+    // TODO(variants): the score variants are being implemented (issue 12).
+    fail(ErrorCode::unsupported, fn, "score variants are not implemented yet");
+  }
   p.scale = static_cast<float>(scale);
   p.causal = o.causal;
   p.align = o.align;
@@ -219,7 +224,7 @@ void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, 
 void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                         ConstTensorView out, ConstTensorView lse, ConstTensorView dout,
                         TensorView dq, TensorView dk, TensorView dv,
-                        const AttentionOptions& options) {
+                        const AttentionOptions& options, TensorView dsinks) {
   constexpr const char* fn = "attention_backward";
   kernels::BackwardArgs args;
   args.p = make_problem(fn, q, k, v, options);
@@ -233,6 +238,7 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   detail::check_no_overlap(
       fn, {{"dq", dq}, {"dk", dk}, {"dv", dv}},
       {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}, {"dout", dout}});
+  if (!dsinks.empty()) fail(ErrorCode::unsupported, fn, "dsinks: sinks are not implemented yet");
   const Isa isa = resolve_isa(options.isa, fn);
 
   args.q = strided(q);

@@ -6,7 +6,10 @@
 // (kernels/registry.cpp); this header only declares the kernels it lists.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "kernels/kv_tile_layout.hpp"
 #include "kernels/scratch_arena.hpp"
@@ -27,22 +30,104 @@ struct Strided {
 using In = Strided<const float*>;
 using Out = Strided<float*>;
 
-/// One attention problem (SPEC 4.2–4.5, 4.8), the same for forward and backward.
+/// How an explicit mask enters the scores (SPEC "Score variants": explicit masks).
+enum class MaskKind : std::uint8_t {
+  none,     ///< no per-element mask
+  boolean,  ///< one byte per element, nonzero = may attend (0 selects −∞: the key takes no part)
+  bias,     ///< f32, added to the score
+};
+
+/// The score variants of one call (SPEC "Score variants used by real models"), as the kernels see
+/// them: validated and normalised by the API (src/api). Two mechanisms, shared by every kernel:
+///  * key ranges: each row (b, h, t) sees one interval of keys [begin, end) (AttentionProblem::
+///    key_range): the causal mask, the window, the key length of sequence b and an interval-
+///    shaped boolean mask (the API's fast path) only move the interval's ends, so the kernels
+///    skip every key tile outside it and mask only tiles crossing an end;
+///  * element-wise terms on the scores of the visited tiles (elementwise()): soft-capping, ALiBi,
+///    a general mask (bias added or boolean selected); AttentionProblem::score is the scalar form.
+/// Sinks enter the online softmax's initial state (m = σ_h, l = 1, Õ = 0), so L includes e^{σ_h}.
+struct ScoreVariants {
+  std::int64_t window = 0;                    ///< W ≥ 1; 0 = no window
+  float softcap = 0.0f;                       ///< c > 0; 0 = no capping
+  const float* alibi = nullptr;               ///< [H_q] slopes m_h, contiguous; null = off
+  const float* sinks = nullptr;               ///< [H_q] σ_h, contiguous; null = off
+  const std::int64_t* key_lengths = nullptr;  ///< [B]; keys u ≥ key_lengths[b] invisible
+  /// Row intervals of an interval-shaped boolean mask: row (b, h, t) sees keys
+  /// [row_begin[i], row_end[i]) with i = b·r0 + h·r1 + t·r2 (stride 0 broadcasts); null = none.
+  const std::int64_t* row_begin = nullptr;
+  const std::int64_t* row_end = nullptr;
+  std::int64_t r0 = 0, r1 = 0, r2 = 0;
+  /// A general mask, element (b, h, t, u) at mask[b·m0 + h·m1 + t·m2 + u·m3] (stride 0
+  /// broadcasts): std::uint8_t for boolean, float for bias.
+  MaskKind mask_kind = MaskKind::none;
+  const void* mask = nullptr;
+  std::int64_t m0 = 0, m1 = 0, m2 = 0, m3 = 0;
+
+  /// True when the scores of visited tiles need an element-wise pass (cap, ALiBi, mask).
+  bool elementwise() const {
+    return softcap > 0.0f || alibi != nullptr || mask_kind != MaskKind::none;
+  }
+};
+
+/// The keys one row sees: [begin, end); empty when end ≤ begin.
+struct KeyRange {
+  std::int64_t begin = 0, end = 0;
+};
+
+/// One attention problem (SPEC 4.2–4.5, 4.8, "Score variants"), the same for forward and
+/// backward.
 struct AttentionProblem {
   std::int64_t batch = 0, tq = 0, tk = 0, hq = 0, hkv = 0, dh = 0;
   float scale = 1.0f;
   bool causal = true;
   CausalAlign align = CausalAlign::bottom_right;
+  ScoreVariants var;
   int threads = 1;
   CallSite site;  // entry point and kernel name, for ResourceError messages
 
   std::int64_t group() const { return hq / hkv; }  // g of SPEC 4.8
-  /// Query t sees keys [0, visible_end(t)); ≤ 0 means no key (SPEC 4.3).
+  /// p(t): query t's absolute position, t + (T_k − T_q) bottom-right, t top-left (SPEC 4.3).
+  std::int64_t position(std::int64_t t) const {
+    return align == CausalAlign::bottom_right ? t + (tk - tq) : t;
+  }
+  /// Query t sees keys [0, visible_end(t)) under the causal mask alone; ≤ 0 means no key (4.3).
   std::int64_t visible_end(std::int64_t t) const {
     if (!causal) return tk;
-    const std::int64_t shift = align == CausalAlign::bottom_right ? tk - tq : 0;
-    const std::int64_t end = t + 1 + shift;
+    const std::int64_t end = position(t) + 1;
     return end < tk ? end : tk;
+  }
+  /// The keys row (b, h, t) sees: the causal mask (4.3) ∩ the window (p(t) − W < u) ∩ the key
+  /// length of sequence b ∩ the row's interval of an interval-shaped boolean mask; clamped to
+  /// [0, T_k], begin ≤ end.
+  KeyRange key_range(std::int64_t b, std::int64_t h, std::int64_t t) const {
+    std::int64_t begin = 0, end = visible_end(t);
+    if (var.window > 0) begin = std::max(begin, position(t) - var.window + 1);
+    if (var.key_lengths != nullptr) end = std::min(end, var.key_lengths[b]);
+    if (var.row_begin != nullptr) {
+      const std::int64_t i = b * var.r0 + h * var.r1 + t * var.r2;
+      begin = std::max(begin, var.row_begin[i]);
+      end = std::min(end, var.row_end[i]);
+    }
+    end = std::clamp<std::int64_t>(end, 0, tk);
+    begin = std::clamp<std::int64_t>(begin, 0, end);
+    return {begin, end};
+  }
+  /// The score entering the softmax for z = s·⟨q_t, k_u⟩ of a key inside key_range(b, h, t)
+  /// (scalar form of the element-wise terms): cap(z) + b_h(t, u) + bias, or −∞ where a boolean
+  /// mask excludes the key (selected: a NaN z does not leak through).
+  float score(float z, std::int64_t b, std::int64_t h, std::int64_t t, std::int64_t u) const {
+    if (var.mask_kind == MaskKind::boolean &&
+        static_cast<const std::uint8_t*>(var.mask)[mask_offset(b, h, t, u)] == 0) {
+      return -std::numeric_limits<float>::infinity();
+    }
+    float x = var.softcap > 0.0f ? var.softcap * std::tanh(z / var.softcap) : z;
+    if (var.alibi != nullptr) x -= var.alibi[h] * static_cast<float>(position(t) - u);
+    if (var.mask_kind == MaskKind::bias)
+      x += static_cast<const float*>(var.mask)[mask_offset(b, h, t, u)];
+    return x;
+  }
+  std::int64_t mask_offset(std::int64_t b, std::int64_t h, std::int64_t t, std::int64_t u) const {
+    return b * var.m0 + h * var.m1 + t * var.m2 + u * var.m3;
   }
 };
 
@@ -57,6 +142,8 @@ struct BackwardArgs {
   AttentionProblem p;
   In q, k, v, out, lse, dout;
   Out dq, dk, dv;
+  // dsinks is not a kernel output: the API computes dσ_h = −Σ_{b,t} e^{σ_h − L_t} D_t from L,
+  // O and dO (SPEC "Score variants": sinks) once for every path.
 };
 
 // ---- Decode: attention of a few new queries against a KVCache (src/api/decode.cpp) ----

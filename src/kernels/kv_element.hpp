@@ -66,6 +66,10 @@ inline void store_element(DType dtype, void* base, std::int64_t i, float x) {
     case DType::f16:
       static_cast<std::uint16_t*>(base)[i] = f32_to_f16(x);
       return;
+    case DType::boolean:  // not a cache element type (KVCacheConfig validation)
+    case DType::i32:
+    case DType::i64:
+      return;
   }
 }
 
@@ -78,6 +82,10 @@ inline float load_element(DType dtype, const void* base, std::int64_t i) {
       return bf16_to_f32(static_cast<const std::uint16_t*>(base)[i]);
     case DType::f16:
       return f16_to_f32(static_cast<const std::uint16_t*>(base)[i]);
+    case DType::boolean:  // not a cache element type (KVCacheConfig validation)
+    case DType::i32:
+    case DType::i64:
+      break;
   }
   return 0.0f;
 }

@@ -77,47 +77,100 @@ std::int64_t check_qkv(const Tensor64& q, const Tensor64& k, const Tensor64& v) 
   return q.shape[2] / k.shape[2];
 }
 
+/// Checks the variant options against the problem's sizes.
+void check_options(const Options& o, std::int64_t B, std::int64_t T_q, std::int64_t T_k,
+                   std::int64_t H_q) {
+  const auto n = [](std::int64_t x) { return static_cast<std::size_t>(x); };
+  require(!o.window || *o.window >= 1, "window must be >= 1");
+  require(!o.softcap || *o.softcap > 0.0, "softcap must be > 0");
+  require(o.alibi_slopes.empty() || o.alibi_slopes.size() == n(H_q), "alibi_slopes must be [H_q]");
+  require(o.sinks.empty() || o.sinks.size() == n(H_q), "sinks must be [H_q]");
+  require(o.key_lengths.empty() || o.key_lengths.size() == n(B), "key_lengths must be [B]");
+  const std::size_t full = n(B * H_q * T_q * T_k);
+  require(o.mask_bool.empty() || o.mask_bool.size() == full, "mask_bool must be [B,H_q,T_q,T_k]");
+  require(o.mask_bias.empty() || o.mask_bias.size() == full, "mask_bias must be [B,H_q,T_q,T_k]");
+}
+
 double scale_of(const Options& o, std::int64_t d_h) {
   return o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(d_h));
 }
 
 /// Everything the forward pass materialises for one (b, h).
 struct HeadForward {
-  Matrix S;                 ///< scores, (4.2)
-  Matrix M;                 ///< mask, 0 or −∞, (4.3)
-  Matrix A;                 ///< probabilities, (4.4)
-  std::vector<double> lse;  ///< row log-sum-exp L_t, (4.4)
+  Matrix Z;                    ///< raw scaled scores z = s·Q_h K_jᵀ, (4.2)
+  Matrix S;                    ///< scores entering the softmax: cap(z) + ALiBi + bias ("Variants")
+  Matrix M;                    ///< mask, 0 or −∞, (4.3) with window, key length, boolean mask
+  Matrix A;                    ///< probabilities, (4.4) (with a sink: its share is not in A)
+  std::vector<double> lse;     ///< row log-sum-exp L_t, (4.4), the sink's e^σ included
+  std::vector<double> a_sink;  ///< e^{σ_h − L_t} per row (the sink's probability); empty if off
 };
 
-/// (4.2)–(4.4) for one head: Q_h [T_q × d_h] against K_j [T_k × d_h].
-HeadForward head_forward(const Matrix& Qh, const Matrix& Kj, const Options& o) {
+/// Which (batch row, head) a head_forward call serves, for the per-(b, h) variant terms.
+struct HeadIndex {
+  std::int64_t b = 0, h = 0, H_q = 1;
+};
+
+/// Element (b, h, t, u) of a dense [B][H_q][T_q][T_k] mask.
+template <class T>
+T mask_at(const std::vector<T>& m, const HeadIndex& at, std::int64_t t, std::int64_t u,
+          std::int64_t T_q, std::int64_t T_k) {
+  return m[static_cast<std::size_t>(((at.b * at.H_q + at.h) * T_q + t) * T_k + u)];
+}
+
+/// (4.2)–(4.4) for one head: Q_h [T_q × d_h] against K_j [T_k × d_h], with every score variant.
+HeadForward head_forward(const Matrix& Qh, const Matrix& Kj, const Options& o,
+                         const HeadIndex& at) {
   const std::int64_t T_q = Qh.rows, T_k = Kj.rows, d_h = Qh.cols;
   const double s = scale_of(o, d_h);
-  HeadForward f{Matrix(T_q, T_k), Matrix(T_q, T_k), Matrix(T_q, T_k), {}};
+  HeadForward f{Matrix(T_q, T_k), Matrix(T_q, T_k), Matrix(T_q, T_k), Matrix(T_q, T_k), {}, {}};
+  const std::size_t h = static_cast<std::size_t>(at.h);
 
-  // (4.2)  S = s · Q_h K_jᵀ
+  // (4.2)  z = s · Q_h K_jᵀ
   for (std::int64_t t = 0; t < T_q; ++t)
     for (std::int64_t u = 0; u < T_k; ++u) {
       const double* q_t = Qh.row(t);
       const double* k_u = Kj.row(u);
       double dot = 0.0;
       for (std::int64_t e = 0; e < d_h; ++e) dot += q_t[e] * k_u[e];
-      f.S(t, u) = s * dot;
+      f.Z(t, u) = s * dot;
     }
 
-  // (4.3)  M_{t,u} = 0 if key u is visible to query t, −∞ otherwise
+  // "Score variants": S = cap(z) + b_h(t, u) + bias
   for (std::int64_t t = 0; t < T_q; ++t)
-    for (std::int64_t u = 0; u < T_k; ++u) f.M(t, u) = visible(t, u, T_q, T_k, o) ? 0.0 : kNegInf;
+    for (std::int64_t u = 0; u < T_k; ++u) {
+      double x = f.Z(t, u);
+      if (o.softcap) x = *o.softcap * std::tanh(x / *o.softcap);  // cap(z) = c·tanh(z / c)
+      if (!o.alibi_slopes.empty()) {  // b_h(t, u) = −m_h · (p(t) − u)
+        x += -o.alibi_slopes[h] * static_cast<double>(position(t, T_q, T_k, o) - u);
+      }
+      if (!o.mask_bias.empty()) x += mask_at(o.mask_bias, at, t, u, T_q, T_k);
+      f.S(t, u) = x;
+    }
 
-  // (4.4)  A = softmax(S + M) row by row; L_t = log Σ_u exp(S_tu + M_tu)
+  // (4.3)  M_{t,u} = 0 if key u is visible to query t, −∞ otherwise (causal, window, key
+  // length of sequence b, boolean mask)
+  for (std::int64_t t = 0; t < T_q; ++t)
+    for (std::int64_t u = 0; u < T_k; ++u) {
+      bool vis = visible(t, u, T_q, T_k, o);
+      if (!o.key_lengths.empty()) vis = vis && u < o.key_lengths[static_cast<std::size_t>(at.b)];
+      if (!o.mask_bool.empty()) vis = vis && mask_at(o.mask_bool, at, t, u, T_q, T_k) != 0;
+      f.M(t, u) = vis ? 0.0 : kNegInf;
+    }
+
+  // (4.4)  A = softmax(S + M) row by row; L_t = log Σ_u exp(S_tu + M_tu). A sink σ_h is one
+  // more entry of the row's softmax with no value vector: softmax over [S_t + M_t, σ_h].
+  const bool sink = !o.sinks.empty();
   f.lse.resize(static_cast<std::size_t>(T_q));
-  std::vector<double> z(static_cast<std::size_t>(T_k));
+  if (sink) f.a_sink.resize(static_cast<std::size_t>(T_q));
+  std::vector<double> z(static_cast<std::size_t>(T_k + (sink ? 1 : 0)));
   for (std::int64_t t = 0; t < T_q; ++t) {
     // S + M, with M selecting: a masked entry is −∞ even where S is NaN (SPEC 4.3).
     for (std::int64_t u = 0; u < T_k; ++u)
       z[static_cast<std::size_t>(u)] = f.M(t, u) == 0.0 ? f.S(t, u) : kNegInf;
+    if (sink) z[static_cast<std::size_t>(T_k)] = o.sinks[h];
     const std::vector<double> a = softmax(z);
     for (std::int64_t u = 0; u < T_k; ++u) f.A(t, u) = a[static_cast<std::size_t>(u)];
+    if (sink) f.a_sink[static_cast<std::size_t>(t)] = a[static_cast<std::size_t>(T_k)];
     f.lse[static_cast<std::size_t>(t)] = logsumexp(z);
   }
   return f;
@@ -241,11 +294,16 @@ double Tensor64::at(std::int64_t a, std::int64_t b, std::int64_t c, std::int64_t
 // ---------------------------------------------------------------------------------------------
 // (4.3) the causal mask
 
-bool visible(std::int64_t t, std::int64_t u, std::int64_t T_q, std::int64_t T_k, const Options& o) {
-  if (!o.causal) return true;
+std::int64_t position(std::int64_t t, std::int64_t T_q, std::int64_t T_k, const Options& o) {
   // Bottom-right: query t is at absolute position t + (T_k − T_q). Top-left: at position t.
-  const std::int64_t position = o.align == Align::bottom_right ? t + (T_k - T_q) : t;
-  return u <= position;
+  return o.align == Align::bottom_right ? t + (T_k - T_q) : t;
+}
+
+bool visible(std::int64_t t, std::int64_t u, std::int64_t T_q, std::int64_t T_k, const Options& o) {
+  const std::int64_t p = position(t, T_q, T_k, o);
+  if (o.causal && u > p) return false;               // (4.3)
+  if (o.window && u <= p - *o.window) return false;  // sliding window: p(t) − W < u
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -290,13 +348,14 @@ ForwardResult attention_forward(const Tensor64& q, const Tensor64& k, const Tens
   const std::int64_t g = check_qkv(q, k, v);
   const std::int64_t B = q.shape[0], T_q = q.shape[1], H_q = q.shape[2], d_h = q.shape[3];
   const std::int64_t T_k = k.shape[1];
+  check_options(o, B, T_q, T_k, H_q);
   ForwardResult r{Tensor64({B, T_q, H_q, d_h}), Tensor64({B, H_q, T_q, 1})};
 
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t h = 0; h < H_q; ++h) {
       const std::int64_t j = h / g;  // (4.8)  j(h) = ⌊h / g⌋
       const Matrix Qh = head_block(q, b, h), Kj = head_block(k, b, j), Vj = head_block(v, b, j);
-      const HeadForward f = head_forward(Qh, Kj, o);
+      const HeadForward f = head_forward(Qh, Kj, o, {b, h, H_q});
       // (4.5)  O_h = A_h V_j. A row that sees no key has A = 0, hence O = 0.
       for (std::int64_t t = 0; t < T_q; ++t) {
         std::vector<double> o_t(static_cast<std::size_t>(d_h), 0.0);  // O_h[t] = Σ_u A_tu V_u
@@ -323,16 +382,19 @@ BackwardResult attention_backward(const Tensor64& q, const Tensor64& k, const Te
   require(dout.shape == q.shape, "dout must have the shape of q (and of out)");
   const std::int64_t B = q.shape[0], T_q = q.shape[1], H_q = q.shape[2], d_h = q.shape[3];
   const std::int64_t T_k = k.shape[1];
+  check_options(o, B, T_q, T_k, H_q);
   const double s = scale_of(o, d_h);
-  BackwardResult r{Tensor64(q.shape), Tensor64(k.shape), Tensor64(v.shape)};
-  std::vector<double> J;  // one row's Jacobian, reused (up to T_k × T_k)
+  BackwardResult r{Tensor64(q.shape), Tensor64(k.shape), Tensor64(v.shape), {}};
+  const bool sink = !o.sinks.empty();
+  if (sink) r.dsinks.assign(static_cast<std::size_t>(H_q), 0.0);
+  std::vector<double> J;  // one row's Jacobian, reused (up to (T_k + 1) × (T_k + 1))
 
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t h = 0; h < H_q; ++h) {
       const std::int64_t j = h / g;  // (4.8)
       const Matrix Qh = head_block(q, b, h), Kj = head_block(k, b, j), Vj = head_block(v, b, j);
       const Matrix dOh = head_block(dout, b, h);
-      const HeadForward f = head_forward(Qh, Kj, o);
+      const HeadForward f = head_forward(Qh, Kj, o, {b, h, H_q});
 
       // dV_j += A_hᵀ dO_h  (summed over the heads h of group j): (A_hᵀ dO_h)_u = Σ_t A_tu dO_t
       Matrix dVh(T_k, d_h);
@@ -359,25 +421,39 @@ BackwardResult attention_backward(const Tensor64& q, const Tensor64& k, const Te
       // dS row t = Jᵀ · dA row t, with J = diag(a) − a aᵀ (4.6) of that row's softmax. Only the
       // visible keys (M = 0) take part in the softmax; masked entries carry zero gradient, so J
       // is formed over the visible keys of the row (its entries at masked keys would be 0 anyway).
+      // A sink is one more softmax entry whose dA is 0 (it has no value vector); the Jacobian's
+      // sink column gives dσ_h ("Variants": dσ_h = −Σ_t e^{σ_h − L_t} D_t).
       Matrix dS(T_q, T_k);
       for (std::int64_t t = 0; t < T_q; ++t) {
         std::vector<std::int64_t> keys;  // visible keys of row t
         for (std::int64_t u = 0; u < T_k; ++u)
           if (f.M(t, u) == 0.0) keys.push_back(u);
-        const std::size_t n = keys.size();
-        if (n == 0) continue;  // no visible key: zero gradient for the whole row
-        std::vector<double> a(n), da(n), ds(n, 0.0);
+        const std::size_t n = keys.size(), ns = n + (sink ? 1 : 0);
+        if (ns == 0) continue;  // no visible key and no sink: zero gradient for the whole row
+        std::vector<double> a(ns), da(ns, 0.0), ds(ns, 0.0);
         for (std::size_t i = 0; i < n; ++i) {
           a[i] = f.A(t, keys[i]);
           da[i] = dA(t, keys[i]);
         }
+        if (sink) a[n] = f.a_sink[static_cast<std::size_t>(t)];  // da[n] = 0
         jacobian_into(a, J);
         // ∂loss/∂z_c = Σ_i (∂loss/∂a_i)(∂a_i/∂z_c) = Σ_i dA_i J_ic  (accumulated row by row of J)
-        for (std::size_t i = 0; i < n; ++i) {
-          const double* J_i = J.data() + i * n;
-          for (std::size_t c = 0; c < n; ++c) ds[c] += da[i] * J_i[c];
+        for (std::size_t i = 0; i < ns; ++i) {
+          const double* J_i = J.data() + i * ns;
+          for (std::size_t c = 0; c < ns; ++c) ds[c] += da[i] * J_i[c];
         }
         for (std::size_t c = 0; c < n; ++c) dS(t, keys[c]) = ds[c];
+        if (sink) r.dsinks[static_cast<std::size_t>(h)] += ds[n];
+      }
+      // Soft-capping: S = c·tanh(z / c) ⇒ ∂S/∂z = 1 − tanh²(z / c); dS becomes dz (the ALiBi and
+      // bias terms do not depend on z).
+      if (o.softcap) {
+        for (std::int64_t t = 0; t < T_q; ++t)
+          for (std::int64_t u = 0; u < T_k; ++u) {
+            if (f.M(t, u) != 0.0) continue;
+            const double th = std::tanh(f.Z(t, u) / *o.softcap);
+            dS(t, u) *= 1.0 - th * th;
+          }
       }
 
       // dQ_h = s · dS_h K_j
@@ -404,6 +480,82 @@ BackwardResult attention_backward(const Tensor64& q, const Tensor64& k, const Te
       for (std::int64_t u = 0; u < T_k; ++u)
         for (std::int64_t e = 0; e < d_h; ++e) r.dk.at(b, u, j, e) += s * dKh(u, e);
     }
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Variable-length batches: each sequence an independent B = 1 problem
+
+namespace {
+
+void check_cu(const std::vector<std::int64_t>& cu, std::int64_t total, const char* name) {
+  require(cu.size() >= 1 && cu.front() == 0, std::string(name) + " must start at 0");
+  for (std::size_t i = 1; i < cu.size(); ++i)
+    require(cu[i] >= cu[i - 1], std::string(name) + " must be non-decreasing");
+  require(cu.back() == total, std::string(name) + " must end at the total length");
+}
+
+/// Rows [r0, r1) of a [1, total, H, d_h] tensor as a [1, r1 − r0, H, d_h] tensor.
+Tensor64 rows_of(const Tensor64& x, std::int64_t r0, std::int64_t r1) {
+  Tensor64 y({1, r1 - r0, x.shape[2], x.shape[3]});
+  const std::int64_t row = x.shape[2] * x.shape[3];
+  std::copy(x.data.begin() + r0 * row, x.data.begin() + r1 * row, y.data.begin());
+  return y;
+}
+
+void put_rows(Tensor64& x, std::int64_t r0, const Tensor64& y) {
+  std::copy(y.data.begin(), y.data.end(), x.data.begin() + r0 * x.shape[2] * x.shape[3]);
+}
+
+void check_varlen(const Tensor64& q, const Tensor64& k, const std::vector<std::int64_t>& cu_q,
+                  const std::vector<std::int64_t>& cu_k, const Options& o) {
+  require(q.shape[0] == 1 && k.shape[0] == 1, "varlen tensors are [1, total, H, d_h]");
+  check_cu(cu_q, q.shape[1], "cu_q");
+  check_cu(cu_k, k.shape[1], "cu_k");
+  require(cu_q.size() == cu_k.size(), "cu_q and cu_k must have the same length");
+  require(o.key_lengths.empty() && o.mask_bool.empty() && o.mask_bias.empty(),
+          "varlen takes no key_lengths or masks");
+}
+
+}  // namespace
+
+ForwardResult attention_forward_varlen(const Tensor64& q, const Tensor64& k, const Tensor64& v,
+                                       const std::vector<std::int64_t>& cu_q,
+                                       const std::vector<std::int64_t>& cu_k, const Options& o) {
+  check_qkv(q, k, v);
+  check_varlen(q, k, cu_q, cu_k, o);
+  const std::int64_t H_q = q.shape[2];
+  ForwardResult r{Tensor64(q.shape), Tensor64({1, H_q, q.shape[1], 1})};
+  for (std::size_t i = 0; i + 1 < cu_q.size(); ++i) {
+    const std::int64_t q0 = cu_q[i], q1 = cu_q[i + 1], k0 = cu_k[i], k1 = cu_k[i + 1];
+    const ForwardResult part =
+        attention_forward(rows_of(q, q0, q1), rows_of(k, k0, k1), rows_of(v, k0, k1), o);
+    put_rows(r.out, q0, part.out);
+    for (std::int64_t h = 0; h < H_q; ++h)
+      for (std::int64_t t = 0; t < q1 - q0; ++t)
+        r.lse.at(0, h, q0 + t, 0) = part.lse.at(0, h, t, 0);
+  }
+  return r;
+}
+
+BackwardResult attention_backward_varlen(const Tensor64& q, const Tensor64& k, const Tensor64& v,
+                                         const Tensor64& dout,
+                                         const std::vector<std::int64_t>& cu_q,
+                                         const std::vector<std::int64_t>& cu_k, const Options& o) {
+  check_qkv(q, k, v);
+  check_varlen(q, k, cu_q, cu_k, o);
+  require(dout.shape == q.shape, "dout must have the shape of q");
+  BackwardResult r{Tensor64(q.shape), Tensor64(k.shape), Tensor64(v.shape), {}};
+  if (!o.sinks.empty()) r.dsinks.assign(o.sinks.size(), 0.0);
+  for (std::size_t i = 0; i + 1 < cu_q.size(); ++i) {
+    const std::int64_t q0 = cu_q[i], q1 = cu_q[i + 1], k0 = cu_k[i], k1 = cu_k[i + 1];
+    const BackwardResult part = attention_backward(rows_of(q, q0, q1), rows_of(k, k0, k1),
+                                                   rows_of(v, k0, k1), rows_of(dout, q0, q1), o);
+    put_rows(r.dq, q0, part.dq);
+    put_rows(r.dk, k0, part.dk);
+    put_rows(r.dv, k0, part.dv);
+    for (std::size_t h = 0; h < r.dsinks.size(); ++h) r.dsinks[h] += part.dsinks[h];
+  }
   return r;
 }
 

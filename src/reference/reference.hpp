@@ -29,13 +29,29 @@ struct Tensor64 {
 
 enum class Align { bottom_right, top_left };
 
+/// SPEC 4.2–4.4 and "Score variants used by real models". The score of row t, key u is
+///   S_{t,u} = cap(z_{t,u}) + b_h(t,u) + bias_{b,h,t,u}   (+ M_{t,u}: −∞ where not visible)
+/// with z = s·⟨q_t, k_u⟩; key u is visible to row t of (b, h) iff the causal mask (4.3), the
+/// window, the key length of sequence b and the boolean mask all allow it.
 struct Options {
   std::optional<double> scale;  ///< default 1/sqrt(d_h)
   bool causal = true;
   Align align = Align::bottom_right;
+  std::optional<std::int64_t> window;  ///< W ≥ 1: u visible only if p(t) − W < u
+  std::optional<double> softcap;       ///< c > 0: cap(z) = c·tanh(z / c)
+  std::vector<double> alibi_slopes;    ///< [H_q] m_h: b_h(t,u) = −m_h·(p(t) − u); empty = off
+  std::vector<double> sinks;           ///< [H_q] σ_h (joins each row's denominator); empty = off
+  std::vector<std::int64_t> key_lengths;  ///< [B]: keys u ≥ key_lengths[b] are invisible
+  /// Explicit masks, dense [B][H_q][T_q][T_k] row-major (the tests expand any broadcast):
+  std::vector<std::uint8_t> mask_bool;  ///< nonzero = may attend; empty = none
+  std::vector<double> mask_bias;        ///< added to the score; empty = none
 };
 
-/// M_{t,u} of (4.3): true if key u is visible to query t.
+/// p(t): the absolute position of query row t — t + (T_k − T_q) bottom-right, t top-left (4.3).
+std::int64_t position(std::int64_t t, std::int64_t T_q, std::int64_t T_k, const Options& o);
+
+/// M_{t,u} of (4.3) and the sliding window: true if key u is visible to query t (the parts of
+/// the visibility that do not depend on the batch row or head).
 bool visible(std::int64_t t, std::int64_t u, std::int64_t T_q, std::int64_t T_k, const Options& o);
 
 struct ForwardResult {
@@ -47,14 +63,29 @@ ForwardResult attention_forward(const Tensor64& q, const Tensor64& k, const Tens
                                 const Options& o = {});
 
 struct BackwardResult {
-  Tensor64 dq;  ///< [B, T_q, H_q, d_h]
-  Tensor64 dk;  ///< [B, T_k, H_kv, d_h]
-  Tensor64 dv;  ///< [B, T_k, H_kv, d_h]
+  Tensor64 dq;                 ///< [B, T_q, H_q, d_h]
+  Tensor64 dk;                 ///< [B, T_k, H_kv, d_h]
+  Tensor64 dv;                 ///< [B, T_k, H_kv, d_h]
+  std::vector<double> dsinks;  ///< [H_q] dσ_h when o.sinks is set, else empty
 };
 /// SPEC "Backward pass", literally: dA = dO Vᵀ; each row's dS = J_row · dA_row with the
 /// explicit Jacobian (4.6); dQ = s dS K; dK = s Σ dSᵀ Q; dV = Σ Aᵀ dO.
 BackwardResult attention_backward(const Tensor64& q, const Tensor64& k, const Tensor64& v,
                                   const Tensor64& dout, const Options& o = {});
+
+/// Variable-length batches (SPEC "Score variants": varlen): q [1, total_q, H_q, d_h], k and v
+/// [1, total_k, H_kv, d_h]; sequence i owns query rows [cu_q[i], cu_q[i+1]) and keys
+/// [cu_k[i], cu_k[i+1]); alignment, window and ALiBi positions are per sequence. Each sequence
+/// is an independent B = 1 problem (o.key_lengths and the masks must be empty).
+ForwardResult attention_forward_varlen(const Tensor64& q, const Tensor64& k, const Tensor64& v,
+                                       const std::vector<std::int64_t>& cu_q,
+                                       const std::vector<std::int64_t>& cu_k,
+                                       const Options& o = {});
+BackwardResult attention_backward_varlen(const Tensor64& q, const Tensor64& k, const Tensor64& v,
+                                         const Tensor64& dout,
+                                         const std::vector<std::int64_t>& cu_q,
+                                         const std::vector<std::int64_t>& cu_k,
+                                         const Options& o = {});
 
 /// Stable softmax / log-sum-exp of one row (−∞ entries are masked; all −∞ → zeros, −∞).
 std::vector<double> softmax(const std::vector<double>& z);

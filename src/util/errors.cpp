@@ -36,6 +36,12 @@ const char* to_string(DType dtype) noexcept {
       return "bf16";
     case DType::f16:
       return "f16";
+    case DType::boolean:
+      return "bool";
+    case DType::i32:
+      return "i32";
+    case DType::i64:
+      return "i64";
   }
   return "unknown";
 }
@@ -47,6 +53,12 @@ std::size_t size_of(DType dtype) noexcept {
     case DType::bf16:
     case DType::f16:
       return 2;
+    case DType::boolean:
+      return 1;
+    case DType::i32:
+      return 4;
+    case DType::i64:
+      return 8;
   }
   return 0;
 }

@@ -10,6 +10,10 @@ the same thread count (``torch.set_num_threads``; tokenmix's drop-in uses
 enable_gqa=True)``; ``--torch-expanded`` also times PyTorch on K/V repeated to H_q heads
 (plain multi-head, expanded outside the timing) and compares against the faster of the two.
 
+``--ring N`` benchmarks context parallelism instead (tokenmix.distributed.ring_attention; see
+:func:`ring_main`): T = 16384 by default, N gloo processes on this machine with one thread each
+against one process with one thread.
+
 Each case: one warm-up call per side, then ``--repeats`` rounds; a round times PyTorch and then
 tokenmix back to back (alternating order each round), so slow phases of a shared machine hit
 both sides alike. Reported: the median time of each side, the ratio of the medians
@@ -26,12 +30,18 @@ own ``torch.mm`` is not used: on the AMD machine of docs/performance.md it moved
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import platform
+import resource
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -161,28 +171,258 @@ def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
     }
 
 
+# ---------------------------------------------------------------------------------------------
+# --ring N: context parallelism (tokenmix.distributed.ring_attention, SPEC "Context parallelism")
+
+
+def _rss_kib() -> int:
+    """Resident set size of this process now, in KiB (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _ring_child(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """One process of a --ring run: rank ``spec["rank"]`` of ``spec["world"]`` (world 1: the
+    single-process baseline, plain tokenmix.torch on the full sequence, no process group).
+    Allocates only this rank's shard, times each mode, counts bytes sent, records peak RSS."""
+    import torch.distributed as dist
+
+    import tokenmix.distributed as tmd
+
+    torch.set_num_threads(spec["threads"])
+    world, rank = spec["world"], spec["rank"]
+    rss_start = _rss_kib()
+    if world > 1:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{spec['addr']}:{spec['port']}", rank=rank,
+            world_size=world, timeout=datetime.timedelta(seconds=spec["timeout"]))
+    B, Hq, Hkv, D, T = spec["batch"], spec["heads_q"], spec["heads_kv"], spec["head_dim"], \
+        spec["seq"]
+    T_l = T // world
+    gen = torch.Generator().manual_seed(1234 + rank)
+    q = torch.randn(B, Hq, T_l, D, generator=gen)
+    k = torch.randn(B, Hkv, T_l, D, generator=gen)
+    v = torch.randn(B, Hkv, T_l, D, generator=gen)
+    g = torch.randn(B, Hq, T_l, D, generator=gen)
+    gqa = Hq != Hkv
+
+    def attn(qq, kk, vv):
+        if world == 1:
+            return tm_sdpa(qq, kk, vv, is_causal=True, enable_gqa=gqa)
+        return tmd.ring_attention(qq, kk, vv, layout=spec["layout"], enable_gqa=gqa)
+
+    def slowest(seconds: float) -> float:
+        """The round's time is the slowest rank's."""
+        if world == 1:
+            return seconds
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    result: Dict[str, Any] = {"rank": rank, "modes": {}}
+    for mode in spec["modes"]:
+        if mode == "fwd":
+            def call() -> None:
+                with torch.no_grad():
+                    attn(q, k, v)
+        else:
+            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+            def call() -> None:
+                qg.grad = kg.grad = vg.grad = None
+                attn(qg, kg, vg).backward(g)
+        for _ in range(spec["warmup"]):
+            call()
+        tmd.reset_comm_stats()
+        times = []
+        for _ in range(spec["repeats"]):
+            if world > 1:
+                dist.barrier()
+            times.append(slowest(_time(call)))
+        stats = tmd.comm_stats()
+        result["modes"][mode] = {
+            "median_s": statistics.median(times), "times_s": times,
+            "bytes_sent": stats["bytes_sent"] // spec["repeats"],
+            "messages_sent": stats["messages_sent"] // spec["repeats"],
+        }
+    result["rss_start_kib"] = rss_start
+    result["peak_rss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if world > 1:
+        dist.destroy_process_group()
+    return result
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_world(spec: Dict[str, Any], world: int) -> List[Dict[str, Any]]:
+    """Starts ``world`` processes of ``python -m tokenmix.bench --ring-child`` (one per rank),
+    waits for them (killing all on timeout or failure) and returns their results by rank."""
+    with tempfile.TemporaryDirectory(prefix="tokenmix-ring-") as tmp:
+        port = _free_port()
+        procs = []
+        for rank in range(world):
+            child = dict(spec, world=world, rank=rank, port=port, addr="127.0.0.1",
+                         out=os.path.join(tmp, f"rank{rank}.json"))
+            env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tokenmix.bench", "--ring-child", json.dumps(child)],
+                env=env, cwd=tmp))
+        deadline = time.monotonic() + spec["timeout"]
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"--ring: the world of {world} did not finish within "
+                               f"{spec['timeout']} s (--ring-timeout)") from None
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        codes = [p.returncode for p in procs]
+        if any(codes):
+            raise RuntimeError(f"--ring: a process of the world of {world} failed (exit codes "
+                               f"{codes})")
+        results = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+                results.append(json.load(f))
+        return results
+
+
+def ring_main(args: argparse.Namespace) -> int:
+    """``--ring N``: forward and forward+backward of causal self-attention at each T, over N
+    gloo processes on this machine (``--threads`` threads each, default 1; layout
+    ``--ring-layout``) against one process with the same threads on the full sequence.
+
+    Reported per (T, pass): both median times (a round's time is its slowest rank's), the
+    speedup and the parallel efficiency E = t_1 / (N · t_N), the bytes each rank sent per call
+    (K/V chunks; in the backward also the dK/dV accumulators), and the peak resident memory per
+    process (``getrusage`` ru_maxrss; "above start" subtracts the RSS after ``import torch``,
+    which is what falls ∝ 1/N). Then, from these figures, the expected efficiency on a network of
+    10 and 100 Gbit/s (docs/design.md, "Context parallelism"): each of the N steps takes
+    max(t_N / N, bytes per step · 8 / bandwidth) when the transfer overlaps the compute, so
+    E(bw) = t_1 / (N · Σ max(...)).
+    """
+    N = args.ring
+    seqs = args.seq or [16384]
+    threads = args.threads if args.threads > 0 else 1
+    modes = ["fwd", "fwd+bwd"] if args.mode == "both" else [args.mode]
+    div = 2 * N if args.ring_layout == "zigzag" else N
+    for T in seqs:
+        if T % div != 0:
+            print(f"python -m tokenmix.bench: error: --ring {N} with layout {args.ring_layout} "
+                  f"needs T divisible by {div}; got T={T}", file=sys.stderr)
+            return 2
+    print(f"CPU: {_cpu_model()} ({os.cpu_count()} logical CPUs)")
+    print(f"torch {torch.__version__}, tokenmix {tokenmix.__version__} (kernel path "
+          f"{tokenmix.resolve_isa()}), Python {platform.python_version()}")
+    print(f"ring attention: {N} gloo processes on 127.0.0.1, layout {args.ring_layout}, "
+          f"{threads} thread(s) each, vs 1 process with {threads} thread(s); B={args.batch} "
+          f"H_q={args.heads_q} H_kv={args.heads_kv} d_h={args.head_dim}, causal, float32; "
+          f"median of {args.repeats} rounds after {args.ring_warmup} warm-up call(s)")
+    print(f"load average before: {_loadavg()}")
+    sys.stdout.flush()
+    rows = []
+    for T in seqs:
+        spec = {"seq": T, "batch": args.batch, "heads_q": args.heads_q,
+                "heads_kv": args.heads_kv, "head_dim": args.head_dim, "threads": threads,
+                "modes": modes, "repeats": args.repeats, "warmup": args.ring_warmup,
+                "layout": args.ring_layout, "timeout": args.ring_timeout}
+        single = _run_world(spec, 1)[0]
+        ranks = _run_world(spec, N)
+        mib = 1024.0
+        peak1 = single["peak_rss_kib"] / mib
+        peak1_above = (single["peak_rss_kib"] - single["rss_start_kib"]) / mib
+        peakN = max(r["peak_rss_kib"] for r in ranks) / mib
+        peakN_above = max(r["peak_rss_kib"] - r["rss_start_kib"] for r in ranks) / mib
+        for mode in modes:
+            t1 = single["modes"][mode]["median_s"]
+            tN = ranks[0]["modes"][mode]["median_s"]  # every rank holds the same (max) figure
+            sent = max(r["modes"][mode]["bytes_sent"] for r in ranks)
+            eff = t1 / (N * tN)
+            net = {}
+            for gbit in (10, 100):
+                step = max(tN / N, sent / N * 8 / (gbit * 1e9))
+                net[gbit] = t1 / (N * N * step)
+            rows.append((T, mode, t1, tN, eff, sent, peak1, peak1_above, peakN, peakN_above,
+                         net))
+            print(f"T={T:6d} {mode:8s} 1 process {t1 * 1e3:10.1f} ms  {N} processes "
+                  f"{tN * 1e3:10.1f} ms  speedup {t1 / tN:.2f}x  efficiency {eff:.2f}  "
+                  f"sent/rank {sent} B ({sent / 2**20:.1f} MiB)  peak RSS/process {peak1:.0f} -> "
+                  f"{peakN:.0f} MiB (above start {peak1_above:.0f} -> {peakN_above:.0f} MiB)  "
+                  f"expected efficiency at 10 Gbit/s {net[10]:.2f}, 100 Gbit/s {net[100]:.2f}")
+            sys.stdout.flush()
+    if args.markdown:
+        print()
+        print(f"| T | pass | 1 process (ms) | {N} processes (ms) | speedup | efficiency | "
+              "sent per rank (MiB) | peak RSS above start, 1 → N (MiB) | "
+              "expected efficiency 10 / 100 Gbit/s |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for T, mode, t1, tN, eff, sent, _, p1a, _, pNa, net in rows:
+            print(f"| {T} | {mode} | {t1 * 1e3:.1f} | {tN * 1e3:.1f} | {t1 / tN:.2f}x | "
+                  f"{eff:.2f} | {sent / 2**20:.1f} | {p1a:.0f} → {pNa:.0f} | "
+                  f"{net[10]:.2f} / {net[100]:.2f} |")
+    print(f"load average after: {_loadavg()}")
+    return 0
+
+
+
 def main(argv: List[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m tokenmix.bench", description=__doc__.split("\n\n")[0]
     )
     p.add_argument(
-        "--seq", type=int, nargs="+", default=[512, 2048, 8192], help="sequence lengths T"
+        "--seq", type=int, nargs="+", default=None,
+        help="sequence lengths T (default 512 2048 8192; with --ring 16384)",
     )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads-q", type=int, default=32)
     p.add_argument("--heads-kv", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument(
-        "--threads", type=int, default=0, help="threads for both sides (0 = torch's default)"
+        "--threads", type=int, default=0,
+        help="threads for both sides (0 = torch's default; with --ring: per process, default 1)",
     )
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds per case (median reported)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed rounds per case (median reported; default 5, with --ring 3)")
     p.add_argument("--mode", choices=["fwd", "fwd+bwd", "both"], default="both")
     p.add_argument("--torch-expanded", action="store_true",
                    help="also time PyTorch on K/V expanded to H_q heads; compare with the faster")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--ring", type=int, default=None, metavar="N",
+                   help="context parallelism: ring attention over N local gloo processes vs 1")
+    p.add_argument("--ring-layout", choices=["zigzag", "contiguous"], default="zigzag")
+    p.add_argument("--ring-warmup", type=int, default=1, help="untimed calls per mode (--ring)")
+    p.add_argument("--ring-timeout", type=int, default=3600,
+                   help="seconds a --ring world may take before its processes are killed")
+    p.add_argument("--ring-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.ring_child is not None:
+        spec = json.loads(args.ring_child)
+        result = _ring_child(spec)
+        with open(spec["out"], "w") as f:
+            json.dump(result, f)
+        return 0
+    if args.repeats is None:
+        args.repeats = 3 if args.ring is not None else 5
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.ring is not None:
+        if args.ring < 1:
+            p.error("--ring must be >= 1")
+        if args.ring_warmup < 0 or args.ring_timeout < 1:
+            p.error("--ring-warmup must be >= 0 and --ring-timeout >= 1")
+        return ring_main(args)
+    if args.seq is None:
+        args.seq = [512, 2048, 8192]
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()

@@ -46,9 +46,10 @@ def reference64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Option
 
 def equivalence(rank: int, world: int, *, B: int, H_q: int, H_kv: int, T: int, E: int,
                 layout: str, scale: Optional[float] = None, strided: bool = False,
-                seed: int = 0) -> Dict[str, Any]:
+                seed: int = 0, group: Any = None) -> Dict[str, Any]:
     """Ring attention on this rank's shards vs single-process tokenmix on the full tensors:
-    output and the gradients of q, k, v, gathered back in order."""
+    output and the gradients of q, k, v, gathered back in order. ``rank`` and ``world`` are
+    this process's rank in ``group`` and its size (default: the world)."""
     gen = torch.Generator().manual_seed(seed)
     if strided:  # [B, T, H, E] projections seen as [B, H, T, E]: non-contiguous inputs
         q = torch.randn(B, T, H_q, E, generator=gen).transpose(1, 2)
@@ -63,13 +64,13 @@ def equivalence(rank: int, world: int, *, B: int, H_q: int, H_kv: int, T: int, E
     kw = dict(rank=rank, world_size=world, layout=layout, dim=2)
     ql, kl, vl = (tmd.shard(x, **kw).detach().requires_grad_() for x in (q, k, v))
     tmd.reset_comm_stats()
-    out_l = tmd.ring_attention(ql, kl, vl, layout=layout, scale=scale, enable_gqa=gqa)
+    out_l = tmd.ring_attention(ql, kl, vl, group, layout=layout, scale=scale, enable_gqa=gqa)
     fwd_stats = tmd.comm_stats()
     out_l.backward(tmd.shard(g, **kw))
     stats = tmd.comm_stats()
 
-    out = tmd.gather(out_l.detach(), **kw)
-    dq, dk, dv = (tmd.gather(x.grad, **kw) for x in (ql, kl, vl))
+    out = tmd.gather(out_l.detach(), group=group, **kw)
+    dq, dk, dv = (tmd.gather(x.grad, group=group, **kw) for x in (ql, kl, vl))
 
     qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
     ref = tm_sdpa(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -168,6 +169,7 @@ def scenarios(rank: int, world: int) -> List[Any]:
         ("err_gather_wrong_rank", lambda: expect_error(gather_wrong_rank)),
         ("err_gather_mismatched_shapes", lambda: expect_error(gather_mismatched_shapes)),
         ("group_of_one", lambda: group_of_one(rank, P)),
+        ("subgroup", lambda: subgroup(rank, P)),
         ("gather_backward", lambda: gather_backward(rank, P)),
         # After every error above the group must still be in step.
         ("after_errors", lambda: equivalence(rank, P, B=1, H_q=2, H_kv=2, T=2 * P * 7, E=16,
@@ -194,6 +196,19 @@ def group_of_one(rank: int, world: int) -> Dict[str, Any]:
                            ((q, qr), (k, kr), (v, vr))),
         "window": window, "odd": odd,
     }
+
+
+def subgroup(rank: int, world: int) -> Dict[str, Any]:
+    """A ring over a subgroup: with 4 ranks, groups {0, 2} and {1, 3} (group ranks differ from
+    global ranks, and the neighbours are not adjacent); with 2, the world passed explicitly."""
+    if world == 4:
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        group, g_rank, g_size, color = groups[rank % 2], rank // 2, 2, rank % 2
+    else:
+        group, g_rank, g_size, color = dist.group.WORLD, rank, world, 0
+    # The same full tensors within a group, different ones in the two groups.
+    return equivalence(g_rank, g_size, B=1, H_q=4, H_kv=2, T=2 * g_size * 13, E=16,
+                       layout="zigzag", seed=3 + color, group=group)
 
 
 def gather_backward(rank: int, world: int) -> Dict[str, Any]:

@@ -166,6 +166,14 @@ def test_group_of_one_runs_the_local_kernel(world):
         assert res["odd"]["raised"] == "ArgumentError" and "T_local = 5" in res["odd"]["message"]
 
 
+def test_ring_over_a_subgroup(world):
+    for r, res in enumerate(_scenario(world, "subgroup")):
+        for what in ("out", "dq", "dk", "dv", "out_vs_float64"):
+            assert res[what] <= REL_TOL, f"rank {r} subgroup: {what} rel err {res[what]:.2e}"
+        assert res["fwd_bytes"] == res["fwd_bytes_expected"], res
+        assert res["fwd_chunks"] == (2 if world["n"] == 4 else world["n"]), res
+
+
 def test_gather_forward_and_backward(world):
     for res in _scenario(world, "gather_backward"):
         for layout in ("zigzag", "contiguous"):

@@ -49,7 +49,7 @@ PUBLIC_NAMES = [
     "visible_pairs",
 ]
 # Subpackages that appear in dir(tokenmix) once something imports them (other tests do).
-SUBMODULES = {"torch", "bench"}
+SUBMODULES = {"torch", "bench", "distributed"}
 # Written in Python (the private modules); they present themselves as tokenmix.<name>.
 PYTHON_DEFINED = [
     "CausalSelfAttention", "LayerGradients", "attention_backward", "attention_decode",

@@ -371,7 +371,7 @@ class _RingAttention(torch.autograd.Function):
         spare = torch.empty_like(kv)
         acc_in: Optional[torch.Tensor] = None  # dK/dV accumulator of the chunk held, received
         acc_req: Any = None
-        pending: List[Any] = []  # sends of accumulators still in flight (and their buffers)
+        sending: Any = None  # the accumulator sent last step, still in flight (and its buffer)
         for step in range(ring.size):
             src = (ring.me - step) % ring.size
             reqs = []
@@ -380,8 +380,9 @@ class _RingAttention(torch.autograd.Function):
             # This rank's contribution to dK/dV of chunk src, and to its own dQ. The global O and
             # L (saved by the forward) make each chunk's backward exact on its own: A = e^{S−L},
             # D = ⟨dO, O⟩ (SPEC "Backward pass").
-            contrib = torch.empty_like(kv)
+            contrib: Optional[torch.Tensor] = None
             if step == 0:
+                contrib = torch.empty_like(kv)
                 _C.attention_backward(_bthd(q), _bthd(k), _bthd(v), _bthd(out), lse,
                                       _bthd(grad_out), _bthd(dq), _bthd(contrib[0]),
                                       _bthd(contrib[1]), scale, True, "top_left", threads,
@@ -389,12 +390,11 @@ class _RingAttention(torch.autograd.Function):
                 _STATS["chunks_backward"] += 1
             else:
                 blk = _blocks(layout, ring.me, src, T_l)
-                if blk is None:
-                    contrib = None
-                else:
+                if blk is not None:
                     rows, keys = blk
-                    if keys.stop - keys.start != T_l:
-                        contrib.zero_()
+                    # Keys outside the block get no gradient from this rank.
+                    contrib = torch.empty_like(kv) if keys.stop - keys.start == T_l \
+                        else torch.zeros_like(kv)
                     _C.attention_backward(
                         _bthd(q[:, :, rows]), _bthd(kv[0][:, :, keys]), _bthd(kv[1][:, :, keys]),
                         _bthd(out[:, :, rows]), lse[:, :, rows], _bthd(grad_out[:, :, rows]),
@@ -409,7 +409,9 @@ class _RingAttention(torch.autograd.Function):
                     acc_in += contrib
                 contrib = acc_in
             assert contrib is not None  # step 0 always computes
-            pending.append((ring.send(contrib, _TAG_DKV), contrib))
+            if sending is not None:  # posted a step ago; its receiver has been waiting for it
+                sending[0].wait()
+            sending = (ring.send(contrib, _TAG_DKV), contrib)
             acc_in = torch.empty_like(kv)
             acc_req = ring.recv(acc_in, _TAG_DKV)
             for req in reqs:
@@ -417,8 +419,7 @@ class _RingAttention(torch.autograd.Function):
             kv, spare = spare, kv
         # After P hops this rank's own chunk's accumulator comes home.
         acc_req.wait()
-        for req, _ in pending:
-            req.wait()
+        sending[0].wait()
         dk, dv = acc_in[0], acc_in[1]
         return dq, dk, dv, None, None, None
 

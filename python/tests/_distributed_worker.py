@@ -2,7 +2,7 @@
 
     python _distributed_worker.py RANK WORLD_SIZE PORT RESULT_JSON
 
-Joins a gloo process group on 127.0.0.1:PORT (timeout 60 s, so a rank left waiting fails instead
+Joins a gloo process group on 127.0.0.1:PORT (timeout 120 s, so a rank left waiting fails instead
 of hanging), runs every scenario below in order with one thread, and writes a JSON object
 {scenario: result} to RESULT_JSON. A scenario's result holds numbers (relative errors, byte
 counts) or, for the error scenarios, the exception each rank raised; the assertions are made by
@@ -234,7 +234,7 @@ def main() -> int:
     torch.set_num_threads(1)
     torch.manual_seed(100 + rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
     results: Dict[str, Any] = {}
     try:
         for name, fn in scenarios(rank, world):

@@ -28,7 +28,9 @@ std::array<KernelSet, 4> make_sets() {
        kAnyKeys,
        "plain C++, exact fp32: two-pass softmax per query row, O(T_k*d_h) scratch per worker, "
        "OpenMP over (batch, head, 64-row block); decode widens each 64-key cache tile to fp32 "
-       "and runs an online softmax per row"},
+       "and runs an online softmax per row; score variants (window, softcap, ALiBi, sinks, "
+       "masks, key lengths) by key ranges and element-wise score terms",
+       /*score_variants=*/true},
       {Isa::avx2,
        [](const CpuFeatures& f) { return f.avx2_fma; },
        {{"attention_fwd_f32_avx2", attention_fwd_f32_avx2}, {}, {}},
@@ -40,8 +42,12 @@ std::array<KernelSet, 4> make_sets() {
        "Highway AVX2+FMA (8 lanes, 3x3 microkernel): fused flash forward with the GQA heads "
        "stacked in SIMD lanes, online softmax over 64-key tiles, causal tile skipping; flash "
        "backward recomputing tiles (one pass owning dK/dV/dQ per KV head when B*H_kv >= 8, else "
-       "two passes: dQ with queries in lanes, dK/dV with keys in lanes); decode over the "
-       "cache's 64-key tiles with bf16/f16 widened in registers"},
+       "two passes: dQ with queries in lanes, dK/dV with keys in lanes); score variants by "
+       "per-lane "
+       "key ranges (tiles outside every range skipped, sliding window O(W) per row), one "
+       "vectorised element-wise pass (softcap, ALiBi, masks) and sinks in the online softmax; "
+       "decode over the cache's 64-key tiles with bf16/f16 widened in registers",
+       /*score_variants=*/true},
       {Isa::avx512,
        [](const CpuFeatures& f) { return f.avx512f; },
        {{"attention_fwd_f32_avx512", attention_fwd_f32_avx512}, {}, {}},
@@ -51,7 +57,8 @@ std::array<KernelSet, 4> make_sets() {
         {"attention_decode_f16_avx512", attention_decode_f16_avx512}},
        kInt32LaneKeys,
        "Highway AVX-512 (16 lanes, 6x4 microkernel): the same flash forward, backward and "
-       "decode kernels as avx2 with 64 query rows per lane block"},
+       "decode kernels as avx2 with 64 query rows per lane block",
+       /*score_variants=*/true},
       {Isa::neon,
        [](const CpuFeatures& f) { return f.neon; },
        {{"attention_fwd_f32_neon", attention_fwd_f32_neon}, {}, {}},
@@ -62,7 +69,8 @@ std::array<KernelSet, 4> make_sets() {
        kInt32LaneKeys,
        "Highway NEON, AArch64 Advanced SIMD (4 lanes, 6x4 microkernel): the same flash forward, "
        "backward and decode kernels as avx2 with 16 query rows per lane block; bf16/f16 caches "
-       "widened exactly in registers (shift / FCVTL)"},
+       "widened exactly in registers (shift / FCVTL)",
+       /*score_variants=*/true},
   }};
 }
 
@@ -70,6 +78,19 @@ std::array<KernelSet, 4> make_sets() {
   throw UnsupportedError(std::string(entry) + ": the " + to_string(isa) + " path has no " + op +
                          " kernel for dtype " + to_string(dtype) +
                          (kernel_set(isa).compiled() ? "" : " (not built into this binary)"));
+}
+
+// The score-variant gate (registry.hpp): no silent fallback to another set.
+template <class Fn>
+NamedKernel<Fn> gate(NamedKernel<Fn> kernel, const char* entry, Isa isa,
+                     std::string_view variants) {
+  if (!variants.empty() && !kernel_set(isa).score_variants) {
+    throw UnsupportedError(std::string(entry) + ": the kernel " + kernel.name + " (" +
+                           to_string(isa) + " path) does not support the score variants used (" +
+                           std::string(variants) +
+                           "); force another path with options.isa (isa=portable supports them)");
+  }
+  return kernel;
 }
 
 template <class Fn>
@@ -94,16 +115,16 @@ const KernelSet& kernel_set(Isa isa) {
   throw UnsupportedError(std::string("tokenmix: no kernel set for isa '") + to_string(isa) + "'");
 }
 
-NamedKernel<ForwardKernel> select_forward(const char* entry, Isa isa, DType dtype,
-                                          std::int64_t tk) {
+NamedKernel<ForwardKernel> select_forward(const char* entry, Isa isa, DType dtype, std::int64_t tk,
+                                          std::string_view variants) {
   if (tk > kernel_set(isa).max_keys) isa = Isa::portable;  // the T_k rule (registry.hpp)
-  return pick(kernel_set(isa).forward, entry, "forward", isa, dtype);
+  return gate(pick(kernel_set(isa).forward, entry, "forward", isa, dtype), entry, isa, variants);
 }
 
 NamedKernel<BackwardKernel> select_backward(const char* entry, Isa isa, DType dtype,
-                                            std::int64_t tk) {
+                                            std::int64_t tk, std::string_view variants) {
   if (tk > kernel_set(isa).max_keys) isa = Isa::portable;  // the T_k rule (registry.hpp)
-  return pick(kernel_set(isa).backward, entry, "backward", isa, dtype);
+  return gate(pick(kernel_set(isa).backward, entry, "backward", isa, dtype), entry, isa, variants);
 }
 
 NamedKernel<DecodeKernel> select_decode(const char* entry, Isa isa, DType cache_dtype) {

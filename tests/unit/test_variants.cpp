@@ -1,0 +1,908 @@
+// tests/unit/test_variants.cpp — the score variants (SPEC "Score variants used by real models":
+// sliding window, soft-capping, ALiBi, sinks, explicit boolean and bias masks, key lengths,
+// variable-length batches) on every kernel path, against the float64 oracle (src/reference)
+// and finite differences.
+//
+// Each path is forced in turn (PerIsaTest). A path whose registry entry lacks score_variants
+// must refuse every variant with an UnsupportedError naming the kernel and the variant (no
+// silent fallback): the same tests then check that, and check the numerics as soon as the path
+// gains the flag — nothing is skipped.
+//
+// Shapes straddle the 64-key and 64-row tiles (T ∈ {1, 63, 64, 65, odd}), with GQA ratios
+// {1, 2, 4}, odd head widths, T_q < T_k and T_q > T_k in both alignments, causal and not,
+// strided q/k/v (PyTorch layout, padded strides) and masks with broadcast (size-1) dimensions,
+// stride-0 dimensions and non-unit strides. Masks: interval-shaped boolean masks (causal-shaped,
+// left and right padding, a band), which the API turns into key ranges, general (random)
+// boolean masks, and float biases with −∞ entries (whole rows too).
+//
+// Bounds and metric as tests/unit/test_flash_kernels.cpp: forward rel_err ≤ 2e-5 (O) and
+// |ΔL| / max(1, |L|) ≤ 2e-5; backward max|x − r| / max(max|r|, G) ≤ 1e-4 with
+// G = max|dO|·max|V|·s. ALiBi adds scores up to ~m·T in magnitude; its rounding (≈ 6e-8 of
+// that) stays far below the bounds at these lengths. dσ is judged against G·(number of rows).
+// A masking, range or state bug gives errors ≥ 1e-3.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/registry.hpp"
+#include "reference/reference.hpp"
+#include "test_util.hpp"
+#include "tokenmix/tokenmix.hpp"
+
+namespace tokenmix::testing {
+namespace {
+
+constexpr double kForwardBound = 2e-5;
+constexpr double kBackwardBound = 1e-4;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// ---------------------------------------------------------------------------------------------
+// Masks
+
+enum class MaskShape {
+  none,
+  causal_shape,  ///< bool, u ≤ p(t) (bottom-right), broadcast over B and H: intervals
+  left_pad,      ///< bool, u ≥ pad[b], broadcast over H and T_q: intervals
+  right_pad,     ///< bool, u < len[b]: intervals
+  band,          ///< bool, p(t) − 5 < u ≤ p(t) + 2 per head offset: intervals
+  random_bool,   ///< bool, Bernoulli(0.7) per element of the mask's own dims: general
+  random_bias,  ///< f32 N(0, 1) with ~20 % −∞ entries and one all −∞ row per (b, h) row set
+};
+
+const char* mask_name(MaskShape m) {
+  switch (m) {
+    case MaskShape::none:
+      return "nomask";
+    case MaskShape::causal_shape:
+      return "boolcausal";
+    case MaskShape::left_pad:
+      return "leftpad";
+    case MaskShape::right_pad:
+      return "rightpad";
+    case MaskShape::band:
+      return "band";
+    case MaskShape::random_bool:
+      return "randbool";
+    case MaskShape::random_bias:
+      return "bias";
+  }
+  return "?";
+}
+
+/// How the mask's memory is laid out.
+enum class MaskMemory {
+  dense,      ///< contiguous over its own dims; size-1 dims with stride 0
+  padded,     ///< every stride larger than dense, size-1 dims with an arbitrary large stride
+  transposed  ///< T_q and T_k axes swapped in memory
+};
+
+struct VariantCase {
+  std::int64_t B = 1, Tq = 1, Tk = 1, Hq = 1, Hkv = 1, D = 8;
+  bool causal = true;
+  CausalAlign align = CausalAlign::bottom_right;
+  Layout layout = Layout::bthd;
+  std::optional<std::int64_t> window;
+  std::optional<double> softcap;
+  bool alibi = false, sinks = false, key_lengths = false;
+  MaskShape mask = MaskShape::none;
+  std::array<bool, 4> mask_full{true, true, true, true};  ///< false: that dimension is 1
+  MaskMemory mask_memory = MaskMemory::dense;
+
+  std::string name() const {
+    std::string s = "B" + std::to_string(B) + "_Tq" + std::to_string(Tq) + "_Tk" +
+                    std::to_string(Tk) + "_Hq" + std::to_string(Hq) + "_Hkv" + std::to_string(Hkv) +
+                    "_d" + std::to_string(D) + (causal ? "" : "_noncausal") +
+                    (align == CausalAlign::top_left ? "_topleft" : "") + "_" + layout_name(layout);
+    if (window) s += "_W" + std::to_string(*window);
+    if (softcap) s += "_cap" + std::to_string(*softcap);
+    if (alibi) s += "_alibi";
+    if (sinks) s += "_sinks";
+    if (key_lengths) s += "_keylen";
+    if (mask != MaskShape::none) {
+      s += std::string("_") + mask_name(mask) + "[";
+      for (bool f : mask_full) s += f ? 'F' : '1';
+      s += "]" + std::to_string(static_cast<int>(mask_memory));
+    }
+    return s;
+  }
+};
+
+/// An owned mask of logical shape [B, H_q, T_q, T_k] with broadcast dims, plus its dense
+/// expansion for the oracle.
+struct MaskTensor {
+  std::vector<std::uint8_t> bytes;
+  std::vector<float> floats;
+  ConstTensorView view;
+  std::vector<std::uint8_t> dense_bool;
+  std::vector<double> dense_bias;
+
+  MaskTensor(const VariantCase& c, std::mt19937_64& rng) {
+    if (c.mask == MaskShape::none) return;
+    const std::array<std::int64_t, 4> full{c.B, c.Hq, c.Tq, c.Tk};
+    std::array<std::int64_t, 4> dims{};
+    for (int i = 0; i < 4; ++i) dims[i] = c.mask_full[i] ? full[i] : 1;
+    // Strides over the mask's own dims; memory order [0, 1, 2, 3] or [0, 1, 3, 2] (transposed).
+    std::array<int, 4> order{0, 1, 2, 3};
+    if (c.mask_memory == MaskMemory::transposed) order = {0, 1, 3, 2};
+    std::array<std::int64_t, 4> strides{};
+    const std::int64_t pad = c.mask_memory == MaskMemory::padded ? 1 : 0;
+    std::int64_t step = c.mask_memory == MaskMemory::padded ? 2 : 1;
+    for (int k = 3; k >= 0; --k) {
+      const int i = order[k];
+      strides[i] = step;
+      step *= dims[i] + pad;
+    }
+    const std::int64_t total = step;
+    for (int i = 0; i < 4; ++i) {
+      if (dims[i] == 1) strides[i] = c.mask_memory == MaskMemory::padded ? 12345 : 0;
+    }
+    const bool is_bool = c.mask != MaskShape::random_bias;
+    const std::int64_t shift = c.align == CausalAlign::bottom_right ? c.Tk - c.Tq : 0;
+    std::vector<std::int64_t> pads(static_cast<std::size_t>(c.B)), lens(pads.size());
+    for (std::int64_t b = 0; b < c.B; ++b) {
+      pads[static_cast<std::size_t>(b)] = (b * 7 + 3) % (c.Tk + 1);
+      lens[static_cast<std::size_t>(b)] = c.Tk - (b * 5 + 1) % (c.Tk + 1);
+    }
+    std::bernoulli_distribution coin(0.7), neg_inf(0.2);
+    std::normal_distribution<float> normal;
+    auto value = [&](std::int64_t b, std::int64_t h, std::int64_t t, std::int64_t u) -> double {
+      switch (c.mask) {
+        case MaskShape::causal_shape:
+          return u <= t + shift;
+        case MaskShape::left_pad:
+          return u >= pads[static_cast<std::size_t>(b)];
+        case MaskShape::right_pad:
+          return u < lens[static_cast<std::size_t>(b)];
+        case MaskShape::band:
+          return u > t + shift - 5 - h && u <= t + shift + 2;
+        case MaskShape::random_bool:
+          return coin(rng);
+        case MaskShape::random_bias:
+          if (t == dims[2] / 2 && dims[2] > 1) return -kInf;  // a row that sees nothing
+          return neg_inf(rng) ? -kInf : static_cast<double>(normal(rng));
+        case MaskShape::none:
+          break;
+      }
+      return 0.0;
+    };
+    // Memory is filled with a value that would be wrong if read (padding): bool 0xAB, NaN.
+    if (is_bool) {
+      bytes.assign(static_cast<std::size_t>(total), 0xAB);
+    } else {
+      floats.assign(static_cast<std::size_t>(total), std::numeric_limits<float>::quiet_NaN());
+    }
+    std::vector<double> own(static_cast<std::size_t>(dims[0] * dims[1] * dims[2] * dims[3]));
+    for (std::int64_t b = 0; b < dims[0]; ++b)
+      for (std::int64_t h = 0; h < dims[1]; ++h)
+        for (std::int64_t t = 0; t < dims[2]; ++t)
+          for (std::int64_t u = 0; u < dims[3]; ++u) {
+            const double x = value(b, h, t, u);
+            own[static_cast<std::size_t>(((b * dims[1] + h) * dims[2] + t) * dims[3] + u)] = x;
+            const std::int64_t at =
+                (dims[0] > 1 ? b * strides[0] : 0) + (dims[1] > 1 ? h * strides[1] : 0) +
+                (dims[2] > 1 ? t * strides[2] : 0) + (dims[3] > 1 ? u * strides[3] : 0);
+            if (is_bool) {
+              // Nonzero bytes other than 1 also mean true.
+              bytes[static_cast<std::size_t>(at)] =
+                  x != 0.0 ? static_cast<std::uint8_t>(1 + u % 3) : 0;
+            } else {
+              floats[static_cast<std::size_t>(at)] = static_cast<float>(x);
+            }
+          }
+    view = {is_bool ? static_cast<const void*>(bytes.data()) : floats.data(),
+            is_bool ? DType::boolean : DType::f32, 4, dims, strides};
+    const std::size_t n = static_cast<std::size_t>(c.B * c.Hq * c.Tq * c.Tk);
+    if (is_bool) dense_bool.resize(n);
+    if (!is_bool) dense_bias.resize(n);
+    for (std::int64_t b = 0; b < c.B; ++b)
+      for (std::int64_t h = 0; h < c.Hq; ++h)
+        for (std::int64_t t = 0; t < c.Tq; ++t)
+          for (std::int64_t u = 0; u < c.Tk; ++u) {
+            const std::int64_t i0 = dims[0] > 1 ? b : 0, i1 = dims[1] > 1 ? h : 0,
+                               i2 = dims[2] > 1 ? t : 0, i3 = dims[3] > 1 ? u : 0;
+            const double x =
+                own[static_cast<std::size_t>(((i0 * dims[1] + i1) * dims[2] + i2) * dims[3] + i3)];
+            const std::size_t d = static_cast<std::size_t>(((b * c.Hq + h) * c.Tq + t) * c.Tk + u);
+            if (is_bool) {
+              dense_bool[d] = x != 0.0 ? 1 : 0;
+            } else {
+              dense_bias[d] = static_cast<double>(static_cast<float>(x));
+            }
+          }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// One case: inputs, options for the library and the oracle
+
+struct VariantRun {
+  VariantCase c;
+  StridedTensor q, k, v, out, dout, dq, dk, dv;
+  std::vector<float> lse, slopes, sinks, dsinks;
+  std::vector<std::int32_t> key_lengths;
+  MaskTensor mask;
+
+  VariantRun(const VariantCase& vc, std::mt19937_64& rng)
+      : c(vc),
+        q(c.B, c.Tq, c.Hq, c.D, c.layout),
+        k(c.B, c.Tk, c.Hkv, c.D, c.layout),
+        v(c.B, c.Tk, c.Hkv, c.D, c.layout),
+        out(c.B, c.Tq, c.Hq, c.D, c.layout),
+        dout(c.B, c.Tq, c.Hq, c.D, c.layout),
+        dq(c.B, c.Tq, c.Hq, c.D, c.layout),
+        dk(c.B, c.Tk, c.Hkv, c.D, c.layout),
+        dv(c.B, c.Tk, c.Hkv, c.D, c.layout),
+        lse(static_cast<std::size_t>(c.B * c.Hq * c.Tq), kPoison),
+        mask(vc, rng) {
+    q.fill_random(rng);
+    k.fill_random(rng);
+    v.fill_random(rng);
+    dout.fill_random(rng);
+    if (c.alibi) {  // the usual slopes 2^(−8(h+1)/H) (SPEC "ALiBi"), every other one doubled
+      for (std::int64_t h = 0; h < c.Hq; ++h)
+        slopes.push_back(std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(c.Hq)) *
+                         (h % 2 ? 2.0f : 1.0f));
+    }
+    if (c.sinks) {
+      std::normal_distribution<float> dist(0.5f, 1.0f);
+      for (std::int64_t h = 0; h < c.Hq; ++h) sinks.push_back(dist(rng));
+    }
+    if (c.key_lengths) {
+      for (std::int64_t b = 0; b < c.B; ++b)
+        key_lengths.push_back(static_cast<std::int32_t>((c.Tk * (b + 1)) / (c.B + 1) + b % 2));
+    }
+    dsinks.assign(static_cast<std::size_t>(c.Hq), kPoison);
+  }
+
+  AttentionOptions options(Isa isa, int threads = 0) const {
+    AttentionOptions o;
+    o.causal = c.causal;
+    o.align = c.align;
+    o.isa = isa;
+    o.threads = threads;
+    o.window = c.window;
+    o.softcap = c.softcap;
+    if (c.alibi) o.alibi_slopes = {slopes.data(), DType::f32, 1, {c.Hq}, {1}};
+    if (c.sinks) o.sinks = {sinks.data(), DType::f32, 1, {c.Hq}, {1}};
+    if (c.key_lengths) o.key_lengths = {key_lengths.data(), DType::i32, 1, {c.B}, {1}};
+    if (c.mask != MaskShape::none) o.mask = mask.view;
+    return o;
+  }
+
+  reference::Options ref_options() const {
+    reference::Options o;
+    o.causal = c.causal;
+    o.align = testkit::to_reference(c.align);
+    o.window = c.window;
+    o.softcap = c.softcap;
+    for (float s : slopes) o.alibi_slopes.push_back(s);
+    for (float s : sinks) o.sinks.push_back(s);
+    for (std::int32_t l : key_lengths) o.key_lengths.push_back(l);
+    o.mask_bool = mask.dense_bool;
+    o.mask_bias = mask.dense_bias;
+    return o;
+  }
+
+  TensorView lse_view() { return TensorView::bht(lse.data(), c.B, c.Hq, c.Tq); }
+
+  void forward(Isa isa, int threads = 0) {
+    out.poison();
+    std::fill(lse.begin(), lse.end(), kPoison);
+    attention_forward(q.view, k.view, v.view, out.view, lse_view(), options(isa, threads));
+  }
+  // Forward then backward, gradients poisoned before the call.
+  void backward(Isa isa, int threads = 0) {
+    forward(isa, threads);
+    dq.poison();
+    dk.poison();
+    dv.poison();
+    std::fill(dsinks.begin(), dsinks.end(), kPoison);
+    TensorView ds{};
+    if (c.sinks) ds = {dsinks.data(), DType::f32, 1, {c.Hq}, {1}};
+    attention_backward(q.view, k.view, v.view, out.view, lse_view(), dout.view, dq.view, dk.view,
+                       dv.view, options(isa, threads), ds);
+  }
+};
+
+bool supports_variants(Isa isa) {
+  return kernels::kernel_set(isa).score_variants;
+}
+
+// A path without score_variants must refuse: UnsupportedError naming the kernel and a variant.
+template <class F>
+void ExpectRefused(F&& call, const char* op, Isa isa) {
+  try {
+    call();
+    ADD_FAILURE() << "the " << to_string(isa) << " path ran a score variant without the flag";
+  } catch (const UnsupportedError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(std::string("attention_") + op + "_f32_" + to_string(isa)),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("score variants"), std::string::npos) << msg;
+  }
+}
+
+double max_abs(StridedTensor& x) {
+  double m = 0.0;
+  x.for_each([&](float& e) { m = std::max(m, static_cast<double>(std::fabs(e))); });
+  return m;
+}
+
+// L: −∞ exactly where the oracle has −∞, |ΔL| / max(1, |L|) elsewhere (returned).
+double lse_error(const VariantRun& r, const reference::Tensor64& ref) {
+  double max_diff = 0.0;
+  const auto& c = r.c;
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t h = 0; h < c.Hq; ++h)
+      for (std::int64_t t = 0; t < c.Tq; ++t) {
+        const double want = ref.at(b, h, t, 0);
+        const float got = r.lse[static_cast<std::size_t>((b * c.Hq + h) * c.Tq + t)];
+        if (std::isinf(want)) {
+          if (got != want) {
+            ADD_FAILURE() << "L[b=" << b << ", h=" << h << ", t=" << t << "] = " << got << ", want "
+                          << want;
+            return kInf;
+          }
+        } else if (!std::isfinite(got)) {
+          ADD_FAILURE() << "L[b=" << b << ", h=" << h << ", t=" << t << "] = " << got;
+          return kInf;
+        } else {
+          max_diff = std::max(max_diff, std::fabs(got - want) / std::max(1.0, std::fabs(want)));
+        }
+      }
+  return max_diff;
+}
+
+void ExpectForwardMatches(const VariantCase& c, Isa isa, std::mt19937_64& rng) {
+  SCOPED_TRACE(c.name());
+  VariantRun r(c, rng);
+  if (!supports_variants(isa)) {
+    ExpectRefused([&] { r.forward(isa); }, "fwd", isa);
+    return;
+  }
+  r.forward(isa);
+  const auto ref =
+      reference::attention_forward(r.q.to64(), r.k.to64(), r.v.to64(), r.ref_options());
+  EXPECT_LE(rel_err(r.out, ref.out), kForwardBound) << "O";
+  EXPECT_LE(lse_error(r, ref.lse), kForwardBound) << "L";
+}
+
+void ExpectBackwardMatches(const VariantCase& c, Isa isa, std::mt19937_64& rng) {
+  SCOPED_TRACE(c.name());
+  VariantRun r(c, rng);
+  if (!supports_variants(isa)) {
+    ExpectRefused([&] { r.backward(isa); }, "fwd", isa);
+    // The backward refuses too, with its own kernel's name (lse from a portable forward).
+    AttentionOptions o = r.options(Isa::portable);
+    attention_forward(r.q.view, r.k.view, r.v.view, r.out.view, r.lse_view(), o);
+    o.isa = isa;
+    ExpectRefused(
+        [&] {
+          attention_backward(r.q.view, r.k.view, r.v.view, r.out.view, r.lse_view(), r.dout.view,
+                             r.dq.view, r.dk.view, r.dv.view, o);
+        },
+        "bwd", isa);
+    return;
+  }
+  r.backward(isa);
+  const auto ref = reference::attention_backward(r.q.to64(), r.k.to64(), r.v.to64(), r.dout.to64(),
+                                                 r.ref_options());
+  const double g = max_abs(r.dout) * max_abs(r.v) / std::sqrt(static_cast<double>(c.D));
+  EXPECT_LE(rel_err(r.dq, ref.dq, g), kBackwardBound) << "dq";
+  EXPECT_LE(rel_err(r.dk, ref.dk, g), kBackwardBound) << "dk";
+  EXPECT_LE(rel_err(r.dv, ref.dv, g), kBackwardBound) << "dv";
+  if (c.sinks) {
+    EXPECT_LE(rel_err_flat(r.dsinks, ref.dsinks), kBackwardBound) << "dsinks";
+    for (float x : r.dsinks) EXPECT_TRUE(std::isfinite(x));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The case tables
+
+std::vector<VariantCase> single_variant_cases() {
+  std::vector<VariantCase> cases;
+  const VariantCase base{2, 65, 65, 4, 2, 16};
+  auto with = [&](auto&& set) {
+    VariantCase c = base;
+    set(c);
+    cases.push_back(c);
+  };
+  for (std::int64_t W : {1, 7, 64, 200}) with([&](VariantCase& c) { c.window = W; });
+  with([](VariantCase& c) { c.softcap = 0.7; });  // scores ~N(0, 1): the cap bends them
+  with([](VariantCase& c) { c.softcap = 30.0; });
+  with([](VariantCase& c) { c.alibi = true; });
+  with([](VariantCase& c) { c.sinks = true; });
+  with([](VariantCase& c) { c.key_lengths = true; });
+  for (MaskShape m : {MaskShape::causal_shape, MaskShape::left_pad, MaskShape::right_pad,
+                      MaskShape::band, MaskShape::random_bool, MaskShape::random_bias}) {
+    with([&](VariantCase& c) { c.mask = m; });
+    with([&](VariantCase& c) {
+      c.mask = m;
+      c.causal = false;
+    });
+  }
+  return cases;
+}
+
+std::vector<VariantCase> combined_cases() {
+  std::vector<VariantCase> cases;
+  // Everything at once, over tile-edge lengths, both alignments, T_q ≶ T_k, causal and not.
+  for (std::int64_t T : {1, 63, 64, 65, 97}) {
+    VariantCase c{1, T, T, 4, 2, 16};
+    c.window = 9;
+    c.softcap = 5.0;
+    c.alibi = true;
+    c.sinks = true;
+    cases.push_back(c);
+  }
+  for (CausalAlign align : {CausalAlign::bottom_right, CausalAlign::top_left})
+    for (bool causal : {true, false})
+      for (auto [Tq, Tk] : {std::pair<std::int64_t, std::int64_t>{20, 130}, {130, 20}, {64, 1}}) {
+        VariantCase c{2, Tq, Tk, 4, 1, 12, causal, align};
+        c.window = 17;
+        c.softcap = 2.0;
+        c.alibi = true;
+        c.sinks = true;
+        c.key_lengths = true;
+        cases.push_back(c);
+        VariantCase m = c;  // with a general mask instead of key lengths, no sinks
+        m.key_lengths = false;
+        m.sinks = false;
+        m.mask = MaskShape::random_bool;
+        m.mask_full = {true, false, true, true};
+        cases.push_back(m);
+      }
+  // GQA ratios and odd head widths, strided views.
+  for (auto [Hq, Hkv] : {std::pair<std::int64_t, std::int64_t>{4, 4}, {4, 2}, {8, 2}})
+    for (std::int64_t D : {3, 17}) {
+      VariantCase c{1, 70, 70, Hq, Hkv, D};
+      c.window = 33;
+      c.alibi = true;
+      c.sinks = true;
+      c.softcap = 1.5;
+      c.layout = D == 3 ? Layout::bhtd : Layout::strided;
+      cases.push_back(c);
+    }
+  // Masks: broadcast patterns and memory layouts, bias with −∞, combined with other variants.
+  for (auto full : {std::array<bool, 4>{true, true, true, true},
+                    {false, false, true, true},
+                    {true, false, false, true},
+                    {false, true, true, false}})
+    for (MaskMemory mem : {MaskMemory::dense, MaskMemory::padded, MaskMemory::transposed})
+      for (MaskShape m : {MaskShape::random_bool, MaskShape::random_bias, MaskShape::left_pad}) {
+        VariantCase c{2, 33, 66, 4, 2, 8, true, CausalAlign::bottom_right, Layout::strided};
+        c.mask = m;
+        c.mask_full = full;
+        c.mask_memory = mem;
+        c.sinks = m == MaskShape::random_bias;
+        c.softcap = m == MaskShape::random_bool ? std::optional<double>(3.0) : std::nullopt;
+        cases.push_back(c);
+      }
+  {  // interval masks combined with a window, key lengths and causal top-left
+    VariantCase c{3, 65, 65, 2, 1, 8, true, CausalAlign::top_left};
+    c.mask = MaskShape::right_pad;
+    c.mask_full = {true, false, false, true};
+    c.window = 20;
+    c.key_lengths = true;
+    cases.push_back(c);
+    c.mask = MaskShape::band;
+    c.mask_full = {false, true, true, true};
+    c.sinks = true;
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+class Variants : public PerIsaTest {};
+
+TEST_P(Variants, EachVariantAloneMatchesOracleForward) {
+  std::mt19937_64 rng(1201);
+  for (const auto& c : single_variant_cases()) ExpectForwardMatches(c, GetParam(), rng);
+}
+
+TEST_P(Variants, EachVariantAloneMatchesOracleBackward) {
+  std::mt19937_64 rng(1202);
+  for (const auto& c : single_variant_cases()) ExpectBackwardMatches(c, GetParam(), rng);
+}
+
+TEST_P(Variants, CombinedVariantsMatchOracleForward) {
+  std::mt19937_64 rng(1203);
+  for (const auto& c : combined_cases()) ExpectForwardMatches(c, GetParam(), rng);
+}
+
+TEST_P(Variants, CombinedVariantsMatchOracleBackward) {
+  std::mt19937_64 rng(1204);
+  for (const auto& c : combined_cases()) ExpectBackwardMatches(c, GetParam(), rng);
+}
+
+// Rows that see no key: O = 0 exactly and L = −∞, or L = σ_h exactly with sinks; their dQ is
+// exactly 0. Sources: T_q > T_k bottom-right, a key length of 0, an all-false boolean row, an
+// all −∞ bias row (that row still "sees" keys, of weight 0), a window past every key (top-left,
+// T_q > T_k is not needed: W = 1 with key lengths that end before p(t)).
+TEST_P(Variants, RowsThatSeeNoKey) {
+  std::mt19937_64 rng(1205);
+  for (bool sinks : {false, true}) {
+    std::vector<VariantCase> cases;
+    VariantCase a{2, 90, 30, 4, 2, 8};  // rows t < 60 see nothing (bottom-right)
+    a.sinks = sinks;
+    a.window = 10;
+    cases.push_back(a);
+    VariantCase b{2, 40, 40, 2, 1, 8};
+    b.key_lengths = true;  // lengths {13 + 0, 26 + 1}: rows t ≥ length + W see nothing
+    b.window = 1;
+    b.sinks = sinks;
+    cases.push_back(b);
+    VariantCase m{1, 33, 33, 2, 2, 8};
+    m.mask = MaskShape::random_bias;  // row T_q/2 is all −∞
+    m.sinks = sinks;
+    cases.push_back(m);
+    for (const VariantCase& c : cases) {
+      SCOPED_TRACE(c.name());
+      VariantRun r(c, rng);
+      if (!supports_variants(GetParam())) {
+        ExpectRefused([&] { r.backward(GetParam()); }, "fwd", GetParam());
+        continue;
+      }
+      r.backward(GetParam());
+      const auto ref =
+          reference::attention_forward(r.q.to64(), r.k.to64(), r.v.to64(), r.ref_options());
+      int empty_rows = 0;
+      for (std::int64_t bb = 0; bb < c.B; ++bb)
+        for (std::int64_t h = 0; h < c.Hq; ++h)
+          for (std::int64_t t = 0; t < c.Tq; ++t) {
+            const double want = ref.lse.at(bb, h, t, 0);
+            const bool empty = sinks ? want == static_cast<double>(r.sinks[h]) : std::isinf(want);
+            if (!empty) continue;
+            ++empty_rows;
+            const float got = r.lse[static_cast<std::size_t>((bb * c.Hq + h) * c.Tq + t)];
+            ASSERT_EQ(got, static_cast<float>(want)) << "b=" << bb << " h=" << h << " t=" << t;
+            for (std::int64_t e = 0; e < c.D; ++e) {
+              ASSERT_EQ(r.out.at(bb, t, h, e), 0.0f) << "b=" << bb << " h=" << h << " t=" << t;
+              ASSERT_EQ(r.dq.at(bb, t, h, e), 0.0f) << "b=" << bb << " h=" << h << " t=" << t;
+            }
+          }
+      EXPECT_GT(empty_rows, 0) << "the case must have rows that see no key";
+    }
+  }
+}
+
+// A key that a row does not see takes no part (SPEC 4.3): NaN in K and V at keys excluded by
+// the window, the key lengths or a boolean mask does not reach O, L or any gradient of the rows
+// (and dK, dV of visible keys stay finite).
+TEST_P(Variants, InvisibleNaNKeysDoNotLeak) {
+  std::mt19937_64 rng(1206);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int which = 0; which < 3; ++which) {
+    VariantCase c{2, 40, 40, 2, 1, 8, false};  // non-causal: only the variant hides the key
+    if (which == 0) c.window = 5;
+    if (which == 1) c.key_lengths = true;
+    if (which == 2) {
+      c.mask = MaskShape::right_pad;  // u < len[b]: interval rows ...
+      c.softcap = 4.0;                // ... plus an element-wise term
+    }
+    SCOPED_TRACE(c.name());
+    VariantRun r(c, rng);
+    if (!supports_variants(GetParam())) {
+      ExpectRefused([&] { r.forward(GetParam()); }, "fwd", GetParam());
+      continue;
+    }
+    // Window (non-causal: keys p(t) − W < u): key 0 is invisible to rows t ≥ W. Key lengths
+    // {13, 27} and right padding (lengths 40 − {1, 6}) hide the last key from every row.
+    const std::int64_t u_bad = which == 0 ? 0 : c.Tk - 1, t_first = which == 0 ? *c.window : 0;
+    for (std::int64_t b = 0; b < c.B; ++b)
+      for (std::int64_t e = 0; e < c.D; ++e) {
+        r.k.at(b, u_bad, 0, e) = nan;
+        r.v.at(b, u_bad, 0, e) = nan;
+      }
+    r.backward(GetParam());
+    const auto ref =
+        reference::attention_forward(r.q.to64(), r.k.to64(), r.v.to64(), r.ref_options());
+    ErrorAccumulator acc;
+    for (std::int64_t b = 0; b < c.B; ++b)
+      for (std::int64_t t = t_first; t < c.Tq; ++t)
+        for (std::int64_t h = 0; h < c.Hq; ++h) {
+          ASSERT_TRUE(std::isfinite(r.lse[static_cast<std::size_t>((b * c.Hq + h) * c.Tq + t)]));
+          for (std::int64_t e = 0; e < c.D; ++e) {
+            ASSERT_TRUE(std::isfinite(r.out.at(b, t, h, e))) << "b=" << b << " t=" << t;
+            ASSERT_TRUE(std::isfinite(r.dq.at(b, t, h, e))) << "b=" << b << " t=" << t;
+            acc.add(r.out.at(b, t, h, e), ref.out.at(b, t, h, e));
+          }
+        }
+    EXPECT_LE(acc.value(), kForwardBound);
+  }
+}
+
+// Results do not depend on the thread count: O, L, dQ, dK, dV and dσ bitwise equal for 1, 2, 3.
+TEST_P(Variants, BitwiseIdenticalAcrossThreadCounts) {
+  VariantCase c{2, 97, 131, 8, 2, 32};
+  c.window = 40;
+  c.softcap = 10.0;
+  c.alibi = true;
+  c.sinks = true;
+  c.mask = MaskShape::random_bool;
+  c.mask_full = {true, false, true, true};
+  std::mt19937_64 rng(1207);
+  VariantRun r(c, rng);
+  if (!supports_variants(GetParam())) {
+    ExpectRefused([&] { r.forward(GetParam()); }, "fwd", GetParam());
+    return;
+  }
+  std::vector<std::vector<float>> results;
+  for (int threads : {1, 2, 3}) {
+    r.backward(GetParam(), threads);
+    std::vector<float> all = r.out.storage;
+    for (const auto* x : {&r.lse, &r.dq.storage, &r.dk.storage, &r.dv.storage, &r.dsinks})
+      all.insert(all.end(), x->begin(), x->end());
+    results.push_back(all);
+  }
+  for (std::size_t i = 1; i < results.size(); ++i) {
+    ASSERT_EQ(results[0].size(), results[i].size());
+    EXPECT_EQ(0,
+              std::memcmp(results[0].data(), results[i].data(), results[0].size() * sizeof(float)));
+  }
+}
+
+// Central differences of the float64 forward (loss = Σ dO ⊙ O) against this path's fp32
+// backward: dQ, dK, dV and dσ with soft-capping, ALiBi, a window, sinks and a bias mask, so the
+// chain rule of each term is checked against the definition, not the oracle's backward.
+TEST_P(Variants, GradientsMatchFiniteDifferences) {
+  std::mt19937_64 rng(1208);
+  std::vector<VariantCase> cases;
+  {
+    VariantCase c{1, 7, 9, 4, 2, 5};
+    c.softcap = 1.0;
+    c.alibi = true;
+    c.sinks = true;
+    c.window = 4;
+    cases.push_back(c);
+    VariantCase d{2, 9, 6, 2, 1, 4, false, CausalAlign::top_left};
+    d.sinks = true;
+    d.mask = MaskShape::random_bias;
+    d.mask_full = {true, false, true, true};
+    cases.push_back(d);
+    VariantCase e{2, 6, 8, 2, 2, 3};
+    e.sinks = true;
+    e.key_lengths = true;
+    e.mask = MaskShape::random_bool;
+    cases.push_back(e);
+  }
+  for (const VariantCase& c : cases) {
+    SCOPED_TRACE(c.name());
+    VariantRun r(c, rng);
+    if (!supports_variants(GetParam())) {
+      ExpectRefused([&] { r.backward(GetParam()); }, "fwd", GetParam());
+      continue;
+    }
+    r.backward(GetParam());
+    auto q64 = r.q.to64(), k64 = r.k.to64(), v64 = r.v.to64();
+    const auto do64 = r.dout.to64();
+    auto ro = r.ref_options();
+    const auto loss = [&] { return testkit::attention_loss(q64, k64, v64, do64, ro); };
+    double max_diff = 0.0, max_ref = 0.0;
+    auto check = [&](const Tensor64& fd, StridedTensor& grad) {
+      const auto& sh = fd.shape;
+      for (std::int64_t b = 0; b < sh[0]; ++b)
+        for (std::int64_t t = 0; t < sh[1]; ++t)
+          for (std::int64_t h = 0; h < sh[2]; ++h)
+            for (std::int64_t e = 0; e < sh[3]; ++e) {
+              max_diff = std::max(max_diff, std::fabs(fd.at(b, t, h, e) - grad.at(b, t, h, e)));
+              max_ref = std::max(max_ref, std::fabs(fd.at(b, t, h, e)));
+            }
+    };
+    check(testkit::central_differences(q64, loss), r.dq);
+    check(testkit::central_differences(k64, loss), r.dk);
+    check(testkit::central_differences(v64, loss), r.dv);
+    EXPECT_LE(max_diff / max_ref, kBackwardBound);
+    const std::vector<double> fd_sinks = testkit::central_differences(ro.sinks, loss);
+    EXPECT_LE(rel_err_flat(r.dsinks, fd_sinks), kBackwardBound) << "dsinks";
+  }
+}
+
+// An interval-shaped boolean mask is the same function as the options it encodes: a
+// causal-shaped mask with causal = false equals causal = true, a right-padding mask equals key
+// lengths, a band equals a window — bitwise, since each becomes the same key ranges.
+TEST_P(Variants, IntervalMasksEqualTheOptionsTheyEncode) {
+  const Isa isa = GetParam();
+  const std::int64_t B = 2, T = 70, Hq = 4, Hkv = 2, D = 16, W = 9;
+  std::mt19937_64 rng(1209);
+  StridedTensor q(B, T, Hq, D, Layout::bthd), k(B, T, Hkv, D, Layout::bthd),
+      v(B, T, Hkv, D, Layout::bthd);
+  q.fill_random(rng);
+  k.fill_random(rng);
+  v.fill_random(rng);
+  // [1, 1, T, T] lower triangle, band of width W; [B, 1, 1, T] right padding of lengths {50, 70}.
+  std::vector<std::uint8_t> tri(T * T), band(T * T), pad(B * T);
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t u = 0; u < T; ++u) {
+      tri[t * T + u] = u <= t;
+      band[t * T + u] = u <= t && u > t - W;
+    }
+  const std::int32_t lengths[2] = {50, 70};
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t u = 0; u < T; ++u) pad[b * T + u] = u < lengths[b];
+  const ConstTensorView tri_v{tri.data(), DType::boolean, 4, {1, 1, T, T}, {0, 0, T, 1}};
+  const ConstTensorView band_v{band.data(), DType::boolean, 4, {1, 1, T, T}, {0, 0, T, 1}};
+  const ConstTensorView pad_v{pad.data(), DType::boolean, 4, {B, 1, 1, T}, {T, 0, 0, 1}};
+  const ConstTensorView len_v{lengths, DType::i32, 1, {B}, {1}};
+
+  auto run = [&](const AttentionOptions& o) {
+    StridedTensor out(B, T, Hq, D, Layout::bthd);
+    std::vector<float> lse(static_cast<std::size_t>(B * Hq * T), kPoison);
+    attention_forward(q.view, k.view, v.view, out.view, TensorView::bht(lse.data(), B, Hq, T), o);
+    std::vector<float> all = out.storage;
+    all.insert(all.end(), lse.begin(), lse.end());
+    return all;
+  };
+  AttentionOptions causal, masked;
+  causal.isa = masked.isa = isa;
+  masked.causal = false;
+  masked.mask = tri_v;
+  if (!supports_variants(isa)) {
+    ExpectRefused([&] { run(masked); }, "fwd", isa);
+    return;
+  }
+  auto equal = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+  };
+  EXPECT_TRUE(equal(run(causal), run(masked))) << "causal-shaped mask";
+  AttentionOptions windowed = causal, banded = masked;
+  windowed.window = W;
+  banded.mask = band_v;
+  EXPECT_TRUE(equal(run(windowed), run(banded))) << "band mask";
+  AttentionOptions lens = causal, padded = causal;
+  lens.key_lengths = len_v;
+  padded.mask = pad_v;
+  EXPECT_TRUE(equal(run(lens), run(padded))) << "right-padding mask";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Variable-length batches
+
+struct VarlenRun {
+  std::int64_t Hq, Hkv, D;
+  std::vector<std::int64_t> cu_q, cu_k;
+  StridedTensor q, k, v, out, dout, dq, dk, dv;
+  std::vector<float> lse, sinks, slopes, dsinks;
+  std::vector<std::int32_t> cu_q32, cu_k32;
+
+  VarlenRun(const std::vector<std::int64_t>& lq, const std::vector<std::int64_t>& lk,
+            std::int64_t hq, std::int64_t hkv, std::int64_t d, Layout layout, std::mt19937_64& rng)
+      : Hq(hq),
+        Hkv(hkv),
+        D(d),
+        cu_q(prefix(lq)),
+        cu_k(prefix(lk)),
+        q(1, cu_q.back(), hq, d, layout),
+        k(1, cu_k.back(), hkv, d, layout),
+        v(1, cu_k.back(), hkv, d, layout),
+        out(1, cu_q.back(), hq, d, layout),
+        dout(1, cu_q.back(), hq, d, layout),
+        dq(1, cu_q.back(), hq, d, layout),
+        dk(1, cu_k.back(), hkv, d, layout),
+        dv(1, cu_k.back(), hkv, d, layout),
+        lse(static_cast<std::size_t>(hq * cu_q.back()), kPoison) {
+    q.fill_random(rng);
+    k.fill_random(rng);
+    v.fill_random(rng);
+    dout.fill_random(rng);
+    std::normal_distribution<float> dist;
+    for (std::int64_t h = 0; h < hq; ++h) {
+      sinks.push_back(dist(rng));
+      slopes.push_back(std::exp2(-static_cast<float>(h + 1)));
+    }
+    dsinks.assign(static_cast<std::size_t>(hq), kPoison);
+    for (auto x : cu_q) cu_q32.push_back(static_cast<std::int32_t>(x));
+    for (auto x : cu_k) cu_k32.push_back(static_cast<std::int32_t>(x));
+  }
+  static std::vector<std::int64_t> prefix(const std::vector<std::int64_t>& lens) {
+    std::vector<std::int64_t> cu{0};
+    for (auto l : lens) cu.push_back(cu.back() + l);
+    return cu;
+  }
+  // The rank-3 [total, H, d_h] view of a [1, total, H, d_h] test tensor.
+  static TensorView packed(const StridedTensor& x) {
+    const TensorView& w = x.view;
+    return {w.data,
+            DType::f32,
+            3,
+            {w.shape[1], w.shape[2], w.shape[3]},
+            {w.strides[1], w.strides[2], w.strides[3]}};
+  }
+  TensorView lse_view() {
+    const std::int64_t total = cu_q.back();
+    return {lse.data(), DType::f32, 2, {Hq, total}, {total, 1}};
+  }
+  ConstTensorView cu_view(bool i64, bool keys) const {
+    const auto& c64 = keys ? cu_k : cu_q;
+    const auto& c32 = keys ? cu_k32 : cu_q32;
+    const std::int64_t n = static_cast<std::int64_t>(c64.size());
+    if (i64) return {c64.data(), DType::i64, 1, {n}, {1}};
+    return {c32.data(), DType::i32, 1, {n}, {1}};
+  }
+};
+
+TEST_P(Variants, VarlenMatchesOracle) {
+  const Isa isa = GetParam();
+  std::mt19937_64 rng(1210);
+  // Sequences of lengths straddling the tiles, with empty ones (no queries; no keys).
+  const std::vector<std::int64_t> lq{5, 0, 64, 3, 65, 1, 7}, lk{7, 4, 64, 0, 130, 1, 7};
+  int config = 0;
+  for (Layout layout : {Layout::bthd, Layout::strided}) {
+    for (int variants = 0; variants < 3; ++variants, ++config) {
+      SCOPED_TRACE("layout " + std::string(layout_name(layout)) + ", variants " +
+                   std::to_string(variants));
+      VarlenRun r(lq, lk, 4, 2, 12, layout, rng);
+      AttentionOptions o;
+      o.isa = isa;
+      reference::Options ro;
+      if (variants >= 1) {  // sinks and ALiBi, top-left
+        o.align = CausalAlign::top_left;
+        ro.align = reference::Align::top_left;
+        o.sinks = {r.sinks.data(), DType::f32, 1, {r.Hq}, {1}};
+        o.alibi_slopes = {r.slopes.data(), DType::f32, 1, {r.Hq}, {1}};
+        for (float x : r.sinks) ro.sinks.push_back(x);
+        for (float x : r.slopes) ro.alibi_slopes.push_back(x);
+      }
+      if (variants == 2) {  // plus a window and soft-capping, non-causal
+        o.window = 6;
+        o.softcap = 2.5;
+        o.causal = ro.causal = false;
+        ro.window = 6;
+        ro.softcap = 2.5;
+      }
+      const bool i64 = config % 2 == 1;
+      const auto fwd = [&] {
+        attention_forward_varlen(VarlenRun::packed(r.q), VarlenRun::packed(r.k),
+                                 VarlenRun::packed(r.v), r.cu_view(i64, false),
+                                 r.cu_view(i64, true), VarlenRun::packed(r.out), r.lse_view(), o);
+      };
+      if (variants >= 1 && !supports_variants(isa)) {
+        ExpectRefused(fwd, "fwd", isa);
+        continue;
+      }
+      fwd();
+      const auto ref = reference::attention_forward_varlen(r.q.to64(), r.k.to64(), r.v.to64(),
+                                                           r.cu_q, r.cu_k, ro);
+      EXPECT_LE(rel_err(r.out, ref.out), kForwardBound) << "O";
+      ErrorAccumulator lse_acc;
+      for (std::int64_t h = 0; h < r.Hq; ++h)
+        for (std::int64_t t = 0; t < r.cu_q.back(); ++t)
+          lse_acc.add(r.lse[static_cast<std::size_t>(h * r.cu_q.back() + t)],
+                      ref.lse.at(0, h, t, 0));
+      EXPECT_LE(lse_acc.value(1.0), kForwardBound) << "L";
+
+      r.dq.poison();
+      r.dk.poison();
+      r.dv.poison();
+      std::fill(r.dsinks.begin(), r.dsinks.end(), kPoison);
+      TensorView ds{};
+      if (variants >= 1) ds = {r.dsinks.data(), DType::f32, 1, {r.Hq}, {1}};
+      attention_backward_varlen(VarlenRun::packed(r.q), VarlenRun::packed(r.k),
+                                VarlenRun::packed(r.v), VarlenRun::packed(r.out), r.lse_view(),
+                                VarlenRun::packed(r.dout), r.cu_view(i64, false),
+                                r.cu_view(i64, true), VarlenRun::packed(r.dq),
+                                VarlenRun::packed(r.dk), VarlenRun::packed(r.dv), o, ds);
+      const auto bref = reference::attention_backward_varlen(r.q.to64(), r.k.to64(), r.v.to64(),
+                                                             r.dout.to64(), r.cu_q, r.cu_k, ro);
+      const double g = max_abs(r.dout) * max_abs(r.v) / std::sqrt(12.0);
+      EXPECT_LE(rel_err(r.dq, bref.dq, g), kBackwardBound) << "dq";
+      EXPECT_LE(rel_err(r.dk, bref.dk, g), kBackwardBound) << "dk";
+      EXPECT_LE(rel_err(r.dv, bref.dv, g), kBackwardBound) << "dv";
+      if (variants >= 1) EXPECT_LE(rel_err_flat(r.dsinks, bref.dsinks), kBackwardBound);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, Variants, AllIsas(), IsaName);
+
+}  // namespace
+}  // namespace tokenmix::testing

@@ -9,6 +9,7 @@
 #include <string>
 #include <type_traits>
 
+#include "api/variants.hpp"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/registry.hpp"
 #include "tokenmix/error.hpp"
@@ -20,11 +21,13 @@ namespace {
 using detail::check_dim;
 using detail::check_view;
 using detail::fail;
+using detail::strided;
 
 // Checks q/k/v against each other (SPEC "Names and shapes", 4.8) and returns the problem.
+// The score variants of `o` are validated and normalised into p.var, pointing into `data`.
 kernels::AttentionProblem make_problem(const char* fn, const ConstTensorView& q,
                                        const ConstTensorView& k, const ConstTensorView& v,
-                                       const AttentionOptions& o) {
+                                       const AttentionOptions& o, detail::VariantData& data) {
   check_view(q, 4, fn, "q");
   check_view(k, 4, fn, "k");
   check_view(v, 4, fn, "v");
@@ -61,29 +64,11 @@ kernels::AttentionProblem make_problem(const char* fn, const ConstTensorView& q,
   check_dim(v, 2, p.hkv, fn, "v", "H_kv", "k.shape[2]");
   check_dim(v, 3, p.dh, fn, "v", "d_h", "q.shape[3]");
 
-  const double scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(p.dh)));
-  if (!std::isfinite(scale)) {
-    fail(ErrorCode::invalid_argument, fn,
-         "options.scale must be finite; got " + std::to_string(scale));
-  }
-  if (!std::isfinite(static_cast<float>(scale))) {
-    fail(ErrorCode::invalid_argument, fn,
-         "options.scale must be representable as float32; got " + std::to_string(scale));
-  }
-  if (o.threads < 0) {
-    fail(ErrorCode::invalid_argument, fn,
-         "options.threads must be >= 0 (0 = all); got " + std::to_string(o.threads));
-  }
-  detail::check_align(fn, "options.align", o.align);
-  if (o.window || o.softcap || !o.alibi_slopes.empty() || !o.sinks.empty() || !o.mask.empty() ||
-      !o.key_lengths.empty()) {
-    // TODO(variants): the score variants are being implemented (issue 12).
-    fail(ErrorCode::unsupported, fn, "score variants are not implemented yet");
-  }
-  p.scale = static_cast<float>(scale);
+  p.scale = detail::checked_scale(fn, o, p.dh);
   p.causal = o.causal;
   p.align = o.align;
   p.threads = o.threads == 0 ? default_threads() : o.threads;
+  if (detail::uses_variants(o)) detail::prepare_variants(fn, o, p, data);
   return p;
 }
 
@@ -104,14 +89,6 @@ void check_lse(const char* fn, const ConstTensorView& lse, const char* name,
   check_dim(lse, 0, p.batch, fn, name, "B", "q.shape[0]");
   check_dim(lse, 1, p.hq, fn, name, "H_q", "q.shape[2]");
   check_dim(lse, 2, p.tq, fn, name, "T_q", "q.shape[1]");
-}
-
-template <class V>
-auto strided(const V& v) {
-  using Ptr =
-      std::conditional_t<std::is_same_v<decltype(v.data), const void*>, const float*, float*>;
-  return kernels::Strided<Ptr>{static_cast<Ptr>(v.data), v.strides[0], v.strides[1], v.strides[2],
-                               v.strides[3]};
 }
 
 }  // namespace
@@ -204,11 +181,18 @@ void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, 
                        TensorView lse, const AttentionOptions& options) {
   constexpr const char* fn = "attention_forward";
   kernels::ForwardArgs args;
-  args.p = make_problem(fn, q, k, v, options);
+  detail::VariantData variants;
+  args.p = make_problem(fn, q, k, v, options, variants);
   const auto& p = args.p;
   check_like(fn, out, "out", p.batch, p.tq, p.hq, p.dh, "q");
   if (!lse.empty()) check_lse(fn, lse, "lse", p);
-  detail::check_no_overlap(fn, {{"out", out}, {"lse", lse}}, {{"q", q}, {"k", k}, {"v", v}});
+  detail::check_no_overlap(fn, {{"out", out}, {"lse", lse}},
+                           {{"q", q},
+                            {"k", k},
+                            {"v", v},
+                            {"options.mask", detail::mask_if_f32(options)},
+                            {"options.alibi_slopes", options.alibi_slopes},
+                            {"options.sinks", options.sinks}});
   const Isa isa = resolve_isa(options.isa, fn);  // the one dispatch decision of this call
 
   args.q = strided(q);
@@ -216,7 +200,8 @@ void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, 
   args.v = strided(v);
   args.out = strided(out);
   args.lse = lse.empty() ? kernels::Out{} : strided(lse);
-  const auto kernel = kernels::select_forward(fn, isa, DType::f32, p.tk);  // registry.cpp
+  const auto kernel =
+      kernels::select_forward(fn, isa, DType::f32, p.tk, variants.names);  // registry.cpp
   args.p.site = {fn, kernel.name};
   kernel.fn(args);
 }
@@ -227,7 +212,8 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                         const AttentionOptions& options, TensorView dsinks) {
   constexpr const char* fn = "attention_backward";
   kernels::BackwardArgs args;
-  args.p = make_problem(fn, q, k, v, options);
+  detail::VariantData variants;
+  args.p = make_problem(fn, q, k, v, options, variants);
   const auto& p = args.p;
   check_like(fn, out, "out", p.batch, p.tq, p.hq, p.dh, "q");
   check_lse(fn, lse, "lse", p);
@@ -235,10 +221,17 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   check_like(fn, dq, "dq", p.batch, p.tq, p.hq, p.dh, "q");
   check_like(fn, dk, "dk", p.batch, p.tk, p.hkv, p.dh, "k");
   check_like(fn, dv, "dv", p.batch, p.tk, p.hkv, p.dh, "k");
-  detail::check_no_overlap(
-      fn, {{"dq", dq}, {"dk", dk}, {"dv", dv}},
-      {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse}, {"dout", dout}});
-  if (!dsinks.empty()) fail(ErrorCode::unsupported, fn, "dsinks: sinks are not implemented yet");
+  detail::check_dsinks(fn, options, dsinks, p.hq);
+  detail::check_no_overlap(fn, {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dsinks", dsinks}},
+                           {{"q", q},
+                            {"k", k},
+                            {"v", v},
+                            {"out", out},
+                            {"lse", lse},
+                            {"dout", dout},
+                            {"options.mask", detail::mask_if_f32(options)},
+                            {"options.alibi_slopes", options.alibi_slopes},
+                            {"options.sinks", options.sinks}});
   const Isa isa = resolve_isa(options.isa, fn);
 
   args.q = strided(q);
@@ -250,9 +243,12 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   args.dq = strided(dq);
   args.dk = strided(dk);
   args.dv = strided(dv);
-  const auto kernel = kernels::select_backward(fn, isa, DType::f32, p.tk);  // registry.cpp
+  const auto kernel =
+      kernels::select_backward(fn, isa, DType::f32, p.tk, variants.names);  // registry.cpp
   args.p.site = {fn, kernel.name};
   kernel.fn(args);
+  // dσ_h from L, O and dO, the same for every kernel path (SPEC "Score variants": sinks).
+  if (!dsinks.empty()) detail::sinks_gradient(p, args.out, args.dout, args.lse, dsinks);
 }
 
 double backward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,

@@ -28,7 +28,9 @@ std::array<KernelSet, 4> make_sets() {
        kAnyKeys,
        "plain C++, exact fp32: two-pass softmax per query row, O(T_k*d_h) scratch per worker, "
        "OpenMP over (batch, head, 64-row block); decode widens each 64-key cache tile to fp32 "
-       "and runs an online softmax per row"},
+       "and runs an online softmax per row; score variants (window, softcap, ALiBi, sinks, "
+       "masks, key lengths) by key ranges and element-wise score terms",
+       /*score_variants=*/true},
       {Isa::avx2,
        [](const CpuFeatures& f) { return f.avx2_fma; },
        {{"attention_fwd_f32_avx2", attention_fwd_f32_avx2}, {}, {}},
@@ -72,6 +74,19 @@ std::array<KernelSet, 4> make_sets() {
                          (kernel_set(isa).compiled() ? "" : " (not built into this binary)"));
 }
 
+// The score-variant gate (registry.hpp): no silent fallback to another set.
+template <class Fn>
+NamedKernel<Fn> gate(NamedKernel<Fn> kernel, const char* entry, Isa isa,
+                     std::string_view variants) {
+  if (!variants.empty() && !kernel_set(isa).score_variants) {
+    throw UnsupportedError(std::string(entry) + ": the kernel " + kernel.name + " (" +
+                           to_string(isa) + " path) does not support the score variants used (" +
+                           std::string(variants) +
+                           "); force another path with options.isa (isa=portable supports them)");
+  }
+  return kernel;
+}
+
 template <class Fn>
 NamedKernel<Fn> pick(const NamedKernel<Fn> (&column)[kDTypeCount], const char* entry,
                      const char* op, Isa isa, DType dtype) {
@@ -94,16 +109,16 @@ const KernelSet& kernel_set(Isa isa) {
   throw UnsupportedError(std::string("tokenmix: no kernel set for isa '") + to_string(isa) + "'");
 }
 
-NamedKernel<ForwardKernel> select_forward(const char* entry, Isa isa, DType dtype,
-                                          std::int64_t tk) {
+NamedKernel<ForwardKernel> select_forward(const char* entry, Isa isa, DType dtype, std::int64_t tk,
+                                          std::string_view variants) {
   if (tk > kernel_set(isa).max_keys) isa = Isa::portable;  // the T_k rule (registry.hpp)
-  return pick(kernel_set(isa).forward, entry, "forward", isa, dtype);
+  return gate(pick(kernel_set(isa).forward, entry, "forward", isa, dtype), entry, isa, variants);
 }
 
 NamedKernel<BackwardKernel> select_backward(const char* entry, Isa isa, DType dtype,
-                                            std::int64_t tk) {
+                                            std::int64_t tk, std::string_view variants) {
   if (tk > kernel_set(isa).max_keys) isa = Isa::portable;  // the T_k rule (registry.hpp)
-  return pick(kernel_set(isa).backward, entry, "backward", isa, dtype);
+  return gate(pick(kernel_set(isa).backward, entry, "backward", isa, dtype), entry, isa, variants);
 }
 
 NamedKernel<DecodeKernel> select_decode(const char* entry, Isa isa, DType cache_dtype) {

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 
 #include "kernels/attention_kernels.hpp"
 #include "tokenmix/runtime.hpp"
@@ -39,6 +40,10 @@ struct KernelSet {
   NamedKernel<DecodeKernel> decode[kDTypeCount];      // by KV-cache dtype
   std::int64_t max_keys = 0;                          // forward/backward serve T_k ≤ max_keys
   const char* description = "";
+  /// The forward and backward kernels honour AttentionProblem::var (ScoreVariants: window,
+  /// softcap, ALiBi, sinks, masks, key lengths). A call using a variant on a set without it
+  /// throws UnsupportedError naming the kernel and the variant (never another set's kernel).
+  bool score_variants = false;
 
   /// Built into this binary (its f32 forward exists): the path can run where the CPU can.
   bool compiled() const { return forward[0].fn != nullptr; }
@@ -51,10 +56,13 @@ std::span<const KernelSet> kernel_sets();
 const KernelSet& kernel_set(Isa isa);
 
 /// The kernel that runs for a resolved path, dtype and T_k (the T_k rule above). Throws
-/// UnsupportedError naming `entry`, the kernel and the dtype if the table has none.
-NamedKernel<ForwardKernel> select_forward(const char* entry, Isa isa, DType dtype, std::int64_t tk);
+/// UnsupportedError naming `entry`, the kernel and the dtype if the table has none, and, when
+/// `variants` (the score variants the call uses, e.g. "window, softcap") is not empty, naming the
+/// kernel and the variants if its set lacks score_variants.
+NamedKernel<ForwardKernel> select_forward(const char* entry, Isa isa, DType dtype, std::int64_t tk,
+                                          std::string_view variants = {});
 NamedKernel<BackwardKernel> select_backward(const char* entry, Isa isa, DType dtype,
-                                            std::int64_t tk);
+                                            std::int64_t tk, std::string_view variants = {});
 NamedKernel<DecodeKernel> select_decode(const char* entry, Isa isa, DType cache_dtype);
 
 }  // namespace tokenmix::kernels

@@ -64,6 +64,12 @@ void check_view(const ConstTensorView& v, int rank, const char* fn, const char* 
     throw UnsupportedError(std::string(fn) + ": " + n + " has dtype " + to_string(v.dtype) +
                            "; only f32 is supported by this operation");
   }
+  check_view_extent(v, fn, name);
+}
+
+void check_view_extent(const ConstTensorView& v, const char* fn, const char* name) {
+  const std::string n(name);
+  const int rank = v.rank;
   for (int i = 0; i < rank; ++i) {
     if (v.dim(i) < 0) {
       fail(ErrorCode::invalid_argument, fn,
@@ -90,12 +96,12 @@ void check_view(const ConstTensorView& v, int rank, const char* fn, const char* 
       offset = sum;
     }
   }
-  // Bytes spanned, (offset + 1) · sizeof(float), without forming offset + 1 when it overflows.
-  constexpr std::int64_t kBytes = sizeof(float);
-  if (offset > INT64_MAX / kBytes - 1) {
+  // Bytes spanned, (offset + 1) · element size, without forming offset + 1 when it overflows.
+  const auto elem_bytes = static_cast<std::int64_t>(std::max<std::size_t>(size_of(v.dtype), 1));
+  if (offset > INT64_MAX / elem_bytes - 1) {
     fail(ErrorCode::overflow, fn,
          n + " byte extent overflows 64-bit arithmetic ((largest element offset " +
-             std::to_string(offset) + " + 1) * " + std::to_string(kBytes) + " bytes)");
+             std::to_string(offset) + " + 1) * " + std::to_string(elem_bytes) + " bytes)");
   }
   if (count > 0 && v.data == nullptr) {
     fail(ErrorCode::null_pointer, fn,

@@ -29,6 +29,10 @@ std::string shape_string(const ConstTensorView& v);
 /// byte extent fit in 64-bit arithmetic.
 void check_view(const ConstTensorView& v, int rank, const char* fn, const char* name);
 
+/// The part of check_view after rank and dtype (for views of any dtype and rank 1–4): sizes and
+/// strides ≥ 0, non-null data unless empty, largest offset and byte extent within int64.
+void check_view_extent(const ConstTensorView& v, const char* fn, const char* name);
+
 /// Logical-dimension check: v.shape[axis] == expected.
 void check_dim(const ConstTensorView& v, int axis, std::int64_t expected, const char* fn,
                const char* name, const char* axis_name, const char* expected_from);

@@ -18,6 +18,14 @@
 //                             queries that see u:  dk_u = s Σ ds_tu q_t,  dv_u = Σ p_tu dO_t
 // Pass 2 recomputes p and ds instead of storing them (no T×T buffer).
 //
+// Score variants (SPEC "Score variants used by real models", ScoreVariants in
+// attention_kernels.hpp): each row loops only over its key range p.key_range(b, h, t) (causal
+// mask ∩ window ∩ key length ∩ a boolean mask's row interval), the element-wise terms enter
+// through p.score (soft-capping, ALiBi, a bias or general boolean mask; a boolean-masked key is
+// skipped like an invisible one), and a sink σ_h is one more term of the softmax with no value:
+// m starts at σ_h and l at e^{σ_h − shift}. Backward: p_u = e^{S_u − L_t} with the same S, and
+// soft-capping's chain rule dz = dS · (1 − tanh²(z / c)).
+//
 // Non-finite inputs (SPEC 4.3, kernels/nonfinite.hpp): only visible keys are looped over, so a
 // masked key takes no part; m is a NaN-propagating max, the shift is 0 while m = −∞, and every
 // visible key's p multiplies its v even when p = 0 (0 · NaN = NaN), as the SIMD kernels do.
@@ -77,6 +85,56 @@ std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
   return (a + b - 1) / b;
 }
 
+// The union [lo, hi) of the key ranges of rows [t0, t1) of (b, h) (empty: lo = hi = 0): the
+// keys a block of query rows packs.
+KeyRange block_keys(const AttentionProblem& p, std::int64_t b, std::int64_t h, std::int64_t t0,
+                    std::int64_t t1) {
+  KeyRange all{0, 0};
+  bool any = false;
+  for (std::int64_t t = t0; t < t1; ++t) {
+    const KeyRange r = p.key_range(b, h, t);
+    if (r.end <= r.begin) continue;
+    all = any ? KeyRange{std::min(all.begin, r.begin), std::max(all.end, r.end)} : r;
+    any = true;
+  }
+  return all;
+}
+
+// True when a general boolean mask excludes key u of row (b, h, t): the key takes no part.
+inline bool bool_masked(const AttentionProblem& p, std::int64_t b, std::int64_t h, std::int64_t t,
+                        std::int64_t u) {
+  return p.var.mask_kind == MaskKind::boolean &&
+         static_cast<const std::uint8_t*>(p.var.mask)[p.mask_offset(b, h, t, u)] == 0;
+}
+
+// For key u of row (b, h, t) with raw dot product ⟨q_t, k_u⟩ = qk, saved L_t (shifted by
+// softmax_shift), dA_tu = dp and D_t: A_tu (into *a when given) and the score gradient ds with
+// respect to z = s·qk (SPEC "Backward pass"; soft-capping: dz = dS · (1 − tanh²(z / c))).
+// Returns false for a key a general boolean mask excludes (it takes no part).
+inline bool score_ds(const AttentionProblem& p, std::int64_t b, std::int64_t h, std::int64_t t,
+                     std::int64_t u, float qk, float lse, float dp, float d_t, float* a,
+                     float& ds) {
+  const float z = p.scale * qk;
+  float su = z;
+  if (p.var.elementwise()) {
+    if (bool_masked(p, b, h, t, u)) return false;
+    su = p.score(z, b, h, t, u);
+  }
+  const float pu = std::exp(su - lse);  // A_tu
+  ds = pu * (dp - d_t);                 // dS_tu = A_tu (dA_tu − D_t)
+  if (p.var.softcap > 0.0f) {
+    const float th = std::tanh(z / p.var.softcap);
+    ds *= 1.0f - th * th;  // ∂cap(z)/∂z
+  }
+  if (a != nullptr) *a = pu;
+  return true;
+}
+
+// e^{σ_h − shift}: the sink's term of l (0 without sinks).
+inline float sink_term(const AttentionProblem& p, std::int64_t h, float shift) {
+  return p.var.sinks == nullptr ? 0.0f : std::exp(p.var.sinks[h] - shift);
+}
+
 }  // namespace
 
 void attention_fwd_f32_portable(const ForwardArgs& a) {
@@ -112,31 +170,38 @@ void attention_fwd_f32_portable(const ForwardArgs& a) {
     float* q_row = scratch.at(q_slot, worker);      // [d_h]
     float* acc = scratch.at(acc_slot, worker);      // [d_h]
 
-    // visible_end is non-decreasing in t: the last row of the block sees the most keys.
-    const std::int64_t keys = std::max<std::int64_t>(0, p.visible_end(t1 - 1));
-    pack_rows(a.k, b, j, 0, keys, dh, k_pack);
-    pack_rows(a.v, b, j, 0, keys, dh, v_pack);
+    // The keys the rows of the block see (for the plain causal mask: [0, visible_end(t1 − 1))).
+    const KeyRange keys = block_keys(p, b, h, t0, t1);
+    const std::int64_t k0 = keys.begin;  // k_pack row i holds key k0 + i
+    pack_rows(a.k, b, j, k0, keys.end - k0, dh, k_pack);
+    pack_rows(a.v, b, j, k0, keys.end - k0, dh, v_pack);
+    const bool elementwise = p.var.elementwise(), sinks = p.var.sinks != nullptr;
+    const bool bool_mask = p.var.mask_kind == MaskKind::boolean;
 
     for (std::int64_t t = t0; t < t1; ++t) {
-      const std::int64_t end = p.visible_end(t);
+      const auto [begin, end] = p.key_range(b, h, t);
       float* out = a.out.data + b * a.out.s0 + t * a.out.s1 + h * a.out.s2;
       float lse = kNegInf;
-      if (end <= 0) {  // no visible key (T_q > T_k, bottom-right): zeros and L = −∞ (SPEC 4.3)
+      if (end <= begin) {  // no visible key: zeros and L = −∞ (SPEC 4.3), L = σ_h with a sink
         std::fill(acc, acc + dh, 0.0f);
+        if (sinks) lse = p.var.sinks[h];
       } else {
         gather(a.q.row(b, t, h), a.q.s3, dh, q_row);
-        float m = kNegInf;
-        for (std::int64_t u = 0; u < end; ++u) {  // S = s · q_t K_jᵀ  (4.2)
-          score[u] = p.scale * dot(q_row, k_pack + u * dh, dh);
-          m = max_nan(m, score[u]);
+        float m = sinks ? p.var.sinks[h] : kNegInf;   // a sink is one more score (no value)
+        for (std::int64_t u = begin; u < end; ++u) {  // S = s · q_t K_jᵀ  (4.2)
+          const float z = p.scale * dot(q_row, k_pack + (u - k0) * dh, dh);
+          const float su = elementwise ? p.score(z, b, h, t, u) : z;  // cap, ALiBi, mask
+          score[u - k0] = su;
+          m = max_nan(m, su);
         }
-        float l = 0.0f;
+        const float shift = softmax_shift(m);  // every visible score −∞: P = 0, l = 0
+        float l = sink_term(p, h, shift);
         std::fill(acc, acc + dh, 0.0f);
-        const float shift = softmax_shift(m);     // every visible score −∞: P = 0, l = 0
-        for (std::int64_t u = 0; u < end; ++u) {  // A = softmax(S + M), O = A V  (4.4, 4.5)
-          const float pu = std::exp(score[u] - shift);
+        for (std::int64_t u = begin; u < end; ++u) {  // A = softmax(S + M), O = A V  (4.4, 4.5)
+          if (bool_mask && bool_masked(p, b, h, t, u)) continue;  // takes no part (SPEC 4.3)
+          const float pu = std::exp(score[u - k0] - shift);
           l += pu;
-          axpy(pu, v_pack + u * dh, acc, dh);
+          axpy(pu, v_pack + (u - k0) * dh, acc, dh);
         }
         // l = 0 (no finite score): O = Õ / ∞ = 0 (NaN if a visible v was NaN or ±∞)
         const float div = l == 0.0f ? std::numeric_limits<float>::infinity() : l;
@@ -185,24 +250,28 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
       float* o_row = do_row + dh;
       float* dq_acc = o_row + dh;
 
-      const std::int64_t keys = std::max<std::int64_t>(0, p.visible_end(t1 - 1));
-      pack_rows(a.k, b, j, 0, keys, dh, k_pack);
-      pack_rows(a.v, b, j, 0, keys, dh, v_pack);
+      const KeyRange keys = block_keys(p, b, h, t0, t1);
+      const std::int64_t k0 = keys.begin;  // k_pack row i holds key k0 + i
+      pack_rows(a.k, b, j, k0, keys.end - k0, dh, k_pack);
+      pack_rows(a.v, b, j, k0, keys.end - k0, dh, v_pack);
 
       for (std::int64_t t = t0; t < t1; ++t) {
-        const std::int64_t end = p.visible_end(t);
+        const auto [begin, end] = p.key_range(b, h, t);
         std::fill(dq_acc, dq_acc + dh, 0.0f);
         float d_t = 0.0f;
-        if (end > 0) {
+        if (end > begin) {
           gather(a.q.row(b, t, h), a.q.s3, dh, q_row);
           gather(a.dout.row(b, t, h), a.dout.s3, dh, do_row);
           gather(a.out.row(b, t, h), a.out.s3, dh, o_row);
           d_t = dot(do_row, o_row, dh);  // D_t = Σ_u A_tu dA_tu = ⟨dO_t, O_t⟩
           const float lse = softmax_shift(a.lse.data[b * a.lse.s0 + h * a.lse.s1 + t * a.lse.s2]);
-          for (std::int64_t u = 0; u < end; ++u) {
-            const float pu = std::exp(p.scale * dot(q_row, k_pack + u * dh, dh) - lse);  // A_tu
-            const float dpu = dot(do_row, v_pack + u * dh, dh);                          // dA_tu
-            axpy(pu * (dpu - d_t), k_pack + u * dh, dq_acc, dh);  // dS_tu k_u, dS = A ⊙ (dA − D)
+          for (std::int64_t u = begin; u < end; ++u) {
+            const float* k_u = k_pack + (u - k0) * dh;
+            float ds = 0.0f;
+            if (!score_ds(p, b, h, t, u, dot(q_row, k_u, dh), lse,
+                          dot(do_row, v_pack + (u - k0) * dh, dh), d_t, nullptr, ds))
+              continue;
+            axpy(ds, k_u, dq_acc, dh);  // dS_tu k_u, dS = A ⊙ (dA − D)
           }
           for (std::int64_t i = 0; i < dh; ++i) dq_acc[i] *= p.scale;  // dQ = s · dS K
         }
@@ -246,21 +315,28 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
       pack_rows(a.v, b, j, u0, n, dh, v_pack);
       std::fill(dk_acc, dk_acc + 2 * kRowBlock * dh, 0.0f);
       const std::int64_t t_first = p.causal ? std::max<std::int64_t>(0, u0 - shift) : 0;
+      // With a window, row t sees keys > p(t) − W: rows t ≥ u1 − 1 + W − shift see none here.
+      const std::int64_t t_end =
+          p.var.window > 0 ? std::clamp<std::int64_t>(u1 - 1 + p.var.window - shift, 0, p.tq)
+                           : p.tq;
 
       for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {  // the query heads of group j (4.8)
-        for (std::int64_t t = t_first; t < p.tq; ++t) {
-          const std::int64_t end = std::min(p.visible_end(t), u1);  // keys u0 ≤ u < end seen by t
-          if (end <= u0) continue;
+        for (std::int64_t t = t_first; t < t_end; ++t) {
+          const KeyRange r = p.key_range(b, h, t);
+          const std::int64_t begin = std::max(r.begin, u0), end = std::min(r.end, u1);
+          if (end <= begin) continue;  // row t sees no key of this block
           gather(a.q.row(b, t, h), a.q.s3, dh, q_row);
           gather(a.dout.row(b, t, h), a.dout.s3, dh, do_row);
           const float lse = softmax_shift(a.lse.data[b * a.lse.s0 + h * a.lse.s1 + t * a.lse.s2]);
           const float d_t = delta[(b * p.hq + h) * p.tq + t];
-          for (std::int64_t u = u0; u < end; ++u) {
+          for (std::int64_t u = begin; u < end; ++u) {
             const float* k_u = k_pack + (u - u0) * dh;
-            const float pu = std::exp(p.scale * dot(q_row, k_u, dh) - lse);  // A_tu
-            const float dpu = dot(do_row, v_pack + (u - u0) * dh, dh);       // dA_tu
-            axpy(pu * (dpu - d_t), q_row, dk_acc + (u - u0) * dh, dh);       // dSᵀ Q
-            axpy(pu, do_row, dv_acc + (u - u0) * dh, dh);                    // Aᵀ dO
+            float ds = 0.0f, pu = 0.0f;
+            if (!score_ds(p, b, h, t, u, dot(q_row, k_u, dh), lse,
+                          dot(do_row, v_pack + (u - u0) * dh, dh), d_t, &pu, ds))
+              continue;
+            axpy(ds, q_row, dk_acc + (u - u0) * dh, dh);   // dSᵀ Q
+            axpy(pu, do_row, dv_acc + (u - u0) * dh, dh);  // Aᵀ dO
           }
         }
       }

@@ -17,7 +17,13 @@
 //   Oᵀ += V_tileᵀ Pᵀ:  rows = features d,   k = u,   A = V columns (input),        B = Pᵀ    (4.5)
 // and the online softmax (running max m, running sum l, rescale of Oᵀ by e^{m_old − m_new})
 // works lane-wise: the row maximum over keys is a vertical max over rows of Sᵀ (4.4).
-// Key tiles above the causal diagonal are never visited; only tiles crossing it are masked (4.3).
+// Score variants (SPEC "Score variants used by real models"): each lane (row) sees one interval
+// of keys, AttentionProblem::key_range (causal mask 4.3, window, key length, interval-shaped
+// mask). A lane block visits only the key tiles some lane sees — from the least begin to the
+// greatest end, so a sliding window costs O(W) keys per row — and masks only the tiles that
+// cross an end of some lane's interval (a select: keys outside take no part). Soft-capping, ALiBi
+// and a general mask are one element-wise pass over Sᵀ (variants-inl.h), only when present;
+// sinks start each lane's online softmax at m = σ_h, l = 1 (so L = log(e^{σ_h} + Σ e^S)).
 //
 // exp: Highway's contrib Exp, max error 1 ULP on float32, returns exactly 0 below its range
 // (so e^{−∞} = 0 and masked keys contribute exactly nothing); through ExpNaN, so a NaN score
@@ -32,6 +38,7 @@
 #include "hwy/contrib/math/math-inl.h"
 #include "kernels/simd/microkernel-inl.h"
 #include "kernels/simd/nonfinite-inl.h"
+#include "kernels/simd/variants-inl.h"
 // clang-format on
 
 #include <omp.h>
@@ -68,17 +75,26 @@ void AttentionFwd(const ForwardArgs& args) {
   // [kKeyTile][dh] and the tile's rescale factors [M].
   ScratchLayout scratch_layout(p.site);
   struct BlockSlots {
-    Slot<float> qt, ot, m_run, l_run;
-    Slot<std::int32_t> end_lane;
+    Slot<float> qt, ot, m_run, l_run, slope;
+    Slot<std::int32_t> begin_lane, end_lane, pos;
+    Slot<std::int64_t> mask_base;
   } block_slots[kBlocksPerUnit];
+  const ScoreVariants& var = p.var;
+  const bool elementwise = var.elementwise();
+  const bool keep_mask = var.mask_kind == MaskKind::boolean;
   for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
     BlockSlots& bs = block_slots[lb];
     bs.qt = scratch_layout.add<float>(scratch_mul(dh, M, p.site, "scale*Q^T"));
     bs.ot = scratch_layout.add<float>(scratch_mul(dh, M, p.site, "O^T"));
     bs.m_run = scratch_layout.add<float>(M);
     bs.l_run = scratch_layout.add<float>(M);
+    bs.begin_lane = scratch_layout.add<std::int32_t>(M);
     bs.end_lane = scratch_layout.add<std::int32_t>(M);
+    bs.slope = scratch_layout.add<float>(elementwise ? M : 0);             // ALiBi slope per lane
+    bs.pos = scratch_layout.add<std::int32_t>(elementwise ? M : 0);        // p(t) per lane
+    bs.mask_base = scratch_layout.add<std::int64_t>(elementwise ? M : 0);  // b·m0 + h·m1 + t·m2
   }
+  const auto keep_slot = scratch_layout.add<float>(keep_mask ? kKeyTile * M : 0);
   const auto st_slot = scratch_layout.add<float>(kKeyTile * M);
   const auto k_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "K tile"));
   const auto v_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "V tile"));
@@ -93,11 +109,15 @@ void AttentionFwd(const ForwardArgs& args) {
     float* k_tile = scratch.at(k_tile_slot, worker);  // K rows u0.. packed [kKeyTile][dh]
     float* v_tile = scratch.at(v_tile_slot, worker);  // V rows u0.. packed [kKeyTile][dh]
     float* alphas = scratch.at(alphas_slot, worker);  // e^{m − m'} per lane [M] of the tile
+    float* keep = keep_mask ? scratch.at(keep_slot, worker) : nullptr;  // boolean mask [u][M]
     struct BlockState : LaneBlock {
       float *qt, *ot, *m_run, *l_run;  // scale·Qᵀ [dh][M], Oᵀ [dh][M], max and sum per lane [M]
+      float* slope;                    // element-wise terms, per lane [M]: ALiBi slope,
+      std::int32_t* pos;               // position p(t),
+      std::int64_t* mask_base;         // mask offset of (b, h, t)
     };
-    BlockState blocks[kBlocksPerUnit];
-    std::int64_t unit_key_end = 0;
+    BlockState blocks[kBlocksPerUnit] = {};
+    std::int64_t unit_key_begin = p.tk, unit_key_end = 0;
     for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
       BlockState& bs = blocks[lb];
       bs.blk = layout(p, unit, lb);
@@ -105,44 +125,80 @@ void AttentionFwd(const ForwardArgs& args) {
       bs.ot = scratch.at(block_slots[lb].ot, worker);
       bs.m_run = scratch.at(block_slots[lb].m_run, worker);
       bs.l_run = scratch.at(block_slots[lb].l_run, worker);
+      bs.begin_lane = scratch.at(block_slots[lb].begin_lane, worker);
       bs.end_lane = scratch.at(block_slots[lb].end_lane, worker);
+      bs.slope = scratch.at(block_slots[lb].slope, worker);
+      bs.pos = scratch.at(block_slots[lb].pos, worker);
+      bs.mask_base = scratch.at(block_slots[lb].mask_base, worker);
       // Padding lanes: zero query, all keys visible (finite, then discarded).
       const bool has_rows = SetUpLanes(
           p, layout, bs, static_cast<std::int32_t>(p.tk),
-          [&](std::int64_t i, std::int64_t h, std::int64_t t, std::int64_t) HWY_ATTR {
+          [&](std::int64_t i, std::int64_t h, std::int64_t t, KeyRange) HWY_ATTR {
             LoadColumn(args.q.row(bs.blk.b, t, h), args.q.s3, dh, p.scale, bs.qt, M, i);
+            if (elementwise) {
+              bs.slope[i] = var.alibi != nullptr ? var.alibi[h] : 0.0f;
+              bs.pos[i] = static_cast<std::int32_t>(p.position(t));
+              bs.mask_base[i] = p.mask_offset(bs.blk.b, h, t, 0);
+            }
           },
           [&](std::int64_t i) HWY_ATTR {
             for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = 0.0f;
+            if (elementwise) {
+              bs.slope[i] = 0.0f;
+              bs.pos[i] = 0;
+              bs.mask_base[i] = 0;
+            }
           });
       if (!has_rows) continue;
       for (std::int64_t i = 0; i < M; i += N) {
         hn::Store(hn::Set(d, kNegInf), d, bs.m_run + i);
         hn::Store(hn::Zero(d), d, bs.l_run + i);
       }
+      if (var.sinks != nullptr) {  // a sink joins the softmax as its first term: m = σ_h, l = 1
+        ForEachRow(layout, bs.blk, [&](std::int64_t i, std::int64_t h, std::int64_t) HWY_ATTR {
+          bs.m_run[i] = var.sinks[h];
+          bs.l_run[i] = 1.0f;
+        });
+      }
       std::fill(bs.ot, bs.ot + dh * M, 0.0f);
-      unit_key_end = std::max(unit_key_end, bs.key_end);
+      if (bs.key_end > bs.key_begin) {
+        unit_key_begin = std::min(unit_key_begin, bs.key_begin);
+        unit_key_end = std::max(unit_key_end, bs.key_end);
+      }
     }
     const std::int64_t b = blocks[0].blk.b, j = blocks[0].blk.j;
 
-    for (std::int64_t u0 = 0; u0 < unit_key_end; u0 += kKeyTile) {
+    for (std::int64_t u0 = unit_key_begin; u0 < unit_key_end; u0 += kKeyTile) {
       // The tile's K and V rows, packed contiguous once for all lane blocks of the unit.
       const std::int64_t tile = std::min(kKeyTile, unit_key_end - u0);
       const float* k_rows = DenseRows(args.k, b, u0, j, tile, dh, k_tile);  // [tile][dh]
       const float* v_rows = DenseRows(args.v, b, u0, j, tile, dh, v_tile);  // [tile][dh]
       for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
         BlockState& bs = blocks[lb];
-        if (u0 >= bs.key_end) continue;  // tile entirely above this block's causal diagonal
-        const std::int64_t nt = std::min(tile, bs.key_end - u0);
-        // Sᵀ[u][i] = Σ_x K[u0+u][x] · (scale·Q)[i][x]          (4.2)
-        GemmRows(d, nt, k_rows, dh, 1, bs.qt, M, dh, st, M, false);
+        // Skip a tile no lane of this block sees (above the causal diagonal, before the window).
+        if (u0 >= bs.key_end || u0 + tile <= bs.key_begin) continue;
+        // The block's keys in this tile: k0 + [0, nt) (k0 = u0 unless the block starts later).
+        const std::int64_t ua = std::max(u0, bs.key_begin) - u0;
+        const std::int64_t k0 = u0 + ua, nt = std::min(tile, bs.key_end - u0) - ua;
+        // Sᵀ[u][i] = Σ_x K[k0+u][x] · (scale·Q)[i][x]          (4.2)
+        GemmRows(d, nt, k_rows + ua * dh, dh, 1, bs.qt, M, dh, st, M, false);
+        if (elementwise) {  // cap, ALiBi, general mask ("Score variants")
+          const auto is_row = [&](std::int64_t i) {
+            return i / layout.mq < bs.blk.heads && i % layout.mq < bs.blk.positions;
+          };
+          ElementwiseQueryLanes(d, var, st, M, nt, k0, bs.slope, bs.pos, bs.mask_base, is_row,
+                                nullptr, keep);
+        }
 
-        // Mask keys beyond each lane's visible end (only tiles crossing the diagonal)   (4.3)
-        if (u0 + nt > bs.full_end) {
+        // Mask keys outside each lane's range (only tiles crossing an end of some range)  (4.3)
+        const bool crosses = bs.partial(k0, k0 + nt);
+        if (crosses) {
           for (std::int64_t u = 0; u < nt; ++u) {
-            const auto key = hn::Set(di, static_cast<std::int32_t>(u0 + u));
+            const auto key = hn::Set(di, static_cast<std::int32_t>(k0 + u));
             for (std::int64_t i = 0; i < M; i += N) {
-              const auto visible = hn::RebindMask(d, hn::Lt(key, hn::Load(di, bs.end_lane + i)));
+              const auto visible =
+                  hn::RebindMask(d, hn::AndNot(hn::Lt(key, hn::Load(di, bs.begin_lane + i)),
+                                               hn::Lt(key, hn::Load(di, bs.end_lane + i))));
               hn::Store(hn::IfThenElse(visible, hn::Load(d, st + u * M + i), hn::Set(d, kNegInf)),
                         d, st + u * M + i);
             }
@@ -170,17 +226,26 @@ void AttentionFwd(const ForwardArgs& args) {
         }
         // Oᵀ[x][i] ← Oᵀ[x][i] · e^{m − m'}[i] + Σ_u V[u0+u][x] · Pᵀ[u][i]   (4.4, 4.5; the
         // rescale rides on the microkernel's load of Oᵀ; Oᵀ is still zero on the first tile).
-        // Keys from full_end on are not seen by every lane: 0 · V must not add a NaN there.
+        // Keys outside [full_begin, full_end) (or excluded by a boolean mask) are not seen by
+        // every lane: 0 · V must not add a NaN there.
         const auto lane_sees = [&](std::int64_t u, std::int64_t i) {
-          const auto key = hn::Set(di, static_cast<std::int32_t>(u0 + u));
-          return hn::RebindMask(d, hn::Lt(key, hn::Load(di, bs.end_lane + i)));
+          const auto key = hn::Set(di, static_cast<std::int32_t>(k0 + u));
+          auto seen = hn::RebindMask(d, hn::AndNot(hn::Lt(key, hn::Load(di, bs.begin_lane + i)),
+                                                   hn::Lt(key, hn::Load(di, bs.end_lane + i))));
+          if (keep != nullptr)
+            seen = hn::And(seen, hn::Ne(hn::Load(d, keep + u * M + i), hn::Zero(d)));
+          return seen;
         };
-        GemmRowsMaskedIfNonFinite(d, dh, v_rows, 1, dh, st, M, nt, bs.ot, M, true,
-                                  u0 > 0 ? alphas : nullptr, bs.full_end - u0, nt, lane_sees);
+        const PartialKeys part = keep != nullptr
+                                     ? PartialKeys{0, nt}
+                                     : PartialRange(bs.full_begin - k0, bs.full_end - k0, nt);
+        GemmRowsMaskedIfNonFinite(d, dh, v_rows + ua * dh, 1, dh, st, M, nt, bs.ot, M, true,
+                                  k0 > 0 ? alphas : nullptr, part.lo, part.hi, lane_sees);
       }
     }
 
-    // O = Oᵀ / l (transposed back), L = m + log l; a lane that saw no key gives 0 and −∞.
+    // O = Oᵀ / l (transposed back), L = m + log l; a lane that saw no key gives 0 and −∞ (σ_h
+    // with a sink: m = σ_h, l = 1).
     for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
       const BlockState& bs = blocks[lb];
       const std::int64_t bb = bs.blk.b;

@@ -52,39 +52,71 @@ struct QueryUnits {
   }
 };
 
-// The lanes of one lane block and the keys they see (forward, backward dQ pass).
+// The lanes of one lane block and the keys they see (forward, backward dQ pass). Lane i sees the
+// keys [begin_lane[i], end_lane[i]) (AttentionProblem::key_range: causal mask, window, key
+// length, an interval-shaped mask); a tile of keys inside [full_begin, full_end) is seen by every
+// lane and needs no masking.
 struct LaneBlock {
   QueryUnits::Block blk;
-  std::int32_t* end_lane = nullptr;  // visible_end per lane [M]
-  std::int64_t key_end = 0;          // keys some lane sees
-  std::int64_t full_end = 0;         // keys every lane sees
+  std::int32_t* begin_lane = nullptr;  // key_range(b, h, t).begin per lane [M]
+  std::int32_t* end_lane = nullptr;    // key_range(b, h, t).end per lane [M]
+  std::int64_t key_begin = 0;          // keys some lane sees: [key_begin, key_end)
+  std::int64_t key_end = 0;
+  std::int64_t full_begin = 0;  // keys every lane sees: [full_begin, full_end)
+  std::int64_t full_end = 0;
+  /// True if some lane does not see some key of [k0, k1) (the tile must be masked).
+  bool partial(std::int64_t k0, std::int64_t k1) const { return k0 < full_begin || k1 > full_end; }
 };
 
 // Sets up the M lanes of `lb` (lane i ↦ head h0 + i / mq, position t0 + i % mq). A lane holding
-// a row gets end_lane[i] = e = max(0, visible_end(t)) and row(i, h, t, e); a padding lane (past
-// the block's heads or positions) gets end_lane[i] = pad_end and pad(i). Returns false (and does
-// nothing else) for a block past T_q.
+// a row gets its key range r = key_range(b, h, t) in begin_lane/end_lane and row(i, h, t, r); a
+// padding lane (past the block's heads or positions) gets [0, pad_end) and pad(i). key_begin is
+// the least begin and key_end the greatest end of the rows that see a key; full_begin/full_end
+// bound the keys every row sees. Returns false (and does nothing else) for a block past T_q.
 template <class Row, class Pad>
 bool SetUpLanes(const AttentionProblem& p, const QueryUnits& units, LaneBlock& lb,
                 std::int32_t pad_end, Row&& row, Pad&& pad) {
+  lb.key_begin = p.tk;
   lb.key_end = 0;
+  lb.full_begin = 0;
   lb.full_end = p.tk;
   const auto& [b, j, h0, heads, t0, positions] = lb.blk;
-  if (positions <= 0) return false;
+  if (positions <= 0) {
+    lb.key_begin = 0;
+    return false;
+  }
   for (std::int64_t i = 0; i < units.lanes; ++i) {
     const std::int64_t hl = i / units.mq, tl = i % units.mq;
     if (hl < heads && tl < positions) {
-      const std::int64_t e = std::max<std::int64_t>(0, p.visible_end(t0 + tl));
-      lb.key_end = std::max(lb.key_end, e);
-      lb.full_end = std::min(lb.full_end, e);
-      lb.end_lane[i] = static_cast<std::int32_t>(e);
-      row(i, h0 + hl, t0 + tl, e);
+      const KeyRange r = p.key_range(b, h0 + hl, t0 + tl);
+      if (r.end > r.begin) {
+        lb.key_begin = std::min(lb.key_begin, r.begin);
+        lb.key_end = std::max(lb.key_end, r.end);
+      }
+      lb.full_begin = std::max(lb.full_begin, r.begin);
+      lb.full_end = std::min(lb.full_end, r.end);
+      lb.begin_lane[i] = static_cast<std::int32_t>(r.begin);
+      lb.end_lane[i] = static_cast<std::int32_t>(r.end);
+      row(i, h0 + hl, t0 + tl, r);
     } else {
+      lb.begin_lane[i] = 0;
       lb.end_lane[i] = pad_end;
       pad(i);
     }
   }
+  if (lb.key_end == 0) lb.key_begin = 0;  // no row sees a key: nothing to visit
   return true;
+}
+
+// The keys [k_lo, k_hi) of a tile of n keys that cover those outside [full_lo, full_hi) (the
+// keys not every lane sees): the range GemmRowsMaskedIfNonFinite checks for non-finite operands.
+struct PartialKeys {
+  std::int64_t lo, hi;
+};
+inline PartialKeys PartialRange(std::int64_t full_lo, std::int64_t full_hi, std::int64_t n) {
+  if (full_hi <= full_lo || (full_lo > 0 && full_hi < n)) return {0, n};
+  if (full_lo > 0) return {0, std::min(full_lo, n)};
+  return {std::max<std::int64_t>(full_hi, 0), n};
 }
 
 // Calls f(i, h, t) for every lane i of a lane block that holds a row (head h, position t).

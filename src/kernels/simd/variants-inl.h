@@ -1,0 +1,153 @@
+// src/kernels/simd/variants-inl.h — the element-wise score terms of the SIMD kernels (SPEC
+// "Score variants used by real models"): S = cap(z) + b_h(t, u) + bias, or −∞ where a general
+// boolean mask excludes the key. Applied in one pass over a score tile that the microkernel has
+// just written, only when AttentionProblem::var.elementwise(); the key ranges (causal mask,
+// window, key lengths, interval-shaped masks) are handled by the kernels' tile loops instead.
+//
+// Two orientations, one formula (forward and backward recompute bitwise the same S):
+//   * query lanes (forward, backward dQ pass): tile Sᵀ[key u][lane i], per-lane slope, position
+//     and mask offset, one key per tile row;
+//   * key lanes (backward dK/dV pass): tile S[row r][lane i], one query row per tile row.
+// cap(z) = c·tanh(z / c) with Highway's Tanh (Expm1-based; a few ULP, ±∞ → ±c, NaN → NaN);
+// ALiBi −m_h·(p(t) − u) as one FMA on the exact integer distance. With `dcap` the pass also
+// stores ∂S/∂z = 1 − tanh²(z / c) for the backward's chain rule; with `keep` (boolean masks) it
+// stores 1 where the mask lets the key in and 0 where it does not, so later selects (dS, and the
+// products that must not take 0 · NaN from an excluded key) can leave the pair out.
+//
+// Highway "-inl" header: included once per target from a foreach_target translation unit, after
+// microkernel-inl.h.
+#if defined(TOKENMIX_KERNELS_SIMD_VARIANTS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef TOKENMIX_KERNELS_SIMD_VARIANTS_INL_H_
+#undef TOKENMIX_KERNELS_SIMD_VARIANTS_INL_H_
+#else
+#define TOKENMIX_KERNELS_SIMD_VARIANTS_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+#include "kernels/attention_kernels.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace tokenmix::kernels::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// cap(z) and ALiBi on one vector: z → c·tanh(z/c) − slope·dist (each term only when on);
+// *dcap ← 1 − tanh²(z/c) when dcap is non-null and capping is on.
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V CapAlibi(D d, V z, bool cap, V c, V inv_c, bool alibi, V slope, V dist, V* dcap) {
+  if (cap) {
+    const V th = hn::Tanh(d, hn::Mul(z, inv_c));
+    if (dcap != nullptr) *dcap = hn::NegMulAdd(th, th, hn::Set(d, 1.0f));
+    z = hn::Mul(c, th);
+  }
+  if (alibi) z = hn::NegMulAdd(slope, dist, z);  // b_h(t, u) = −m_h · (p(t) − u)
+  return z;
+}
+
+// Query lanes. st: Sᵀ rows [0, nt) of keys key0.. [nt][M] (z on entry, S on exit). Per lane i:
+// slope[i], pos[i] = p(t) (int32), mask_base[i] = b·m0 + h·m1 + t·m2; is_row(i) says whether
+// the lane holds a row (padding lanes keep their scores; their keep = 1). dcap, keep: [nt][M]
+// or null.
+template <class D, class IsRow>
+HWY_NOINLINE void ElementwiseQueryLanes(D d, const ScoreVariants& var, float* HWY_RESTRICT st,
+                                        std::int64_t M, std::int64_t nt, std::int64_t key0,
+                                        const float* slope, const std::int32_t* pos,
+                                        const std::int64_t* mask_base, const IsRow& is_row,
+                                        float* HWY_RESTRICT dcap, float* HWY_RESTRICT keep) {
+  using V = hn::Vec<D>;
+  const hn::RebindToSigned<D> di;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+  const bool cap = var.softcap > 0.0f, alibi = var.alibi != nullptr;
+  if (cap || alibi) {
+    const V c = hn::Set(d, var.softcap), inv_c = hn::Set(d, cap ? 1.0f / var.softcap : 0.0f);
+    for (std::int64_t u = 0; u < nt; ++u) {
+      const auto key = hn::Set(di, static_cast<std::int32_t>(key0 + u));
+      for (std::int64_t i = 0; i < M; i += N) {
+        V slope_v = hn::Zero(d), dist = hn::Zero(d), dc = hn::Zero(d);
+        if (alibi) {
+          slope_v = hn::Load(d, slope + i);
+          dist = hn::ConvertTo(d, hn::Sub(hn::Load(di, pos + i), key));
+        }
+        const V s = CapAlibi(d, hn::Load(d, st + u * M + i), cap, c, inv_c, alibi, slope_v, dist,
+                             dcap != nullptr ? &dc : nullptr);
+        hn::Store(s, d, st + u * M + i);
+        if (cap && dcap != nullptr) hn::Store(dc, d, dcap + u * M + i);
+      }
+    }
+  }
+  if (var.mask_kind == MaskKind::none) return;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (keep != nullptr) std::fill(keep, keep + nt * M, 1.0f);
+  for (std::int64_t i = 0; i < M; ++i) {
+    if (!is_row(i)) continue;
+    const std::int64_t base = mask_base[i] + key0 * var.m3;
+    if (var.mask_kind == MaskKind::boolean) {
+      const auto* m = static_cast<const std::uint8_t*>(var.mask) + base;
+      for (std::int64_t u = 0; u < nt; ++u) {
+        if (m[u * var.m3] == 0) {
+          st[u * M + i] = kNegInf;
+          if (keep != nullptr) keep[u * M + i] = 0.0f;
+        }
+      }
+    } else {
+      const auto* m = static_cast<const float*>(var.mask) + base;
+      for (std::int64_t u = 0; u < nt; ++u) st[u * M + i] += m[u * var.m3];
+    }
+  }
+}
+
+// Key lanes, one query row (b, h, t) of p: s is the row's scores for keys key0 + i, i < M
+// (z on entry, S on exit); lanes i ≥ keys are padding (past T_k: no mask read, keep = 1).
+// dcap, keep: [M] or null.
+template <class D>
+HWY_INLINE void ElementwiseKeyLanes(D d, const AttentionProblem& p, float* HWY_RESTRICT s,
+                                    std::int64_t M, std::int64_t keys, std::int64_t key0,
+                                    std::int64_t b, std::int64_t h, std::int64_t t,
+                                    float* HWY_RESTRICT dcap, float* HWY_RESTRICT keep) {
+  using V = hn::Vec<D>;
+  const ScoreVariants& var = p.var;
+  const hn::RebindToSigned<D> di;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+  const bool cap = var.softcap > 0.0f, alibi = var.alibi != nullptr;
+  if (cap || alibi) {
+    const V c = hn::Set(d, var.softcap), inv_c = hn::Set(d, cap ? 1.0f / var.softcap : 0.0f);
+    const V slope = hn::Set(d, alibi ? var.alibi[h] : 0.0f);
+    const std::int32_t rel = static_cast<std::int32_t>(p.position(t) - key0);  // p(t) − key0
+    for (std::int64_t i = 0; i < M; i += N) {
+      V dist = hn::Zero(d), dc = hn::Zero(d);
+      if (alibi) {
+        dist = hn::ConvertTo(
+            d, hn::Sub(hn::Set(di, rel - static_cast<std::int32_t>(i)), hn::Iota(di, 0)));
+      }
+      const V x = CapAlibi(d, hn::Load(d, s + i), cap, c, inv_c, alibi, slope, dist,
+                           dcap != nullptr ? &dc : nullptr);
+      hn::Store(x, d, s + i);
+      if (cap && dcap != nullptr) hn::Store(dc, d, dcap + i);
+    }
+  }
+  if (var.mask_kind == MaskKind::none) return;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (keep != nullptr) std::fill(keep, keep + M, 1.0f);
+  const std::int64_t base = p.mask_offset(b, h, t, key0);
+  if (var.mask_kind == MaskKind::boolean) {
+    const auto* m = static_cast<const std::uint8_t*>(var.mask) + base;
+    for (std::int64_t i = 0; i < keys; ++i) {
+      if (m[i * var.m3] == 0) {
+        s[i] = kNegInf;
+        if (keep != nullptr) keep[i] = 0.0f;
+      }
+    }
+  } else {
+    const auto* m = static_cast<const float*>(var.mask) + base;
+    for (std::int64_t i = 0; i < keys; ++i) s[i] += m[i * var.m3];
+  }
+}
+
+}  // namespace tokenmix::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // include guard toggle

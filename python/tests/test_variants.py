@@ -839,3 +839,24 @@ def test_decode_rolling_cache_equals_full_cache_and_errors():
         tm.attention_decode(q, full, 0, sinks=np.zeros(2))
     with pytest.raises(tm.ArgumentError, match="alibi_slopes"):
         tm.attention_decode(q, full, 0, alibi_slopes=np.zeros(3, np.float32))
+
+
+def test_windowed_useful_work_counts():
+    """pairs(t), P and the FLOPs with a window count exactly the keys visibility() leaves."""
+    cases = [(9, 9, True, "bottom_right", 3), (5, 12, True, "top_left", 4),
+             (12, 5, True, "bottom_right", 2), (7, 7, False, "top_left", 2),
+             (6, 6, True, "bottom_right", 100)]
+    for T_q, T_k, causal, align, W in cases:
+        vis = visibility(1, 1, T_q, T_k, causal=causal, align=align, window=W)[0, 0]
+        for t in range(T_q):
+            assert tm.visible_keys(t, T_q, T_k, causal, align, window=W) == int(vis[t].sum())
+        P = int(vis.sum())
+        assert tm.visible_pairs(T_q, T_k, causal, align, window=W) == P
+        assert tm.forward_flops(2, T_q, T_k, 3, 8, causal, align, window=W) == 4.0 * 8 * 3 * P * 2
+        assert tm.backward_flops(2, T_q, T_k, 3, 8, causal, align, window=W) == \
+            2.5 * 4.0 * 8 * 3 * P * 2
+    assert tm.visible_pairs(10, 10, window=1) == 10
+    with pytest.raises(tm.ArgumentError, match="window"):
+        tm.visible_pairs(4, 4, window=0)
+    with pytest.raises(TypeError, match="forward_flops: window must be an integer"):
+        tm.forward_flops(1, 4, 4, 1, 8, window=2.5)

@@ -76,6 +76,14 @@ def forward_flops(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
 def backward_flops(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
                    align: str) -> float:
     """2.5 × forward_flops (SPEC "Useful-work counts")."""
+def visible_keys_windowed(t: int, T_q: int, T_k: int, causal: bool, align: str,
+                          window: int) -> int:
+    """pairs(t) with a sliding window W ≥ 1 (SPEC "Score variants": window)."""
+def visible_pairs_windowed(T_q: int, T_k: int, causal: bool, align: str, window: int) -> int: ...
+def forward_flops_windowed(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
+                           align: str, window: int) -> float: ...
+def backward_flops_windowed(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
+                            align: str, window: int) -> float: ...
 def rope_forward(x: Array, pairing: str, base: float, position_offset: int) -> None:
     """Rotates x [B,T,H,d_h] in place (SPEC 4.1, RoPE)."""
 def rope_backward(dx: Array, pairing: str, base: float, position_offset: int) -> None:

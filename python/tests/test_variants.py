@@ -535,6 +535,10 @@ def test_torch_padded_batch_like_hugging_face(side):
         empty = ~mask.any(-1)[:, 0]  # [B, T]: left padding's pad rows see no key
         assert bool(empty.any()) == (side == "left")
         assert (out.detach().transpose(1, 2)[empty] == 0).all()  # O = 0, not NaN
+    # Hugging Face's own float mask uses finfo(float32).min, not −inf: then every row, padding
+    # rows included, is PyTorch's (a fully "masked" row averages over all keys, as in PyTorch).
+    hf = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    check_torch(q, k, v, dict(attn_mask=hf.double()), dict(attn_mask=hf), what=f"{side} finfo.min")
     if side == "right":  # key padding alone: the native key_lengths gives the same
         kl = torch.tensor(lengths, dtype=torch.int32)
         ours = tm.attention_forward(q, k, v, layout="bhtd", key_lengths=kl)

@@ -864,3 +864,51 @@ def test_windowed_useful_work_counts():
         tm.visible_pairs(4, 4, window=0)
     with pytest.raises(TypeError, match="forward_flops: window must be an integer"):
         tm.forward_flops(1, 4, 4, 1, 8, window=2.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer (CausalSelfAttention) with variants
+
+
+def test_layer_variants_forward_backward_and_decode():
+    """A layer with window, softcap, ALiBi and sinks: its attention core equals the float64
+    reference on the layer's own (post-RoPE) q, k, v; d(sinks) equals autograd of that reference
+    through W_O; prefill + steps on a rolling cache equal the forward."""
+    d, H_q, H_kv, D, B, T, W = 32, 4, 2, 8, 2, 13, 5
+    slopes, sinks = alibi_slopes(H_q), rand(H_q)
+    layer = tm.CausalSelfAttention(d, H_q, H_kv, D, rope="rotate_half", seed=5, window=W,
+                                   softcap=4.0, alibi_slopes=slopes, sinks=sinks)
+    assert layer.window == W and layer.softcap == 4.0
+    slopes[:] = 0.0  # the layer holds its own copies
+    sinks_ref = sinks.copy()
+    sinks[:] = 0.0
+    u = rand(B, T, d)
+    d_out = rand(B, T, d)
+    out = layer.forward(u)
+    grads = layer.backward(d_out)
+    saved = layer.saved()
+    s64 = t64(sinks_ref).requires_grad_()
+    y, _ = ref_attention(t64(saved["q"]), t64(saved["k"]), t64(saved["v"]), window=W,
+                         softcap=4.0, alibi=t64(alibi_slopes(H_q)), sinks=s64)
+    assert_close(saved["y"], y.detach(), FWD_ATOL, FWD_RTOL, "layer attention core")
+    o = y.reshape(B, T, H_q * D) @ t64(layer.w_o)
+    assert_close(out, o.detach(), 3e-5, 1e-4, "layer out")
+    (o * t64(d_out)).sum().backward()
+    assert grads.d_sinks.shape == (H_q,)
+    assert_close(grads.d_sinks, s64.grad, BWD_ATOL, BWD_RTOL, "layer d_sinks")
+
+    cache = tm.KVCache(1, B, H_kv, D, 256, window=W)
+    outs = [layer.prefill(np.ascontiguousarray(u[:, :7]), cache, 0)]
+    for t in range(7, T):
+        outs.append(layer.step(np.ascontiguousarray(u[:, t]), cache, 0)[:, None])
+    assert_close(np.concatenate(outs, 1), out, 1e-5, 1e-5, "prefill + steps on a rolling cache")
+
+    plain = tm.CausalSelfAttention(d, H_q, H_kv, D, seed=5)
+    plain.forward(u)
+    assert plain.backward(d_out).d_sinks is None and plain.window is None
+    with pytest.raises(tm.ArgumentError, match="CausalSelfAttention.*window"):
+        tm.CausalSelfAttention(d, H_q, H_kv, D, window=0)
+    with pytest.raises(tm.ArgumentError, match="sinks"):
+        tm.CausalSelfAttention(d, H_q, H_kv, D, sinks=np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match="CausalSelfAttention: alibi_slopes has dtype float64"):
+        tm.CausalSelfAttention(d, H_q, H_kv, D, alibi_slopes=np.zeros(H_q))

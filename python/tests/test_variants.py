@@ -427,6 +427,7 @@ def test_numpy_variant_errors():
         (dict(window=0), tm.ArgumentError, "window"),
         (dict(window=-3), tm.ArgumentError, "window"),
         (dict(window="3"), TypeError, f"{fn}: window must be an integer"),
+        (dict(window=True), TypeError, f"{fn}: window must be an integer or None; got bool"),
         (dict(softcap=0.0), tm.ArgumentError, "softcap"),
         (dict(softcap=-1.0), tm.ArgumentError, "softcap"),
         (dict(softcap=float("inf")), tm.ArgumentError, "softcap"),
@@ -693,6 +694,8 @@ def test_torch_errors():
         tmt.scaled_dot_product_attention(q, q, q, alibi_slopes=torch.ones(2, requires_grad=True))
     with pytest.raises(TypeError, match="window must be an int"):
         tmt.scaled_dot_product_attention(q, q, q, window=2.5)
+    with pytest.raises(TypeError, match="window must be an int or None; got bool"):
+        tmt.scaled_dot_product_attention(q, q, q, window=True)
     with pytest.raises(TypeError, match="softcap must be a real number"):
         tmt.scaled_dot_product_attention(q, q, q, softcap="1")
     with pytest.raises(tm.ArgumentError, match="window"):

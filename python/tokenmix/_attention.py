@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import numpy as np
+
 from . import _tokenmix as _C
 from ._convert import (
     as_array, as_output, check_layout, index_vector, new_empty, opt_float, opt_mask4, opt_vector,
@@ -104,6 +106,8 @@ def attention_forward(
 def _variants(fn: str, window: Any, softcap: Any, alibi_slopes: Any, sinks: Any, mask: Any = None,
               key_lengths: Any = None, varlen: bool = False) -> dict:
     """The variant keyword arguments of the extension's entry points, checked and converted."""
+    if isinstance(window, (bool, np.bool_)):
+        raise TypeError(f"{fn}: window must be an integer or None; got bool")
     out = dict(
         window=window,
         softcap=opt_float(fn, "softcap", softcap),

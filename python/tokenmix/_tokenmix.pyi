@@ -33,13 +33,39 @@ class ResourceError(MemoryError):
 
 def attention_forward(q: Array, k: Array, v: Array, out: Array, lse: Optional[Array],
                       scale: Optional[float], causal: bool, align: str, threads: int,
-                      isa: str) -> None:
+                      isa: str, window: Optional[int] = None, softcap: Optional[float] = None,
+                      alibi_slopes: Optional[Array] = None, sinks: Optional[Array] = None,
+                      mask: Optional[Array] = None, key_lengths: Optional[Array] = None) -> None:
     """q [B,T_q,H_q,d_h], k/v [B,T_k,H_kv,d_h] → out [B,T_q,H_q,d_h], lse [B,H_q,T_q]
-    (SPEC 4.2–4.5)."""
+    (SPEC 4.2–4.5). Variants (SPEC "Score variants used by real models"): alibi_slopes, sinks
+    [H_q] float32; mask rank 4 [B,H_q,T_q,T_k] (each axis full or 1, any strides) bool or
+    float32; key_lengths [B] int32/int64."""
 def attention_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                        dq: Array, dk: Array, dv: Array, scale: Optional[float], causal: bool,
-                       align: str, threads: int, isa: str) -> None:
-    """Writes dq [B,T_q,H_q,d_h], dk/dv [B,T_k,H_kv,d_h] (SPEC "Backward pass")."""
+                       align: str, threads: int, isa: str, window: Optional[int] = None,
+                       softcap: Optional[float] = None, alibi_slopes: Optional[Array] = None,
+                       sinks: Optional[Array] = None, mask: Optional[Array] = None,
+                       key_lengths: Optional[Array] = None,
+                       dsinks: Optional[Array] = None) -> None:
+    """Writes dq [B,T_q,H_q,d_h], dk/dv [B,T_k,H_kv,d_h] (SPEC "Backward pass") and, with
+    sinks, dsinks [H_q]."""
+def attention_forward_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array,
+                             cu_seqlens_k: Array, out: Array, lse: Optional[Array],
+                             scale: Optional[float], causal: bool, align: str, threads: int,
+                             isa: str, window: Optional[int] = None,
+                             softcap: Optional[float] = None,
+                             alibi_slopes: Optional[Array] = None,
+                             sinks: Optional[Array] = None) -> None:
+    """q [total_q,H_q,d_h], k/v [total_k,H_kv,d_h], cu_seqlens [n+1] int32/int64 → out
+    [total_q,H_q,d_h], lse [H_q,total_q]."""
+def attention_backward_varlen(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
+                              cu_seqlens_q: Array, cu_seqlens_k: Array, dq: Array, dk: Array,
+                              dv: Array, scale: Optional[float], causal: bool, align: str,
+                              threads: int, isa: str, window: Optional[int] = None,
+                              softcap: Optional[float] = None,
+                              alibi_slopes: Optional[Array] = None,
+                              sinks: Optional[Array] = None,
+                              dsinks: Optional[Array] = None) -> None: ...
 def merge_partials(o1: Array, lse1: Array, o2: Array, lse2: Array, out: Array,
                    lse_out: Array) -> None:
     """o [B,T,H,d_h], lse [B,H,T]: L = log(e^L1 + e^L2), O = e^(L1−L) O1 + e^(L2−L) O2."""
@@ -50,6 +76,14 @@ def forward_flops(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
 def backward_flops(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
                    align: str) -> float:
     """2.5 × forward_flops (SPEC "Useful-work counts")."""
+def visible_keys_windowed(t: int, T_q: int, T_k: int, causal: bool, align: str,
+                          window: int) -> int:
+    """pairs(t) with a sliding window W ≥ 1 (SPEC "Score variants": window)."""
+def visible_pairs_windowed(T_q: int, T_k: int, causal: bool, align: str, window: int) -> int: ...
+def forward_flops_windowed(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
+                           align: str, window: int) -> float: ...
+def backward_flops_windowed(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
+                            align: str, window: int) -> float: ...
 def rope_forward(x: Array, pairing: str, base: float, position_offset: int) -> None:
     """Rotates x [B,T,H,d_h] in place (SPEC 4.1, RoPE)."""
 def rope_backward(dx: Array, pairing: str, base: float, position_offset: int) -> None:
@@ -80,9 +114,12 @@ class KVCache:
     """Keys/values of n layers × B sequences, [n, B, T, H_kv, d_h] each, in "f32", "bf16" or
     "f16" (SPEC 4.8). block_tokens = 0: contiguous; else paged with blocks of that many
     positions (a multiple of 64) from a pool of pool_blocks (0 = enough for all at capacity).
-    Every mutating method validates first: on error the cache is unchanged."""
+    window = W ≥ 1: a rolling buffer for a sliding-window layer (only the last
+    retained_positions ≥ W positions are kept; storage O(W)). Every mutating method validates
+    first: on error the cache is unchanged."""
     def __init__(self, layers: int, batch: int, heads_kv: int, head_dim: int, capacity: int,
-                 dtype: str = "f32", block_tokens: int = 0, pool_blocks: int = 0) -> None: ...
+                 dtype: str = "f32", block_tokens: int = 0, pool_blocks: int = 0,
+                 window: int = 0) -> None: ...
     layers: int
     batch: int
     heads_kv: int
@@ -90,12 +127,16 @@ class KVCache:
     capacity: int
     dtype: str
     paged: bool
+    window: int
+    retained_positions: int
     block_tokens: int
     pool_blocks: int
     free_blocks: int
     storage_bytes: int
     memory_bytes: int
     def length(self, seq: int, layer: int = 0) -> int: ...
+    def first_position(self, seq: int, layer: int = 0) -> int:
+        """The oldest position still held (0 unless the cache is rolling)."""
     def active(self, seq: int) -> bool: ...
     def append(self, layer: int, k: Array, v: Array, first_seq: int = 0) -> None:
         """k, v [B', T_new, H_kv, d_h] float32 (post-RoPE) for sequences
@@ -103,21 +144,30 @@ class KVCache:
     def truncate(self, seq: int, new_length: int) -> None: ...
     def release(self, seq: int) -> None: ...
     def reset(self, seq: Optional[int] = None) -> None: ...
-    def decode_bytes(self, layer: int, first_seq: int, batch: int) -> int: ...
+    def decode_bytes(self, layer: int, first_seq: int, batch: int, window: int = 0,
+                     tnew: int = 1) -> int: ...
 
 def attention_decode(q: Array, cache: KVCache, layer: int, out: Array, lse: Optional[Array],
-                     scale: Optional[float], threads: int, isa: str, first_seq: int) -> None:
-    """q/out [B',T_new,H_q,d_h], lse [B',H_q,T_new]; "bottom_right" causal against the cache."""
+                     scale: Optional[float], threads: int, isa: str, first_seq: int,
+                     window: Optional[int] = None, softcap: Optional[float] = None,
+                     alibi_slopes: Optional[Array] = None,
+                     sinks: Optional[Array] = None) -> None:
+    """q/out [B',T_new,H_q,d_h], lse [B',H_q,T_new]; "bottom_right" causal against the cache,
+    with the score variants window, softcap, alibi_slopes [H_q] and sinks [H_q]."""
 
 class CausalSelfAttention:
     def __init__(self, d_model: int, heads_q: int, heads_kv: int, head_dim: int,
                  rope: Optional[str], rope_base: float, scale: Optional[float], threads: int,
-                 isa: str) -> None: ...
+                 isa: str, window: Optional[int] = None, softcap: Optional[float] = None,
+                 alibi_slopes: Optional[Array] = None,
+                 sinks: Optional[Array] = None) -> None: ...
     d_model: int
     heads_q: int
     heads_kv: int
     head_dim: int
     scale: Optional[float]
+    window: Optional[int]
+    softcap: Optional[float]
     rope: Optional[str]
     rope_base: float
     w_q: Any  # numpy view [d, H_q·d_h]
@@ -127,8 +177,9 @@ class CausalSelfAttention:
     def init_random(self, seed: int) -> None: ...
     def forward(self, u: Array, out: Array) -> None:
         """u, out [B, T, d] C-contiguous."""
-    def backward(self, d_out: Array) -> tuple[Any, Any, Any, Any, Any]:
-        """→ (d_u [B,T,d], d_w_q, d_w_k, d_w_v, d_w_o) as NumPy arrays."""
+    def backward(self, d_out: Array) -> tuple[Any, Any, Any, Any, Any, Any]:
+        """→ (d_u [B,T,d], d_w_q, d_w_k, d_w_v, d_w_o, d_sinks [H_q] or None) as NumPy
+        arrays."""
     def prefill(self, u: Array, cache: KVCache, layer: int, out: Array, first_seq: int) -> None: ...
     def step(self, u: Array, cache: KVCache, layer: int, out: Array, first_seq: int) -> None: ...
     def saved(self) -> dict[str, Any]: ...

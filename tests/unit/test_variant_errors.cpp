@@ -275,6 +275,18 @@ TEST(VariantErrors, Masks) {
     p.o.mask.strides[0] = INT64_MAX / 2;
     EXPECT_NO_THROW(p.forward());
   }
+  // A boolean mask overlapping an output (its bytes inside out): aliasing.
+  {
+    Problem p;
+    p.o.mask = {
+        p.out.data(), DType::boolean, 4, {1, 1, Problem::Tq, Problem::Tk}, {0, 0, Problem::Tk, 1}};
+    expect_error([&] { p.forward(); }, ErrorCode::aliasing, "attention_forward",
+                 {"out", "options.mask"});
+    Problem b;
+    b.o.mask = {b.dq.data(), DType::boolean, 4, {1, 1, 1, 1}, {0, 0, 0, 0}};
+    expect_error([&] { b.backward({}); }, ErrorCode::aliasing, "attention_backward",
+                 {"dq", "options.mask"});
+  }
   // An f32 (bias) mask overlapping an output: aliasing.
   {
     Problem p;

@@ -524,6 +524,384 @@ TEST_P(Variants, CombinedVariantsMatchOracleBackward) {
   for (const auto& c : combined_cases()) ExpectBackwardMatches(c, GetParam(), rng);
 }
 
+// Rows that see no key: O = 0 exactly and L = −∞, or L = σ_h exactly with sinks; their dQ is
+// exactly 0. Sources: T_q > T_k bottom-right, a key length of 0, an all-false boolean row, an
+// all −∞ bias row (that row still "sees" keys, of weight 0), a window past every key (top-left,
+// T_q > T_k is not needed: W = 1 with key lengths that end before p(t)).
+TEST_P(Variants, RowsThatSeeNoKey) {
+  std::mt19937_64 rng(1205);
+  for (bool sinks : {false, true}) {
+    std::vector<VariantCase> cases;
+    VariantCase a{2, 90, 30, 4, 2, 8};  // rows t < 60 see nothing (bottom-right)
+    a.sinks = sinks;
+    a.window = 10;
+    cases.push_back(a);
+    VariantCase b{2, 40, 40, 2, 1, 8};
+    b.key_lengths = true;  // lengths {13 + 0, 26 + 1}: rows t ≥ length + W see nothing
+    b.window = 1;
+    b.sinks = sinks;
+    cases.push_back(b);
+    VariantCase m{1, 33, 33, 2, 2, 8};
+    m.mask = MaskShape::random_bias;  // row T_q/2 is all −∞
+    m.sinks = sinks;
+    cases.push_back(m);
+    for (const VariantCase& c : cases) {
+      SCOPED_TRACE(c.name());
+      VariantRun r(c, rng);
+      if (!supports_variants(GetParam())) {
+        ExpectRefused([&] { r.backward(GetParam()); }, "fwd", GetParam());
+        continue;
+      }
+      r.backward(GetParam());
+      const auto ref =
+          reference::attention_forward(r.q.to64(), r.k.to64(), r.v.to64(), r.ref_options());
+      int empty_rows = 0;
+      for (std::int64_t bb = 0; bb < c.B; ++bb)
+        for (std::int64_t h = 0; h < c.Hq; ++h)
+          for (std::int64_t t = 0; t < c.Tq; ++t) {
+            const double want = ref.lse.at(bb, h, t, 0);
+            const bool empty = sinks ? want == static_cast<double>(r.sinks[h]) : std::isinf(want);
+            if (!empty) continue;
+            ++empty_rows;
+            const float got = r.lse[static_cast<std::size_t>((bb * c.Hq + h) * c.Tq + t)];
+            ASSERT_EQ(got, static_cast<float>(want)) << "b=" << bb << " h=" << h << " t=" << t;
+            for (std::int64_t e = 0; e < c.D; ++e) {
+              ASSERT_EQ(r.out.at(bb, t, h, e), 0.0f) << "b=" << bb << " h=" << h << " t=" << t;
+              ASSERT_EQ(r.dq.at(bb, t, h, e), 0.0f) << "b=" << bb << " h=" << h << " t=" << t;
+            }
+          }
+      EXPECT_GT(empty_rows, 0) << "the case must have rows that see no key";
+    }
+  }
+}
+
+// A key that a row does not see takes no part (SPEC 4.3): NaN in K and V at keys excluded by
+// the window, the key lengths or a boolean mask does not reach O, L or any gradient of the rows
+// (and dK, dV of visible keys stay finite).
+TEST_P(Variants, InvisibleNaNKeysDoNotLeak) {
+  std::mt19937_64 rng(1206);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int which = 0; which < 3; ++which) {
+    VariantCase c{2, 40, 40, 2, 1, 8, false};  // non-causal: only the variant hides the key
+    if (which == 0) c.window = 5;
+    if (which == 1) c.key_lengths = true;
+    if (which == 2) {
+      c.mask = MaskShape::right_pad;  // u < len[b]: interval rows ...
+      c.softcap = 4.0;                // ... plus an element-wise term
+    }
+    SCOPED_TRACE(c.name());
+    VariantRun r(c, rng);
+    if (!supports_variants(GetParam())) {
+      ExpectRefused([&] { r.forward(GetParam()); }, "fwd", GetParam());
+      continue;
+    }
+    // Window (non-causal: keys p(t) − W < u): key 0 is invisible to rows t ≥ W. Key lengths
+    // {13, 27} and right padding (lengths 40 − {1, 6}) hide the last key from every row.
+    const std::int64_t u_bad = which == 0 ? 0 : c.Tk - 1, t_first = which == 0 ? *c.window : 0;
+    for (std::int64_t b = 0; b < c.B; ++b)
+      for (std::int64_t e = 0; e < c.D; ++e) {
+        r.k.at(b, u_bad, 0, e) = nan;
+        r.v.at(b, u_bad, 0, e) = nan;
+      }
+    r.backward(GetParam());
+    const auto ref =
+        reference::attention_forward(r.q.to64(), r.k.to64(), r.v.to64(), r.ref_options());
+    ErrorAccumulator acc;
+    for (std::int64_t b = 0; b < c.B; ++b)
+      for (std::int64_t t = t_first; t < c.Tq; ++t)
+        for (std::int64_t h = 0; h < c.Hq; ++h) {
+          ASSERT_TRUE(std::isfinite(r.lse[static_cast<std::size_t>((b * c.Hq + h) * c.Tq + t)]));
+          for (std::int64_t e = 0; e < c.D; ++e) {
+            ASSERT_TRUE(std::isfinite(r.out.at(b, t, h, e))) << "b=" << b << " t=" << t;
+            ASSERT_TRUE(std::isfinite(r.dq.at(b, t, h, e))) << "b=" << b << " t=" << t;
+            acc.add(r.out.at(b, t, h, e), ref.out.at(b, t, h, e));
+          }
+        }
+    EXPECT_LE(acc.value(), kForwardBound);
+  }
+}
+
+// Results do not depend on the thread count: O, L, dQ, dK, dV and dσ bitwise equal for 1, 2, 3.
+TEST_P(Variants, BitwiseIdenticalAcrossThreadCounts) {
+  VariantCase c{2, 97, 131, 8, 2, 32};
+  c.window = 40;
+  c.softcap = 10.0;
+  c.alibi = true;
+  c.sinks = true;
+  c.mask = MaskShape::random_bool;
+  c.mask_full = {true, false, true, true};
+  std::mt19937_64 rng(1207);
+  VariantRun r(c, rng);
+  if (!supports_variants(GetParam())) {
+    ExpectRefused([&] { r.forward(GetParam()); }, "fwd", GetParam());
+    return;
+  }
+  std::vector<std::vector<float>> results;
+  for (int threads : {1, 2, 3}) {
+    r.backward(GetParam(), threads);
+    std::vector<float> all = r.out.storage;
+    for (const auto* x : {&r.lse, &r.dq.storage, &r.dk.storage, &r.dv.storage, &r.dsinks})
+      all.insert(all.end(), x->begin(), x->end());
+    results.push_back(all);
+  }
+  for (std::size_t i = 1; i < results.size(); ++i) {
+    ASSERT_EQ(results[0].size(), results[i].size());
+    EXPECT_EQ(0,
+              std::memcmp(results[0].data(), results[i].data(), results[0].size() * sizeof(float)));
+  }
+}
+
+// Central differences of the float64 forward (loss = Σ dO ⊙ O) against this path's fp32
+// backward: dQ, dK, dV and dσ with soft-capping, ALiBi, a window, sinks and a bias mask, so the
+// chain rule of each term is checked against the definition, not the oracle's backward.
+TEST_P(Variants, GradientsMatchFiniteDifferences) {
+  std::mt19937_64 rng(1208);
+  std::vector<VariantCase> cases;
+  {
+    VariantCase c{1, 7, 9, 4, 2, 5};
+    c.softcap = 1.0;
+    c.alibi = true;
+    c.sinks = true;
+    c.window = 4;
+    cases.push_back(c);
+    VariantCase d{2, 9, 6, 2, 1, 4, false, CausalAlign::top_left};
+    d.sinks = true;
+    d.mask = MaskShape::random_bias;
+    d.mask_full = {true, false, true, true};
+    cases.push_back(d);
+    VariantCase e{2, 6, 8, 2, 2, 3};
+    e.sinks = true;
+    e.key_lengths = true;
+    e.mask = MaskShape::random_bool;
+    cases.push_back(e);
+  }
+  for (const VariantCase& c : cases) {
+    SCOPED_TRACE(c.name());
+    VariantRun r(c, rng);
+    if (!supports_variants(GetParam())) {
+      ExpectRefused([&] { r.backward(GetParam()); }, "fwd", GetParam());
+      continue;
+    }
+    r.backward(GetParam());
+    auto q64 = r.q.to64(), k64 = r.k.to64(), v64 = r.v.to64();
+    const auto do64 = r.dout.to64();
+    auto ro = r.ref_options();
+    const auto loss = [&] { return testkit::attention_loss(q64, k64, v64, do64, ro); };
+    double max_diff = 0.0, max_ref = 0.0;
+    auto check = [&](const Tensor64& fd, StridedTensor& grad) {
+      const auto& sh = fd.shape;
+      for (std::int64_t b = 0; b < sh[0]; ++b)
+        for (std::int64_t t = 0; t < sh[1]; ++t)
+          for (std::int64_t h = 0; h < sh[2]; ++h)
+            for (std::int64_t e = 0; e < sh[3]; ++e) {
+              max_diff = std::max(max_diff, std::fabs(fd.at(b, t, h, e) - grad.at(b, t, h, e)));
+              max_ref = std::max(max_ref, std::fabs(fd.at(b, t, h, e)));
+            }
+    };
+    check(testkit::central_differences(q64, loss), r.dq);
+    check(testkit::central_differences(k64, loss), r.dk);
+    check(testkit::central_differences(v64, loss), r.dv);
+    EXPECT_LE(max_diff / max_ref, kBackwardBound);
+    const std::vector<double> fd_sinks = testkit::central_differences(ro.sinks, loss);
+    EXPECT_LE(rel_err_flat(r.dsinks, fd_sinks), kBackwardBound) << "dsinks";
+  }
+}
+
+// An interval-shaped boolean mask is the same function as the options it encodes: a
+// causal-shaped mask with causal = false equals causal = true, a right-padding mask equals key
+// lengths, a band equals a window — bitwise, since each becomes the same key ranges.
+TEST_P(Variants, IntervalMasksEqualTheOptionsTheyEncode) {
+  const Isa isa = GetParam();
+  const std::int64_t B = 2, T = 70, Hq = 4, Hkv = 2, D = 16, W = 9;
+  std::mt19937_64 rng(1209);
+  StridedTensor q(B, T, Hq, D, Layout::bthd), k(B, T, Hkv, D, Layout::bthd),
+      v(B, T, Hkv, D, Layout::bthd);
+  q.fill_random(rng);
+  k.fill_random(rng);
+  v.fill_random(rng);
+  // [1, 1, T, T] lower triangle, band of width W; [B, 1, 1, T] right padding of lengths {50, 70}.
+  std::vector<std::uint8_t> tri(T * T), band(T * T), pad(B * T);
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t u = 0; u < T; ++u) {
+      tri[t * T + u] = u <= t;
+      band[t * T + u] = u <= t && u > t - W;
+    }
+  const std::int32_t lengths[2] = {50, 70};
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t u = 0; u < T; ++u) pad[b * T + u] = u < lengths[b];
+  const ConstTensorView tri_v{tri.data(), DType::boolean, 4, {1, 1, T, T}, {0, 0, T, 1}};
+  const ConstTensorView band_v{band.data(), DType::boolean, 4, {1, 1, T, T}, {0, 0, T, 1}};
+  const ConstTensorView pad_v{pad.data(), DType::boolean, 4, {B, 1, 1, T}, {T, 0, 0, 1}};
+  const ConstTensorView len_v{lengths, DType::i32, 1, {B}, {1}};
+
+  auto run = [&](const AttentionOptions& o) {
+    StridedTensor out(B, T, Hq, D, Layout::bthd);
+    std::vector<float> lse(static_cast<std::size_t>(B * Hq * T), kPoison);
+    attention_forward(q.view, k.view, v.view, out.view, TensorView::bht(lse.data(), B, Hq, T), o);
+    std::vector<float> all = out.storage;
+    all.insert(all.end(), lse.begin(), lse.end());
+    return all;
+  };
+  AttentionOptions causal, masked;
+  causal.isa = masked.isa = isa;
+  masked.causal = false;
+  masked.mask = tri_v;
+  if (!supports_variants(isa)) {
+    ExpectRefused([&] { run(masked); }, "fwd", isa);
+    return;
+  }
+  auto equal = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+  };
+  EXPECT_TRUE(equal(run(causal), run(masked))) << "causal-shaped mask";
+  AttentionOptions windowed = causal, banded = masked;
+  windowed.window = W;
+  banded.mask = band_v;
+  EXPECT_TRUE(equal(run(windowed), run(banded))) << "band mask";
+  AttentionOptions lens = causal, padded = causal;
+  lens.key_lengths = len_v;
+  padded.mask = pad_v;
+  EXPECT_TRUE(equal(run(lens), run(padded))) << "right-padding mask";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Variable-length batches
+
+struct VarlenRun {
+  std::int64_t Hq, Hkv, D;
+  std::vector<std::int64_t> cu_q, cu_k;
+  StridedTensor q, k, v, out, dout, dq, dk, dv;
+  std::vector<float> lse, sinks, slopes, dsinks;
+  std::vector<std::int32_t> cu_q32, cu_k32;
+
+  VarlenRun(const std::vector<std::int64_t>& lq, const std::vector<std::int64_t>& lk,
+            std::int64_t hq, std::int64_t hkv, std::int64_t d, Layout layout, std::mt19937_64& rng)
+      : Hq(hq),
+        Hkv(hkv),
+        D(d),
+        cu_q(prefix(lq)),
+        cu_k(prefix(lk)),
+        q(1, cu_q.back(), hq, d, layout),
+        k(1, cu_k.back(), hkv, d, layout),
+        v(1, cu_k.back(), hkv, d, layout),
+        out(1, cu_q.back(), hq, d, layout),
+        dout(1, cu_q.back(), hq, d, layout),
+        dq(1, cu_q.back(), hq, d, layout),
+        dk(1, cu_k.back(), hkv, d, layout),
+        dv(1, cu_k.back(), hkv, d, layout),
+        lse(static_cast<std::size_t>(hq * cu_q.back()), kPoison) {
+    q.fill_random(rng);
+    k.fill_random(rng);
+    v.fill_random(rng);
+    dout.fill_random(rng);
+    std::normal_distribution<float> dist;
+    for (std::int64_t h = 0; h < hq; ++h) {
+      sinks.push_back(dist(rng));
+      slopes.push_back(std::exp2(-static_cast<float>(h + 1)));
+    }
+    dsinks.assign(static_cast<std::size_t>(hq), kPoison);
+    for (auto x : cu_q) cu_q32.push_back(static_cast<std::int32_t>(x));
+    for (auto x : cu_k) cu_k32.push_back(static_cast<std::int32_t>(x));
+  }
+  static std::vector<std::int64_t> prefix(const std::vector<std::int64_t>& lens) {
+    std::vector<std::int64_t> cu{0};
+    for (auto l : lens) cu.push_back(cu.back() + l);
+    return cu;
+  }
+  // The rank-3 [total, H, d_h] view of a [1, total, H, d_h] test tensor.
+  static TensorView packed(const StridedTensor& x) {
+    const TensorView& w = x.view;
+    return {w.data,
+            DType::f32,
+            3,
+            {w.shape[1], w.shape[2], w.shape[3]},
+            {w.strides[1], w.strides[2], w.strides[3]}};
+  }
+  TensorView lse_view() {
+    const std::int64_t total = cu_q.back();
+    return {lse.data(), DType::f32, 2, {Hq, total}, {total, 1}};
+  }
+  ConstTensorView cu_view(bool i64, bool keys) const {
+    const auto& c64 = keys ? cu_k : cu_q;
+    const auto& c32 = keys ? cu_k32 : cu_q32;
+    const std::int64_t n = static_cast<std::int64_t>(c64.size());
+    if (i64) return {c64.data(), DType::i64, 1, {n}, {1}};
+    return {c32.data(), DType::i32, 1, {n}, {1}};
+  }
+};
+
+TEST_P(Variants, VarlenMatchesOracle) {
+  const Isa isa = GetParam();
+  std::mt19937_64 rng(1210);
+  // Sequences of lengths straddling the tiles, with empty ones (no queries; no keys).
+  const std::vector<std::int64_t> lq{5, 0, 64, 3, 65, 1, 7}, lk{7, 4, 64, 0, 130, 1, 7};
+  int config = 0;
+  for (Layout layout : {Layout::bthd, Layout::strided}) {
+    for (int variants = 0; variants < 3; ++variants, ++config) {
+      SCOPED_TRACE("layout " + std::string(layout_name(layout)) + ", variants " +
+                   std::to_string(variants));
+      VarlenRun r(lq, lk, 4, 2, 12, layout, rng);
+      AttentionOptions o;
+      o.isa = isa;
+      reference::Options ro;
+      if (variants >= 1) {  // sinks and ALiBi, top-left
+        o.align = CausalAlign::top_left;
+        ro.align = reference::Align::top_left;
+        o.sinks = {r.sinks.data(), DType::f32, 1, {r.Hq}, {1}};
+        o.alibi_slopes = {r.slopes.data(), DType::f32, 1, {r.Hq}, {1}};
+        for (float x : r.sinks) ro.sinks.push_back(x);
+        for (float x : r.slopes) ro.alibi_slopes.push_back(x);
+      }
+      if (variants == 2) {  // plus a window and soft-capping, non-causal
+        o.window = 6;
+        o.softcap = 2.5;
+        o.causal = ro.causal = false;
+        ro.window = 6;
+        ro.softcap = 2.5;
+      }
+      const bool i64 = config % 2 == 1;
+      const auto fwd = [&] {
+        attention_forward_varlen(VarlenRun::packed(r.q), VarlenRun::packed(r.k),
+                                 VarlenRun::packed(r.v), r.cu_view(i64, false),
+                                 r.cu_view(i64, true), VarlenRun::packed(r.out), r.lse_view(), o);
+      };
+      if (variants >= 1 && !supports_variants(isa)) {
+        ExpectRefused(fwd, "fwd", isa);
+        continue;
+      }
+      fwd();
+      const auto ref = reference::attention_forward_varlen(r.q.to64(), r.k.to64(), r.v.to64(),
+                                                           r.cu_q, r.cu_k, ro);
+      EXPECT_LE(rel_err(r.out, ref.out), kForwardBound) << "O";
+      ErrorAccumulator lse_acc;
+      for (std::int64_t h = 0; h < r.Hq; ++h)
+        for (std::int64_t t = 0; t < r.cu_q.back(); ++t)
+          lse_acc.add(r.lse[static_cast<std::size_t>(h * r.cu_q.back() + t)],
+                      ref.lse.at(0, h, t, 0));
+      EXPECT_LE(lse_acc.value(1.0), kForwardBound) << "L";
+
+      r.dq.poison();
+      r.dk.poison();
+      r.dv.poison();
+      std::fill(r.dsinks.begin(), r.dsinks.end(), kPoison);
+      TensorView ds{};
+      if (variants >= 1) ds = {r.dsinks.data(), DType::f32, 1, {r.Hq}, {1}};
+      attention_backward_varlen(VarlenRun::packed(r.q), VarlenRun::packed(r.k),
+                                VarlenRun::packed(r.v), VarlenRun::packed(r.out), r.lse_view(),
+                                VarlenRun::packed(r.dout), r.cu_view(i64, false),
+                                r.cu_view(i64, true), VarlenRun::packed(r.dq),
+                                VarlenRun::packed(r.dk), VarlenRun::packed(r.dv), o, ds);
+      const auto bref = reference::attention_backward_varlen(r.q.to64(), r.k.to64(), r.v.to64(),
+                                                             r.dout.to64(), r.cu_q, r.cu_k, ro);
+      const double g = max_abs(r.dout) * max_abs(r.v) / std::sqrt(12.0);
+      EXPECT_LE(rel_err(r.dq, bref.dq, g), kBackwardBound) << "dq";
+      EXPECT_LE(rel_err(r.dk, bref.dk, g), kBackwardBound) << "dk";
+      EXPECT_LE(rel_err(r.dv, bref.dv, g), kBackwardBound) << "dv";
+      if (variants >= 1) EXPECT_LE(rel_err_flat(r.dsinks, bref.dsinks), kBackwardBound);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllIsas, Variants, AllIsas(), IsaName);
 
 }  // namespace

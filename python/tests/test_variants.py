@@ -116,6 +116,15 @@ def sdpa_yardstick(q, k, v, mask, sinks=None, scale=None):
                                           attn_mask=bias, scale=scale, enable_gqa=True)
 
 
+def assert_lse_close(ours, ref, what):
+    """Log-sum-exp: −inf exactly where the reference has it, close elsewhere."""
+    ours, ref = t64(ours), t64(ref)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(ours), finite), what
+    assert torch.equal(ours[~finite], ref[~finite]), what
+    assert_close(ours[finite], ref[finite], FWD_ATOL, FWD_RTOL, what)
+
+
 def rand(*shape, scale=1.0):
     return (np.random.randn(*shape) * scale).astype(np.float32)
 
@@ -233,9 +242,7 @@ def test_numpy_forward_and_backward_match_reference(variant, shape, align, isa):
     what = f"{variant} {shape} {align} {isa}"
     assert np.isfinite(out).all(), what
     assert_close(out, r_out, FWD_ATOL, FWD_RTOL, "out " + what)
-    finite = torch.isfinite(r_lse)
-    assert torch.equal(torch.isfinite(t64(lse)), finite), what  # −inf exactly where expected
-    assert_close(t64(lse)[finite], r_lse[finite], FWD_ATOL, FWD_RTOL, "lse " + what)
+    assert_lse_close(lse, r_lse, "lse " + what)  # −inf exactly where expected
     grads = tm.attention_backward(q, k, v, out, lse, dout, align=align, isa=isa, **ours)
     assert len(grads) == (4 if sinks is not None else 3)
     for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, r_grads):
@@ -274,13 +281,13 @@ def test_masks_broadcast_and_strided_without_copies():
     }
     for name, m in cases.items():
         m4 = m if m.ndim == 4 else m[(None,) * (4 - m.ndim)]
-        mt = torch.as_tensor(np.asarray(m4)) if isinstance(m4, np.ndarray) else m4
+        mt = torch.as_tensor(np.array(m4)) if isinstance(m4, np.ndarray) else m4  # a copy
         ref_mask = mt if mt.dtype == torch.bool else mt.double()
         out = tm.attention_forward(q, k, v, mask=m)
         ref, _ = ref_attention(t64(q), t64(k), t64(v), mask=ref_mask)
         assert_close(out, ref, FWD_ATOL, FWD_RTOL, name)
-    if hasattr(np, "shares_memory"):  # the view really is a broadcast (stride 0), not a copy
-        assert cases["broadcast_to"].strides[0] == 0
+    assert cases["broadcast_to"].strides[:2] == (0, 0)  # really a broadcast, not a copy
+    assert cases["torch_expand"].stride()[:2] == (0, 0)
 
 
 def test_empty_rows_give_zero_and_lse_minus_inf_or_sink():
@@ -372,14 +379,16 @@ def test_numpy_varlen_equals_per_sequence(kw, isa):
         oq = ok = 0
         dsinks = 0.0
         for i, (a, b) in enumerate(zip(lq, lk)):
-            if a == 0:
+            if a == 0:  # no queries: its keys get no gradient
+                assert np.all(grads[1][ok:ok + b] == 0) and np.all(grads[2][ok:ok + b] == 0)
+                ok += b
                 continue
             o1, l1 = tm.attention_forward(qs[i][None], ks[i][None], vs[i][None], isa="portable",
                                           return_lse=True, **kw)
             g1 = tm.attention_backward(qs[i][None], ks[i][None], vs[i][None], o1, l1,
                                        dos[i][None], isa="portable", **kw)
             assert_close(out[oq:oq + a], o1[0], FWD_ATOL, FWD_RTOL, f"out seq {i}")
-            assert_close(lse[:, oq:oq + a], l1[0], FWD_ATOL, FWD_RTOL, f"lse seq {i}")
+            assert_lse_close(lse[:, oq:oq + a], l1[0], f"lse seq {i}")
             assert_close(grads[0][oq:oq + a], g1[0][0], BWD_ATOL, BWD_RTOL, f"dq seq {i}")
             assert_close(grads[1][ok:ok + b], g1[1][0], BWD_ATOL, BWD_RTOL, f"dk seq {i}")
             assert_close(grads[2][ok:ok + b], g1[2][0], BWD_ATOL, BWD_RTOL, f"dv seq {i}")
@@ -523,7 +532,9 @@ def test_torch_padded_batch_like_hugging_face(side):
         out = check_torch(q, k, v, dict(attn_mask=rm), dict(attn_mask=m), rows=rows,
                           what=f"{side} float={float_mask}")
         assert torch.isfinite(out).all()
-        assert (out.detach().transpose(1, 2)[~rows] == 0).all()  # rows that see nothing
+        empty = ~mask.any(-1)[:, 0]  # [B, T]: left padding's pad rows see no key
+        assert bool(empty.any()) == (side == "left")
+        assert (out.detach().transpose(1, 2)[empty] == 0).all()  # O = 0, not NaN
     if side == "right":  # key padding alone: the native key_lengths gives the same
         kl = torch.tensor(lengths, dtype=torch.int32)
         ours = tm.attention_forward(q, k, v, layout="bhtd", key_lengths=kl)
@@ -614,7 +625,8 @@ def test_torch_softcap_and_all_variants_against_reference():
                                        attn_mask=mask, causal_align="bottom_right")):
         for x in (q, k, v, sinks):
             x.grad = None
-        out = tmt.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+        out = tmt.scaled_dot_product_attention(q, k, v, enable_gqa=True,
+                                               is_causal="attn_mask" not in kw, **kw)
         g = torch.randn_like(out)
         out.backward(g)
         q64, k64, v64 = (x.detach().double().transpose(1, 2).requires_grad_() for x in (q, k, v))
@@ -761,3 +773,69 @@ def test_torch_varlen_errors():
         tmt.varlen_attention(q, q, q, good, good, 5, 5.0)
     with pytest.raises(tm.ArgumentError, match="sinks must have shape"):
         tmt.varlen_attention(q, q, q, good, good, 5, 5, sinks=torch.zeros(3))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode on the KV cache (NumPy API): the same variants, rolling caches
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("kw", [dict(window=5), dict(softcap=2.0), dict(alibi=True),
+                                dict(sinks=True), dict(window=3, softcap=4.0, alibi=True,
+                                                       sinks=True)],
+                         ids=["window", "softcap", "alibi", "sinks", "all"])
+def test_decode_variants_equal_attention_forward(kw, isa):
+    """T_new = 3 new queries per sequence against a cache of 20 (sequence 0) and 9 positions:
+    what attention_forward (bottom-right, checked against the float64 reference above) gives on
+    the same keys, with the same variants."""
+    H_q, H_kv, D = 4, 2, 16
+    kw = dict(kw)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = alibi_slopes(H_q)
+    if kw.pop("sinks", False):
+        kw["sinks"] = rand(H_q)
+    lengths = [20, 9]
+    cache = tm.KVCache(1, 2, H_kv, D, 64)
+    keys = [rand(1, n, H_kv, D) for n in lengths]
+    vals = [rand(1, n, H_kv, D) for n in lengths]
+    for b in range(2):
+        cache.append(0, keys[b], vals[b], first_seq=b)
+    q = rand(2, 3, H_q, D)
+    out, lse = tm.attention_decode(q, cache, 0, return_lse=True, isa=isa, **kw)
+    for b in range(2):
+        ref, rlse = tm.attention_forward(q[b:b + 1], keys[b], vals[b], return_lse=True,
+                                         isa="portable", **kw)
+        assert_close(out[b:b + 1], ref, 1e-5, 1e-5, f"out seq {b}")
+        assert_lse_close(lse[b:b + 1], rlse, f"lse seq {b}")
+
+
+def test_decode_rolling_cache_equals_full_cache_and_errors():
+    """A sliding-window layer's rolling cache (KVCache(window=W)) keeps O(W) positions and gives
+    what the full cache gives with window=W; a decode window wider than the ring is refused."""
+    H_q, H_kv, D, W = 2, 1, 8, 6
+    full = tm.KVCache(1, 1, H_kv, D, 512)
+    ring = tm.KVCache(1, 1, H_kv, D, 512, window=W)
+    assert ring.window == W and ring.retained_positions < 512
+    assert ring.storage_bytes < full.storage_bytes
+    for step in range(5):
+        k, v = rand(1, 40, H_kv, D), rand(1, 40, H_kv, D)
+        full.append(0, k, v)
+        ring.append(0, k, v)
+        q = rand(1, 1, H_q, D)
+        a = tm.attention_decode(q, full, 0, window=W, sinks=[0.5, -0.5])
+        b = tm.attention_decode(q, ring, 0, window=W, sinks=[0.5, -0.5])
+        assert np.array_equal(a, b), step
+    assert ring.first_position(0) > 0 and full.first_position(0) == 0
+    assert ring.decode_bytes(0, 0, 1, window=W) == full.decode_bytes(0, 0, 1, window=W)
+    assert full.decode_bytes(0, 0, 1, window=W) < full.decode_bytes(0, 0, 1)
+    q = rand(1, 1, H_q, D)
+    with pytest.raises(tm.ArgumentError, match="window"):
+        tm.attention_decode(q, ring, 0)  # a rolling cache needs the window
+    with pytest.raises(tm.ArgumentError, match="window"):
+        tm.attention_decode(q, ring, 0, window=W + 500)
+    with pytest.raises(tm.ArgumentError, match="window"):
+        tm.attention_decode(q, full, 0, window=0)
+    with pytest.raises(TypeError, match="attention_decode: sinks has dtype float64"):
+        tm.attention_decode(q, full, 0, sinks=np.zeros(2))
+    with pytest.raises(tm.ArgumentError, match="alibi_slopes"):
+        tm.attention_decode(q, full, 0, alibi_slopes=np.zeros(3, np.float32))

@@ -42,8 +42,12 @@ std::array<KernelSet, 4> make_sets() {
        "Highway AVX2+FMA (8 lanes, 3x3 microkernel): fused flash forward with the GQA heads "
        "stacked in SIMD lanes, online softmax over 64-key tiles, causal tile skipping; flash "
        "backward recomputing tiles (one pass owning dK/dV/dQ per KV head when B*H_kv >= 8, else "
-       "two passes: dQ with queries in lanes, dK/dV with keys in lanes); decode over the "
-       "cache's 64-key tiles with bf16/f16 widened in registers"},
+       "two passes: dQ with queries in lanes, dK/dV with keys in lanes); score variants by "
+       "per-lane "
+       "key ranges (tiles outside every range skipped, sliding window O(W) per row), one "
+       "vectorised element-wise pass (softcap, ALiBi, masks) and sinks in the online softmax; "
+       "decode over the cache's 64-key tiles with bf16/f16 widened in registers",
+       /*score_variants=*/true},
       {Isa::avx512,
        [](const CpuFeatures& f) { return f.avx512f; },
        {{"attention_fwd_f32_avx512", attention_fwd_f32_avx512}, {}, {}},
@@ -53,7 +57,8 @@ std::array<KernelSet, 4> make_sets() {
         {"attention_decode_f16_avx512", attention_decode_f16_avx512}},
        kInt32LaneKeys,
        "Highway AVX-512 (16 lanes, 6x4 microkernel): the same flash forward, backward and "
-       "decode kernels as avx2 with 64 query rows per lane block"},
+       "decode kernels as avx2 with 64 query rows per lane block",
+       /*score_variants=*/true},
       {Isa::neon,
        [](const CpuFeatures& f) { return f.neon; },
        {{"attention_fwd_f32_neon", attention_fwd_f32_neon}, {}, {}},
@@ -64,7 +69,8 @@ std::array<KernelSet, 4> make_sets() {
        kInt32LaneKeys,
        "Highway NEON, AArch64 Advanced SIMD (4 lanes, 6x4 microkernel): the same flash forward, "
        "backward and decode kernels as avx2 with 16 query rows per lane block; bf16/f16 caches "
-       "widened exactly in registers (shift / FCVTL)"},
+       "widened exactly in registers (shift / FCVTL)",
+       /*score_variants=*/true},
   }};
 }
 

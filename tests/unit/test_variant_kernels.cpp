@@ -1,7 +1,8 @@
 // tests/unit/test_variant_kernels.cpp — the score variants (SPEC "Score variants used by real
-// models") in the fused SIMD kernels, called directly through the registry (kernel level: the
-// API's validation and conversion are tested in test_variants.cpp), on every SIMD path this
-// machine runs, against the float64 oracle.
+// models") in the forward and backward kernels, called directly through the registry (kernel
+// level: the API's validation and conversion are tested in test_variants.cpp), on every path
+// this machine runs — the fused SIMD kernels above all, and portable — against the float64
+// oracle.
 //
 // Each variant alone and all combined — sliding window W ∈ {1, 5, 64, 100}, soft-capping, ALiBi,
 // sinks, key lengths, interval-shaped masks (AttentionProblem's row intervals), general boolean
@@ -186,14 +187,6 @@ struct Problem {
            keep[static_cast<std::size_t>(p.mask_offset(b, h, t, u))] != 0;
   }
 };
-
-// The SIMD paths this build has (every one is run or visibly skipped by PerIsaTest).
-std::vector<Isa> simd_isas() {
-  std::vector<Isa> out;
-  for (Isa isa : testkit::concrete_isas())
-    if (isa != Isa::portable) out.push_back(isa);
-  return out;
-}
 
 class VariantKernels : public PerIsaTest {};
 
@@ -467,7 +460,7 @@ TEST_P(VariantKernels, NaNInUnseenKeyDoesNotLeak) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(SimdIsas, VariantKernels, ::testing::ValuesIn(simd_isas()), IsaName);
+INSTANTIATE_TEST_SUITE_P(AllIsas, VariantKernels, AllIsas(), IsaName);
 
 }  // namespace
 }  // namespace tokenmix::testing

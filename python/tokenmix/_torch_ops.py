@@ -65,6 +65,13 @@ def _no_double_backward(op: str) -> Exception:
                   "torch.nn.functional.scaled_dot_product_attention")
 
 
+def _np(t: Tensor) -> Any:
+    """The NumPy view of a CPU tensor (no copy, strides kept, stride-0 broadcasts included).
+    The extension takes tensors through DLPack too, but torch's ``__dlpack__`` is Python code
+    that costs several microseconds per tensor; ``.numpy()`` is a C call."""
+    return t.detach().numpy()
+
+
 def _variant_kwargs(alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                     window: Optional[int], softcap: Optional[float]) -> dict:
     kw = {}
@@ -73,9 +80,9 @@ def _variant_kwargs(alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
     if softcap is not None:
         kw["softcap"] = softcap
     if alibi_slopes is not None:
-        kw["alibi_slopes"] = alibi_slopes
+        kw["alibi_slopes"] = _np(alibi_slopes)
     if sinks is not None:
-        kw["sinks"] = sinks
+        kw["sinks"] = _np(sinks)
     return kw
 
 
@@ -92,10 +99,10 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     lse = torch.empty((B, H, L), dtype=torch.float32)
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
     if attn_mask is not None:
-        kw["mask"] = attn_mask
-    _C.attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out_bthd, lse,
-                         scale, is_causal, _ALIGN[bottom_right], torch.get_num_threads(), "auto",
-                         **kw)
+        kw["mask"] = _np(attn_mask)
+    _C.attention_forward(_np(q.transpose(1, 2)), _np(k.transpose(1, 2)), _np(v.transpose(1, 2)),
+                         out_bthd.numpy(), lse.numpy(), scale, is_causal, _ALIGN[bottom_right],
+                         torch.get_num_threads(), "auto", **kw)
     return out_bthd.transpose(1, 2), lse
 
 
@@ -116,11 +123,11 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     dsinks = torch.empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
     if attn_mask is not None:
-        kw["mask"] = attn_mask
+        kw["mask"] = _np(attn_mask)
     if sinks is not None:
-        kw["dsinks"] = dsinks
-    t = (lambda x: x.transpose(1, 2))
-    _C.attention_backward(t(q), t(k), t(v), t(out), lse, t(dout), t(dq), t(dk), t(dv), scale,
+        kw["dsinks"] = dsinks.numpy()
+    t = (lambda x: _np(x.transpose(1, 2)))
+    _C.attention_backward(t(q), t(k), t(v), t(out), _np(lse), t(dout), t(dq), t(dk), t(dv), scale,
                           is_causal, _ALIGN[bottom_right], torch.get_num_threads(), "auto", **kw)
     return dq, dk, dv, dsinks
 
@@ -132,8 +139,9 @@ def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                          softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
     out = torch.empty(q.shape, dtype=torch.float32)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    _C.attention_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale, is_causal,
-                                _ALIGN[bottom_right], torch.get_num_threads(), "auto",
+    _C.attention_forward_varlen(_np(q), _np(k), _np(v), _np(cu_seqlens_q), _np(cu_seqlens_k),
+                                out.numpy(), lse.numpy(), scale, is_causal, _ALIGN[bottom_right],
+                                torch.get_num_threads(), "auto",
                                 **_variant_kwargs(alibi_slopes, sinks, window, softcap))
     return out, lse
 
@@ -150,8 +158,9 @@ def _varlen_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     dsinks = torch.empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
     if sinks is not None:
-        kw["dsinks"] = dsinks
-    _C.attention_backward_varlen(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, dq, dk, dv,
+        kw["dsinks"] = dsinks.numpy()
+    _C.attention_backward_varlen(*[_np(x) for x in (q, k, v, out, lse, dout, cu_seqlens_q,
+                                                    cu_seqlens_k, dq, dk, dv)],
                                  scale, is_causal, _ALIGN[bottom_right], torch.get_num_threads(),
                                  "auto", **kw)
     return dq, dk, dv, dsinks
@@ -513,6 +522,41 @@ class _Varlen(torch.autograd.Function):
         return dq, dk, dv, (None if sinks is None else dsinks), None, None, None, None
 
 
+class _EagerAttention(torch.autograd.Function):
+    """_Attention for plain eager calls: the implementation without the dispatcher, and a
+    forward(ctx, ...) that autograd applies without binding the signature each call (what a
+    setup_context-style Function costs)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor],
+                attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                options: Tuple[Any, ...]) -> Tensor:
+        out, lse = _forward_impl(q, k, v, attn_mask, alibi_slopes, sinks, *options)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, attn_mask, alibi_slopes)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> Tuple[Any, ...]:
+        return _Attention.backward(ctx, dout, None)
+
+
+class _EagerVarlen(torch.autograd.Function):
+    """_Varlen for plain eager calls (see _EagerAttention)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], cu_q: Tensor,
+                cu_k: Tensor, alibi_slopes: Optional[Tensor], options: Tuple[Any, ...]) -> Tensor:
+        out, lse = _varlen_forward_impl(q, k, v, cu_q, cu_k, alibi_slopes, sinks, *options)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks, alibi_slopes)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> Tuple[Any, ...]:
+        return _Varlen.backward(ctx, dout, None)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
               alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: Optional[float],
               is_causal: bool, bottom_right: bool, window: Optional[int],
@@ -520,8 +564,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     """out = attention_forward(...)[0], differentiable w.r.t. q, k, v and sinks. Arguments are
     taken as checked (tokenmix.torch and tokenmix.transformers validate them; a mask or ALiBi
     slopes that require grad are refused there)."""
-    return _Attention.apply(q, k, v, sinks, attn_mask, alibi_slopes,
-                            (scale, is_causal, bottom_right, window, softcap))[0]
+    options = (scale, is_causal, bottom_right, window, softcap)
+    if plain_eager(q, k, v, sinks):
+        return _EagerAttention.apply(q, k, v, sinks, attn_mask, alibi_slopes, options)
+    return _Attention.apply(q, k, v, sinks, attn_mask, alibi_slopes, options)[0]
 
 
 def varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -529,5 +575,8 @@ def varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
            is_causal: bool, bottom_right: bool, window: Optional[int],
            softcap: Optional[float]) -> Tensor:
     """out = varlen_forward(...)[0], differentiable w.r.t. q, k, v and sinks."""
-    return _Varlen.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                         (scale, is_causal, bottom_right, window, softcap))[0]
+    options = (scale, is_causal, bottom_right, window, softcap)
+    if plain_eager(q, k, v, sinks):
+        return _EagerVarlen.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                  options)
+    return _Varlen.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options)[0]

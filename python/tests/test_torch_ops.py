@@ -275,6 +275,25 @@ def test_vmap_of_grad_gives_per_sample_gradients():
         assert torch.allclose(per[1][i], ref[1], atol=1e-5, rtol=1e-5)
 
 
+def test_vmap_of_grad_without_sinks_merges_the_batch():
+    """No sinks: the vmap rules merge the vmapped axis into B (forward and backward); an
+    unbatched mask with a batch of its own is expanded over the vmapped axis."""
+    q, k, v = _inputs(B=2, grad=False)
+    qs = torch.randn((3,) + q.shape)
+    mask = torch.rand(2, 1, 7, 7) > 0.3
+
+    def loss(q, k, v):
+        return tmt.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                enable_gqa=True).square().sum()
+
+    per = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(0, None, None))(
+        qs, k, v)
+    for i in range(3):
+        ref = torch.func.grad(loss, argnums=(0, 1))(qs[i], k, v)
+        assert torch.allclose(per[0][i], ref[0], atol=1e-5, rtol=1e-5)
+        assert torch.allclose(per[1][i], ref[1], atol=1e-5, rtol=1e-5)
+
+
 def test_vmap_varlen():
     q, k, v, cu_q, cu_k = [a for a in _varlen_args(grad=False)[:5]]
     qs = torch.randn((2,) + q.shape)

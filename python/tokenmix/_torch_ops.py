@@ -22,22 +22,27 @@ dsinks)``
     ``lse`` ``[H_q, total_q]``).
 
 Each has a fake (meta) implementation that computes the output shapes, so ``torch.compile``
-(``fullgraph=True``) and ``torch.export`` trace through it without a graph break; the forward
-operators have an autograd formula (``register_autograd`` with ``setup_context``) that calls the
-backward operator, so ``torch.func.grad`` works; every operator has a vmap rule (the vmapped
-dimension is merged into the batch when that is exact, otherwise the rule loops over it). The
-backward operators are not differentiable: a double backward raises
+(``fullgraph=True``) and ``torch.export`` trace through it without a graph break, and a vmap
+rule (the vmapped dimension is merged into the batch when that is exact, otherwise the rule
+loops over it). The forward operators have an autograd formula (``register_autograd`` with
+``setup_context``) that calls the backward operator, for callers of ``torch.ops.tokenmix.*``
+themselves. The backward operators are not differentiable: a double backward raises
 ``tokenmix.UnsupportedError``.
+
+tokenmix.torch (and tokenmix.transformers) reach the operators through :func:`attention` and
+:func:`varlen`: an ``autograd.Function`` with ``forward``, ``setup_context`` and ``backward``
+apart and a generated vmap rule (``_Attention``; the autograd that ``register_autograd`` builds
+has a combined forward, which ``torch.func.grad`` refuses), whose forward and backward call the
+operators. Plain eager calls (no compile/export tracing, no functorch transform, no dispatch or
+function mode, no tensor subclass: :func:`plain_eager`) skip the dispatcher: a ctx-style
+Function (``_EagerAttention``) calls the same implementation functions directly, which costs a
+few microseconds instead of the operator's few tens (generation calls attention thousands of
+times a second). Both routes run identical code and are tested against each other.
 
 Threads: the implementations read ``torch.get_num_threads()`` when they run, outside any traced
 region (an exported or compiled graph uses the thread count of the process that runs it); the
-results do not depend on it.
-
-Plain eager calls (no ``torch.compile``/export tracing, no functorch transform, no dispatch
-mode, no tensor subclass) skip the dispatcher: :func:`attention` and :func:`varlen` then call the
-same implementation functions through a ``torch.autograd.Function``, which costs a few
-microseconds instead of the custom operator's few tens (generation calls attention thousands
-of times a second). Both routes run identical code and are tested against each other.
+results do not depend on it. Tensors reach the extension as NumPy views (``.numpy()``: no copy,
+strides kept), which is cheaper than torch's Python-level ``__dlpack__``.
 """
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple

@@ -11,9 +11,10 @@ and ``varlen_attention``, the packed variable-length form of FlashAttention's
 computed by tokenmix's fused flash kernels, forward and backward: the registered operators
 ``torch.ops.tokenmix.attention_forward`` / ``attention_backward`` (module ``_torch_ops``; the
 forward saves ``out`` and the row log-sum-exp L, no T×T matrix is stored), so the drop-in works
-under ``torch.compile(fullgraph=True)``, ``torch.export``, ``torch.func.grad`` and ``vmap``. Tensors are passed to the kernels as strided views, without copies: PyTorch's
-``[B, H, T, E]`` layout, transposed views of ``[B, T, H, E]`` projections and other
-non-contiguous inputs all work in place.
+under ``torch.compile(fullgraph=True)``, ``torch.export``, ``torch.func.grad`` and ``vmap``.
+Tensors are passed to the kernels as strided views, without copies: PyTorch's ``[B, H, T, E]``
+layout, transposed views of ``[B, T, H, E]`` projections and other non-contiguous inputs all
+work in place.
 
 ``attn_mask`` has PyTorch's meaning: a bool mask (True = may attend) or a float32 additive bias,
 broadcastable to [..., H_q, L, S]; size-1 (and expanded, stride-0) axes are broadcast by the
@@ -38,9 +39,10 @@ logits, gpt-oss; ``requires_grad`` is honoured: its gradient comes from tokenmix
 Supported: float32 CPU tensors, any number of batch dimensions (equal for q, k, v), grouped
 query attention with ``enable_gqa=True`` (H_q a multiple of H_kv; as in PyTorch, H_q ≠ H_kv
 without it is an error), ``scale``, ``is_causal``, ``attn_mask``. Everything else raises
-``NotImplementedError`` naming the argument: ``dropout_p > 0``, a non-CPU device, a dtype other
-than float32, a value head width different from the query's, batch dimensions that need
-broadcasting. Double backward is not supported.
+``tokenmix.UnsupportedError`` (a ``NotImplementedError``) naming the argument: ``dropout_p >
+0``, a non-CPU device, a dtype other than float32, a value head width different from the
+query's, batch dimensions that need broadcasting. Double backward raises
+``tokenmix.UnsupportedError``.
 
 Threads: the kernels use ``torch.get_num_threads()`` threads, so ``torch.set_num_threads``
 controls both libraries.

@@ -205,6 +205,22 @@ def test_compile_fullgraph_model_and_export():
     assert_close(ep.module()(x, mask), ref, 1e-6, 1e-6, "exported model")
 
 
+def test_export_with_a_dynamic_sequence_length():
+    """The fake implementations compute shapes symbolically: one exported program serves every
+    T (here 9 when exported, 33 when run)."""
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return tmt.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                    window=3)
+
+    q, k, v = _inputs(L=9, S=9, grad=False)
+    T = torch.export.Dim("T", min=2, max=512)
+    ep = torch.export.export(M(), (q, k, v), dynamic_shapes=({2: T}, {2: T}, {2: T}))
+    q, k, v = _inputs(L=33, S=33, grad=False)
+    assert torch.equal(ep.module()(q, k, v), M()(q, k, v))
+
+
 def test_threads_are_read_when_the_operator_runs():
     """The compiled graph has no thread count baked in: the operator reads it at run time (and
     the result does not depend on it)."""

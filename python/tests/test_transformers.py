@@ -134,8 +134,8 @@ def test_chunked_prefill_on_a_dynamic_cache(family):
     for model in (eager, ours):
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
-            model(ids[:, :6], past_key_values=cache, use_cache=True)
-            logits.append(model(ids[:, 6:], past_key_values=cache, use_cache=True).logits)
+            model(ids[:, :6], cache=cache, use_cache=True)
+            logits.append(model(ids[:, 6:], cache=cache, use_cache=True).logits)
             full = model(ids).logits[:, 6:]
             assert _rel(logits[-1], full) <= REL
     assert _rel(logits[1], logits[0]) <= REL

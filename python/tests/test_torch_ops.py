@@ -354,6 +354,25 @@ def test_other_dtypes_raise_a_tokenmix_error(dtype):
                                                                        enable_gqa=True))(q, k, v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_operators_refuse_other_dtypes(dtype):
+    q, k, v = (t.detach().to(dtype) for t in _inputs())
+    with pytest.raises(tokenmix.UnsupportedError, match=f"q has dtype {dtype}"):
+        OPS.attention_forward(q, k, v, None, None, None, None, True, False, None, None)
+    with pytest.raises(tokenmix.UnsupportedError, match=f"q has dtype {dtype}"):
+        OPS.attention_backward(q, q, k, v, q, q[..., 0], None, None, None, None, True, False,
+                               None, None)
+    vq, vk, vv, cu_q, cu_k = (a.detach() for a in _varlen_args()[:5])
+    with pytest.raises(tokenmix.UnsupportedError, match=f"q has dtype {dtype}"):
+        OPS.varlen_forward(vq.to(dtype), vk, vv, cu_q, cu_k, None, None, None, True, True, None,
+                           None)
+    # Under tracing the fake implementation raises it (dynamo reports it inside its own
+    # Unsupported error under fullgraph=True).
+    with pytest.raises(Exception, match="q has dtype .* only torch.float32 is supported"):
+        torch.compile(lambda q: OPS.attention_forward(q, q, q, None, None, None, None, True,
+                                                      False, None, None)[0], fullgraph=True)(q)
+
+
 def test_operator_refuses_gradients_it_cannot_compute():
     q, k, v = _inputs()
     bias = torch.randn(1, 1, 7, 7, requires_grad=True)

@@ -77,6 +77,19 @@ def _np(t: Tensor) -> Any:
     return t.detach().numpy()
 
 
+def _check(op: str, **tensors: Tensor) -> None:
+    """float32 CPU tensors only (bf16/fp16 are not computed yet): tokenmix.UnsupportedError."""
+    for name, t in tensors.items():
+        if t.dtype != torch.float32:
+            raise _typed(_C.UnsupportedError, "unsupported",
+                         f"tokenmix::{op}: {name} has dtype {t.dtype}; only torch.float32 is "
+                         "supported")
+        if t.device.type not in ("cpu", "meta"):
+            raise _typed(_C.UnsupportedError, "unsupported",
+                         f"tokenmix::{op}: {name} is on device '{t.device}'; tokenmix runs on "
+                         "the CPU only")
+
+
 def _variant_kwargs(alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                     window: Optional[int], softcap: Optional[float]) -> dict:
     kw = {}
@@ -99,6 +112,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                   alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: Optional[float],
                   is_causal: bool, bottom_right: bool, window: Optional[int],
                   softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+    _check("attention_forward", q=q, k=k, v=v)
     B, H, L, E = q.shape
     out_bthd = torch.empty((B, L, H, E), dtype=torch.float32)
     lse = torch.empty((B, H, L), dtype=torch.float32)
@@ -122,6 +136,7 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    sinks: Optional[Tensor], scale: Optional[float], is_causal: bool,
                    bottom_right: bool, window: Optional[int],
                    softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check("attention_backward", q=q, k=k, v=v)
     if dout.dtype != torch.float32:
         dout = dout.float()
     dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
@@ -142,6 +157,7 @@ def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                          sinks: Optional[Tensor], scale: Optional[float], is_causal: bool,
                          bottom_right: bool, window: Optional[int],
                          softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+    _check("varlen_forward", q=q, k=k, v=v)
     out = torch.empty(q.shape, dtype=torch.float32)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     _C.attention_forward_varlen(_np(q), _np(k), _np(v), _np(cu_seqlens_q), _np(cu_seqlens_k),
@@ -157,6 +173,7 @@ def _varlen_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                           scale: Optional[float], is_causal: bool, bottom_right: bool,
                           window: Optional[int],
                           softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check("varlen_backward", q=q, k=k, v=v)
     if dout.dtype != torch.float32:
         dout = dout.float()
     dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
@@ -187,6 +204,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
 
 @attention_forward.register_fake
 def _(q, k, v, attn_mask, alibi_slopes, sinks, scale, is_causal, bottom_right, window, softcap):
+    _check("attention_forward", q=q, k=k, v=v)
     B, H, L, E = q.shape
     return q.new_empty((B, L, H, E)).transpose(1, 2), q.new_empty((B, H, L))
 
@@ -222,6 +240,7 @@ def varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
 @varlen_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scale, is_causal, bottom_right,
       window, softcap):
+    _check("varlen_forward", q=q, k=k, v=v)
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]))
 
 

@@ -9,9 +9,9 @@ against ``"tokenmix"`` (tokenmix.transformers):
 * forward (``no_grad``) and forward+backward of the decoder stack (``model.model``: the layers
   without the vocabulary projection, whose cost does not depend on the attention) at each
   ``--seq`` T (default 4096 and 8192);
-* greedy generation after a ``--gen-context``-token prompt (default 16384): the prefill (a
-  one-token ``generate``) and the time per generated token (``--gen-tokens`` tokens, dynamic
-  cache).
+* greedy generation after a ``--gen-context``-token prompt (default 16384) on a dynamic cache,
+  step by step as ``generate()`` does it: the prefill, and the time per decode step over
+  ``--gen-tokens`` tokens (T_q = 1 calls on a growing cache).
 
 Each case: a warm-up, then ``--repeats`` rounds alternating the order of the two sides; the
 medians and their ratio (sdpa / tokenmix: > 1 means tokenmix is faster) are printed.
@@ -80,6 +80,26 @@ def _print_row(what: str, med: Dict[str, float], unit: str = "ms", scale: float 
     sys.stdout.flush()
 
 
+def _generate(model, prompt: torch.Tensor, n: int):
+    """Greedy generation on a dynamic cache, as generate() does it without its bookkeeping:
+    (prefill seconds, seconds for the n one-token decode steps, the n tokens)."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        start = time.perf_counter()
+        logits = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
+        prefill = time.perf_counter() - start
+        tok = logits[:, -1:].argmax(-1)
+        out = [tok]
+        start = time.perf_counter()
+        for _ in range(n):
+            tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            out.append(tok)
+        decode = time.perf_counter() - start
+    return prefill, decode, torch.cat(out, 1)
+
+
 def run_model(args: argparse.Namespace) -> int:
     cfg, models = _models(args)
     print(f"model: Llama-shaped, {args.layers} layers, hidden {args.hidden}, heads "
@@ -116,24 +136,20 @@ def run_model(args: argparse.Namespace) -> int:
 
     if args.gen_context > 0:
         prompt = torch.randint(0, args.vocab, (1, args.gen_context), generator=gen)
-        outs: Dict[str, torch.Tensor] = {}
-
-        def generate(m, n, name=None):
-            def call() -> None:
-                with torch.no_grad():
-                    out = m.generate(prompt, max_new_tokens=n, min_new_tokens=n,
-                                     do_sample=False, pad_token_id=0)
-                if name is not None:
-                    outs[name] = out
-            return call
-
-        prefill = _median_pair({n: generate(m, 1) for n, m in models.items()}, args.repeats)
-        _print_row(f"prefill {args.gen_context} tokens", prefill)
-        n = args.gen_tokens
-        full = _median_pair({k: generate(m, n + 1, k) for k, m in models.items()}, args.repeats)
-        per_token = {k: (full[k] - prefill[k]) / n for k in full}
-        _print_row(f"decode at {args.gen_context} (per token)", per_token)
-        same = torch.equal(outs["sdpa"], outs["tokenmix"])
+        times = {name: ([], []) for name in models}
+        tokens: Dict[str, torch.Tensor] = {}
+        names = list(models)
+        for r in range(args.repeats + 1):  # round 0 is the warm-up
+            for name in (names if r % 2 == 0 else names[::-1]):
+                pre, dec, tokens[name] = _generate(models[name], prompt, args.gen_tokens)
+                if r > 0:
+                    times[name][0].append(pre)
+                    times[name][1].append(dec / args.gen_tokens)
+        _print_row(f"prefill {args.gen_context} tokens",
+                   {n: statistics.median(t[0]) for n, t in times.items()})
+        _print_row(f"decode at {args.gen_context} (per token)",
+                   {n: statistics.median(t[1]) for n, t in times.items()})
+        same = torch.equal(tokens["sdpa"], tokens["tokenmix"])
         print(f"{'':34s} greedy tokens identical: {same}")
     return 0
 

@@ -74,7 +74,7 @@ def _np(t: Tensor) -> Any:
     """The NumPy view of a CPU tensor (no copy, strides kept, stride-0 broadcasts included).
     The extension takes tensors through DLPack too, but torch's ``__dlpack__`` is Python code
     that costs several microseconds per tensor; ``.numpy()`` is a C call."""
-    return t.detach().numpy()
+    return (t.detach() if t.requires_grad else t).numpy()
 
 
 def _check(op: str, **tensors: Tensor) -> None:

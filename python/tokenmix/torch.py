@@ -187,6 +187,24 @@ def _mask_view(attn_mask: torch.Tensor, query: torch.Tensor, S: int) -> torch.Te
     return m.expand(batch + tuple(m.shape[-3:])).reshape((-1,) + tuple(m.shape[-3:]))
 
 
+def _fast_shapes(q: Any, k: Any, v: Any, enable_gqa: bool) -> bool:
+    """True when q, k, v are plain strided float32 CPU tensors [B, H, T, E] that the general
+    path would accept as they are (same B and E, K and V alike, GQA only with enable_gqa)."""
+    f32 = torch.float32
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
+        return False
+    if q.dtype != f32 or k.dtype != f32 or v.dtype != f32:
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if len(qs) != 4 or len(ks) != 4 or ks != vs or qs[0] != ks[0] or qs[3] != ks[3]:
+        return False
+    if qs[1] != ks[1] and not (enable_gqa is True and ks[1] > 0 and qs[1] % ks[1] == 0):
+        return False
+    return (q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
+            and q.layout == torch.strided and k.layout == torch.strided
+            and v.layout == torch.strided)
+
+
 def scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -234,6 +252,15 @@ def scaled_dot_product_attention(
         NotImplementedError: for anything this drop-in does not implement (names the argument).
         RuntimeError: for inputs PyTorch rejects too (mismatched sizes, GQA without enable_gqa).
     """
+    if (attn_mask is None and not dropout_p and window is None and softcap is None
+            and alibi_slopes is None and sinks is None and causal_align == "top_left"
+            and type(is_causal) is bool and (scale is None or type(scale) is float)):
+        # Fast path for the common call (generation makes thousands per second): plain float32
+        # CPU [B, H, T, E] tensors whose shapes need no message beyond the library's own.
+        fast = _fast_shapes(query, key, value, enable_gqa)
+        if fast and (scale is None or math.isfinite(scale)):
+            return _ops.attention(query, key, value, None, None, None, scale, is_causal, False,
+                                  None, None)
     tensors = (("query", query), ("key", key), ("value", value))
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):

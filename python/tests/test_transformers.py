@@ -211,3 +211,18 @@ def test_unsupported_requests_raise():
     model = model.to(torch.bfloat16)
     with pytest.raises(tokenmix.UnsupportedError, match="bfloat16"):
         model(ids, attention_mask=mask)
+
+
+def test_a_custom_4d_float_mask_is_a_bias():
+    """A prepared 4D mask is passed through by transformers as it is: here an additive float
+    mask with holes (not one interval per row), as eager takes it."""
+    eager, ours = _models("qwen2")
+    ids = _batch()[0]
+    T = ids.shape[1]
+    keep = torch.ones(T, T, dtype=torch.bool).tril() & (torch.rand(2, 1, T, T) > 0.3)
+    keep |= torch.eye(T, dtype=torch.bool)  # every row sees itself
+    bias = torch.zeros(2, 1, T, T).masked_fill(~keep, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        ref = eager(ids, attention_mask=bias).logits
+        got = ours(ids, attention_mask=bias).logits
+    assert _rel(got, ref) <= REL

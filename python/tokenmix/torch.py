@@ -8,11 +8,13 @@ and ``varlen_attention``, the packed variable-length form of FlashAttention's
 
     out = softmax(scale · Q Kᵀ + M) V       (SPEC 4.2–4.5; scale defaults to 1/sqrt(E))
 
-computed by tokenmix's fused flash kernels, forward and backward (a ``torch.autograd.Function``
-that saves ``out`` and the row log-sum-exp L and calls tokenmix's backward; no T×T matrix is
-stored). Tensors are passed to the kernels as strided views, without copies: PyTorch's
-``[B, H, T, E]`` layout, transposed views of ``[B, T, H, E]`` projections and other
-non-contiguous inputs all work in place.
+computed by tokenmix's fused flash kernels, forward and backward: the registered operators
+``torch.ops.tokenmix.attention_forward`` / ``attention_backward`` (module ``_torch_ops``; the
+forward saves ``out`` and the row log-sum-exp L, no T×T matrix is stored), so the drop-in works
+under ``torch.compile(fullgraph=True)``, ``torch.export``, ``torch.func.grad`` and ``vmap``.
+Tensors are passed to the kernels as strided views, without copies: PyTorch's ``[B, H, T, E]``
+layout, transposed views of ``[B, T, H, E]`` projections and other non-contiguous inputs all
+work in place.
 
 ``attn_mask`` has PyTorch's meaning: a bool mask (True = may attend) or a float32 additive bias,
 broadcastable to [..., H_q, L, S]; size-1 (and expanded, stride-0) axes are broadcast by the
@@ -37,9 +39,10 @@ logits, gpt-oss; ``requires_grad`` is honoured: its gradient comes from tokenmix
 Supported: float32 CPU tensors, any number of batch dimensions (equal for q, k, v), grouped
 query attention with ``enable_gqa=True`` (H_q a multiple of H_kv; as in PyTorch, H_q ≠ H_kv
 without it is an error), ``scale``, ``is_causal``, ``attn_mask``. Everything else raises
-``NotImplementedError`` naming the argument: ``dropout_p > 0``, a non-CPU device, a dtype other
-than float32, a value head width different from the query's, batch dimensions that need
-broadcasting. Double backward is not supported.
+``tokenmix.UnsupportedError`` (a ``NotImplementedError``) naming the argument: ``dropout_p >
+0``, a non-CPU device, a dtype other than float32, a value head width different from the
+query's, batch dimensions that need broadcasting. Double backward raises
+``tokenmix.UnsupportedError``.
 
 Threads: the kernels use ``torch.get_num_threads()`` threads, so ``torch.set_num_threads``
 controls both libraries.
@@ -51,9 +54,9 @@ import math
 from typing import Any, Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _tokenmix as _C
+from . import _torch_ops as _ops
 
 __all__ = ["scaled_dot_product_attention", "varlen_attention"]
 
@@ -73,120 +76,9 @@ def _as_bhtd(x: torch.Tensor) -> torch.Tensor:
     return x.reshape((-1,) + tuple(x.shape[-3:]))
 
 
-def _bthd(x: torch.Tensor) -> torch.Tensor:
-    """The logical [B, T, H, E] view tokenmix takes of a [B, H, T, E] tensor (no copy)."""
-    return x.permute(0, 2, 1, 3)
-
-
-class _Variants:
-    """The non-differentiable options of one call (tensors held here get no gradient)."""
-
-    def __init__(self, align: str, window: Optional[int], softcap: Optional[float],
-                 alibi_slopes: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> None:
-        self.align = align
-        self.window = window
-        self.softcap = softcap
-        self.alibi_slopes = alibi_slopes
-        self.mask = mask
-
-    def kwargs(self, sinks: Optional[torch.Tensor], varlen: bool = False) -> dict:
-        out = dict(window=self.window, softcap=self.softcap, alibi_slopes=self.alibi_slopes,
-                   sinks=sinks)
-        if not varlen:
-            out["mask"] = self.mask
-        return out
-
-
-class _TokenmixSDPA(torch.autograd.Function):
-    """out = SDPA(q, k, v; sinks) with tokenmix's forward; backward from (q, k, v, out, lse)."""
-
-    @staticmethod
-    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                sinks: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
-                variants: _Variants) -> torch.Tensor:
-        q4 = _as_bhtd(query.detach())
-        k4 = _as_bhtd(key.detach())
-        v4 = _as_bhtd(value.detach())
-        sinks = None if sinks is None else sinks.detach()
-        B, H_q, L, E = q4.shape
-        out = torch.empty((B, H_q, L, E), dtype=torch.float32)
-        lse = torch.empty((B, H_q, L), dtype=torch.float32)
-        threads = torch.get_num_threads()
-        _C.attention_forward(_bthd(q4), _bthd(k4), _bthd(v4), _bthd(out), lse, scale,
-                             is_causal, variants.align, threads, "auto",
-                             **variants.kwargs(sinks))
-        if sinks is None:
-            ctx.save_for_backward(q4, k4, v4, out, lse)
-        else:
-            ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
-        ctx.is_causal = is_causal
-        ctx.scale = scale
-        ctx.variants = variants
-        ctx.shapes = (query.shape, key.shape, value.shape)
-        return out.view(query.shape[:-1] + (E,))
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Any, ...]:
-        q4, k4, v4, out, lse = ctx.saved_tensors[:5]
-        sinks = ctx.saved_tensors[5] if len(ctx.saved_tensors) > 5 else None
-        q_shape, k_shape, v_shape = ctx.shapes
-        if grad_out.dtype != torch.float32 or grad_out.device.type != "cpu":
-            grad_out = grad_out.to(device="cpu", dtype=torch.float32)
-        do4 = _as_bhtd(grad_out)
-        dq = torch.empty(q4.shape, dtype=torch.float32)
-        dk = torch.empty(k4.shape, dtype=torch.float32)
-        dv = torch.empty(v4.shape, dtype=torch.float32)
-        dsinks = None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32)
-        _C.attention_backward(_bthd(q4), _bthd(k4), _bthd(v4), _bthd(out), lse, _bthd(do4),
-                              _bthd(dq), _bthd(dk), _bthd(dv), ctx.scale, ctx.is_causal,
-                              ctx.variants.align, torch.get_num_threads(), "auto",
-                              dsinks=dsinks, **ctx.variants.kwargs(sinks))
-        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), dsinks, None, None, None
-
-
-class _TokenmixVarlen(torch.autograd.Function):
-    """Packed varlen attention with tokenmix's forward and backward (SPEC "Score variants":
-    varlen)."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sinks: Optional[torch.Tensor], cu_q: torch.Tensor, cu_k: torch.Tensor,
-                is_causal: bool, scale: Optional[float], variants: _Variants) -> torch.Tensor:
-        q, k, v = q.detach(), k.detach(), v.detach()
-        sinks = None if sinks is None else sinks.detach()
-        out = torch.empty(q.shape, dtype=torch.float32)
-        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-        _C.attention_forward_varlen(q, k, v, cu_q, cu_k, out, lse, scale, is_causal,
-                                    variants.align, torch.get_num_threads(), "auto",
-                                    **variants.kwargs(sinks, varlen=True))
-        saved = (q, k, v, out, lse, cu_q, cu_k) + (() if sinks is None else (sinks,))
-        ctx.save_for_backward(*saved)
-        ctx.is_causal = is_causal
-        ctx.scale = scale
-        ctx.variants = variants
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Any, ...]:
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors[:7]
-        sinks = ctx.saved_tensors[7] if len(ctx.saved_tensors) > 7 else None
-        if grad_out.dtype != torch.float32 or grad_out.device.type != "cpu":
-            grad_out = grad_out.to(device="cpu", dtype=torch.float32)
-        dq = torch.empty(q.shape, dtype=torch.float32)
-        dk = torch.empty(k.shape, dtype=torch.float32)
-        dv = torch.empty(v.shape, dtype=torch.float32)
-        dsinks = None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32)
-        _C.attention_backward_varlen(q, k, v, out, lse, grad_out, cu_q, cu_k, dq, dk, dv,
-                                     ctx.scale, ctx.is_causal, ctx.variants.align,
-                                     torch.get_num_threads(), "auto", dsinks=dsinks,
-                                     **ctx.variants.kwargs(sinks, varlen=True))
-        return dq, dk, dv, dsinks, None, None, None, None, None
-
-
 def _unsupported(what: str, fn: str = _FN) -> NotImplementedError:
-    return NotImplementedError(f"{fn}: {what}")
+    """tokenmix.UnsupportedError (a NotImplementedError) naming the entry point."""
+    return _typed(_C.UnsupportedError, "unsupported", f"{fn}: {what}")
 
 
 def _typed(kind: Any, code: str, msg: str) -> Exception:
@@ -295,6 +187,24 @@ def _mask_view(attn_mask: torch.Tensor, query: torch.Tensor, S: int) -> torch.Te
     return m.expand(batch + tuple(m.shape[-3:])).reshape((-1,) + tuple(m.shape[-3:]))
 
 
+def _fast_shapes(q: Any, k: Any, v: Any, enable_gqa: bool) -> bool:
+    """True when q, k, v are plain strided float32 CPU tensors [B, H, T, E] that the general
+    path would accept as they are (same B and E, K and V alike, GQA only with enable_gqa)."""
+    f32 = torch.float32
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
+        return False
+    if q.dtype != f32 or k.dtype != f32 or v.dtype != f32:
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if len(qs) != 4 or len(ks) != 4 or ks != vs or qs[0] != ks[0] or qs[3] != ks[3]:
+        return False
+    if qs[1] != ks[1] and not (enable_gqa is True and ks[1] > 0 and qs[1] % ks[1] == 0):
+        return False
+    return (q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
+            and q.layout == torch.strided and k.layout == torch.strided
+            and v.layout == torch.strided)
+
+
 def scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -342,6 +252,15 @@ def scaled_dot_product_attention(
         NotImplementedError: for anything this drop-in does not implement (names the argument).
         RuntimeError: for inputs PyTorch rejects too (mismatched sizes, GQA without enable_gqa).
     """
+    if (attn_mask is None and not dropout_p and window is None and softcap is None
+            and alibi_slopes is None and sinks is None and causal_align == "top_left"
+            and type(is_causal) is bool and (scale is None or type(scale) is float)):
+        # Fast path for the common call (generation makes thousands per second): plain float32
+        # CPU [B, H, T, E] tensors whose shapes need no message beyond the library's own.
+        fast = _fast_shapes(query, key, value, enable_gqa)
+        if fast and (scale is None or math.isfinite(scale)):
+            return _ops.attention(query, key, value, None, None, None, scale, is_causal, False,
+                                  None, None)
     tensors = (("query", query), ("key", key), ("value", value))
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -408,8 +327,10 @@ def scaled_dot_product_attention(
     window, softcap, alibi_slopes, sinks = _check_variants(
         _FN, H_q, window, softcap, alibi_slopes, sinks, causal_align)
     mask = None if attn_mask is None else _mask_view(attn_mask, query, key.shape[-2])
-    variants = _Variants(causal_align, window, softcap, alibi_slopes, mask)
-    return _TokenmixSDPA.apply(query, key, value, sinks, bool(is_causal), scale, variants)
+    out = _ops.attention(_as_bhtd(query), _as_bhtd(key), _as_bhtd(value), mask, alibi_slopes,
+                         sinks, scale, bool(is_causal), causal_align == "bottom_right", window,
+                         softcap)
+    return out.view(query.shape[:-1] + (E,))
 
 
 def _max_seqlen(fn: str, name: str, cu: torch.Tensor, given: Any) -> None:
@@ -421,8 +342,8 @@ def _max_seqlen(fn: str, name: str, cu: torch.Tensor, given: Any) -> None:
     except (AttributeError, TypeError):
         raise TypeError(f"{fn}: max_seqlen_{name} must be an int; got "
                         f"{type(given).__name__}") from None
-    if cu.dim() != 1 or cu.numel() < 2:
-        return
+    if cu.dim() != 1 or cu.numel() < 2 or not _ops.plain_eager(cu):
+        return  # (traced: the library checks the offsets when the operator runs)
     lengths = cu[1:].to(torch.int64) - cu[:-1].to(torch.int64)
     if bool((lengths >= 0).all()):
         longest = int(lengths.max())
@@ -500,6 +421,5 @@ def varlen_attention(
     _max_seqlen(fn, "k", cu_seqlens_k, max_seqlen_k)
     window, softcap, alibi_slopes, sinks = _check_variants(
         fn, q.shape[1], window, softcap, alibi_slopes, sinks, causal_align)
-    variants = _Variants(causal_align, window, softcap, alibi_slopes, None)
-    return _TokenmixVarlen.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, bool(is_causal),
-                                 scale, variants)
+    return _ops.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scale,
+                       bool(is_causal), causal_align == "bottom_right", window, softcap)

@@ -15,13 +15,18 @@ namespace {
 constexpr std::int64_t kInt32LaneKeys = (std::int64_t{1} << 31) - 2;
 constexpr std::int64_t kAnyKeys = INT64_MAX;
 
-// Column order = DType values: f32, bf16, f16. Forward/backward take f32 activations only.
-std::array<KernelSet, 4> make_sets() {
+// Column order = DType values: f32, bf16, f16. Forward/backward bf16/f16 columns: the fp32
+// kernels with operands widened on pack and outputs rounded on store (SPEC "Reduced precision").
+std::array<KernelSet, 5> make_sets() {
   return {{
       {Isa::portable,
        [](const CpuFeatures&) { return true; },
-       {{"attention_fwd_f32_portable", &attention_fwd_f32_portable}, {}, {}},
-       {{"attention_bwd_f32_portable", &attention_bwd_f32_portable}, {}, {}},
+       {{"attention_fwd_f32_portable", &attention_fwd_f32_portable},
+        {"attention_fwd_bf16_portable", &attention_fwd_bf16_portable},
+        {"attention_fwd_f16_portable", &attention_fwd_f16_portable}},
+       {{"attention_bwd_f32_portable", &attention_bwd_f32_portable},
+        {"attention_bwd_bf16_portable", &attention_bwd_bf16_portable},
+        {"attention_bwd_f16_portable", &attention_bwd_f16_portable}},
        {{"attention_decode_f32_portable", &attention_decode_f32_portable},
         {"attention_decode_bf16_portable", &attention_decode_bf16_portable},
         {"attention_decode_f16_portable", &attention_decode_f16_portable}},
@@ -29,12 +34,17 @@ std::array<KernelSet, 4> make_sets() {
        "plain C++, exact fp32: two-pass softmax per query row, O(T_k*d_h) scratch per worker, "
        "OpenMP over (batch, head, 64-row block); decode widens each 64-key cache tile to fp32 "
        "and runs an online softmax per row; score variants (window, softcap, ALiBi, sinks, "
-       "masks, key lengths) by key ranges and element-wise score terms",
+       "masks, key lengths) by key ranges and element-wise score terms; bf16/f16 activations "
+       "widened to fp32 on pack, O/dQ/dK/dV rounded once on store",
        /*score_variants=*/true},
       {Isa::avx2,
        [](const CpuFeatures& f) { return f.avx2_fma; },
-       {{"attention_fwd_f32_avx2", attention_fwd_f32_avx2}, {}, {}},
-       {{"attention_bwd_f32_avx2", attention_bwd_f32_avx2}, {}, {}},
+       {{"attention_fwd_f32_avx2", attention_fwd_f32_avx2},
+        {"attention_fwd_bf16_avx2", attention_fwd_bf16_avx2},
+        {"attention_fwd_f16_avx2", attention_fwd_f16_avx2}},
+       {{"attention_bwd_f32_avx2", attention_bwd_f32_avx2},
+        {"attention_bwd_bf16_avx2", attention_bwd_bf16_avx2},
+        {"attention_bwd_f16_avx2", attention_bwd_f16_avx2}},
        {{"attention_decode_f32_avx2", attention_decode_f32_avx2},
         {"attention_decode_bf16_avx2", attention_decode_bf16_avx2},
         {"attention_decode_f16_avx2", attention_decode_f16_avx2}},
@@ -46,12 +56,18 @@ std::array<KernelSet, 4> make_sets() {
        "per-lane "
        "key ranges (tiles outside every range skipped, sliding window O(W) per row), one "
        "vectorised element-wise pass (softcap, ALiBi, masks) and sinks in the online softmax; "
-       "decode over the cache's 64-key tiles with bf16/f16 widened in registers",
+       "decode over the cache's 64-key tiles with bf16/f16 widened in registers; bf16/f16 "
+       "activations widened to fp32 where Q, K, V tiles are packed (fp32 products), outputs "
+       "rounded once on store",
        /*score_variants=*/true},
       {Isa::avx512,
        [](const CpuFeatures& f) { return f.avx512f; },
-       {{"attention_fwd_f32_avx512", attention_fwd_f32_avx512}, {}, {}},
-       {{"attention_bwd_f32_avx512", attention_bwd_f32_avx512}, {}, {}},
+       {{"attention_fwd_f32_avx512", attention_fwd_f32_avx512},
+        {"attention_fwd_bf16_avx512", attention_fwd_bf16_avx512},
+        {"attention_fwd_f16_avx512", attention_fwd_f16_avx512}},
+       {{"attention_bwd_f32_avx512", attention_bwd_f32_avx512},
+        {"attention_bwd_bf16_avx512", attention_bwd_bf16_avx512},
+        {"attention_bwd_f16_avx512", attention_bwd_f16_avx512}},
        {{"attention_decode_f32_avx512", attention_decode_f32_avx512},
         {"attention_decode_bf16_avx512", attention_decode_bf16_avx512},
         {"attention_decode_f16_avx512", attention_decode_f16_avx512}},
@@ -61,8 +77,12 @@ std::array<KernelSet, 4> make_sets() {
        /*score_variants=*/true},
       {Isa::neon,
        [](const CpuFeatures& f) { return f.neon; },
-       {{"attention_fwd_f32_neon", attention_fwd_f32_neon}, {}, {}},
-       {{"attention_bwd_f32_neon", attention_bwd_f32_neon}, {}, {}},
+       {{"attention_fwd_f32_neon", attention_fwd_f32_neon},
+        {"attention_fwd_bf16_neon", attention_fwd_bf16_neon},
+        {"attention_fwd_f16_neon", attention_fwd_f16_neon}},
+       {{"attention_bwd_f32_neon", attention_bwd_f32_neon},
+        {"attention_bwd_bf16_neon", attention_bwd_bf16_neon},
+        {"attention_bwd_f16_neon", attention_bwd_f16_neon}},
        {{"attention_decode_f32_neon", attention_decode_f32_neon},
         {"attention_decode_bf16_neon", attention_decode_bf16_neon},
         {"attention_decode_f16_neon", attention_decode_f16_neon}},
@@ -70,6 +90,22 @@ std::array<KernelSet, 4> make_sets() {
        "Highway NEON, AArch64 Advanced SIMD (4 lanes, 6x4 microkernel): the same flash forward, "
        "backward and decode kernels as avx2 with 16 query rows per lane block; bf16/f16 caches "
        "widened exactly in registers (shift / FCVTL)",
+       /*score_variants=*/true},
+      {Isa::avx512_bf16,
+       [](const CpuFeatures& f) { return f.avx512_bf16; },
+       {{"attention_fwd_f32_avx512", attention_fwd_f32_avx512},
+        {"attention_fwd_bf16_avx512bf16", attention_fwd_bf16_avx512bf16},
+        {"attention_fwd_f16_avx512", attention_fwd_f16_avx512}},
+       {{"attention_bwd_f32_avx512", attention_bwd_f32_avx512},
+        {"attention_bwd_bf16_avx512", attention_bwd_bf16_avx512},
+        {"attention_bwd_f16_avx512", attention_bwd_f16_avx512}},
+       {{"attention_decode_f32_avx512", attention_decode_f32_avx512},
+        {"attention_decode_bf16_avx512", attention_decode_bf16_avx512},
+        {"attention_decode_f16_avx512", attention_decode_f16_avx512}},
+       kInt32LaneKeys,
+       "avx512 plus AVX512-BF16: the bf16 forward's Q K^T and P V products on vdpbf16ps (bf16 "
+       "pairs, fp32 accumulation; P rounded to bf16 before P V, intrinsics in their own "
+       "translation unit); every other kernel is the avx512 one",
        /*score_variants=*/true},
   }};
 }
@@ -104,7 +140,7 @@ NamedKernel<Fn> pick(const NamedKernel<Fn> (&column)[kDTypeCount], const char* e
 }  // namespace
 
 std::span<const KernelSet> kernel_sets() {
-  static const std::array<KernelSet, 4> sets = make_sets();
+  static const std::array<KernelSet, 5> sets = make_sets();
   return sets;
 }
 

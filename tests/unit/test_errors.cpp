@@ -280,10 +280,12 @@ TEST(Errors, AttentionForwardOptionsAndTypes) {
     opt.threads = -1;
     FORWARD_CASE([](Attn&) {}, {kInvalid}, {"threads", "-1"}, opt);
   }
-  // dtype bf16 / f16 → UnsupportedError naming the tensor and the dtype.
-  FORWARD_CASE([](Attn& a) { a.q.dtype = DType::bf16; }, {kUnsupported}, {"q", "bf16"});
-  FORWARD_CASE([](Attn& a) { a.out.dtype = DType::f16; }, {kUnsupported}, {"out", "f16"});
-  BACKWARD_CASE([](Attn& a) { a.dk.dtype = DType::bf16; }, {kUnsupported}, {"dk", "bf16"});
+  // One bf16 / f16 tensor among f32 ones (SPEC "Reduced precision": one dtype per call) →
+  // ArgumentError naming the tensor and the dtype; a non-float dtype → UnsupportedError.
+  FORWARD_CASE([](Attn& a) { a.q.dtype = DType::bf16; }, {kInvalid}, {"q", "bf16"});
+  FORWARD_CASE([](Attn& a) { a.out.dtype = DType::f16; }, {kInvalid}, {"out", "f16"});
+  BACKWARD_CASE([](Attn& a) { a.dk.dtype = DType::bf16; }, {kInvalid}, {"dk", "bf16"});
+  FORWARD_CASE([](Attn& a) { a.v.dtype = DType::i64; }, {kUnsupported}, {"v", "i64"});
   // Forcing an ISA this build or CPU lacks (runtime.hpp): UnsupportedError, nothing written.
   const auto avail = available_isas();
   for (Isa isa : {Isa::avx2, Isa::avx512, Isa::neon}) {
@@ -616,11 +618,12 @@ TEST(Errors, Runtime) {
   EXPECT_EQ(parse_isa("avx2"), Isa::avx2);
   EXPECT_EQ(parse_isa("avx512"), Isa::avx512);
   EXPECT_EQ(parse_isa("neon"), Isa::neon);
-  for (Isa i : {Isa::portable, Isa::avx2, Isa::avx512, Isa::neon}) {
+  EXPECT_EQ(parse_isa("avx512_bf16"), Isa::avx512_bf16);
+  for (Isa i : {Isa::portable, Isa::avx2, Isa::avx512, Isa::neon, Isa::avx512_bf16}) {
     EXPECT_EQ(parse_isa(to_string(i)), i);
   }
   EXPECT_ERROR([] { (void)parse_isa("avx3"); }, kInvalid,
-               {"isa", "avx3", "auto, portable, avx2, avx512, neon"});
+               {"isa", "avx3", "auto, portable, avx2, avx512, avx512_bf16, neon"});
   EXPECT_ERROR([] { (void)parse_isa("NEON"); }, kInvalid, {"isa", "NEON"});
   EXPECT_ERROR([] { (void)parse_isa("sse4", "TOKENMIX_ISA"); }, kInvalid, {"TOKENMIX_ISA", "sse4"});
   EXPECT_ERROR([] { (void)parse_isa(""); }, kInvalid, {"isa"});

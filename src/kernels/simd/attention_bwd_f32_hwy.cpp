@@ -252,7 +252,7 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
             const auto ends = hn::Load(di, bs.end_lane + i);
             for (std::int64_t u = 0; u < nt; ++u) {
               // A = e^{S − L} (4.4), dS = A ⊙ (dA − D)
-              const VF pu = ExpNaN(d, hn::Sub(hn::Load(d, st + u * M + i), lse));
+              const VF pu = ExpNaNFlushTiny(d, hn::Sub(hn::Load(d, st + u * M + i), lse));
               VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dpt + u * M + i), dl));
               if (crosses) {  // key ranges (4.3), a select: no NaN of a masked key gets in
                 const auto key = hn::Set(di, static_cast<std::int32_t>(k0 + u));
@@ -447,7 +447,8 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
                                     keep != nullptr ? keep + r * M : nullptr);
               }
               for (std::int64_t i = 0; i < M; i += N) {
-                VF pu = ExpNaN(d, hn::Sub(hn::Load(d, scores + r * M + i), l));  // A = e^{S − L}
+                VF pu = ExpNaNFlushTiny(
+                    d, hn::Sub(hn::Load(d, scores + r * M + i), l));            // A = e^{S − L}
                 VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dp + r * M + i), dl));  // dS = A ⊙ (dA − D)
                 if (visible < i + N || lo > i) {  // key range (4.3), a select on P and dS
                   const std::int64_t n_vis = std::clamp<std::int64_t>(visible - i, 0, N);

@@ -46,6 +46,18 @@ HWY_INLINE V ExpNaN(D d, V x) {
 #endif
 }
 
+// The backward's weights A = e^{S − L} (SPEC "Backward pass"), as ExpNaN but exactly 0 below
+// 2^−64 (x < −64·ln 2). Far keys under ALiBi (scores down to −m·T) otherwise give a band of
+// subnormal weights per row, and subnormal operands of the dS, dQ, dK products cost a microcode
+// assist per vector op on x86: the backward with ALiBi at T = 2048 took 4.2 s instead of 1.1 s
+// (Intel Xeon, docs/performance.md). A weight < 2^−64 of a row whose weights sum to 1 changes no
+// fp32 result (T · 2^−64 ≪ 2^−24 for any T < 2^31); NaN x still gives NaN (Lt is false).
+template <class D, class V>
+HWY_INLINE V ExpNaNFlushTiny(D d, V x) {
+  const V kTiny = hn::Set(d, -44.3614195558365f);  // −64 · ln 2: e^x < 2^−64 below
+  return hn::IfThenZeroElse(hn::Lt(x, kTiny), ExpNaN(d, x));
+}
+
 // True if a[r·a_row + k·a_k] is NaN or ±∞ for some r < rows, k0 ≤ k < k1.
 template <class D>
 HWY_INLINE bool AnyNonFinite(D d, const float* a, std::int64_t a_row, std::int64_t a_k,

@@ -25,11 +25,14 @@
 
 namespace tokenmix {
 
-/// Instruction-set paths. `automatic` means "the best available". portable runs everywhere;
+/// Instruction-set paths. `automatic` means "the best available" (the highest runnable path that is
+/// not opt-in: avx512_bf16 is opt-in, see below). portable runs everywhere;
 /// avx2/avx512 are x86-64 paths, neon (AArch64 Advanced SIMD, 128-bit) the ARM one; values
 /// are stable (neon was appended).
 /// avx512_bf16 is avx512 plus AVX512-BF16 (`vdpbf16ps`) for the bf16 forward's products; it
-/// needs CpuFeatures::avx512_bf16 (TOKENMIX_CPU_CAP=avx2 or portable hides it).
+/// needs CpuFeatures::avx512_bf16 (TOKENMIX_CPU_CAP=avx2 or portable hides it). Opt-in only
+/// (TOKENMIX_ISA / options.isa): on the Intel Xeon it was measured on, its bf16 forward is
+/// slower than avx512's widening one (docs/performance.md).
 enum class Isa { automatic = 0, portable = 1, avx2 = 2, avx512 = 3, neon = 4, avx512_bf16 = 5 };
 
 const char* to_string(Isa isa) noexcept;

@@ -84,7 +84,11 @@ Isa resolve_isa(Isa requested, const char* fn) {
     }
   }
   const std::vector<Isa> avail = available(f);
-  if (requested == Isa::automatic) return avail.back();
+  if (requested == Isa::automatic) {  // the highest runnable path that is not opt-in (registry)
+    for (auto it = avail.rbegin(); it != avail.rend(); ++it)
+      if (kernels::kernel_set(*it).automatic) return *it;
+    return Isa::portable;
+  }
   if (!compiled(requested)) {
     throw UnsupportedError(
         std::string(fn) + ": isa '" + to_string(requested) +

@@ -105,8 +105,11 @@ std::array<KernelSet, 5> make_sets() {
        kInt32LaneKeys,
        "avx512 plus AVX512-BF16: the bf16 forward's Q K^T and P V products on vdpbf16ps (bf16 "
        "pairs, fp32 accumulation; P rounded to bf16 before P V, intrinsics in their own "
-       "translation unit); every other kernel is the avx512 one",
-       /*score_variants=*/true},
+       "translation unit); every other kernel is the avx512 one. Opt-in: on Intel Xeon (Emerald "
+       "Rapids, no AMX) vdpbf16ps runs at half the FMA issue rate and this forward is 1.7x slower "
+       "than avx512's widening one (docs/performance.md)",
+       /*score_variants=*/true,
+       /*automatic=*/false},
   }};
 }
 

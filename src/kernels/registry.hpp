@@ -45,6 +45,10 @@ struct KernelSet {
   /// softcap, ALiBi, sinks, masks, key lengths). A call using a variant on a set without it
   /// throws UnsupportedError naming the kernel and the variant (never another set's kernel).
   bool score_variants = false;
+  /// Isa::automatic may pick this path (the highest runnable path with this flag). False: opt-in
+  /// only (TOKENMIX_ISA / options.isa), for a path measured slower than the one below it on the
+  /// CPUs it has run on (docs/performance.md).
+  bool automatic = true;
 
   /// Built into this binary (its f32 forward exists): the path can run where the CPU can.
   bool compiled() const { return forward[0].fn != nullptr; }

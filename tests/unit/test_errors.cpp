@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/registry.hpp"
 #include "test_util.hpp"
 
 namespace tokenmix::testing {
@@ -643,7 +644,12 @@ TEST(Errors, Runtime) {
   const char* saved = std::getenv("TOKENMIX_ISA");
   const std::string saved_value = saved ? saved : "";
   ::unsetenv("TOKENMIX_ISA");
-  EXPECT_EQ(resolve_isa(Isa::automatic), avail.back());
+  // The highest available path that is not opt-in (KernelSet::automatic; avx512_bf16 is opt-in).
+  Isa best = Isa::portable;
+  for (Isa isa : avail)
+    if (kernels::kernel_set(isa).automatic) best = isa;
+  EXPECT_EQ(resolve_isa(Isa::automatic), best);
+  EXPECT_NE(resolve_isa(Isa::automatic), Isa::avx512_bf16);
   ::setenv("TOKENMIX_ISA", "portable", 1);
   EXPECT_EQ(resolve_isa(Isa::automatic), Isa::portable);
   ::setenv("TOKENMIX_ISA", "bogus", 1);

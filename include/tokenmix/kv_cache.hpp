@@ -24,6 +24,24 @@
 // a model appends layer by layer and every layer sees its own consistent length. RoPE positions
 // of new tokens start at the sequence's current length.
 //
+// Rolling buffer (KVCacheConfig::window = W ≥ 1, for sliding-window layers, SPEC "Score
+// variants": sliding window). Each sequence keeps only its most recent positions, in a ring of
+// R = round_up(W + 64, block) slots (block = 64 contiguous, block_tokens paged): position p lives
+// in slot p mod R, so memory is O(W) per sequence, independent of the length. R leaves at least
+// one 64-position tile of slack beyond W, for truncation (speculative decoding) and for several
+// new tokens per decode call. Positions keep counting: length(seq, layer) is the total number of
+// positions appended (RoPE positions continue from it), first_position(seq, layer) the oldest
+// one still held (max(0, length − R) after appends). Semantics:
+//   append    writes positions length … length + T_new − 1; older positions fall out of the
+//             ring (only the last R of a long append are written); capacity bounds the total
+//             length, not the memory.
+//   truncate  new_length must be 0 (empties the sequence) or ≥ first_position of every layer
+//             it shortens (it can only go back within the retained positions); else ArgumentError.
+//   decode    needs options.window ≤ W (a decode without a window, or with a larger one, is an
+//             ArgumentError naming options.window), and the keys its T_new queries see —
+//             positions from length − T_new − window + 1 on — must still be held (ArgumentError
+//             naming T_new otherwise; at most R − window + 1 new tokens per call).
+//
 // Every mutating method validates all of its arguments before it changes anything: on a typed
 // error (ArgumentError / UnsupportedError, error.hpp) the cache is unchanged, byte for byte.
 #pragma once
@@ -50,8 +68,13 @@ struct KVCacheConfig {
   /// 0 = contiguous (one block of T_max rounded up to 64 per sequence). Otherwise paged: block
   /// size in positions, a positive multiple of KVCache::kKeyTile (64).
   std::int64_t block_tokens = 0;
-  /// Paged only: blocks in the shared pool; 0 = enough for every sequence at T_max.
+  /// Paged only: blocks in the shared pool; 0 = enough for every sequence at T_max (with a
+  /// window: at its ring of R positions).
   std::int64_t pool_blocks = 0;
+  /// 0 = keep every position. W ≥ 1 = rolling buffer for a sliding-window layer: keep only the
+  /// last R = round_up(W + 64, block) positions of each sequence (see the top of this file);
+  /// capacity then bounds the total length only, and storage is O(W).
+  std::int64_t window = 0;
 };
 
 class KVCache;
@@ -77,8 +100,15 @@ class KVCache {
   std::int64_t pool_blocks() const noexcept { return pool_blocks_; }
   std::int64_t free_blocks() const noexcept { return static_cast<std::int64_t>(free_list_.size()); }
 
-  /// Cached positions of sequence `seq` in layer `layer`.
+  /// Cached positions of sequence `seq` in layer `layer` (with a window: positions appended in
+  /// total, of which the last retained_positions() at most are still held).
   std::int64_t length(std::int64_t seq, std::int64_t layer = 0) const;
+  /// Oldest position of sequence `seq` in layer `layer` still held: 0 unless rolling.
+  std::int64_t first_position(std::int64_t seq, std::int64_t layer = 0) const;
+  /// Rolling cache: W (config.window); 0 otherwise.
+  std::int64_t window() const noexcept { return config_.window; }
+  /// Positions a sequence can hold at once: R for a rolling cache, T_max otherwise.
+  std::int64_t retained_positions() const noexcept { return ring_ != 0 ? ring_ : config_.capacity; }
   /// False after release(seq) until reset(seq).
   bool active(std::int64_t seq) const;
 
@@ -91,8 +121,10 @@ class KVCache {
 
   /// Rewinds sequence `seq` to at most `new_length` positions in every layer (speculative
   /// decoding: drop rejected tokens); layers already shorter keep their length. new_length must
-  /// be in [0, longest layer length]. Dropped positions are zeroed (the storage then equals that
-  /// of a cache that never held them) and blocks no longer needed return to the pool.
+  /// be in [0, longest layer length], and on a rolling cache 0 or ≥ first_position(seq, l) of
+  /// every layer l it shortens. Dropped positions are zeroed (the storage then equals that of a
+  /// cache that never held them) and blocks no longer needed return to the pool (rolling and
+  /// paged: only once no layer of the sequence has wrapped around its ring).
   void truncate(std::int64_t seq, std::int64_t new_length);
   /// Marks `seq` finished: its blocks return to the pool; reading or appending it throws until
   /// reset(seq).
@@ -122,25 +154,48 @@ class KVCache {
   std::int64_t blocks_needed(std::int64_t tokens) const noexcept;
   std::int64_t max_length(std::int64_t seq) const noexcept;
   void shrink(std::int64_t seq, std::int64_t new_length);
+  void check_growth(const char* fn, std::int64_t layer, std::int64_t first_seq, std::int64_t seqs,
+                    std::int64_t tnew) const;
+  /// Slot of position `pos` (pos mod R for a rolling cache).
+  std::int64_t slot(std::int64_t pos) const noexcept { return ring_ != 0 ? pos % ring_ : pos; }
+  /// Rolling and paged: the ring blocks that positions [from, to) of `seq` need and that the
+  /// sequence does not hold yet (each once), appended to `out`.
+  void missing_ring_blocks(std::int64_t seq, std::int64_t from, std::int64_t to,
+                           std::vector<std::int64_t>& out) const;
 
   KVCacheConfig config_;
   std::int64_t block_tokens_ = 0, pool_blocks_ = 0, table_width_ = 0;
-  std::size_t elem_ = 4;  // bytes per element
+  std::int64_t ring_ = 0;  // rolling: slots per sequence R (a multiple of block_tokens_); 0 = off
+  std::size_t elem_ = 4;   // bytes per element
   // [n][pool_blocks][H_kv][block_tokens / 64][K tile, V tile]: kernels::KVTileLayout
   // (src/kernels/kv_tile_layout.hpp) is the one description, for writer and readers.
   std::vector<std::byte> storage_;
   std::vector<std::int32_t> table_;  // [B][table_width]: physical block of logical block i, or −1
   std::vector<std::int64_t> lengths_;    // [n][B]
+  std::vector<std::int64_t> firsts_;     // [n][B] first_position (rolling; 0 otherwise)
   std::vector<std::uint8_t> active_;     // [B]
   std::vector<std::int32_t> free_list_;  // free physical blocks (paged), popped from the back
 };
 
-/// Options of attention_decode. Decoding is always causal, bottom-right aligned (SPEC 4.3).
+/// Options of attention_decode. Decoding is always causal, bottom-right aligned (SPEC 4.3):
+/// query t of sequence b (length L_b) is at position p = L_b − T_new + t. The score variants
+/// have the meaning and validation of AttentionOptions' (SPEC "Score variants used by real
+/// models"): S = cap(z) + b_h(p, u) over the visible keys, sinks in the denominator.
 struct DecodeOptions {
   std::optional<double> scale;  ///< s in (4.2); default 1/sqrt(d_h). Must be finite.
   int threads = 0;              ///< 0 = all; results are bitwise identical for any count
   Isa isa = Isa::automatic;     ///< force a kernel path, as for attention_forward
   std::int64_t first_seq = 0;   ///< q's batch row b is cache sequence first_seq + b
+  /// Sliding window W ≥ 1: key u is visible only if p − W < u. Only the last W (+ T_new − 1)
+  /// positions of each sequence are read. Required (≤ the cache's window) on a rolling cache.
+  std::optional<std::int64_t> window;
+  /// Logit soft-capping c > 0 (finite, positive in float32): cap(z) = c·tanh(z / c).
+  std::optional<double> softcap;
+  /// ALiBi slopes, rank 1 [H_q] f32 (any stride), finite: b_h = −m_h·(p − u). Empty = off.
+  ConstTensorView alibi_slopes;
+  /// Attention sinks, rank 1 [H_q] f32 (any stride), finite: σ_h joins each row's softmax
+  /// denominator, L = log(e^{σ_h} + Σ_u e^{S_u}); a row that sees no key gives O = 0, L = σ_h.
+  ConstTensorView sinks;
 };
 
 /// Attention of T_new new queries per sequence against the cached keys/values of layer `layer`.
@@ -150,14 +205,18 @@ struct DecodeOptions {
 /// query t of sequence b (length L_b) sees keys u ≤ L_b − T_new + t (bottom-right, SPEC 4.3);
 /// sequences may have different lengths. All g = H_q / H_kv query heads of a KV head are served
 /// by one pass over that head's K/V. Keys are split into fixed chunks (flash-decoding) whose
-/// partial results are merged in a fixed order (SPEC "Merging partial results"), so the
-/// result does not depend on the thread count. A row that sees no key gives O = 0, L = −∞.
+/// partial results are merged in a fixed order (SPEC "Merging partial results"; sinks join the
+/// merged denominator), so the result does not depend on the thread count. A row that sees no
+/// key gives O = 0, L = −∞ (L = σ_h with sinks). Options: see DecodeOptions; with a window, key
+/// tiles before the first query's window are not read.
 void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t layer, TensorView out,
                       TensorView lse = {}, const DecodeOptions& options = {});
 
 /// Bytes of K and V one attention_decode call reads (SPEC "Useful-work counts", decode bytes):
-/// 2 · Σ_b L_b · H_kv · d_h · sizeof(element) over the sequences of the call.
+/// 2 · Σ_b n_b · H_kv · d_h · sizeof(element) over the sequences of the call, with n_b the keys
+/// of sequence b the call's T_new queries can see: L_b − first_position(b) without a window
+/// (window = 0), min of that and window + T_new − 1 with one.
 std::uint64_t decode_bytes(const KVCache& cache, std::int64_t layer, std::int64_t first_seq,
-                           std::int64_t batch);
+                           std::int64_t batch, std::int64_t window = 0, std::int64_t tnew = 1);
 
 }  // namespace tokenmix

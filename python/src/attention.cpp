@@ -1,5 +1,6 @@
-// python/src/attention.cpp — attention forward/backward (SPEC 4.2–4.5, "Backward pass") and the
-// useful-work counts ("Useful-work counts"): pairs(t), P, forward and backward FLOPs.
+// python/src/attention.cpp — attention forward/backward (SPEC 4.2–4.5, "Backward pass"), their
+// score variants and varlen form (SPEC "Score variants used by real models") and the useful-work
+// counts ("Useful-work counts"): pairs(t), P, forward and backward FLOPs.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
@@ -13,13 +14,18 @@ namespace tokenmix_py {
 using namespace nb::literals;
 
 void bind_attention(nb::module_& m) {
+  // The score variants (window, softcap, ALiBi, sinks, mask, key_lengths; SPEC "Score variants
+  // used by real models") are keyword arguments with None = off, so older callers still work.
   m.def(
       "attention_forward",
       [](ArrayArg q, ArrayArg k, ArrayArg v, ArrayArg out, std::optional<ArrayArg> lse,
          std::optional<double> scale, bool causal, const std::string& align, IntArg threads,
-         const std::string& isa) {
+         const std::string& isa, std::optional<IntArg> window, std::optional<double> softcap,
+         std::optional<ArrayArg> alibi_slopes, std::optional<ArrayArg> sinks,
+         std::optional<ArrayArg> mask, std::optional<ArrayArg> key_lengths) {
         constexpr const char* fn = "attention_forward";
-        const auto o = attention_options(fn, scale, causal, align, threads, isa);
+        auto o = attention_options(fn, scale, causal, align, threads, isa);
+        add_variants(o, fn, {window, softcap, alibi_slopes, sinks, mask, key_lengths});
         auto qv = in4(q, fn, "q"), kv = in4(k, fn, "k"), vv = in4(v, fn, "v");
         auto ov = out4(out, fn, "out");
         auto lv = out3_opt(lse, fn, "lse");
@@ -27,23 +33,88 @@ void bind_attention(nb::module_& m) {
         tmx::attention_forward(qv, kv, vv, ov, lv, o);
       },
       "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "scale"_a.none(), "causal"_a, "align"_a,
-      "threads"_a, "isa"_a);
+      "threads"_a, "isa"_a, "window"_a.none() = nb::none(), "softcap"_a.none() = nb::none(),
+      "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none(),
+      "mask"_a.none() = nb::none(), "key_lengths"_a.none() = nb::none());
 
   m.def(
       "attention_backward",
       [](ArrayArg q, ArrayArg k, ArrayArg v, ArrayArg out, ArrayArg lse, ArrayArg dout, ArrayArg dq,
          ArrayArg dk, ArrayArg dv, std::optional<double> scale, bool causal,
-         const std::string& align, IntArg threads, const std::string& isa) {
+         const std::string& align, IntArg threads, const std::string& isa,
+         std::optional<IntArg> window, std::optional<double> softcap,
+         std::optional<ArrayArg> alibi_slopes, std::optional<ArrayArg> sinks,
+         std::optional<ArrayArg> mask, std::optional<ArrayArg> key_lengths,
+         std::optional<ArrayArg> dsinks) {
         constexpr const char* fn = "attention_backward";
-        const auto o = attention_options(fn, scale, causal, align, threads, isa);
+        auto o = attention_options(fn, scale, causal, align, threads, isa);
+        add_variants(o, fn, {window, softcap, alibi_slopes, sinks, mask, key_lengths});
         auto qv = in4(q, fn, "q"), kv = in4(k, fn, "k"), vv = in4(v, fn, "v");
         auto ov = in4(out, fn, "out"), lv = in3(lse, fn, "lse"), dov = in4(dout, fn, "dout");
         auto dqv = out4(dq, fn, "dq"), dkv = out4(dk, fn, "dk"), dvv = out4(dv, fn, "dv");
+        auto dsv = out_typed_opt(dsinks, fn, "dsinks", 1, {tmx::DType::f32});
         nb::gil_scoped_release release;
-        tmx::attention_backward(qv, kv, vv, ov, lv, dov, dqv, dkv, dvv, o);
+        tmx::attention_backward(qv, kv, vv, ov, lv, dov, dqv, dkv, dvv, o, dsv);
       },
       "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "dout"_a, "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(),
-      "causal"_a, "align"_a, "threads"_a, "isa"_a);
+      "causal"_a, "align"_a, "threads"_a, "isa"_a, "window"_a.none() = nb::none(),
+      "softcap"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(),
+      "sinks"_a.none() = nb::none(), "mask"_a.none() = nb::none(),
+      "key_lengths"_a.none() = nb::none(), "dsinks"_a.none() = nb::none());
+
+  // Varlen (packed) batches: q [total_q, H_q, d_h], k/v [total_k, H_kv, d_h], cu_seqlens rank 1
+  // int32/int64, lse [H_q, total_q]. No mask or key_lengths (the offsets are the padding).
+  m.def(
+      "attention_forward_varlen",
+      [](ArrayArg q, ArrayArg k, ArrayArg v, ArrayArg cu_seqlens_q, ArrayArg cu_seqlens_k,
+         ArrayArg out, std::optional<ArrayArg> lse, std::optional<double> scale, bool causal,
+         const std::string& align, IntArg threads, const std::string& isa,
+         std::optional<IntArg> window, std::optional<double> softcap,
+         std::optional<ArrayArg> alibi_slopes, std::optional<ArrayArg> sinks) {
+        constexpr const char* fn = "attention_forward_varlen";
+        using D = tmx::DType;
+        auto o = attention_options(fn, scale, causal, align, threads, isa);
+        add_variants(o, fn, {window, softcap, alibi_slopes, sinks, std::nullopt, std::nullopt});
+        auto qv = in3(q, fn, "q"), kv = in3(k, fn, "k"), vv = in3(v, fn, "v");
+        auto cq = in_typed(cu_seqlens_q, fn, "cu_seqlens_q", 1, {D::i32, D::i64});
+        auto ck = in_typed(cu_seqlens_k, fn, "cu_seqlens_k", 1, {D::i32, D::i64});
+        auto ov = out3(out, fn, "out");
+        auto lv = out_typed_opt(lse, fn, "lse", 2, {D::f32});
+        nb::gil_scoped_release release;
+        tmx::attention_forward_varlen(qv, kv, vv, cq, ck, ov, lv, o);
+      },
+      "q"_a, "k"_a, "v"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "out"_a, "lse"_a.none(),
+      "scale"_a.none(), "causal"_a, "align"_a, "threads"_a, "isa"_a, "window"_a.none() = nb::none(),
+      "softcap"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(),
+      "sinks"_a.none() = nb::none());
+
+  m.def(
+      "attention_backward_varlen",
+      [](ArrayArg q, ArrayArg k, ArrayArg v, ArrayArg out, ArrayArg lse, ArrayArg dout,
+         ArrayArg cu_seqlens_q, ArrayArg cu_seqlens_k, ArrayArg dq, ArrayArg dk, ArrayArg dv,
+         std::optional<double> scale, bool causal, const std::string& align, IntArg threads,
+         const std::string& isa, std::optional<IntArg> window, std::optional<double> softcap,
+         std::optional<ArrayArg> alibi_slopes, std::optional<ArrayArg> sinks,
+         std::optional<ArrayArg> dsinks) {
+        constexpr const char* fn = "attention_backward_varlen";
+        using D = tmx::DType;
+        auto o = attention_options(fn, scale, causal, align, threads, isa);
+        add_variants(o, fn, {window, softcap, alibi_slopes, sinks, std::nullopt, std::nullopt});
+        auto qv = in3(q, fn, "q"), kv = in3(k, fn, "k"), vv = in3(v, fn, "v");
+        auto ov = in3(out, fn, "out"), dov = in3(dout, fn, "dout");
+        auto lv = in_typed(lse, fn, "lse", 2, {D::f32});
+        auto cq = in_typed(cu_seqlens_q, fn, "cu_seqlens_q", 1, {D::i32, D::i64});
+        auto ck = in_typed(cu_seqlens_k, fn, "cu_seqlens_k", 1, {D::i32, D::i64});
+        auto dqv = out3(dq, fn, "dq"), dkv = out3(dk, fn, "dk"), dvv = out3(dv, fn, "dv");
+        auto dsv = out_typed_opt(dsinks, fn, "dsinks", 1, {D::f32});
+        nb::gil_scoped_release release;
+        tmx::attention_backward_varlen(qv, kv, vv, ov, lv, dov, cq, ck, dqv, dkv, dvv, o, dsv);
+      },
+      "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "dout"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "dq"_a,
+      "dk"_a, "dv"_a, "scale"_a.none(), "causal"_a, "align"_a, "threads"_a, "isa"_a,
+      "window"_a.none() = nb::none(), "softcap"_a.none() = nb::none(),
+      "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none(),
+      "dsinks"_a.none() = nb::none());
 
   // The counts take their sizes as any Python integer (int64_arg: beyond int64 →
   // ArgumentError(overflow), not an integer → TypeError, never nanobind's "incompatible function

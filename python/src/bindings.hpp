@@ -109,6 +109,17 @@ tmx::TensorView out4(const ArrayArg& a, const char* fn, const char* name);
 tmx::TensorView out3(const ArrayArg& a, const char* fn, const char* name);
 tmx::TensorView out3_opt(const std::optional<ArrayArg>& a, const char* fn, const char* name);
 
+/// Views of the variant arguments (masks, key lengths, varlen offsets, ALiBi slopes, sinks):
+/// rank `rank` (the unused trailing axes size 1, stride 0), dtype one of `allowed` (another →
+/// TypeError naming the argument and the allowed dtypes), any strides (0 broadcasts).
+tmx::ConstTensorView in_typed(const ArrayArg& a, const char* fn, const char* name, size_t rank,
+                              std::initializer_list<tmx::DType> allowed);
+tmx::ConstTensorView in_typed_opt(const std::optional<ArrayArg>& a, const char* fn,
+                                  const char* name, size_t rank,
+                                  std::initializer_list<tmx::DType> allowed);
+tmx::TensorView out_typed_opt(const std::optional<ArrayArg>& a, const char* fn, const char* name,
+                              size_t rank, std::initializer_list<tmx::DType> allowed);
+
 /// A C-contiguous float32 array seen as a span, with its shape (the span-based APIs: softmax,
 /// the layer). Points into the argument's own memory, which the caller holds for the call.
 template <class T>
@@ -142,6 +153,18 @@ std::int64_t int64_arg(const IntArg& arg, const char* fn, const char* name);
 tmx::AttentionOptions attention_options(const char* fn, std::optional<double> scale, bool causal,
                                         const std::string& align, const IntArg& threads,
                                         const std::string& isa);
+/// The score-variant arguments of the attention entry points (SPEC "Score variants used by real
+/// models"), exactly as Python passed them; None = off.
+struct VariantArgs {
+  std::optional<IntArg> window;          ///< W ≥ 1 (the library checks the range)
+  std::optional<double> softcap;         ///< c > 0
+  std::optional<ArrayArg> alibi_slopes;  ///< [H_q] float32
+  std::optional<ArrayArg> sinks;         ///< [H_q] float32
+  std::optional<ArrayArg> mask;          ///< [B, H_q, T_q, T_k] bool or float32, broadcastable
+  std::optional<ArrayArg> key_lengths;   ///< [B] int32 or int64
+};
+/// Fills the variant fields of `o` (views of the arrays, no copy); errors name `fn`.
+void add_variants(tmx::AttentionOptions& o, const char* fn, const VariantArgs& va);
 tmx::RopeOptions rope_options(const std::string& pairing, double base, std::int64_t offset);
 
 /// A NumPy array that views float32 `data` of `shape`, kept alive by `owner`.

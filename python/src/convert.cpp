@@ -7,6 +7,7 @@
 // a multiple of the element size an ArgumentError (tokenmix views address whole elements).
 #include <bit>
 #include <climits>
+#include <optional>
 #include <string>
 
 #include "bindings.hpp"
@@ -58,7 +59,8 @@ std::string py_str(nb::handle h) {
 }
 
 // Why `obj` could not be imported as an array (nanobind's importer only says "no"). Raises.
-[[noreturn]] void diagnose_array(nb::handle obj, const std::string& what, bool writable) {
+[[noreturn]] void diagnose_array(nb::handle obj, const std::string& what, bool writable,
+                                 bool f32_only) {
   const std::string type_name = nb::type_name(obj.type()).c_str();
   if (obj.is_none()) type_error(what + " must be a numpy.ndarray or a torch.Tensor; got None");
   // NumPy arrays (and look-alikes): dtype byte order, byte strides, writability.
@@ -81,7 +83,7 @@ std::string py_str(nb::handle h) {
                            "numpy.ascontiguousarray first");
       }
     }
-    if (py_str(dtype.attr("char")) != "f") {
+    if (f32_only && py_str(dtype.attr("char")) != "f") {
       type_error(what + " has dtype " + py_str(dtype) +
                  "; tokenmix computes in float32 only (convert with .astype(numpy.float32); no "
                  "implicit conversion is made)");
@@ -122,13 +124,78 @@ void check_array(const Array& a, const std::string& what, size_t rank) {
 }
 
 template <class Array>
-Array import_array(const ArrayArg& a, const char* fn, const char* name, bool writable) {
+Array import_array(const ArrayArg& a, const char* fn, const char* name, bool writable,
+                   bool f32_only = true) {
   Array array;
   // No implicit conversion: a converted array would be a hidden copy (and, for outputs, lost).
   if (!nb::try_cast(a.obj, array, false)) {
-    diagnose_array(a.obj, std::string(fn) + ": " + name, writable);
+    diagnose_array(a.obj, std::string(fn) + ": " + name, writable, f32_only);
   }
   return array;
+}
+
+// The tokenmix dtype of an imported array, if it is one the library takes.
+std::optional<tmx::DType> library_dtype(nb::dlpack::dtype dt) {
+  if (dt == nb::dtype<float>()) return tmx::DType::f32;
+  if (dt == nb::dtype<bool>()) return tmx::DType::boolean;
+  if (dt == nb::dtype<std::int32_t>()) return tmx::DType::i32;
+  if (dt == nb::dtype<std::int64_t>()) return tmx::DType::i64;
+  return std::nullopt;
+}
+
+const char* python_dtype_name(tmx::DType d) {
+  switch (d) {
+    case tmx::DType::f32:
+      return "float32";
+    case tmx::DType::boolean:
+      return "bool";
+    case tmx::DType::i32:
+      return "int32";
+    case tmx::DType::i64:
+      return "int64";
+    default:
+      return tmx::to_string(d);
+  }
+}
+
+// A view of rank `rank` (1 ≤ rank ≤ 4) whose dtype is one of `allowed` (device and rank checked
+// as for the float32 views; the unused trailing axes get size 1 and stride 0).
+template <class View, class Array>
+View make_typed_view(Array a, const char* fn, const char* name, size_t rank,
+                     std::initializer_list<tmx::DType> allowed) {
+  const std::string what = std::string(fn) + ": " + name;
+  std::string names;
+  size_t i = 0;
+  for (tmx::DType d : allowed) {
+    names += (i == 0 ? "" : (i + 1 == allowed.size() ? " or " : ", "));
+    names += python_dtype_name(d);
+    ++i;
+  }
+  if (a.device_type() != nb::device::cpu::value) {
+    type_error(what + " must be a CPU array/tensor; got device type " +
+               std::to_string(a.device_type()) + " (move it with .cpu() first)");
+  }
+  const auto dt = library_dtype(a.dtype());
+  bool ok = false;
+  for (tmx::DType d : allowed) ok = ok || (dt && *dt == d);
+  if (!ok) {
+    type_error(what + " has dtype " + dtype_name(a.dtype()) + "; expected " + names +
+               " (no implicit conversion is made)");
+  }
+  if (a.ndim() != rank) {
+    value_error(what + " must have " + std::to_string(rank) + " dimension" +
+                (rank == 1 ? "" : "s") + "; got " + std::to_string(a.ndim()) + " (shape " +
+                array_shape(a) + ")");
+  }
+  View v;
+  v.data = a.data();
+  v.dtype = *dt;
+  v.rank = static_cast<int>(rank);
+  for (size_t j = 0; j < 4; ++j) {
+    v.shape[j] = j < rank ? static_cast<std::int64_t>(a.shape(j)) : 1;
+    v.strides[j] = j < rank ? a.stride(j) : 0;
+  }
+  return v;
 }
 
 // `a` by value (a reference-counted handle): nanobind 2's const data() is a const pointer.
@@ -196,6 +263,24 @@ tmx::TensorView out3(const ArrayArg& a, const char* fn, const char* name) {
 tmx::TensorView out3_opt(const std::optional<ArrayArg>& a, const char* fn, const char* name) {
   if (!a) return {};
   return out3(*a, fn, name);
+}
+
+tmx::ConstTensorView in_typed(const ArrayArg& a, const char* fn, const char* name, size_t rank,
+                              std::initializer_list<tmx::DType> allowed) {
+  return make_typed_view<tmx::ConstTensorView>(import_array<InArray>(a, fn, name, false, false), fn,
+                                               name, rank, allowed);
+}
+tmx::ConstTensorView in_typed_opt(const std::optional<ArrayArg>& a, const char* fn,
+                                  const char* name, size_t rank,
+                                  std::initializer_list<tmx::DType> allowed) {
+  if (!a) return {};
+  return in_typed(*a, fn, name, rank, allowed);
+}
+tmx::TensorView out_typed_opt(const std::optional<ArrayArg>& a, const char* fn, const char* name,
+                              size_t rank, std::initializer_list<tmx::DType> allowed) {
+  if (!a) return {};
+  return make_typed_view<tmx::TensorView>(import_array<OutArray>(*a, fn, name, true, false), fn,
+                                          name, rank, allowed);
 }
 
 SpanArg<const float> in_span(const ArrayArg& a, const char* fn, const char* name, size_t rank) {
@@ -286,6 +371,16 @@ tmx::AttentionOptions attention_options(const char* fn, std::optional<double> sc
   o.threads = thread_count(threads, fn);
   o.isa = tmx::parse_isa(isa, "isa");
   return o;
+}
+
+void add_variants(tmx::AttentionOptions& o, const char* fn, const VariantArgs& va) {
+  using D = tmx::DType;
+  if (va.window) o.window = int64_arg(*va.window, fn, "window");
+  o.softcap = va.softcap;
+  o.alibi_slopes = in_typed_opt(va.alibi_slopes, fn, "alibi_slopes", 1, {D::f32});
+  o.sinks = in_typed_opt(va.sinks, fn, "sinks", 1, {D::f32});
+  o.mask = in_typed_opt(va.mask, fn, "mask", 4, {D::boolean, D::f32});
+  o.key_lengths = in_typed_opt(va.key_lengths, fn, "key_lengths", 1, {D::i32, D::i64});
 }
 
 tmx::RopeOptions rope_options(const std::string& pairing, double base, std::int64_t offset) {

@@ -16,7 +16,8 @@ import tokenmix
 import tokenmix._tokenmix as _C
 
 # Every public name of `tokenmix` before the split (its __all__ then), in one explicit list, plus
-# those added since: ResourceError, backward_flops, cpu_cap.
+# those added since: ResourceError, backward_flops, cpu_cap, attention_forward_varlen,
+# attention_backward_varlen.
 PUBLIC_NAMES = [
     "ArgumentError",
     "CausalSelfAttention",
@@ -26,8 +27,10 @@ PUBLIC_NAMES = [
     "ResourceError",
     "UnsupportedError",
     "attention_backward",
+    "attention_backward_varlen",
     "attention_decode",
     "attention_forward",
+    "attention_forward_varlen",
     "available_isas",
     "backward_flops",
     "cpu_cap",
@@ -52,8 +55,8 @@ PUBLIC_NAMES = [
 SUBMODULES = {"torch", "bench"}
 # Written in Python (the private modules); they present themselves as tokenmix.<name>.
 PYTHON_DEFINED = [
-    "CausalSelfAttention", "LayerGradients", "attention_backward", "attention_decode",
-    "attention_forward", "backward_flops", "forward_flops", "logsumexp", "merge_partials",
+    "CausalSelfAttention", "LayerGradients", "attention_backward", "attention_backward_varlen",
+    "attention_decode", "attention_forward", "attention_forward_varlen", "backward_flops", "forward_flops", "logsumexp", "merge_partials",
     "resolve_isa", "rope_backward", "rope_forward", "softmax", "softmax_jacobian",
     "softmax_jacobian_vector_product", "visible_keys", "visible_pairs",
 ]
@@ -94,8 +97,9 @@ def test_torch_and_bench_subpackages():
     import tokenmix.bench
     import tokenmix.torch
 
-    assert tokenmix.torch.__all__ == ["scaled_dot_product_attention"]
+    assert tokenmix.torch.__all__ == ["scaled_dot_product_attention", "varlen_attention"]
     assert callable(tokenmix.torch.scaled_dot_product_attention)
+    assert callable(tokenmix.torch.varlen_attention)
     assert callable(tokenmix.bench.main)
     # SPEC "Useful-work counts": the benchmark counts with the library (backward = 2.5 ×
     # forward), not with a constant of its own.

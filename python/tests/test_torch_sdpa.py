@@ -170,7 +170,6 @@ def test_gqa_needs_enable_gqa_like_pytorch():
 @pytest.mark.parametrize(
     "kwargs,needle",
     [
-        (dict(attn_mask=torch.ones(4, 4, dtype=torch.bool)), "attn_mask"),
         (dict(dropout_p=0.1), "dropout_p"),
         (dict(query=torch.randn(1, 2, 4, 8, dtype=torch.float64)), "query has dtype torch.float64"),
         (dict(key=torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)), "key has dtype torch.bfloat16"),
@@ -178,7 +177,7 @@ def test_gqa_needs_enable_gqa_like_pytorch():
         (dict(value=torch.randn(1, 2, 4, 6)), "value has head width 6"),
         (dict(key=torch.randn(3, 2, 4, 8), value=torch.randn(3, 2, 4, 8)), "batch dimensions"),
     ],
-    ids=["attn_mask", "dropout", "float64", "bfloat16", "device", "value_width", "broadcast"],
+    ids=["dropout", "float64", "bfloat16", "device", "value_width", "broadcast"],
 )
 def test_unsupported_arguments_raise_not_implemented(kwargs, needle):
     args = dict(query=torch.randn(1, 2, 4, 8), key=torch.randn(1, 2, 4, 8),

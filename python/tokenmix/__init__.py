@@ -41,7 +41,9 @@ helpers) and the native extension ``_tokenmix`` (python/src).
 
 from ._attention import (
     attention_backward,
+    attention_backward_varlen,
     attention_forward,
+    attention_forward_varlen,
     backward_flops,
     forward_flops,
     visible_keys,
@@ -76,6 +78,8 @@ __all__ = [
     "ResourceError",
     "attention_forward",
     "attention_backward",
+    "attention_forward_varlen",
+    "attention_backward_varlen",
     "merge_partials",
     "rope_forward",
     "rope_backward",

@@ -1,5 +1,23 @@
 """Attention forward and backward over NumPy arrays and PyTorch tensors (SPEC 4.2–4.5,
-"Backward pass"), and the useful-work counts of SPEC "Useful-work counts".
+"Backward pass"), with the score variants and the varlen form of SPEC "Score variants used by real
+models", and the useful-work counts of SPEC "Useful-work counts".
+
+Score variants (keyword arguments of every entry point; None = off; any combination, with the
+causal mask and both alignments). With p(t) the position of query t (t + T_k − T_q bottom-right,
+t top-left) and z = s·⟨q_t, k_u⟩ (4.2), the score is S = cap(z) + b_h(t, u) + bias::
+
+    window=W        key u visible to row t only if p(t) − W < u (the last W positions up to
+                    p(t); FlashAttention's window_size = (W − 1, 0))
+    softcap=c       cap(z) = c·tanh(z / c) (Gemma 2)
+    alibi_slopes=m  [H_q] float32: b_h(t, u) = −m_h·(p(t) − u) (BLOOM, MPT)
+    sinks=σ         [H_q] float32: a logit per query head in every row's softmax denominator, with
+                    no value (gpt-oss); L includes it; the backward returns d(sinks)
+    mask=M          bool (True = may attend) or float32 (additive bias; −inf excludes), any rank
+                    ≤ 4 broadcastable to [B, H_q, T_q, T_k] (always this order, also with
+                    layout="bhtd"); size-1 and stride-0 axes broadcast without a copy
+    key_lengths=n   [B] int32/int64: keys u ≥ n[b] of sequence b are padding (invisible)
+
+A row that sees no key gives O = 0 and L = −inf (with sinks: L = σ_h), never NaN.
 """
 
 from __future__ import annotations
@@ -7,7 +25,10 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from . import _tokenmix as _C
-from ._convert import as_array, as_output, check_layout, new_empty, view4
+from ._convert import (
+    as_array, as_output, check_layout, index_vector, new_empty, opt_float, opt_mask4, opt_vector,
+    view4,
+)
 
 
 def attention_forward(
@@ -24,6 +45,12 @@ def attention_forward(
     threads: int = 0,
     isa: str = "auto",
     return_lse: bool = False,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    mask: Any = None,
+    key_lengths: Any = None,
 ) -> Any:
     """Exact scaled-dot-product attention, forward (SPEC 4.2–4.5).
 
@@ -50,6 +77,9 @@ def attention_forward(
         isa: ``"auto"``, ``"portable"``, ``"avx2"``, ``"avx512"`` or ``"neon"`` (force a kernel
             path).
         return_lse: allocate and return lse as well.
+        window, softcap, alibi_slopes, sinks, mask, key_lengths: the score variants (module
+            docstring; SPEC "Score variants used by real models"); None = off. alibi_slopes and
+            sinks may be lists of floats, key_lengths a list of ints.
 
     Returns:
         ``out``, or ``(out, lse)`` when lse was given or ``return_lse`` is set.
@@ -65,9 +95,26 @@ def attention_forward(
     elif lse is not None:
         lse = as_output(fn, "lse", lse)
     _C.attention_forward(
-        q4, k4, v4, view4(fn, "out", out, layout), lse, scale, causal, align, threads, isa
+        q4, k4, v4, view4(fn, "out", out, layout), lse, scale, causal, align, threads, isa,
+        **_variants(fn, window, softcap, alibi_slopes, sinks, mask, key_lengths),
     )
     return (out, lse) if lse is not None else out
+
+
+def _variants(fn: str, window: Any, softcap: Any, alibi_slopes: Any, sinks: Any, mask: Any = None,
+              key_lengths: Any = None, varlen: bool = False) -> dict:
+    """The variant keyword arguments of the extension's entry points, checked and converted."""
+    out = dict(
+        window=window,
+        softcap=opt_float(fn, "softcap", softcap),
+        alibi_slopes=opt_vector(fn, "alibi_slopes", alibi_slopes),
+        sinks=opt_vector(fn, "sinks", sinks),
+    )
+    if not varlen:
+        out["mask"] = opt_mask4(fn, "mask", mask)
+        out["key_lengths"] = None if key_lengths is None else index_vector(
+            fn, "key_lengths", key_lengths)
+    return out
 
 
 def attention_backward(
@@ -87,7 +134,14 @@ def attention_backward(
     layout: str = "bthd",
     threads: int = 0,
     isa: str = "auto",
-) -> Tuple[Any, Any, Any]:
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    mask: Any = None,
+    key_lengths: Any = None,
+    dsinks: Any = None,
+) -> Tuple[Any, ...]:
     """Backward pass of :func:`attention_forward` (SPEC "Backward pass", 4.6–4.7).
 
     With D_t = ⟨dO_t, O_t⟩ (the softmax Jacobian applied row by row)::
@@ -102,9 +156,13 @@ def attention_backward(
         dout: gradient of the loss w.r.t. out, out's shape (any strides, also stride 0).
         dq, dk, dv: optional outputs in the shapes of q, k, v (overwritten, not accumulated).
         scale, causal, align, layout, threads, isa: as for the forward — they must match it.
+        window, softcap, alibi_slopes, sinks, mask, key_lengths: as for the forward (the same
+            ones, or the gradients are of another function). A float mask gets no gradient.
+        dsinks: optional [H_q] float32 output for d(sinks) (only with sinks).
 
     Returns:
-        ``(dq, dk, dv)``.
+        ``(dq, dk, dv)``, or ``(dq, dk, dv, dsinks)`` when ``sinks`` is given, with
+        dσ_h = −Σ_{b,t} e^{σ_h − L_t} D_t (SPEC "Score variants": sinks).
     """
     fn = "attention_backward"
     check_layout(fn, layout)
@@ -113,12 +171,128 @@ def attention_backward(
     dq = new_empty(q, tuple(q.shape)) if dq is None else as_output(fn, "dq", dq)
     dk = new_empty(q, tuple(k.shape)) if dk is None else as_output(fn, "dk", dk)
     dv = new_empty(q, tuple(v.shape)) if dv is None else as_output(fn, "dv", dv)
+    variants = _variants(fn, window, softcap, alibi_slopes, sinks, mask, key_lengths)
+    dsinks = _dsinks_output(fn, q, variants["sinks"], dsinks)
     v4 = lambda name, x: view4(fn, name, x, layout)  # noqa: E731
     _C.attention_backward(
         v4("q", q), v4("k", k), v4("v", v), v4("out", out), lse, v4("dout", dout),
         v4("dq", dq), v4("dk", dk), v4("dv", dv), scale, causal, align, threads, isa,
+        dsinks=dsinks, **variants,
     )
-    return dq, dk, dv
+    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
+
+
+def _dsinks_output(fn: str, like: Any, sinks: Any, dsinks: Any) -> Any:
+    if dsinks is not None:
+        if sinks is None:
+            raise ValueError(f"{fn}: dsinks given without sinks (d(sinks) needs the sinks)")
+        return as_output(fn, "dsinks", dsinks)
+    if sinks is None:
+        return None
+    return new_empty(like, (int(sinks.shape[0]),) if sinks.ndim >= 1 else (0,))
+
+
+def attention_forward_varlen(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    out: Any = None,
+    lse: Any = None,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    align: str = "bottom_right",
+    threads: int = 0,
+    isa: str = "auto",
+    return_lse: bool = False,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+) -> Any:
+    """Attention over a packed batch of variable-length sequences (SPEC "Score variants":
+    varlen; FlashAttention's ``flash_attn_varlen_func``).
+
+    Sequence i owns query rows [cu_q[i], cu_q[i+1]) and keys [cu_k[i], cu_k[i+1]); no token
+    attends across sequences; the causal alignment, the window and ALiBi positions are per
+    sequence.
+
+    Args:
+        q: [total_q, H_q, d_h] float32, any strides.
+        k, v: [total_k, H_kv, d_h] float32.
+        cu_seqlens_q, cu_seqlens_k: [n + 1] int32 or int64 (or lists of ints): 0 first,
+            non-decreasing, ending at total_q / total_k (ArgumentError naming the index
+            otherwise).
+        out: optional [total_q, H_q, d_h] output; lse: optional [H_q, total_q] output.
+        scale, causal, align, threads, isa, return_lse: as for :func:`attention_forward`.
+        window, softcap, alibi_slopes, sinks: the score variants (no mask or key_lengths here:
+            the offsets are the padding).
+
+    Returns:
+        ``out``, or ``(out, lse)`` when lse was given or ``return_lse`` is set.
+    """
+    fn = "attention_forward_varlen"
+    q, k, v = as_array(fn, "q", q), as_array(fn, "k", k), as_array(fn, "v", v)
+    cq = index_vector(fn, "cu_seqlens_q", cu_seqlens_q)
+    ck = index_vector(fn, "cu_seqlens_k", cu_seqlens_k)
+    out = new_empty(q, tuple(q.shape)) if out is None else as_output(fn, "out", out)
+    if lse is None and return_lse:
+        if q.ndim != 3:
+            raise ValueError(f"{fn}: q must have 3 dimensions [total_q, H_q, d_h]; got shape "
+                             f"{tuple(q.shape)}")
+        lse = new_empty(q, (q.shape[1], q.shape[0]))
+    elif lse is not None:
+        lse = as_output(fn, "lse", lse)
+    _C.attention_forward_varlen(
+        q, k, v, cq, ck, out, lse, scale, causal, align, threads, isa,
+        **_variants(fn, window, softcap, alibi_slopes, sinks, varlen=True),
+    )
+    return (out, lse) if lse is not None else out
+
+
+def attention_backward_varlen(
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    dq: Any = None,
+    dk: Any = None,
+    dv: Any = None,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    align: str = "bottom_right",
+    threads: int = 0,
+    isa: str = "auto",
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    dsinks: Any = None,
+) -> Tuple[Any, ...]:
+    """Backward pass of :func:`attention_forward_varlen` (lse [H_q, total_q] from its
+    ``return_lse=True``). Returns ``(dq, dk, dv)``, or ``(dq, dk, dv, dsinks)`` with sinks."""
+    fn = "attention_backward_varlen"
+    q, k, v = as_array(fn, "q", q), as_array(fn, "k", k), as_array(fn, "v", v)
+    out, lse, dout = as_array(fn, "out", out), as_array(fn, "lse", lse), as_array(fn, "dout", dout)
+    cq = index_vector(fn, "cu_seqlens_q", cu_seqlens_q)
+    ck = index_vector(fn, "cu_seqlens_k", cu_seqlens_k)
+    dq = new_empty(q, tuple(q.shape)) if dq is None else as_output(fn, "dq", dq)
+    dk = new_empty(q, tuple(k.shape)) if dk is None else as_output(fn, "dk", dk)
+    dv = new_empty(q, tuple(v.shape)) if dv is None else as_output(fn, "dv", dv)
+    variants = _variants(fn, window, softcap, alibi_slopes, sinks, varlen=True)
+    dsinks = _dsinks_output(fn, q, variants["sinks"], dsinks)
+    _C.attention_backward_varlen(
+        q, k, v, out, lse, dout, cq, ck, dq, dk, dv, scale, causal, align, threads, isa,
+        dsinks=dsinks, **variants,
+    )
+    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
 
 def visible_keys(

@@ -15,7 +15,7 @@ import numpy as np
 
 __all__ = [
     "LAYOUTS", "is_torch", "as_array", "as_output", "new_empty", "swap12", "check_layout", "view4",
-    "contiguous", "is_c_contiguous",
+    "contiguous", "is_c_contiguous", "opt_float", "opt_vector", "opt_mask4", "index_vector",
 ]
 
 LAYOUTS = ("bthd", "bhtd")
@@ -84,3 +84,51 @@ def is_c_contiguous(x: Any) -> bool:
     if is_torch(x):
         return bool(x.is_contiguous())
     return bool(x.flags.c_contiguous)
+
+
+def opt_float(fn: str, name: str, x: Any) -> Any:
+    """None, or x as a Python float (a real number: int, float, NumPy scalar, 0-d tensor);
+    anything else (a bool, a string, an array of several elements) raises TypeError naming it."""
+    if x is None:
+        return None
+    if isinstance(x, (bool, np.bool_)) or isinstance(x, str):
+        raise TypeError(f"{fn}: {name} must be a real number or None; got {type(x).__name__}")
+    try:
+        return float(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{fn}: {name} must be a real number or None; got {type(x).__name__}"
+        ) from e
+
+
+def opt_vector(fn: str, name: str, x: Any) -> Any:
+    """None, an array/tensor (passed as is: dtype and shape are checked by the extension), or a
+    list/tuple of numbers (made a float32 NumPy array — a Python sequence has no dtype to keep)."""
+    if x is None:
+        return None
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x, dtype=np.float32)
+    return as_array(fn, name, x)
+
+
+def index_vector(fn: str, name: str, x: Any) -> Any:
+    """An int32/int64 array/tensor (passed as is), or a list/tuple of ints (made an int64 array)."""
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x, dtype=np.int64)
+    return as_array(fn, name, x)
+
+
+def opt_mask4(fn: str, name: str, x: Any) -> Any:
+    """None, or a mask of rank ≤ 4 viewed as rank 4 by prepending size-1 axes (no copy; the
+    library broadcasts every size-1 axis with stride 0)."""
+    if x is None:
+        return None
+    x = as_array(fn, name, x)
+    if x.ndim > 4:
+        raise ValueError(
+            f"{fn}: {name} must have at most 4 dimensions (broadcastable to [B, H_q, T_q, T_k]); "
+            f"got shape {tuple(x.shape)}"
+        )
+    if x.ndim < 4:
+        x = x[(None,) * (4 - x.ndim)]
+    return x

@@ -33,13 +33,39 @@ class ResourceError(MemoryError):
 
 def attention_forward(q: Array, k: Array, v: Array, out: Array, lse: Optional[Array],
                       scale: Optional[float], causal: bool, align: str, threads: int,
-                      isa: str) -> None:
+                      isa: str, window: Optional[int] = None, softcap: Optional[float] = None,
+                      alibi_slopes: Optional[Array] = None, sinks: Optional[Array] = None,
+                      mask: Optional[Array] = None, key_lengths: Optional[Array] = None) -> None:
     """q [B,T_q,H_q,d_h], k/v [B,T_k,H_kv,d_h] → out [B,T_q,H_q,d_h], lse [B,H_q,T_q]
-    (SPEC 4.2–4.5)."""
+    (SPEC 4.2–4.5). Variants (SPEC "Score variants used by real models"): alibi_slopes, sinks
+    [H_q] float32; mask rank 4 [B,H_q,T_q,T_k] (each axis full or 1, any strides) bool or
+    float32; key_lengths [B] int32/int64."""
 def attention_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
                        dq: Array, dk: Array, dv: Array, scale: Optional[float], causal: bool,
-                       align: str, threads: int, isa: str) -> None:
-    """Writes dq [B,T_q,H_q,d_h], dk/dv [B,T_k,H_kv,d_h] (SPEC "Backward pass")."""
+                       align: str, threads: int, isa: str, window: Optional[int] = None,
+                       softcap: Optional[float] = None, alibi_slopes: Optional[Array] = None,
+                       sinks: Optional[Array] = None, mask: Optional[Array] = None,
+                       key_lengths: Optional[Array] = None,
+                       dsinks: Optional[Array] = None) -> None:
+    """Writes dq [B,T_q,H_q,d_h], dk/dv [B,T_k,H_kv,d_h] (SPEC "Backward pass") and, with
+    sinks, dsinks [H_q]."""
+def attention_forward_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array,
+                             cu_seqlens_k: Array, out: Array, lse: Optional[Array],
+                             scale: Optional[float], causal: bool, align: str, threads: int,
+                             isa: str, window: Optional[int] = None,
+                             softcap: Optional[float] = None,
+                             alibi_slopes: Optional[Array] = None,
+                             sinks: Optional[Array] = None) -> None:
+    """q [total_q,H_q,d_h], k/v [total_k,H_kv,d_h], cu_seqlens [n+1] int32/int64 → out
+    [total_q,H_q,d_h], lse [H_q,total_q]."""
+def attention_backward_varlen(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
+                              cu_seqlens_q: Array, cu_seqlens_k: Array, dq: Array, dk: Array,
+                              dv: Array, scale: Optional[float], causal: bool, align: str,
+                              threads: int, isa: str, window: Optional[int] = None,
+                              softcap: Optional[float] = None,
+                              alibi_slopes: Optional[Array] = None,
+                              sinks: Optional[Array] = None,
+                              dsinks: Optional[Array] = None) -> None: ...
 def merge_partials(o1: Array, lse1: Array, o2: Array, lse2: Array, out: Array,
                    lse_out: Array) -> None:
     """o [B,T,H,d_h], lse [B,H,T]: L = log(e^L1 + e^L2), O = e^(L1−L) O1 + e^(L2−L) O2."""

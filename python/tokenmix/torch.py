@@ -1,4 +1,6 @@
-"""A differentiable drop-in for ``torch.nn.functional.scaled_dot_product_attention`` (CPU, fp32).
+"""A differentiable drop-in for ``torch.nn.functional.scaled_dot_product_attention`` (CPU, fp32),
+and ``varlen_attention``, the packed variable-length form of FlashAttention's
+``flash_attn_varlen_func``.
 
 ``tokenmix.torch.scaled_dot_product_attention`` has PyTorch's signature, layout and semantics::
 
@@ -12,17 +14,32 @@ stored). Tensors are passed to the kernels as strided views, without copies: PyT
 ``[B, H, T, E]`` layout, transposed views of ``[B, T, H, E]`` projections and other
 non-contiguous inputs all work in place.
 
+``attn_mask`` has PyTorch's meaning: a bool mask (True = may attend) or a float32 additive bias,
+broadcastable to [..., H_q, L, S]; size-1 (and expanded, stride-0) axes are broadcast by the
+kernels without a copy (only with more than one batch dimension may the batch axes be merged by
+a copy). As in PyTorch, ``attn_mask`` and ``is_causal=True`` together are an error (bake the
+causal mask into ``attn_mask``). One difference: a row whose keys are all masked gives zeros
+here, NaN in PyTorch. A float mask gets no gradient: one with ``requires_grad`` raises
+``tokenmix.UnsupportedError`` (never a silently missing gradient).
+
 Alignment of the causal mask: like PyTorch, ``is_causal=True`` here is ``"top_left"`` aligned
-when L ≠ S (query i sees keys j ≤ i). tokenmix's native API (``tokenmix.attention_forward``)
-defaults to ``"bottom_right"`` alignment (query i sees j ≤ i + S − L, what KV-cache decoding
-needs; SPEC 4.3). The two agree when L == S.
+when L ≠ S (query i sees keys j ≤ i). The keyword-only ``causal_align="bottom_right"`` puts query
+i at position i + S − L (query i sees j ≤ i + S − L: chunked prefill over a KV cache, what
+tokenmix's native API defaults to; SPEC 4.3). The two agree when L == S. The alignment also
+places the queries for ``window`` and ``alibi_slopes``.
+
+Keyword-only extras beyond PyTorch's signature (SPEC "Score variants used by real models"):
+``window`` (sliding window W: the last W positions up to the query's own, Mistral/Gemma),
+``softcap`` (c·tanh(z / c), Gemma 2), ``alibi_slopes`` ([H_q] float32 tensor, BLOOM/MPT; no
+gradient, so one with ``requires_grad`` raises), ``sinks`` ([H_q] float32 tensor of per-head sink
+logits, gpt-oss; ``requires_grad`` is honoured: its gradient comes from tokenmix's backward).
 
 Supported: float32 CPU tensors, any number of batch dimensions (equal for q, k, v), grouped
 query attention with ``enable_gqa=True`` (H_q a multiple of H_kv; as in PyTorch, H_q ≠ H_kv
-without it is an error), ``scale``, ``is_causal``. Everything else raises
-``NotImplementedError`` naming the argument: ``dropout_p > 0``, an ``attn_mask``, a non-CPU
-device, a dtype other than float32, a value head width different from the query's, batch
-dimensions that need broadcasting. Double backward is not supported.
+without it is an error), ``scale``, ``is_causal``, ``attn_mask``. Everything else raises
+``NotImplementedError`` naming the argument: ``dropout_p > 0``, a non-CPU device, a dtype other
+than float32, a value head width different from the query's, batch dimensions that need
+broadcasting. Double backward is not supported.
 
 Threads: the kernels use ``torch.get_num_threads()`` threads, so ``torch.set_num_threads``
 controls both libraries.
@@ -38,9 +55,11 @@ from torch.autograd.function import once_differentiable
 
 from . import _tokenmix as _C
 
-__all__ = ["scaled_dot_product_attention"]
+__all__ = ["scaled_dot_product_attention", "varlen_attention"]
 
 _FN = "tokenmix.torch.scaled_dot_product_attention"
+_FN_VARLEN = "tokenmix.torch.varlen_attention"
+_ALIGNS = ("top_left", "bottom_right")
 
 
 def _as_bhtd(x: torch.Tensor) -> torch.Tensor:
@@ -59,31 +78,58 @@ def _bthd(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 1, 3)
 
 
+class _Variants:
+    """The non-differentiable options of one call (tensors held here get no gradient)."""
+
+    def __init__(self, align: str, window: Optional[int], softcap: Optional[float],
+                 alibi_slopes: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> None:
+        self.align = align
+        self.window = window
+        self.softcap = softcap
+        self.alibi_slopes = alibi_slopes
+        self.mask = mask
+
+    def kwargs(self, sinks: Optional[torch.Tensor], varlen: bool = False) -> dict:
+        out = dict(window=self.window, softcap=self.softcap, alibi_slopes=self.alibi_slopes,
+                   sinks=sinks)
+        if not varlen:
+            out["mask"] = self.mask
+        return out
+
+
 class _TokenmixSDPA(torch.autograd.Function):
-    """out = SDPA(q, k, v) with tokenmix's forward; backward from (q, k, v, out, lse)."""
+    """out = SDPA(q, k, v; sinks) with tokenmix's forward; backward from (q, k, v, out, lse)."""
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                is_causal: bool, scale: Optional[float]) -> torch.Tensor:
+                sinks: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
+                variants: _Variants) -> torch.Tensor:
         q4 = _as_bhtd(query.detach())
         k4 = _as_bhtd(key.detach())
         v4 = _as_bhtd(value.detach())
+        sinks = None if sinks is None else sinks.detach()
         B, H_q, L, E = q4.shape
         out = torch.empty((B, H_q, L, E), dtype=torch.float32)
         lse = torch.empty((B, H_q, L), dtype=torch.float32)
         threads = torch.get_num_threads()
         _C.attention_forward(_bthd(q4), _bthd(k4), _bthd(v4), _bthd(out), lse, scale,
-                             is_causal, "top_left", threads, "auto")
-        ctx.save_for_backward(q4, k4, v4, out, lse)
+                             is_causal, variants.align, threads, "auto",
+                             **variants.kwargs(sinks))
+        if sinks is None:
+            ctx.save_for_backward(q4, k4, v4, out, lse)
+        else:
+            ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
         ctx.is_causal = is_causal
         ctx.scale = scale
+        ctx.variants = variants
         ctx.shapes = (query.shape, key.shape, value.shape)
         return out.view(query.shape[:-1] + (E,))
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Any, ...]:
-        q4, k4, v4, out, lse = ctx.saved_tensors
+        q4, k4, v4, out, lse = ctx.saved_tensors[:5]
+        sinks = ctx.saved_tensors[5] if len(ctx.saved_tensors) > 5 else None
         q_shape, k_shape, v_shape = ctx.shapes
         if grad_out.dtype != torch.float32 or grad_out.device.type != "cpu":
             grad_out = grad_out.to(device="cpu", dtype=torch.float32)
@@ -91,14 +137,160 @@ class _TokenmixSDPA(torch.autograd.Function):
         dq = torch.empty(q4.shape, dtype=torch.float32)
         dk = torch.empty(k4.shape, dtype=torch.float32)
         dv = torch.empty(v4.shape, dtype=torch.float32)
+        dsinks = None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32)
         _C.attention_backward(_bthd(q4), _bthd(k4), _bthd(v4), _bthd(out), lse, _bthd(do4),
                               _bthd(dq), _bthd(dk), _bthd(dv), ctx.scale, ctx.is_causal,
-                              "top_left", torch.get_num_threads(), "auto")
-        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), None, None
+                              ctx.variants.align, torch.get_num_threads(), "auto",
+                              dsinks=dsinks, **ctx.variants.kwargs(sinks))
+        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), dsinks, None, None, None
 
 
-def _unsupported(what: str) -> NotImplementedError:
-    return NotImplementedError(f"{_FN}: {what}")
+class _TokenmixVarlen(torch.autograd.Function):
+    """Packed varlen attention with tokenmix's forward and backward (SPEC "Score variants":
+    varlen)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                sinks: Optional[torch.Tensor], cu_q: torch.Tensor, cu_k: torch.Tensor,
+                is_causal: bool, scale: Optional[float], variants: _Variants) -> torch.Tensor:
+        q, k, v = q.detach(), k.detach(), v.detach()
+        sinks = None if sinks is None else sinks.detach()
+        out = torch.empty(q.shape, dtype=torch.float32)
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        _C.attention_forward_varlen(q, k, v, cu_q, cu_k, out, lse, scale, is_causal,
+                                    variants.align, torch.get_num_threads(), "auto",
+                                    **variants.kwargs(sinks, varlen=True))
+        saved = (q, k, v, out, lse, cu_q, cu_k) + (() if sinks is None else (sinks,))
+        ctx.save_for_backward(*saved)
+        ctx.is_causal = is_causal
+        ctx.scale = scale
+        ctx.variants = variants
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Any, ...]:
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors[:7]
+        sinks = ctx.saved_tensors[7] if len(ctx.saved_tensors) > 7 else None
+        if grad_out.dtype != torch.float32 or grad_out.device.type != "cpu":
+            grad_out = grad_out.to(device="cpu", dtype=torch.float32)
+        dq = torch.empty(q.shape, dtype=torch.float32)
+        dk = torch.empty(k.shape, dtype=torch.float32)
+        dv = torch.empty(v.shape, dtype=torch.float32)
+        dsinks = None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32)
+        _C.attention_backward_varlen(q, k, v, out, lse, grad_out, cu_q, cu_k, dq, dk, dv,
+                                     ctx.scale, ctx.is_causal, ctx.variants.align,
+                                     torch.get_num_threads(), "auto", dsinks=dsinks,
+                                     **ctx.variants.kwargs(sinks, varlen=True))
+        return dq, dk, dv, dsinks, None, None, None, None, None
+
+
+def _unsupported(what: str, fn: str = _FN) -> NotImplementedError:
+    return NotImplementedError(f"{fn}: {what}")
+
+
+def _typed(kind: Any, code: str, msg: str) -> Exception:
+    """A tokenmix.ArgumentError / UnsupportedError raised from Python, with its ``code``."""
+    err = kind(msg)
+    err.code = code
+    return err
+
+
+def _check_variants(fn: str, H_q: int, window: Any, softcap: Any, alibi_slopes: Any,
+                    sinks: Any, causal_align: str) -> Tuple[Any, ...]:
+    """Checks the keyword-only extras; returns (window, softcap, alibi_slopes, sinks)."""
+    if causal_align not in _ALIGNS:
+        raise _typed(_C.ArgumentError, "invalid_argument",
+                     f"{fn}: causal_align must be one of top_left, bottom_right; got "
+                     f"{causal_align!r}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int):
+            try:
+                window = int(window.__index__())
+            except (AttributeError, TypeError):
+                raise TypeError(f"{fn}: window must be an int or None; got "
+                                f"{type(window).__name__}") from None
+    if softcap is not None:
+        if isinstance(softcap, (bool, str)):
+            raise TypeError(f"{fn}: softcap must be a real number or None; got "
+                            f"{type(softcap).__name__}")
+        try:
+            softcap = float(softcap)
+        except (TypeError, ValueError):
+            raise TypeError(f"{fn}: softcap must be a real number or None; got "
+                            f"{type(softcap).__name__}") from None
+    checked = []
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is None:
+            checked.append(None)
+            continue
+        if isinstance(t, (list, tuple)):
+            t = torch.tensor(t, dtype=torch.float32)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, a list of floats or None; "
+                            f"got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise _unsupported(f"{name} is on device '{t.device}'; tokenmix runs on the CPU only",
+                               fn)
+        if t.dtype != torch.float32:
+            raise _unsupported(f"{name} has dtype {t.dtype}; only torch.float32 is supported", fn)
+        if tuple(t.shape) != (H_q,):
+            raise _typed(_C.ArgumentError, "shape_mismatch",
+                         f"{fn}: {name} must have shape ({H_q},) (one per query head); got "
+                         f"{tuple(t.shape)}")
+        if name == "alibi_slopes" and t.requires_grad:
+            raise _typed(_C.UnsupportedError, "unsupported",
+                         f"{fn}: alibi_slopes requires grad, but tokenmix computes no gradient "
+                         "for the ALiBi slopes; pass alibi_slopes.detach()")
+        checked.append(t)
+    return window, softcap, checked[0], checked[1]
+
+
+def _mask_view(attn_mask: torch.Tensor, query: torch.Tensor, S: int) -> torch.Tensor:
+    """attn_mask as the [B, H_q, L, S]-broadcastable rank-4 tensor the kernels take (PyTorch's
+    broadcasting against [..., H_q, L, S]); size-1 axes stay size 1 (stride 0 in the kernels)."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"{_FN}: attn_mask must be a torch.Tensor or None; got "
+                        f"{type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != torch.float32:
+        raise RuntimeError(
+            f"{_FN}: attn_mask must be bool or float32 (query's dtype), as in PyTorch; got "
+            f"{attn_mask.dtype}"
+        )
+    if attn_mask.device.type != "cpu":
+        raise _unsupported(f"attn_mask is on device '{attn_mask.device}'; tokenmix runs on the "
+                           "CPU only")
+    if attn_mask.requires_grad:
+        raise _typed(
+            _C.UnsupportedError, "unsupported",
+            f"{_FN}: attn_mask requires grad, but tokenmix computes no gradient for a float "
+            "mask (it would be silently missing); pass attn_mask.detach(), or use "
+            "torch.nn.functional.scaled_dot_product_attention",
+        )
+    target = tuple(query.shape[:-1]) + (S,)
+    if attn_mask.dim() == 0 or attn_mask.dim() > len(target):
+        raise RuntimeError(f"{_FN}: attn_mask of shape {tuple(attn_mask.shape)} does not "
+                           f"broadcast to {target}")
+    try:
+        ok = torch.broadcast_shapes(tuple(attn_mask.shape), target) == torch.Size(target)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise RuntimeError(f"{_FN}: attn_mask of shape {tuple(attn_mask.shape)} does not "
+                           f"broadcast to {target} (query's [..., H_q, L] and key's S)")
+    m = attn_mask[(None,) * (len(target) - attn_mask.dim())] if attn_mask.dim() < len(target) \
+        else attn_mask
+    # m has query's rank; bring it to rank 4 as _as_bhtd does for the query.
+    if m.dim() == 2:
+        return m[None, None]
+    if m.dim() == 3:
+        return m[None]
+    if m.dim() == 4:
+        return m
+    # More than one batch dimension: expand the batch axes only and merge them (a copy only when
+    # they cannot be merged as a view).
+    batch = tuple(query.shape[:-3])
+    return m.expand(batch + tuple(m.shape[-3:])).reshape((-1,) + tuple(m.shape[-3:]))
 
 
 def scaled_dot_product_attention(
@@ -110,6 +302,12 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
+    *,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    causal_align: str = "top_left",
 ) -> torch.Tensor:
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on CPU float32.
 
@@ -117,16 +315,26 @@ def scaled_dot_product_attention(
         query: [..., H_q, L, E] float32 CPU tensor (any strides).
         key: [..., H_kv, S, E].
         value: [..., H_kv, S, E] (value head width must equal E).
-        attn_mask: must be ``None`` (NotImplementedError otherwise; use ``is_causal``).
+        attn_mask: None, or a bool (True = may attend) or float32 (added to the scores) tensor
+            broadcastable to [..., H_q, L, S], as in PyTorch; not together with ``is_causal``
+            (RuntimeError, as in PyTorch). No gradient: one with requires_grad raises
+            tokenmix.UnsupportedError.
         dropout_p: must be 0.0 (NotImplementedError otherwise).
         is_causal: causal mask, ``"top_left"`` aligned as in PyTorch (query i sees keys j ≤ i;
             SPEC 4.3); tokenmix's native default is ``"bottom_right"``.
         scale: s of SPEC (4.2); ``None`` = 1/sqrt(E).
         enable_gqa: allow H_q ≠ H_kv (H_q a multiple of H_kv; query head h reads KV head
             h // (H_q // H_kv), SPEC 4.8), as in PyTorch.
+        window: sliding window W ≥ 1 (key j visible to query i only if p(i) − W < j, p(i) the
+            query's position under ``causal_align``; SPEC "Score variants").
+        softcap: c > 0: scores c·tanh(z / c) after the scale.
+        alibi_slopes: [H_q] float32 tensor (or list): bias −m_h·(p(i) − j). No gradient.
+        sinks: [H_q] float32 tensor (or list) of sink logits; differentiable.
+        causal_align: ``"top_left"`` (default, PyTorch's ``is_causal``) or ``"bottom_right"``
+            (query i at position i + S − L: chunked prefill on a KV cache).
 
     Returns:
-        [..., H_q, L, E] float32, differentiable w.r.t. query, key and value.
+        [..., H_q, L, E] float32, differentiable w.r.t. query, key, value and sinks.
 
     Raises:
         NotImplementedError: for anything this drop-in does not implement (names the argument).
@@ -136,10 +344,10 @@ def scaled_dot_product_attention(
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{_FN}: {name} must be a torch.Tensor; got {type(t).__name__}")
-    if attn_mask is not None:
-        raise _unsupported(
-            "attn_mask is not supported (only attn_mask=None); use is_causal=True for the causal "
-            "mask, or torch.nn.functional.scaled_dot_product_attention for arbitrary masks"
+    if attn_mask is not None and bool(is_causal):
+        raise RuntimeError(
+            f"{_FN}: explicit attn_mask should not be set when is_causal=True (as in PyTorch); "
+            "bake the causal mask into attn_mask"
         )
     if dropout_p != 0.0:
         raise _unsupported(f"dropout_p={dropout_p} is not supported (only dropout_p=0.0)")
@@ -195,4 +403,101 @@ def scaled_dot_product_attention(
                 f"{_FN}: the number of query heads ({H_q}) must be a multiple of the number of "
                 f"key/value heads ({H_kv})"
             )
-    return _TokenmixSDPA.apply(query, key, value, bool(is_causal), scale)
+    window, softcap, alibi_slopes, sinks = _check_variants(
+        _FN, H_q, window, softcap, alibi_slopes, sinks, causal_align)
+    mask = None if attn_mask is None else _mask_view(attn_mask, query, key.shape[-2])
+    variants = _Variants(causal_align, window, softcap, alibi_slopes, mask)
+    return _TokenmixSDPA.apply(query, key, value, sinks, bool(is_causal), scale, variants)
+
+
+def _max_seqlen(fn: str, name: str, cu: torch.Tensor, given: Any) -> None:
+    """max_seqlen must bound the longest sequence (FlashAttention sizes its grid with it; a
+    smaller value there gives wrong results, here an error). Offsets that are not
+    non-decreasing are left to the library, which names the index."""
+    try:
+        given = int(given.__index__())
+    except (AttributeError, TypeError):
+        raise TypeError(f"{fn}: max_seqlen_{name} must be an int; got "
+                        f"{type(given).__name__}") from None
+    if cu.dim() != 1 or cu.numel() < 2:
+        return
+    lengths = cu[1:].to(torch.int64) - cu[:-1].to(torch.int64)
+    if bool((lengths >= 0).all()):
+        longest = int(lengths.max())
+        if longest > given:
+            raise _typed(_C.ArgumentError, "invalid_argument",
+                         f"{fn}: max_seqlen_{name} is {given} but sequence "
+                         f"{int(lengths.argmax())} has {longest} tokens (cu_seqlens_{name})")
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    causal_align: str = "bottom_right",
+) -> torch.Tensor:
+    """Attention over sequences packed along the token axis, like FlashAttention's
+    ``flash_attn_varlen_func`` (SPEC "Score variants": varlen); differentiable.
+
+    Args:
+        q: [total_q, H_q, d_h] float32 CPU tensor; k, v: [total_k, H_kv, d_h] (H_q a multiple
+            of H_kv: GQA, SPEC 4.8).
+        cu_seqlens_q, cu_seqlens_k: [n + 1] int32/int64 CPU tensors: sequence i owns query rows
+            [cu_q[i], cu_q[i+1]) and keys [cu_k[i], cu_k[i+1]); 0 first, non-decreasing, ending
+            at total_q / total_k (tokenmix.ArgumentError naming the index otherwise).
+        max_seqlen_q, max_seqlen_k: the longest sequence (FlashAttention's grid size); a value
+            below the real longest raises tokenmix.ArgumentError.
+        is_causal: causal mask within each sequence, ``causal_align`` aligned — by default
+            ``"bottom_right"`` (FlashAttention ≥ 2.1: query i of a sequence with L queries and S
+            keys sees keys j ≤ i + S − L).
+        scale, window, softcap, alibi_slopes, sinks: as for
+            :func:`scaled_dot_product_attention`; positions are per sequence.
+
+    Returns:
+        [total_q, H_q, d_h] float32, differentiable w.r.t. q, k, v and sinks.
+    """
+    fn = _FN_VARLEN
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise _unsupported(f"{name} is on device '{t.device}'; tokenmix runs on the CPU only",
+                               fn)
+        if t.dtype != torch.float32:
+            raise _unsupported(f"{name} has dtype {t.dtype}; only torch.float32 is supported", fn)
+        if t.dim() != 3:
+            raise _typed(_C.ArgumentError, "shape_mismatch",
+                         f"{fn}: {name} must have 3 dimensions [total, H, d_h]; got shape "
+                         f"{tuple(t.shape)}")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor (int32 or int64); got "
+                            f"{type(t).__name__}")
+        if t.device.type != "cpu":
+            raise _unsupported(f"{name} is on device '{t.device}'; tokenmix runs on the CPU only",
+                               fn)
+    if isinstance(is_causal, torch.Tensor):
+        is_causal = bool(is_causal)
+    if scale is not None:
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise _typed(_C.ArgumentError, "invalid_argument",
+                         f"{fn}: scale must be finite; got {scale}")
+    _max_seqlen(fn, "q", cu_seqlens_q, max_seqlen_q)
+    _max_seqlen(fn, "k", cu_seqlens_k, max_seqlen_k)
+    window, softcap, alibi_slopes, sinks = _check_variants(
+        fn, q.shape[1], window, softcap, alibi_slopes, sinks, causal_align)
+    variants = _Variants(causal_align, window, softcap, alibi_slopes, None)
+    return _TokenmixVarlen.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, bool(is_causal),
+                                 scale, variants)

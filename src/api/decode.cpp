@@ -7,16 +7,23 @@
 // which is L = log(e^{L¹} + e^{L²}), O = e^{L¹−L} O¹ + e^{L²−L} O² with O = Õ / l; a part with
 // m = −∞ (no visible key) contributes nothing. The chunk size depends only on the problem, never
 // on the thread count, and each row is merged left to right by one thread: the result is
-// bitwise identical for any number of threads.
+// bitwise identical for any number of threads. Attention sinks (SPEC "Score variants") join the
+// merged row as one more part with m = σ_h, l = 1, Õ = 0: L = log(e^{σ_h} + Σ_u e^{S_u}), O
+// unchanged in form; a row that sees no key gets O = 0, L = σ_h.
+//
+// With a window W the keys of sequence b are chunked from chunk_base(b), the key tile holding the
+// first query's window start, so chunks and tiles before the window are never read.
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "api/decode_internal.hpp"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/nonfinite.hpp"
 #include "kernels/registry.hpp"
@@ -53,33 +60,49 @@ kernels::ReusableScratch& partials_buffer() {
   return buf;
 }
 
-}  // namespace
+std::atomic<std::int64_t> scratch_limit_for_testing{-1};  // detail::set_decode_scratch_limit_…
 
-std::uint64_t decode_bytes(const KVCache& cache, std::int64_t layer, std::int64_t first_seq,
-                           std::int64_t batch) {
-  const KVCacheConfig& c = cache.config();
-  if (first_seq < 0 || batch < 0 || first_seq > c.batch || batch > c.batch - first_seq) {
-    fail(ErrorCode::invalid_argument, "decode_bytes",
-         "sequences [first_seq, first_seq + batch) must lie in [0, batch = " + str(c.batch) +
-             "); got first_seq = " + str(first_seq) + ", batch = " + str(batch));
+// Checks a rank-1 [H_q] f32 option (ALiBi slopes, sinks): any stride, finite values.
+void check_head_vector(const char* fn, const char* name, const ConstTensorView& v,
+                       std::int64_t hq) {
+  if (v.empty()) return;
+  detail::check_view(v, 1, fn, name);
+  detail::check_dim(v, 0, hq, fn, name, "H_q", "q.shape[2]");
+  const auto* p = static_cast<const float*>(v.data);
+  for (std::int64_t h = 0; h < hq; ++h) {
+    const float x = p[h * v.strides[0]];
+    if (!std::isfinite(x)) {
+      fail(ErrorCode::invalid_argument, fn,
+           std::string(name) + "[" + str(h) + "] must be finite; got " + std::to_string(x));
+    }
   }
-  std::uint64_t tokens = 0;
-  for (std::int64_t b = first_seq; b < first_seq + batch; ++b)
-    tokens += static_cast<std::uint64_t>(cache.length(b, layer));
-  // 2 · Σ_b L_b · H_kv · d_h · sizeof  (SPEC "Useful-work counts", decode bytes)
-  return 2 * tokens * static_cast<std::uint64_t>(c.heads_kv * c.head_dim) * size_of(c.dtype);
 }
 
-void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t layer, TensorView out,
-                      TensorView lse, const DecodeOptions& o) {
-  constexpr const char* fn = "attention_decode";
+// A validated decode call, its work split and the scratch it needs (make_plan): the same for the
+// call itself and for prepare_decode, which plans it before the layer appends.
+struct Plan {
+  kernels::DecodeArgs a;
+  kernels::NamedKernel<kernels::DecodeKernel> named;
+  bool empty = false;  // no query row: nothing to compute
+  int team = 1;
+  kernels::ScratchLayout worker_layout, partials_layout;
+  kernels::Slot<float> merge_slot, acc_slot, m_slot, l_slot, alibi_slot, sinks_slot;
+  std::int64_t workers_bytes = 0, total_bytes = 0;
+};
+
+// Validates the call against the cache as it is after `pending` more positions per sequence
+// (0: as it is now) and sizes the work and the scratch. Reads nothing but sizes from the cache.
+Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, std::int64_t layer,
+               const TensorView& out, const TensorView& lse, const DecodeOptions& o,
+               std::int64_t pending) {
   const KVCacheConfig& cc = cache.config();
   if (layer < 0 || layer >= cc.layers) {
     fail(ErrorCode::invalid_argument, fn,
          "layer must be in [0, layers = " + str(cc.layers) + "); got " + str(layer));
   }
   detail::check_view(q, 4, fn, "q");
-  kernels::DecodeArgs a;
+  Plan plan;
+  kernels::DecodeArgs& a = plan.a;
   a.batch = q.dim(0);
   a.tnew = q.dim(1);
   a.hq = q.dim(2);
@@ -112,15 +135,6 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   detail::check_no_overlap(fn, {{"out", out}, {"lse", lse}}, {{"q", q}});
   // The cache's storage is owned by the cache: outputs cannot overlap it unless the caller
   // points them into raw_storage(), which is const.
-  std::int64_t max_len = 0;
-  for (std::int64_t b = o.first_seq; b < o.first_seq + a.batch; ++b) {
-    if (!cache.active(b)) {
-      fail(ErrorCode::invalid_argument, fn,
-           "sequence " + str(b) +
-               " was released; its keys and values are gone (reset it to reuse the slot)");
-    }
-    max_len = std::max(max_len, cache.length(b, layer));
-  }
   const double scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(a.dh)));
   if (!std::isfinite(scale) || !std::isfinite(static_cast<float>(scale))) {
     fail(ErrorCode::invalid_argument, fn,
@@ -129,11 +143,158 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   if (o.threads < 0)
     fail(ErrorCode::invalid_argument, fn,
          "options.threads must be >= 0 (0 = all); got " + str(o.threads));
+  // Score variants (SPEC "Score variants used by real models").
+  if (o.window && *o.window < 1) {
+    fail(ErrorCode::invalid_argument, fn,
+         "options.window must be >= 1 (the last W positions up to the query's); got " +
+             str(*o.window));
+  }
+  if (o.softcap &&
+      !(std::isfinite(*o.softcap) && *o.softcap > 0.0 &&
+        std::isfinite(static_cast<float>(*o.softcap)) && static_cast<float>(*o.softcap) > 0.0f)) {
+    fail(ErrorCode::invalid_argument, fn,
+         "options.softcap must be finite and > 0 in float32; got " + std::to_string(*o.softcap));
+  }
+  check_head_vector(fn, "options.alibi_slopes", o.alibi_slopes, a.hq);
+  check_head_vector(fn, "options.sinks", o.sinks, a.hq);
+  const std::int64_t ring = Access::ring(cache);
+  if (ring != 0 && !o.window) {
+    fail(ErrorCode::invalid_argument, fn,
+         "options.window is required on a rolling cache (config.window = " + str(cc.window) +
+             ": it keeps only the last " + str(ring) +
+             " positions of each sequence); got no window");
+  }
+  if (ring != 0 && *o.window > cc.window) {
+    fail(ErrorCode::invalid_argument, fn,
+         "options.window must be <= the rolling cache's config.window = " + str(cc.window) +
+             "; got " + str(*o.window));
+  }
+  a.var.window = o.window.value_or(0);
+  std::int64_t max_keys = 0;  // keys of the longest sequence from its chunk base
+  for (std::int64_t b = o.first_seq; b < o.first_seq + a.batch; ++b) {
+    if (!cache.active(b)) {
+      fail(ErrorCode::invalid_argument, fn,
+           "sequence " + str(b) +
+               " was released; its keys and values are gone (reset it to reuse the slot)");
+    }
+    const std::int64_t len = cache.length(b, layer) + pending;  // ≤ capacity: checked by caller
+    // The first key the call's first query sees, and its tile (kernels::DecodeArgs::chunk_base).
+    const std::int64_t begin =
+        a.var.window > 0 ? std::max<std::int64_t>(0, len - a.tnew + 1 - a.var.window) : 0;
+    if (ring != 0) {
+      const std::int64_t held = std::max(cache.first_position(b, layer), len - ring);
+      if (begin < held) {
+        fail(ErrorCode::invalid_argument, fn,
+             "T_new = " + str(a.tnew) + " queries with options.window = " + str(a.var.window) +
+                 " need positions from " + str(begin) + " of sequence " + str(b) +
+                 ", but the rolling cache holds them from " + str(held) +
+                 " on (it keeps the last " + str(ring) + "; at most " +
+                 str(ring - a.var.window + 1) + " new tokens per call)");
+      }
+    }
+    max_keys = std::max(max_keys, len - begin / kernels::kDecodeKeyTile * kernels::kDecodeKeyTile);
+  }
   const Isa isa = resolve_isa(o.isa, fn);  // the one dispatch decision of this call
-  if (a.batch == 0 || a.tnew == 0 || a.hq == 0) return;
+  plan.empty = a.batch == 0 || a.tnew == 0 || a.hq == 0;
+  if (plan.empty) return plan;
 
   a.scale = static_cast<float>(scale);
+  if (o.softcap) a.var.softcap = static_cast<float>(*o.softcap);
+  a.ring = ring;
   a.dtype = cc.dtype;
+  const std::int64_t g = a.group();
+  a.qblock = std::max<std::int64_t>(1, std::min(a.tnew, kMaxRows / g));
+  a.qblocks = (a.tnew + a.qblock - 1) / a.qblock;
+  a.chunk = kChunkKeys;
+  a.chunks = std::max<std::int64_t>(1, (max_keys + a.chunk - 1) / a.chunk);
+  a.threads = o.threads == 0 ? default_threads() : o.threads;
+  const std::int64_t units = a.units(), rows = a.rows_max();
+  plan.team = static_cast<int>(std::clamp<std::int64_t>(a.threads, 1, units));
+  // The kernel for this path and the cache's dtype (kernels/registry.cpp).
+  plan.named = kernels::select_decode(fn, isa, cc.dtype);
+  // One buffer, reused across calls: per-worker scratch regions (DecodeScratch), then the
+  // partials (Õ, m, l) of every unit and the contiguous [H_q] slopes and sinks.
+  const kernels::CallSite site{fn, plan.named.name};
+  plan.worker_layout = kernels::ScratchLayout(site);
+  a.slots = kernels::DecodeScratch(plan.worker_layout, rows, a.dh);
+  plan.merge_slot = plan.worker_layout.add<float>(a.dh);  // the merge's running Õ of one row
+  plan.partials_layout = kernels::ScratchLayout(site);
+  const std::int64_t part_rows = kernels::scratch_mul(units, rows, site, "decode partials");
+  plan.acc_slot = plan.partials_layout.add<float>(
+      kernels::scratch_mul(part_rows, a.dh, site, "decode partials"));
+  plan.m_slot = plan.partials_layout.add<float>(part_rows);
+  plan.l_slot = plan.partials_layout.add<float>(part_rows);
+  plan.alibi_slot = plan.partials_layout.add<float>(o.alibi_slopes.empty() ? 0 : a.hq);
+  plan.sinks_slot = plan.partials_layout.add<float>(o.sinks.empty() ? 0 : a.hq);
+  plan.workers_bytes =
+      kernels::scratch_mul(plan.team, plan.worker_layout.bytes(), site, "decode scratch");
+  plan.total_bytes = kernels::scratch_add(plan.workers_bytes, plan.partials_layout.bytes(), site,
+                                          "decode scratch");
+  return plan;
+}
+
+// The plan's scratch, in this thread's reusable buffer (allocated here: an allocation failure
+// throws ResourceError in the caller's thread, before anything is written).
+std::byte* reserve(const Plan& plan) {
+  const kernels::CallSite site{plan.worker_layout.site()};
+  const char* what = "the per-worker scratch and the partial results";
+  const std::int64_t limit = scratch_limit_for_testing.load();
+  if (limit >= 0 && plan.total_bytes > limit) {
+    throw ResourceError(ErrorCode::out_of_memory, std::string(site.entry) + ": cannot allocate " +
+                                                      std::to_string(plan.total_bytes) +
+                                                      " bytes for " + what + " of kernel " +
+                                                      site.kernel + " (the test limit is " +
+                                                      std::to_string(limit) + " bytes)");
+  }
+  return partials_buffer().reserve(plan.total_bytes, site, what);
+}
+
+}  // namespace
+
+std::uint64_t decode_bytes(const KVCache& cache, std::int64_t layer, std::int64_t first_seq,
+                           std::int64_t batch, std::int64_t window, std::int64_t tnew) {
+  constexpr const char* fn = "decode_bytes";
+  const KVCacheConfig& c = cache.config();
+  if (first_seq < 0 || batch < 0 || first_seq > c.batch || batch > c.batch - first_seq) {
+    fail(ErrorCode::invalid_argument, fn,
+         "sequences [first_seq, first_seq + batch) must lie in [0, batch = " + str(c.batch) +
+             "); got first_seq = " + str(first_seq) + ", batch = " + str(batch));
+  }
+  if (window < 0)
+    fail(ErrorCode::invalid_argument, fn, "window must be >= 0 (0 = none); got " + str(window));
+  if (tnew < 1) fail(ErrorCode::invalid_argument, fn, "tnew must be >= 1; got " + str(tnew));
+  std::uint64_t tokens = 0;
+  for (std::int64_t b = first_seq; b < first_seq + batch; ++b) {
+    std::int64_t n = cache.length(b, layer) - cache.first_position(b, layer);
+    if (window > 0) n = std::min(n, window > INT64_MAX - tnew ? INT64_MAX : window + tnew - 1);
+    tokens += static_cast<std::uint64_t>(n);
+  }
+  // 2 · Σ_b n_b · H_kv · d_h · sizeof  (SPEC "Useful-work counts", decode bytes)
+  return 2 * tokens * static_cast<std::uint64_t>(c.heads_kv * c.head_dim) * size_of(c.dtype);
+}
+
+namespace detail {
+
+void prepare_decode(const char* fn, ConstTensorView q, const KVCache& cache, std::int64_t layer,
+                    TensorView out, TensorView lse, const DecodeOptions& options,
+                    std::int64_t pending) {
+  const Plan plan = make_plan(fn, q, cache, layer, out, lse, options, pending);
+  if (!plan.empty) reserve(plan);
+}
+
+void set_decode_scratch_limit_for_testing(std::int64_t bytes) {
+  scratch_limit_for_testing.store(bytes < 0 ? -1 : bytes);
+}
+
+}  // namespace detail
+
+void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t layer, TensorView out,
+                      TensorView lse, const DecodeOptions& o) {
+  constexpr const char* fn = "attention_decode";
+  Plan plan = make_plan(fn, q, cache, layer, out, lse, o, 0);
+  if (plan.empty) return;
+  std::byte* const base = reserve(plan);
+  kernels::DecodeArgs& a = plan.a;
   a.layout = Access::layout(cache);
   a.k_layer = Access::layer(cache, layer);  // K tiles from here, V tiles one tile later
   a.v_layer = Access::layer(cache, layer) + a.layout.tile_elems() * size_of(a.dtype);
@@ -141,40 +302,27 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   a.table_width = Access::table_width(cache);
   a.lengths = Access::lengths(cache, layer) + o.first_seq;
   a.q = strided(q);
-  const std::int64_t g = a.group();
-  a.qblock = std::max<std::int64_t>(1, std::min(a.tnew, kMaxRows / g));
-  a.qblocks = (a.tnew + a.qblock - 1) / a.qblock;
-  a.chunk = kChunkKeys;
-  a.chunks = std::max<std::int64_t>(1, (max_len + a.chunk - 1) / a.chunk);
-  a.threads = o.threads == 0 ? default_threads() : o.threads;
-  const std::int64_t units = a.units(), rows = a.rows_max();
-  const int team = static_cast<int>(std::clamp<std::int64_t>(a.threads, 1, units));
-  // The kernel for this path and the cache's dtype (kernels/registry.cpp).
-  const auto named = kernels::select_decode(fn, isa, cc.dtype);
-  const kernels::DecodeKernel kernel = named.fn;
-  // One buffer, allocated here (an allocation failure throws ResourceError in the caller's
-  // thread) and reused across calls: per-worker scratch regions (DecodeScratch), then the
-  // partials (Õ, m, l) of every unit.
-  const kernels::CallSite site{fn, named.name};
-  kernels::ScratchLayout worker_layout(site);
-  a.slots = kernels::DecodeScratch(worker_layout, rows, a.dh);
-  const auto merge_slot = worker_layout.add<float>(a.dh);  // the merge's running Õ of one row
-  kernels::ScratchLayout partials_layout(site);
-  const std::int64_t part_rows = kernels::scratch_mul(units, rows, site, "decode partials");
-  const auto acc_slot =
-      partials_layout.add<float>(kernels::scratch_mul(part_rows, a.dh, site, "decode partials"));
-  const auto m_slot = partials_layout.add<float>(part_rows);
-  const auto l_slot = partials_layout.add<float>(part_rows);
-  const std::int64_t workers_bytes =
-      kernels::scratch_mul(team, worker_layout.bytes(), site, "decode scratch");
-  std::byte* base = partials_buffer().reserve(
-      kernels::scratch_add(workers_bytes, partials_layout.bytes(), site, "decode scratch"), site,
-      "the per-worker scratch and the partial results");
-  a.scratch = {base, worker_layout.bytes()};
-  const kernels::WorkerScratch partials{base + workers_bytes, 0};
-  a.part_acc = partials.at(acc_slot, 0);
-  a.part_m = partials.at(m_slot, 0);
-  a.part_l = partials.at(l_slot, 0);
+  a.scratch = {base, plan.worker_layout.bytes()};
+  const kernels::WorkerScratch partials{base + plan.workers_bytes, 0};
+  a.part_acc = partials.at(plan.acc_slot, 0);
+  a.part_m = partials.at(plan.m_slot, 0);
+  a.part_l = partials.at(plan.l_slot, 0);
+  // Contiguous copies of the [H_q] slopes and sinks (validated by make_plan; any stride).
+  if (!o.alibi_slopes.empty()) {
+    float* slopes = partials.at(plan.alibi_slot, 0);
+    for (std::int64_t h = 0; h < a.hq; ++h)
+      slopes[h] = static_cast<const float*>(o.alibi_slopes.data)[h * o.alibi_slopes.strides[0]];
+    a.var.alibi = slopes;
+  }
+  if (!o.sinks.empty()) {
+    float* sinks = partials.at(plan.sinks_slot, 0);
+    for (std::int64_t h = 0; h < a.hq; ++h)
+      sinks[h] = static_cast<const float*>(o.sinks.data)[h * o.sinks.strides[0]];
+    a.var.sinks = sinks;
+  }
+  const kernels::DecodeKernel kernel = plan.named.fn;
+  const std::int64_t rows = a.rows_max(), g = a.group();
+  const auto merge_slot = plan.merge_slot;
 
   auto* po = static_cast<float*>(out.data);
   auto* pl = static_cast<float*>(lse.data);
@@ -182,7 +330,7 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   // One parallel region per call (waking workers is the costly part on a busy machine): the
   // kernel shares out the units (its `omp for` ends with a barrier), then the merge.
-#pragma omp parallel num_threads(team)
+#pragma omp parallel num_threads(plan.team)
   {
     kernel(a);
     // Merge the chunks of every row in chunk order and normalise: O = Õ / l, L = m + log l.
@@ -191,6 +339,7 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
     for (std::int64_t grp = 0; grp < groups; ++grp) {
       const std::int64_t qb = grp % a.qblocks, j = (grp / a.qblocks) % a.hkv,
                          b = grp / (a.qblocks * a.hkv);
+      const std::int64_t base_b = a.chunk_base(b);
       for (std::int64_t r = 0; r < rows; ++r) {
         const std::int64_t t = qb * a.qblock + r / g, h = j * g + r % g;
         if (t >= a.tnew) break;
@@ -198,11 +347,12 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
         // (SPEC "Merging partial results"), even one whose keys all scored −∞ (m_c = −∞, l_c = 0):
         // its Õ_c is 0, or NaN if a visible v was NaN (0 · NaN = NaN), and is weighted by 0, not
         // skipped. m is a NaN-propagating max, so a NaN part makes the row NaN (SPEC 4.3).
-        const std::int64_t seen = a.visible_end(b, t);  // keys [0, seen) are visible to row t
+        const std::int64_t seen = a.visible_end(b, t), from = a.visible_begin(b, t);
         float m = kNegInf, l = 0.0f;
         std::fill(acc, acc + a.dh, 0.0f);
         bool first = true;
-        for (std::int64_t c = 0; c < a.chunks && c * a.chunk < seen; ++c) {
+        for (std::int64_t c = 0; c < a.chunks && base_b + c * a.chunk < seen; ++c) {
+          if (base_b + (c + 1) * a.chunk <= from) continue;  // before the row's window
           const std::int64_t unit = grp * a.chunks + c;
           const float mc = a.part_m[unit * rows + r];
           const float* oc = a.part_acc + (unit * rows + r) * a.dh;
@@ -218,6 +368,14 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
           const float w1 = std::exp(m - shift), w2 = std::exp(mc - shift);
           l = l * w1 + lc * w2;
           for (std::int64_t x = 0; x < a.dh; ++x) acc[x] = acc[x] * w1 + oc[x] * w2;
+          m = mn;
+        }
+        if (a.var.sinks != nullptr) {  // the sink: one more part, m = σ_h, l = 1, Õ = 0
+          const float sigma = a.var.sinks[h];
+          const float mn = kernels::max_nan(m, sigma), shift = kernels::softmax_shift(mn);
+          const float w1 = std::exp(m - shift);
+          l = l * w1 + std::exp(sigma - shift);
+          for (std::int64_t x = 0; x < a.dh; ++x) acc[x] *= w1;
           m = mn;
         }
         const float inv = kernels::inverse_sum(l);  // l = 0: O = 0 · Õ; l = NaN: O = NaN

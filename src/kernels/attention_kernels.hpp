@@ -174,6 +174,13 @@ struct DecodeScratch {
 struct DecodeArgs {
   std::int64_t batch = 0, tnew = 0, hq = 0, hkv = 0, dh = 0;
   float scale = 1.0f;
+  /// Score variants (SPEC "Score variants used by real models"): window, softcap, alibi (the
+  /// [H_q] slopes, contiguous) are applied by the kernels; sinks ([H_q], contiguous) by the merge
+  /// in src/api/decode.cpp (the sink joins the merged denominator). Masks and key lengths are not
+  /// decode options (their fields stay empty).
+  ScoreVariants var;
+  /// Rolling cache: slots per sequence (position u lives in slot u mod ring); 0 = off.
+  std::int64_t ring = 0;
   DType dtype = DType::f32;
   KVTileLayout layout;            // where K and V elements live (kv_tile_layout.hpp)
   const void* k_layer = nullptr;  // the layer's first element (K tiles are addressed from it)
@@ -185,7 +192,7 @@ struct DecodeArgs {
   std::int64_t qblock = 1;                // query positions per unit
   std::int64_t qblocks = 1;               // ceil(tnew / qblock)
   std::int64_t chunk = 0;                 // keys per chunk (multiple of kDecodeKeyTile)
-  std::int64_t chunks = 0;                // chunks per (b, j, query block)
+  std::int64_t chunks = 0;                // chunks per (b, j, query block), from chunk_base(b)
   float* part_acc = nullptr;              // [units][rows_max][dh]
   float* part_m = nullptr;                // [units][rows_max]
   float* part_l = nullptr;                // [units][rows_max]
@@ -196,15 +203,35 @@ struct DecodeArgs {
   std::int64_t group() const { return hq / hkv; }
   std::int64_t rows_max() const { return group() * qblock; }
   std::int64_t units() const { return batch * hkv * qblocks * chunks; }
-  /// Query t of sequence b sees keys [0, visible_end) (bottom-right, SPEC 4.3); may be ≤ 0.
+  /// Query t of sequence b (at position p = L_b − T_new + t) sees keys [visible_begin,
+  /// visible_end): u ≤ p (bottom-right, SPEC 4.3) and, with a window W, p − W < u. Empty when
+  /// visible_end ≤ visible_begin (visible_end may be ≤ 0).
   std::int64_t visible_end(std::int64_t b, std::int64_t t) const {
     return lengths[b] - tnew + t + 1;
   }
+  std::int64_t visible_begin(std::int64_t b, std::int64_t t) const {
+    return var.window > 0 ? std::max<std::int64_t>(0, visible_end(b, t) - var.window) : 0;
+  }
+  /// First key of chunk 0 of sequence b: the key tile holding the first query's window start (0
+  /// without a window). Chunk c covers keys [chunk_base + c·chunk, chunk_base + (c+1)·chunk), so
+  /// tiles before the window are never visited (decode with a window reads O(W) keys).
+  std::int64_t chunk_base(std::int64_t b) const {
+    return visible_begin(b, 0) / kDecodeKeyTile * kDecodeKeyTile;
+  }
   /// Element offset, from k_layer for the K tile and from v_layer for its V tile, of the tile
-  /// holding key u of sequence b, KV head j.
+  /// holding key u of sequence b, KV head j (a rolling cache holds it in slot u mod ring).
   std::int64_t tile_offset(std::int64_t b, std::int64_t j, std::int64_t u) const {
-    const std::int64_t block = table[b * table_width + u / layout.block_tokens];
-    return layout.k_tile(block, j, u % layout.block_tokens);
+    const std::int64_t s = ring != 0 ? u % ring : u;
+    const std::int64_t block = table[b * table_width + s / layout.block_tokens];
+    return layout.k_tile(block, j, s % layout.block_tokens);
+  }
+  /// Score of a key inside the row's visible range, from z = s·⟨q, k_u⟩ (the scalar form of the
+  /// element-wise variants): cap(z) − m_h·(p − u).
+  float score(float z, std::int64_t b, std::int64_t h, std::int64_t t, std::int64_t u) const {
+    float x = var.softcap > 0.0f ? var.softcap * std::tanh(z / var.softcap) : z;
+    if (var.alibi != nullptr)
+      x -= var.alibi[h] * static_cast<float>(visible_end(b, t) - 1 - u);  // p − u
+    return x;
   }
 };
 // Decode kernels are called inside the caller's OpenMP parallel region (one region per call:

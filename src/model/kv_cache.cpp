@@ -56,21 +56,35 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
          "pool_blocks = " +
              str(c.pool_blocks));
   }
-  if (c.capacity > INT64_MAX - kKeyTile)
+  if (c.window < 0) {
+    fail(ErrorCode::invalid_argument, fn,
+         "config.window must be >= 0 (0 = keep every position, W >= 1 = rolling buffer); got " +
+             str(c.window));
+  }
+  // A rolling cache's memory does not depend on the capacity (any value up to 2^63 − 1); the
+  // ring size R = round_up(W + 64, block) must fit.
+  const std::int64_t ring_block = c.block_tokens != 0 ? c.block_tokens : kKeyTile;
+  if (c.window > 0 && c.window > INT64_MAX / 2 - 2 * ring_block)
+    fail(ErrorCode::overflow, fn, "config.window is too large; got " + str(c.window));
+  if (c.window == 0 && c.capacity > INT64_MAX - kKeyTile)
     fail(ErrorCode::overflow, fn, "config.capacity is too large");
   elem_ = size_of(c.dtype);
+  if (c.window > 0) {
+    // R: W plus at least one 64-position tile of slack, a whole number of blocks.
+    ring_ = (c.window + kKeyTile + ring_block - 1) / ring_block * ring_block;
+  }
   if (c.block_tokens ==
-      0) {  // contiguous: one block of T_max (rounded up to a key tile) per sequence
-    block_tokens_ = (c.capacity + kKeyTile - 1) / kKeyTile * kKeyTile;
+      0) {  // contiguous: one block of T_max (rounded up to a key tile) per sequence, or the ring
+    block_tokens_ = ring_ != 0 ? ring_ : (c.capacity + kKeyTile - 1) / kKeyTile * kKeyTile;
     pool_blocks_ = c.batch;
   } else {
     block_tokens_ = c.block_tokens;
-    pool_blocks_ = c.pool_blocks != 0
-                       ? c.pool_blocks
-                       : checked_mul(c.batch, blocks_needed(c.capacity), fn, "pool size");
+    const std::int64_t per_seq = blocks_needed(ring_ != 0 ? ring_ : c.capacity);
+    pool_blocks_ =
+        c.pool_blocks != 0 ? c.pool_blocks : checked_mul(c.batch, per_seq, fn, "pool size");
   }
   if (pool_blocks_ > INT32_MAX) fail(ErrorCode::overflow, fn, "the pool exceeds 2^31 - 1 blocks");
-  table_width_ = blocks_needed(c.capacity);
+  table_width_ = blocks_needed(ring_ != 0 ? ring_ : c.capacity);
   // Storage = SPEC 4.8's figure with B · T = pool_blocks · block_tokens (kv_cache_bytes checks
   // overflow).
   const std::uint64_t bytes =
@@ -80,6 +94,7 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
   detail::back_with_huge_pages(storage_.data(), storage_.size());  // swept by every decode step
   table_.assign(static_cast<std::size_t>(c.batch * table_width_), -1);
   lengths_.assign(static_cast<std::size_t>(checked_mul(c.layers, c.batch, fn, "lengths")), 0);
+  firsts_.assign(lengths_.size(), 0);
   active_.assign(static_cast<std::size_t>(c.batch), 1);
   if (!paged()) {
     for (std::int64_t b = 0; b < c.batch; ++b)
@@ -94,7 +109,7 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
 
 std::uint64_t KVCache::memory_bytes() const noexcept {
   return storage_.size() + table_.capacity() * sizeof(std::int32_t) +
-         lengths_.capacity() * sizeof(std::int64_t) + active_.capacity() +
+         (lengths_.capacity() + firsts_.capacity()) * sizeof(std::int64_t) + active_.capacity() +
          free_list_.capacity() * sizeof(std::int32_t) + sizeof(KVCache);
 }
 
@@ -118,6 +133,12 @@ std::int64_t KVCache::length(std::int64_t seq, std::int64_t layer) const {
   return lengths_[static_cast<std::size_t>(layer * config_.batch + seq)];
 }
 
+std::int64_t KVCache::first_position(std::int64_t seq, std::int64_t layer) const {
+  check_seq("KVCache::first_position", seq);
+  check_layer("KVCache::first_position", layer);
+  return firsts_[static_cast<std::size_t>(layer * config_.batch + seq)];
+}
+
 bool KVCache::active(std::int64_t seq) const {
   check_seq("KVCache::active", seq);
   return active_[static_cast<std::size_t>(seq)] != 0;
@@ -133,6 +154,61 @@ std::int64_t KVCache::max_length(std::int64_t seq) const noexcept {
   for (std::int64_t l = 0; l < config_.layers; ++l)
     m = std::max(m, lengths_[static_cast<std::size_t>(l * config_.batch + seq)]);
   return m;
+}
+
+void KVCache::missing_ring_blocks(std::int64_t seq, std::int64_t from, std::int64_t to,
+                                  std::vector<std::int64_t>& out) const {
+  // Only the last R positions of [from, to) are written; they touch each ring block at most once
+  // per lap, and a block is listed once.
+  from = std::max(from, to - ring_);
+  const std::size_t first_new = out.size();
+  for (std::int64_t pos = from; pos < to;) {
+    const std::int64_t i = slot(pos) / block_tokens_;
+    if (table_[static_cast<std::size_t>(seq * table_width_ + i)] < 0 &&
+        std::find(out.begin() + static_cast<std::ptrdiff_t>(first_new), out.end(), i) == out.end())
+      out.push_back(i);
+    const std::int64_t block_start = pos - pos % block_tokens_;  // next block, without overflow
+    if (block_start >= to - block_tokens_) break;
+    pos = block_start + block_tokens_;
+  }
+}
+
+// Positions, capacity and (paged) free blocks for appending T_new positions to each sequence of
+// [first_seq, first_seq + seqs) of `layer`, before anything is written.
+void KVCache::check_growth(const char* fn, std::int64_t layer, std::int64_t first_seq,
+                           std::int64_t seqs, std::int64_t tnew) const {
+  std::int64_t new_blocks = 0;
+  std::vector<std::int64_t> ring_blocks;
+  for (std::int64_t b = first_seq; b < first_seq + seqs; ++b) {
+    if (!active_[static_cast<std::size_t>(b)]) {
+      fail(ErrorCode::invalid_argument, fn,
+           "sequence " + str(b) + " was released; reset(" + str(b) + ") it before appending");
+    }
+    const std::int64_t len = lengths_[static_cast<std::size_t>(layer * config_.batch + b)];
+    std::int64_t end = 0;
+    if (__builtin_add_overflow(len, tnew, &end)) {
+      fail(ErrorCode::overflow, fn,
+           "position length + T_new of sequence " + str(b) + " overflows 64-bit arithmetic (" +
+               str(len) + " + " + str(tnew) + ")");
+    }
+    if (end > config_.capacity) {
+      fail(ErrorCode::invalid_argument, fn,
+           "appending T_new = " + str(tnew) + " positions to sequence " + str(b) + " (length " +
+               str(len) + ") exceeds the capacity T_max = " + str(config_.capacity));
+    }
+    if (paged() && ring_ != 0) {
+      ring_blocks.clear();
+      missing_ring_blocks(b, len, end, ring_blocks);
+      new_blocks += static_cast<std::int64_t>(ring_blocks.size());
+    } else if (paged()) {
+      new_blocks += std::max<std::int64_t>(0, blocks_needed(end) - blocks_needed(max_length(b)));
+    }
+  }
+  if (new_blocks > free_blocks()) {
+    fail(ErrorCode::invalid_argument, fn,
+         "the block pool has " + str(free_blocks()) + " free blocks of " + str(block_tokens_) +
+             " positions; this append needs " + str(new_blocks));
+  }
 }
 
 void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView k,
@@ -155,33 +231,9 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
     detail::check_dim(v, axis, k.dim(axis), fn, "v", names[axis],
                       ("k.shape[" + str(axis) + "]").c_str());
   }
-  // Positions, capacity and (paged) free blocks for every sequence, before anything is written.
-  std::int64_t new_blocks = 0;
-  for (std::int64_t b = first_seq; b < first_seq + seqs; ++b) {
-    if (!active_[static_cast<std::size_t>(b)]) {
-      fail(ErrorCode::invalid_argument, fn,
-           "sequence " + str(b) + " was released; reset(" + str(b) + ") it before appending");
-    }
-    const std::int64_t len = lengths_[static_cast<std::size_t>(layer * config_.batch + b)];
-    std::int64_t end = 0;
-    if (__builtin_add_overflow(len, tnew, &end)) {
-      fail(ErrorCode::overflow, fn,
-           "position length + T_new of sequence " + str(b) + " overflows 64-bit arithmetic (" +
-               str(len) + " + " + str(tnew) + ")");
-    }
-    if (end > config_.capacity) {
-      fail(ErrorCode::invalid_argument, fn,
-           "appending T_new = " + str(tnew) + " positions to sequence " + str(b) + " (length " +
-               str(len) + ") exceeds the capacity T_max = " + str(config_.capacity));
-    }
-    if (paged())
-      new_blocks += std::max<std::int64_t>(0, blocks_needed(end) - blocks_needed(max_length(b)));
-  }
-  if (new_blocks > free_blocks()) {
-    fail(ErrorCode::invalid_argument, fn,
-         "the block pool has " + str(free_blocks()) + " free blocks of " + str(block_tokens_) +
-             " positions; this append needs " + str(new_blocks));
-  }
+  check_growth(fn, layer, first_seq, seqs, tnew);
+  std::vector<std::int64_t> ring_blocks;  // rolling and paged: blocks one sequence still needs
+  ring_blocks.reserve(static_cast<std::size_t>(table_width_));  // before anything is written
   if (tnew == 0 || seqs == 0) return;
 
   const auto* kp = static_cast<const float*>(k.data);
@@ -193,14 +245,25 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
   for (std::int64_t bi = 0; bi < seqs; ++bi) {
     const std::int64_t b = first_seq + bi;
     std::int64_t& len = lengths_[static_cast<std::size_t>(layer * config_.batch + b)];
-    if (paged()) {  // take blocks for positions beyond what any layer already holds
+    if (paged() && ring_ != 0) {  // take the ring blocks the new positions land in
+      ring_blocks.clear();
+      missing_ring_blocks(b, len, len + tnew, ring_blocks);
+      for (std::int64_t i : ring_blocks) {
+        table_[static_cast<std::size_t>(b * table_width_ + i)] = free_list_.back();
+        free_list_.pop_back();
+      }
+    } else if (paged()) {  // take blocks for positions beyond what any layer already holds
       for (std::int64_t i = blocks_needed(max_length(b)); i < blocks_needed(len + tnew); ++i) {
         table_[static_cast<std::size_t>(b * table_width_ + i)] = free_list_.back();
         free_list_.pop_back();
       }
     }
-    for (std::int64_t t = 0; t < tnew; ++t) {
-      const std::int64_t pos = len + t;
+    // Rolling: positions older than the last R of the sequence are not written (they would be
+    // overwritten within this call); those that fall out of the ring are overwritten by the
+    // newer positions sharing their slots.
+    const std::int64_t t_first = ring_ != 0 ? std::max<std::int64_t>(0, tnew - ring_) : 0;
+    for (std::int64_t t = t_first; t < tnew; ++t) {
+      const std::int64_t pos = slot(len + t);
       const std::int64_t blk =
           table_[static_cast<std::size_t>(b * table_width_ + pos / block_tokens_)];
       const std::int64_t off = pos % block_tokens_;
@@ -218,6 +281,10 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
       }
     }
     len += tnew;
+    if (ring_ != 0) {
+      std::int64_t& first = firsts_[static_cast<std::size_t>(layer * config_.batch + b)];
+      first = std::max(first, len - ring_);
+    }
   }
 }
 
@@ -229,7 +296,11 @@ void KVCache::shrink(std::int64_t seq, std::int64_t new_length) {
     std::byte* layer_data =
         storage_.data() + static_cast<std::size_t>(l * tiles.layer_elems()) * elem_;
     std::int64_t& len = lengths_[static_cast<std::size_t>(l * config_.batch + seq)];
-    for (std::int64_t pos = new_length; pos < len; ++pos) {
+    std::int64_t& first = firsts_[static_cast<std::size_t>(l * config_.batch + seq)];
+    // Only held positions are zeroed (rolling: [first, len); the slots of older ones hold newer
+    // positions).
+    for (std::int64_t p = std::max(new_length, first); p < len; ++p) {
+      const std::int64_t pos = slot(p);
       const std::int64_t blk =
           table_[static_cast<std::size_t>(seq * table_width_ + pos / block_tokens_)];
       const std::int64_t off = pos % block_tokens_;
@@ -244,9 +315,15 @@ void KVCache::shrink(std::int64_t seq, std::int64_t new_length) {
       }
     }
     len = std::min(len, new_length);
+    if (len == 0) first = 0;
   }
-  if (paged()) {
-    for (std::int64_t i = blocks_needed(new_length); i < table_width_; ++i) {
+  bool wrapped = false;  // rolling: some layer still holds a position past its ring's first lap
+  for (std::int64_t l = 0; l < config_.layers; ++l)
+    wrapped = wrapped || firsts_[static_cast<std::size_t>(l * config_.batch + seq)] > 0;
+  if (paged() && !wrapped) {
+    // Without a wrap, position p of every layer lives in slot p: blocks past the new length hold
+    // no position of any layer.
+    for (std::int64_t i = blocks_needed(max_length(seq)); i < table_width_; ++i) {
       std::int32_t& entry = table_[static_cast<std::size_t>(seq * table_width_ + i)];
       if (entry >= 0) {
         free_list_.push_back(entry);
@@ -268,6 +345,16 @@ void KVCache::truncate(std::int64_t seq, std::int64_t new_length) {
     fail(ErrorCode::invalid_argument, fn,
          "new_length must be in [0, " + str(longest) + "] (the length of sequence " + str(seq) +
              "; truncate cannot extend); got " + str(new_length));
+  }
+  for (std::int64_t l = 0; l < config_.layers && new_length > 0; ++l) {
+    const std::size_t i = static_cast<std::size_t>(l * config_.batch + seq);
+    if (lengths_[i] > new_length && new_length < firsts_[i]) {
+      fail(ErrorCode::invalid_argument, fn,
+           "new_length must be 0 or >= " + str(firsts_[i]) + ", the first position layer " +
+               str(l) + " of sequence " + str(seq) +
+               " still holds (a rolling cache keeps the last " + str(ring_) +
+               " positions; truncate can only go back within them); got " + str(new_length));
+    }
   }
   shrink(seq, new_length);
 }

@@ -27,6 +27,14 @@ struct KVCacheAccess {
   static const std::int64_t* lengths(const KVCache& x, std::int64_t layer) {
     return x.lengths_.data() + layer * x.config_.batch;
   }
+  /// Throws what KVCache::append (named `fn`) would for appending T_new positions to sequences
+  /// [first_seq, first_seq + seqs) of `layer` (released sequence, capacity, overflow, pool).
+  static void check_growth(const KVCache& x, const char* fn, std::int64_t layer,
+                           std::int64_t first_seq, std::int64_t seqs, std::int64_t tnew) {
+    x.check_growth(fn, layer, first_seq, seqs, tnew);
+  }
+  /// Rolling cache: slots per sequence R (position p lives in slot p mod R); 0 otherwise.
+  static std::int64_t ring(const KVCache& x) { return x.ring_; }
 };
 
 }  // namespace tokenmix::detail

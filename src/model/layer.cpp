@@ -7,6 +7,8 @@
 #include <cmath>
 #include <string>
 
+#include "api/decode_internal.hpp"
+#include "model/kv_cache_access.hpp"
 #include "tokenmix/kv_cache.hpp"
 #include "util/validate.hpp"
 
@@ -76,6 +78,40 @@ std::int64_t check_layer_io(const char* fn, std::span<const float> u, std::span<
     fail(ErrorCode::aliasing, fn, "out overlaps u; the layer cannot run in place");
   }
   return rows;
+}
+
+// Validates a rank-1 [H_q] f32 option of the layer's attention (ALiBi slopes, sinks: finite
+// values, any stride) and returns a contiguous copy; empty view → empty vector.
+std::vector<float> copy_head_vector(const char* fn, const char* name, const ConstTensorView& v,
+                                    std::int64_t hq) {
+  if (v.empty()) return {};
+  detail::check_view(v, 1, fn, name);
+  detail::check_dim(v, 0, hq, fn, name, "H_q", "config.heads_q");
+  std::vector<float> out(static_cast<std::size_t>(hq));
+  for (std::int64_t h = 0; h < hq; ++h) {
+    const float x = static_cast<const float*>(v.data)[h * v.strides[0]];
+    if (!std::isfinite(x)) {
+      fail(ErrorCode::invalid_argument, fn,
+           std::string(name) + "[" + std::to_string(h) + "] must be finite; got " +
+               std::to_string(x));
+    }
+    out[static_cast<std::size_t>(h)] = x;
+  }
+  return out;
+}
+
+// The decode options of the layer's attention (SPEC "Score variants"; decode is bottom-right).
+DecodeOptions decode_options(const AttentionOptions& a, std::int64_t first_seq) {
+  DecodeOptions o;
+  o.scale = a.scale;
+  o.threads = a.threads;
+  o.isa = a.isa;
+  o.first_seq = first_seq;
+  o.window = a.window;
+  o.softcap = a.softcap;
+  o.alibi_slopes = a.alibi_slopes;
+  o.sinks = a.sinks;
+  return o;
 }
 
 }  // namespace
@@ -156,12 +192,92 @@ CausalSelfAttention::CausalSelfAttention(const LayerConfig& config) : config_(co
   // A forced path must run here (UnsupportedError otherwise); `automatic` follows TOKENMIX_ISA,
   // which is read again by every call.
   if (a.isa != Isa::automatic) resolve_isa(a.isa);
+  // Score variants (SPEC "Score variants used by real models").
+  if (a.window && *a.window < 1) {
+    fail(ErrorCode::invalid_argument, fn,
+         "config.attention.window must be >= 1; got " + std::to_string(*a.window));
+  }
+  if (a.softcap &&
+      !(std::isfinite(*a.softcap) && *a.softcap > 0.0 &&
+        std::isfinite(static_cast<float>(*a.softcap)) && static_cast<float>(*a.softcap) > 0.0f)) {
+    fail(ErrorCode::invalid_argument, fn,
+         "config.attention.softcap must be finite and > 0 in float32; got " +
+             std::to_string(*a.softcap));
+  }
+  if (!a.mask.empty() || !a.key_lengths.empty()) {
+    fail(ErrorCode::invalid_argument, fn,
+         std::string("config.attention.mask and config.attention.key_lengths must be empty (a "
+                     "layer has no per-call mask or key padding); got ") +
+             (a.mask.empty() ? "key_lengths" : "a mask"));
+  }
+  alibi_ = copy_head_vector(fn, "config.attention.alibi_slopes", a.alibi_slopes, config.heads_q);
+  sinks_ = copy_head_vector(fn, "config.attention.sinks", a.sinks, config.heads_q);
+  bind_variant_views();
   const std::int64_t qw = checked_mul(config.heads_q, config.head_dim, fn, "H_q * d_h");
   const std::int64_t kw = checked_mul(config.heads_kv, config.head_dim, fn, "H_kv * d_h");
   w_q_.assign(static_cast<std::size_t>(checked_mul(config.d_model, qw, fn, "W_Q size")), 0.0f);
   w_k_.assign(static_cast<std::size_t>(checked_mul(config.d_model, kw, fn, "W_K size")), 0.0f);
   w_v_.assign(w_k_.size(), 0.0f);
   w_o_.assign(w_q_.size(), 0.0f);
+}
+
+void CausalSelfAttention::bind_variant_views() noexcept {
+  const auto view = [this](const std::vector<float>& x) {
+    return x.empty()
+               ? ConstTensorView{}
+               : ConstTensorView{x.data(), DType::f32, 1, {config_.heads_q, 1, 1, 1}, {1, 0, 0, 0}};
+  };
+  config_.attention.alibi_slopes = view(alibi_);
+  config_.attention.sinks = view(sinks_);
+}
+
+CausalSelfAttention::CausalSelfAttention(const CausalSelfAttention& other)
+    : config_(other.config_),
+      alibi_(other.alibi_),
+      sinks_(other.sinks_),
+      w_q_(other.w_q_),
+      w_k_(other.w_k_),
+      w_v_(other.w_v_),
+      w_o_(other.w_o_),
+      saved_(other.saved_) {
+  bind_variant_views();
+}
+
+CausalSelfAttention::CausalSelfAttention(CausalSelfAttention&& other) noexcept
+    : config_(std::move(other.config_)),
+      alibi_(std::move(other.alibi_)),
+      sinks_(std::move(other.sinks_)),
+      w_q_(std::move(other.w_q_)),
+      w_k_(std::move(other.w_k_)),
+      w_v_(std::move(other.w_v_)),
+      w_o_(std::move(other.w_o_)),
+      saved_(std::move(other.saved_)) {
+  bind_variant_views();
+  other.bind_variant_views();
+}
+
+CausalSelfAttention& CausalSelfAttention::operator=(const CausalSelfAttention& other) {
+  if (this != &other) {
+    CausalSelfAttention copy(other);
+    *this = std::move(copy);
+  }
+  return *this;
+}
+
+CausalSelfAttention& CausalSelfAttention::operator=(CausalSelfAttention&& other) noexcept {
+  if (this != &other) {
+    config_ = std::move(other.config_);
+    alibi_ = std::move(other.alibi_);
+    sinks_ = std::move(other.sinks_);
+    w_q_ = std::move(other.w_q_);
+    w_k_ = std::move(other.w_k_);
+    w_v_ = std::move(other.w_v_);
+    w_o_ = std::move(other.w_o_);
+    saved_ = std::move(other.saved_);
+    bind_variant_views();
+    other.bind_variant_views();
+  }
+  return *this;
 }
 
 void CausalSelfAttention::init_random(std::uint64_t seed) {
@@ -229,15 +345,20 @@ void CausalSelfAttention::backward(std::span<const float> d_out, LayerGradients&
 
   std::vector<float> dq(s.q.size()), dk(s.k.size()), dv(s.v.size());
   const auto B = s.batch, T = s.seq;
-  attention_backward(ConstTensorView::bthd(s.q.data(), B, T, c.heads_q, c.head_dim),
-                     ConstTensorView::bthd(s.k.data(), B, T, c.heads_kv, c.head_dim),
-                     ConstTensorView::bthd(s.v.data(), B, T, c.heads_kv, c.head_dim),
-                     ConstTensorView::bthd(s.y.data(), B, T, c.heads_q, c.head_dim),
-                     ConstTensorView::bht(s.lse.data(), B, c.heads_q, T),
-                     ConstTensorView::bthd(dy.data(), B, T, c.heads_q, c.head_dim),
-                     TensorView::bthd(dq.data(), B, T, c.heads_q, c.head_dim),
-                     TensorView::bthd(dk.data(), B, T, c.heads_kv, c.head_dim),
-                     TensorView::bthd(dv.data(), B, T, c.heads_kv, c.head_dim), c.attention);
+  g.d_sinks.assign(sinks_.size(), 0.0f);  // dσ_h (SPEC "Score variants": sinks)
+  attention_backward(
+      ConstTensorView::bthd(s.q.data(), B, T, c.heads_q, c.head_dim),
+      ConstTensorView::bthd(s.k.data(), B, T, c.heads_kv, c.head_dim),
+      ConstTensorView::bthd(s.v.data(), B, T, c.heads_kv, c.head_dim),
+      ConstTensorView::bthd(s.y.data(), B, T, c.heads_q, c.head_dim),
+      ConstTensorView::bht(s.lse.data(), B, c.heads_q, T),
+      ConstTensorView::bthd(dy.data(), B, T, c.heads_q, c.head_dim),
+      TensorView::bthd(dq.data(), B, T, c.heads_q, c.head_dim),
+      TensorView::bthd(dk.data(), B, T, c.heads_kv, c.head_dim),
+      TensorView::bthd(dv.data(), B, T, c.heads_kv, c.head_dim), c.attention,
+      sinks_.empty()
+          ? TensorView{}
+          : TensorView{g.d_sinks.data(), DType::f32, 1, {c.heads_q, 1, 1, 1}, {1, 0, 0, 0}});
   if (c.rope) {  // RoPE is orthogonal: rotate the gradients back (inverse rotation)
     RopeOptions r = *c.rope;
     r.position_offset = 0;
@@ -304,8 +425,20 @@ void CausalSelfAttention::prefill(std::span<const float> u, std::int64_t batch, 
     lengths[static_cast<std::size_t>(b)] = len;
     fresh = fresh && len == 0;
   }
+  if (cache.window() > 0 && (!c.attention.window || *c.attention.window > cache.window())) {
+    fail(ErrorCode::invalid_argument, fn,
+         "a rolling cache (config.window = " + std::to_string(cache.window()) +
+             ") keeps only the last " + std::to_string(cache.retained_positions()) +
+             " positions: config.attention.window must be set and <= " +
+             std::to_string(cache.window()) + "; got " +
+             (c.attention.window ? std::to_string(*c.attention.window) : std::string("none")));
+  }
   AttentionOptions ao = c.attention;
   ao.isa = resolve_isa(c.attention.isa);  // the one dispatch decision of this call
+  // A rolling cache holds R positions: the queries of one decode call see keys back to
+  // (first query) − W + 1, so at most R − W + 1 new tokens are appended and decoded at a time.
+  const std::int64_t piece =
+      cache.window() > 0 ? cache.retained_positions() - *c.attention.window + 1 : seq;
 
   const std::int64_t qw = c.heads_q * c.head_dim, kw = c.heads_kv * c.head_dim;
   std::vector<float> q(static_cast<std::size_t>(checked_mul(rows, qw, fn, "Q size")));
@@ -336,15 +469,30 @@ void CausalSelfAttention::prefill(std::span<const float> u, std::int64_t batch, 
     attention_forward(qv, kv, vv, yv, {}, ao);
     cache.append(layer, first_seq, kv, vv);  // validates everything (capacity, pool) before writing
   } else {
-    cache.append(layer, first_seq, kv, vv);  // validates everything (capacity, pool) before writing
-    DecodeOptions o;
-    o.scale = ao.scale;
-    o.threads = ao.threads;
-    o.isa = ao.isa;
-    o.first_seq = first_seq;
-    // Arguments were all checked above (and by the constructor); only an allocation failure could
-    // still throw here.
-    attention_decode(qv, cache, layer, yv, {}, o);  // bottom-right against each sequence's length
+    // Tokens [t0, t0 + n) of every sequence: views of q, k, v, y.
+    const auto part = [](TensorView x, std::int64_t t0, std::int64_t n) {
+      x.data = static_cast<float*>(x.data) + t0 * x.strides[1];
+      x.shape[1] = n;
+      return x;
+    };
+    const DecodeOptions o = decode_options(ao, first_seq);
+    // Every decode below is validated and its scratch reserved (this thread's reusable buffer
+    // only grows) for the cache as it will be after its piece's append, before anything is
+    // appended: after the first append nothing can fail (issue 11: a ResourceError from the
+    // decode scratch used to leave the append behind).
+    for (std::int64_t t0 = 0; t0 < seq; t0 += piece) {
+      const std::int64_t n = std::min(piece, seq - t0);
+      detail::prepare_decode(fn, part(qv, t0, n), cache, layer, part(yv, t0, n), {}, o, t0 + n);
+    }
+    // The appends together: capacity, pool (a paged rolling cache takes its ring blocks as the
+    // pieces go). Each append validates again before it writes.
+    detail::KVCacheAccess::check_growth(cache, fn, layer, first_seq, batch, seq);
+    for (std::int64_t t0 = 0; t0 < seq; t0 += piece) {
+      const std::int64_t n = std::min(piece, seq - t0);
+      cache.append(layer, first_seq, part(kv, t0, n), part(vv, t0, n));
+      // Bottom-right against each sequence's length.
+      attention_decode(part(qv, t0, n), cache, layer, part(yv, t0, n), {}, o);
+    }
   }
   gemm(false, false, rows, c.d_model, qw, y.data(), w_o_.data(), out.data(),
        false);  // O = [Y_1|…] W_O

@@ -5,7 +5,9 @@
 //
 // Per unit (sequence b, KV head j, query block, key chunk [k0, k1)) and key tile of 64 keys:
 //   K tile [d_h][64] and V rows [n_t][d_h] are widened to fp32 once (shared by all g·qblock rows)
-//   S_u = scale · ⟨q_r, k_u⟩, masked to −∞ for u ≥ visible_end(r)            (4.2, 4.3)
+//   z_u = scale · ⟨q_r, k_u⟩, S_u = cap(z_u) − m_h (p − u) (SPEC "Score variants": soft-capping,
+//   ALiBi; DecodeArgs::score), masked to −∞ outside [visible_begin(r), visible_end(r)) (4.3 and
+//   the window); tiles before the first row's window are not visited         (4.2, 4.3)
 //   online softmax (4.4): m' = max(m, max_u S_u), Õ ← Õ e^{m−m'} + Σ_u e^{S_u−m'} v_u,
 //   l ← l e^{m−m'} + Σ_u e^{S_u−m'}                                             (4.5)
 // and the unit stores (Õ, m, l) of each row; decode.cpp merges chunks and normalises.
@@ -44,18 +46,24 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
     float* l_run = a.part_l + unit * rows;
 
     const std::int64_t t0 = qb * a.qblock, nrows = std::min(a.qblock, a.tnew - t0) * g;
-    std::int64_t kend = 0;
+    std::int64_t kend = 0, kbegin = INT64_MAX;  // keys some row sees: [kbegin, kend)
     for (std::int64_t r = 0; r < nrows; ++r) {
       const float* q = a.q.row(b, t0 + r / g, j * g + r % g);
       for (std::int64_t x = 0; x < dh; ++x) qs[r * dh + x] = a.scale * q[x * a.q.s3];
-      kend = std::max(kend, a.visible_end(b, t0 + r / g));
+      const std::int64_t e = a.visible_end(b, t0 + r / g), s = a.visible_begin(b, t0 + r / g);
+      if (s < e) {
+        kend = std::max(kend, e);
+        kbegin = std::min(kbegin, s);
+      }
       m_run[r] = kNegInf;
       l_run[r] = 0.0f;
     }
     std::fill(acc, acc + rows * dh, 0.0f);
-    const std::int64_t k0 = c * a.chunk, k1 = std::min(k0 + a.chunk, kend);
+    const std::int64_t k0 = a.chunk_base(b) + c * a.chunk, k1 = std::min(k0 + a.chunk, kend);
+    // From the tile holding the first visible key (a window's start) on.
+    const std::int64_t kb = std::max(k0, kbegin / kKeyTile * kKeyTile);
 
-    for (std::int64_t u0 = k0; u0 < k1; u0 += kKeyTile) {
+    for (std::int64_t u0 = kb; u0 < k1; u0 += kKeyTile) {
       const std::int64_t nt = std::min(kKeyTile, k1 - u0);
       const std::int64_t tile = a.tile_offset(b, j, u0) * static_cast<std::int64_t>(esz);
       const auto* kt = static_cast<const std::byte*>(a.k_layer) + tile;  // K tile [d_h][64]
@@ -63,7 +71,8 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
       for (std::int64_t i = 0; i < dh * kKeyTile; ++i) kf[i] = load_element(kDType, kt, i);
       for (std::int64_t i = 0; i < nt * dh; ++i) vf[i] = load_element(kDType, vt, i);
       for (std::int64_t r = 0; r < nrows; ++r) {
-        const std::int64_t end = a.visible_end(b, t0 + r / g);
+        const std::int64_t t = t0 + r / g, h = j * g + r % g;
+        const std::int64_t end = a.visible_end(b, t), begin = a.visible_begin(b, t);
         float* score = sc + r * kKeyTile;
         std::fill(score, score + kKeyTile, 0.0f);
         for (std::int64_t x = 0; x < dh; ++x) {  // scores = (scale·q) Kᵀ, keys in the tile (4.2)
@@ -72,7 +81,8 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
         }
         float tmax = kNegInf;
         for (std::int64_t u = 0; u < nt; ++u) {
-          if (u0 + u >= end) score[u] = kNegInf;  // (4.3)
+          const bool visible = u0 + u >= begin && u0 + u < end;  // (4.3), window
+          score[u] = visible ? a.score(score[u], b, h, t, u0 + u) : kNegInf;
           tmax = max_nan(tmax, score[u]);
         }
         // NaN-propagating max; shift 0 while no finite score is seen (P = e^{−∞} = 0, l = 0).
@@ -86,7 +96,8 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
         for (std::int64_t u = 0; u < nt; ++u) {  // Õ += P V  (4.4, 4.5)
           const float p = std::exp(score[u] - shift);
           sum += p;
-          if (u0 + u < end) {  // every visible key, even with p = 0 (0 · NaN = NaN); no masked one
+          if (u0 + u >= begin && u0 + u < end) {  // every visible key, even with p = 0 (0 · NaN
+                                                  // = NaN); no masked one
             for (std::int64_t x = 0; x < dh; ++x) o[x] += p * vf[u * dh + x];
           }
         }

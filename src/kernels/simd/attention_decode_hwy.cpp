@@ -13,8 +13,11 @@
 //   Õ[r][x] += Σ_u P[r][u] · V[u][x]        A = P rows (broadcast),   B = V rows [64][d_h]  (4.5)
 // Keys are lanes in the first product and features in the second — the cache stores K tiles
 // transposed and V row-major for exactly this, so nothing is repacked per step. Between them,
-// the online softmax per row (4.4): mask keys u ≥ visible_end(r) to −∞ (4.3), m' = max(m, max S),
-// P = e^{S − m'}, l ← l e^{m − m'} + Σ P, Õ ← Õ e^{m − m'} (only when m grows).
+// the score variants (SPEC "Score variants used by real models") on the S tile — soft-capping
+// S = c·tanh(S / c) (Highway's contrib Tanh) and ALiBi S += m_h (u − p) — then the online softmax
+// per row (4.4): mask keys outside [visible_begin(r), visible_end(r)) to −∞ (4.3 and the sliding
+// window), m' = max(m, max S), P = e^{S − m'}, l ← l e^{m − m'} + Σ P, Õ ← Õ e^{m − m'} (only
+// when m grows). With a window, tiles before the first row's window start are not read.
 // exp: Highway's contrib Exp (1 ULP), exactly 0 for −∞.
 // Highway's per-target re-inclusion: these includes must follow foreach_target.h, in order.
 // clang-format off
@@ -82,21 +85,30 @@ void DecodeUnits(const DecodeArgs& a) {
     float* l_run = a.part_l + unit * rows;
 
     const std::int64_t t0 = qb * a.qblock, nrows = std::min(a.qblock, a.tnew - t0) * g;
-    std::int64_t kend = 0, kfull = INT64_MAX;  // keys some row sees / every row sees
+    // Keys some row sees: [kbegin, kend); keys every row sees: [kfull_begin, kfull).
+    std::int64_t kend = 0, kfull = INT64_MAX, kbegin = INT64_MAX, kfull_begin = 0;
     for (std::int64_t r = 0; r < nrows; ++r) {
       const float* q = a.q.row(b, t0 + r / g, j * g + r % g);
       for (std::int64_t x = 0; x < dh; ++x) qs[r * dh + x] = a.scale * q[x * a.q.s3];
-      const std::int64_t e = a.visible_end(b, t0 + r / g);
-      kend = std::max(kend, e);
+      const std::int64_t e = a.visible_end(b, t0 + r / g), s = a.visible_begin(b, t0 + r / g);
+      if (s < e) {
+        kend = std::max(kend, e);
+        kbegin = std::min(kbegin, s);
+      }
       kfull = std::min(kfull, e);
+      kfull_begin = std::max(kfull_begin, s);
       m_run[r] = kNegInf;
       l_run[r] = 0.0f;
     }
-    const std::int64_t k0 = c * a.chunk, k1 = std::min(k0 + a.chunk, kend);
-    if (k0 >= k1) continue;  // nothing visible in this chunk: m = −∞ marks the part empty
+    const std::int64_t k0 = a.chunk_base(b) + c * a.chunk, k1 = std::min(k0 + a.chunk, kend);
+    // From the tile holding the first visible key (a window's start) on.
+    const std::int64_t kb = std::max(k0, kbegin / kKeyTile * kKeyTile);
+    if (kb >= k1) continue;  // nothing visible in this chunk: m = −∞ marks the part empty
     std::fill(acc, acc + nrows * dh, 0.0f);
+    const bool capped = a.var.softcap > 0.0f;
+    const VF cap = hn::Set(d, a.var.softcap), inv_cap = hn::Set(d, 1.0f / a.var.softcap);
 
-    for (std::int64_t u0 = k0; u0 < k1; u0 += kKeyTile) {
+    for (std::int64_t u0 = kb; u0 < k1; u0 += kKeyTile) {
       const std::int64_t nt = std::min(kKeyTile, k1 - u0);
       const std::int64_t tile = a.tile_offset(b, j, u0);
       const TB* kt = k_layer + tile;  // Kᵀ tile [d_h][64]
@@ -107,16 +119,35 @@ void DecodeUnits(const DecodeArgs& a) {
         GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false);
       }
 
-      // Mask (4.3) and online softmax (4.4), row by row.
+      // Score variants, mask (4.3, window) and online softmax (4.4), row by row.
       for (std::int64_t r = 0; r < nrows; ++r) {
         float* score = st + r * kKeyTile;
-        const std::int64_t end = a.visible_end(b, t0 + r / g);
-        if (u0 + kKeyTile > kfull) {  // tile crosses some row's end: −∞ for lanes u0 + i ≥ end
-          const auto lim = hn::Set(
+        const std::int64_t t = t0 + r / g;
+        const std::int64_t end = a.visible_end(b, t), begin = a.visible_begin(b, t);
+        if (capped) {  // cap(z) = c·tanh(z / c)
+          for (std::int64_t i = 0; i < kKeyTile; i += N) {
+            const VF z = hn::Load(d, score + i);
+            hn::Store(hn::Mul(cap, hn::Tanh(d, hn::Mul(z, inv_cap))), d, score + i);
+          }
+        }
+        if (a.var.alibi != nullptr) {  // S += m_h (u − p), u − p = u0 + i − (end − 1)
+          const VF slope = hn::Set(d, a.var.alibi[j * g + r % g]);
+          const std::int64_t rel = u0 - (end - 1);
+          for (std::int64_t i = 0; i < kKeyTile; i += N) {
+            const VF dist = hn::Iota(d, static_cast<float>(rel + i));
+            hn::Store(hn::MulAdd(slope, dist, hn::Load(d, score + i)), d, score + i);
+          }
+        }
+        // Tile crosses some row's end or window start: −∞ for lanes outside [begin, end).
+        if (u0 + kKeyTile > kfull || u0 < kfull_begin) {
+          const auto lo_minus_1 = hn::Set(  // lane ≥ lo ⟺ lo − 1 < lane (no integer Ge here)
+              di,
+              static_cast<std::int32_t>(std::clamp<std::int64_t>(begin - u0, 0, kKeyTile) - 1));
+          const auto hi = hn::Set(
               di, static_cast<std::int32_t>(std::clamp<std::int64_t>(end - u0, 0, kKeyTile)));
           for (std::int64_t i = 0; i < kKeyTile; i += N) {
-            const auto visible =
-                hn::RebindMask(d, hn::Lt(hn::Iota(di, static_cast<std::int32_t>(i)), lim));
+            const auto lane = hn::Iota(di, static_cast<std::int32_t>(i));
+            const auto visible = hn::RebindMask(d, hn::And(hn::Lt(lo_minus_1, lane), hn::Lt(lane, hi)));
             hn::Store(hn::IfThenElse(visible, hn::Load(d, score + i), hn::Set(d, kNegInf)), d,
                       score + i);
           }
@@ -151,10 +182,15 @@ void DecodeUnits(const DecodeArgs& a) {
       // The V tile is consumed in sub-tiles of kSub keys, all d_h chunks of a sub-tile before the
       // next, so memory is read front to back (row-strided passes over the whole tile halve the
       // DRAM bandwidth a core gets).
-      // Keys from kfull on are not seen by every row; if their V rows are not finite, each row's
-      // product stops at its own visible end (a masked key takes no part: 0 · NaN = NaN).
+      // Keys before kfull_begin and from kfull on are not seen by every row; if their V rows are
+      // not finite, each row's product covers its own visible keys only (a masked key takes no
+      // part: 0 · NaN = NaN).
       bool v_bad = false;
       const std::int64_t first_partial = std::clamp<std::int64_t>(kfull - u0, 0, nt);
+      const std::int64_t last_partial = std::clamp<std::int64_t>(kfull_begin - u0, 0, nt);
+      for (std::int64_t i = 0; i < last_partial * dh && !v_bad; ++i) {
+        v_bad = !std::isfinite(load_element(a.dtype, vt, i));
+      }
       for (std::int64_t i = first_partial * dh; i < nt * dh && !v_bad; ++i) {
         v_bad = !std::isfinite(load_element(a.dtype, vt, i));
       }
@@ -164,14 +200,21 @@ void DecodeUnits(const DecodeArgs& a) {
         if (v_bad) {
           for (std::int64_t r = 0; r < nrows; ++r) {
             const std::int64_t seen = a.visible_end(b, t0 + r / g) - u0 - k0;
-            const std::int64_t nk_r = std::clamp<std::int64_t>(seen, 0, nk);
-            const float* p_r = st + r * kKeyTile + k0;
+            const std::int64_t from = a.visible_begin(b, t0 + r / g) - u0 - k0;
+            const std::int64_t lo = std::clamp<std::int64_t>(from, 0, nk);
+            const std::int64_t nk_r = std::clamp<std::int64_t>(seen, 0, nk) - lo;
+            const float* p_r = st + r * kKeyTile + k0 + lo;
+            const TB* v_r = vk + lo * dh;
             float* o_r = acc + r * dh;
+            if (nk_r <= 0) {
+              x0 = dh_vec;  // nothing visible in this sub-tile (the tail loop checks per key)
+              continue;
+            }
             for (x0 = 0; x0 < dh_full; x0 += W) {
-              GemmRows<1, kVD>(d, 1, p_r, kKeyTile, 1, vk + x0, dh, nk_r, o_r + x0, dh, true);
+              GemmRows<1, kVD>(d, 1, p_r, kKeyTile, 1, v_r + x0, dh, nk_r, o_r + x0, dh, true);
             }
             for (; x0 < dh_vec; x0 += N) {
-              GemmRows<1, 1>(d, 1, p_r, kKeyTile, 1, vk + x0, dh, nk_r, o_r + x0, dh, true);
+              GemmRows<1, 1>(d, 1, p_r, kKeyTile, 1, v_r + x0, dh, nk_r, o_r + x0, dh, true);
             }
           }
           continue;
@@ -183,7 +226,8 @@ void DecodeUnits(const DecodeArgs& a) {
       }
       if (x0 < dh) {
         for (std::int64_t r = 0; r < nrows; ++r)  // visible keys only (0 · NaN = NaN)
-          for (std::int64_t u = 0; u < std::min(nt, a.visible_end(b, t0 + r / g) - u0); ++u) {
+          for (std::int64_t u = std::max<std::int64_t>(0, a.visible_begin(b, t0 + r / g) - u0);
+               u < std::min(nt, a.visible_end(b, t0 + r / g) - u0); ++u) {
             const float p = st[r * kKeyTile + u];
             for (std::int64_t x = x0; x < dh; ++x)
               acc[r * dh + x] += p * load_element(a.dtype, vt, u * dh + x);

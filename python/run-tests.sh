@@ -5,7 +5,7 @@
 #
 # The virtual environment is persistent, outside the work tree:
 #   ${TOKENMIX_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv}
-# so NumPy, PyTorch, pytest, scikit-build-core and nanobind are downloaded from PyPI once per
+# so NumPy, ml_dtypes, PyTorch, pytest, scikit-build-core and nanobind are downloaded from PyPI once per
 # machine and only when missing (PyPI's Linux torch wheel is the CUDA build: ~0.5 GB plus
 # ~3 GB of nvidia-* wheels that `import torch` needs even on a CPU-only machine; PyPI carries no
 # CPU-only torch wheel). Later runs reuse it and need no network. No test is ever skipped for a
@@ -53,7 +53,7 @@ echo "== virtual environment: $venv ($("$py" --version))"
 # Packages, installed only when missing (module name = requirement).
 missing=()
 for spec in numpy:numpy torch:torch pytest:pytest scikit_build_core:scikit-build-core \
-            nanobind:nanobind threadpoolctl:threadpoolctl; do
+            nanobind:nanobind threadpoolctl:threadpoolctl ml_dtypes:ml_dtypes; do
   "$py" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
 done
 if [[ ${#missing[@]} -gt 0 ]]; then

@@ -91,7 +91,7 @@ def attention_forward(
     B, T_q, H_q, _ = q4.shape
     out = new_empty(q, tuple(q.shape)) if out is None else as_output(fn, "out", out)
     if lse is None and return_lse:
-        lse = new_empty(q, (B, H_q, T_q))
+        lse = new_empty(q, (B, H_q, T_q), float32=True)
     elif lse is not None:
         lse = as_output(fn, "lse", lse)
     _C.attention_forward(
@@ -189,7 +189,7 @@ def _dsinks_output(fn: str, like: Any, sinks: Any, dsinks: Any) -> Any:
         return as_output(fn, "dsinks", dsinks)
     if sinks is None:
         return None
-    return new_empty(like, (int(sinks.shape[0]),) if sinks.ndim >= 1 else (0,))
+    return new_empty(like, (int(sinks.shape[0]),) if sinks.ndim >= 1 else (0,), float32=True)
 
 
 def attention_forward_varlen(
@@ -242,7 +242,7 @@ def attention_forward_varlen(
         if q.ndim != 3:
             raise ValueError(f"{fn}: q must have 3 dimensions [total_q, H_q, d_h]; got shape "
                              f"{tuple(q.shape)}")
-        lse = new_empty(q, (q.shape[1], q.shape[0]))
+        lse = new_empty(q, (q.shape[1], q.shape[0]), float32=True)
     elif lse is not None:
         lse = as_output(fn, "lse", lse)
     _C.attention_forward_varlen(

@@ -47,7 +47,7 @@ def attention_decode(
     B, T_new, H_q, _ = q4.shape
     out = new_empty(q, tuple(q.shape)) if out is None else as_output(fn, "out", out)
     if lse is None and return_lse:
-        lse = new_empty(q, (B, H_q, T_new))
+        lse = new_empty(q, (B, H_q, T_new), float32=True)
     elif lse is not None:
         lse = as_output(fn, "lse", lse)
     _C.attention_decode(

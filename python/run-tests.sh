@@ -78,3 +78,5 @@ echo "== pytest"
 
 echo "== benchmark smoke run"
 (cd /tmp && "$py" -m tokenmix.bench --seq 128 --repeats 1 --heads-q 4 --heads-kv 2 --head-dim 32)
+(cd /tmp && "$py" -m tokenmix.bench --seq 128 --repeats 1 --heads-q 4 --heads-kv 2 --head-dim 32 \
+  --dtype bf16)

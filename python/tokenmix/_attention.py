@@ -61,10 +61,13 @@ def attention_forward(
         O_h = A V_j                 (4.5)   L_t = log Σ_u exp(S_tu + M_tu)
 
     Args:
-        q: [B, T_q, H_q, d_h] float32 (``layout="bhtd"``: [B, H_q, T_q, d_h]); any strides.
-        k, v: [B, T_k, H_kv, d_h] float32 (or [B, H_kv, T_k, d_h]).
-        out: optional output in q's layout and shape, written in place.
-        lse: optional row log-sum-exp output [B, H_q, T_q], written in place.
+        q: [B, T_q, H_q, d_h] float32, bfloat16 (``ml_dtypes.bfloat16`` / ``torch.bfloat16``)
+            or float16 (``layout="bhtd"``: [B, H_q, T_q, d_h]); any strides.
+        k, v: [B, T_k, H_kv, d_h] in q's dtype (or [B, H_kv, T_k, d_h]).
+        out: optional output in q's layout, shape and dtype, written in place (allocated in
+            q's dtype when not given; SPEC "Reduced precision": products accumulate in float32,
+            O is rounded to the dtype once).
+        lse: optional row log-sum-exp output [B, H_q, T_q], float32 for every dtype.
         scale: s of (4.2); ``None`` = 1/sqrt(d_h).
         causal: apply the causal mask M (4.3).
         align: ``"bottom_right"`` (default: query t is at absolute position t + T_k − T_q, as
@@ -151,7 +154,8 @@ def attention_backward(
     A is recomputed from q, k and the saved lse (no T×T buffer).
 
     Args:
-        q, k, v, out: as given to / returned by the forward (same layout, options).
+        q, k, v, out: as given to / returned by the forward (same layout, options, dtype;
+            dout, dq, dk, dv in that dtype too).
         lse: [B, H_q, T_q] from the forward (``return_lse=True``).
         dout: gradient of the loss w.r.t. out, out's shape (any strides, also stride 0).
         dq, dk, dv: optional outputs in the shapes of q, k, v (overwritten, not accumulated).
@@ -220,8 +224,8 @@ def attention_forward_varlen(
     sequence.
 
     Args:
-        q: [total_q, H_q, d_h] float32, any strides.
-        k, v: [total_k, H_kv, d_h] float32.
+        q: [total_q, H_q, d_h] float32, bfloat16 or float16, any strides.
+        k, v: [total_k, H_kv, d_h] in q's dtype (out too; lse float32).
         cu_seqlens_q, cu_seqlens_k: [n + 1] int32 or int64 (or lists of ints): 0 first,
             non-decreasing, ending at total_q / total_k (ArgumentError naming the index
             otherwise).

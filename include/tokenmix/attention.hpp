@@ -127,6 +127,22 @@ double forward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::in
 double backward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
                       std::int64_t d_h, bool causal, CausalAlign align);
 
+/// The same counts with a sliding window W ≥ 1 (SPEC "Score variants": window): only keys
+/// p(t) − W < u count, so a benchmark of a windowed call counts the pairs it computes
+/// (P ≈ W·T_q for T ≫ W). Closed form, exact in 128-bit arithmetic. Throws as above, and
+/// ArgumentError(invalid_argument) naming `window` for W < 1.
+/// (Separate names, not overloads, so the functions above stay addressable without a cast.)
+std::int64_t visible_keys_windowed(std::int64_t t, std::int64_t T_q, std::int64_t T_k, bool causal,
+                                   CausalAlign align, std::int64_t window);
+std::int64_t visible_pairs_windowed(std::int64_t T_q, std::int64_t T_k, bool causal,
+                                    CausalAlign align, std::int64_t window);
+double forward_flops_windowed(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
+                              std::int64_t d_h, bool causal, CausalAlign align,
+                              std::int64_t window);
+double backward_flops_windowed(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
+                               std::int64_t d_h, bool causal, CausalAlign align,
+                               std::int64_t window);
+
 /// Merge two partial attentions over disjoint key sets (SPEC "Merging partial results"):
 ///   L = log(e^{L¹} + e^{L²}),  O = e^{L¹−L} O¹ + e^{L²−L} O².
 /// o1, o2, out: [B, T, H, d_h]; lse1, lse2, lse_out: [B, H, T]. A part with L = −∞ is empty

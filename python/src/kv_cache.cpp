@@ -1,5 +1,6 @@
 // python/src/kv_cache.cpp — the KV cache (include/tokenmix/kv_cache.hpp, SPEC 4.8) and decode:
-// attention of new queries against a cache, "bottom_right" causal (SPEC 4.3).
+// attention of new queries against a cache, "bottom_right" causal (SPEC 4.3), with the score
+// variants window, softcap, ALiBi and sinks, and rolling caches for sliding-window layers.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
@@ -22,7 +23,7 @@ void bind_kv_cache(nb::module_& m) {
           "__init__",
           [](PyKVCache* self, std::int64_t layers, std::int64_t batch, std::int64_t heads_kv,
              std::int64_t head_dim, std::int64_t capacity, const std::string& dtype,
-             std::int64_t block_tokens, std::int64_t pool_blocks) {
+             std::int64_t block_tokens, std::int64_t pool_blocks, std::int64_t window) {
             tmx::KVCacheConfig c;
             c.layers = layers;
             c.batch = batch;
@@ -32,10 +33,11 @@ void bind_kv_cache(nb::module_& m) {
             c.dtype = parse_dtype(dtype);
             c.block_tokens = block_tokens;
             c.pool_blocks = pool_blocks;
+            c.window = window;
             new (self) PyKVCache(c);
           },
           "layers"_a, "batch"_a, "heads_kv"_a, "head_dim"_a, "capacity"_a, "dtype"_a = "f32",
-          "block_tokens"_a = 0, "pool_blocks"_a = 0)
+          "block_tokens"_a = 0, "pool_blocks"_a = 0, "window"_a = 0)
       .def_prop_ro("layers", [](PyKVCache& s) { return s.cache.config().layers; })
       .def_prop_ro("batch", [](PyKVCache& s) { return s.cache.config().batch; })
       .def_prop_ro("heads_kv", [](PyKVCache& s) { return s.cache.config().heads_kv; })
@@ -44,6 +46,8 @@ void bind_kv_cache(nb::module_& m) {
       .def_prop_ro("dtype",
                    [](PyKVCache& s) { return std::string(tmx::to_string(s.cache.config().dtype)); })
       .def_prop_ro("paged", [](PyKVCache& s) { return s.cache.paged(); })
+      .def_prop_ro("window", [](PyKVCache& s) { return s.cache.window(); })
+      .def_prop_ro("retained_positions", [](PyKVCache& s) { return s.cache.retained_positions(); })
       .def_prop_ro("block_tokens", [](PyKVCache& s) { return s.cache.block_tokens(); })
       .def_prop_ro("pool_blocks", [](PyKVCache& s) { return s.cache.pool_blocks(); })
       .def_prop_ro("free_blocks",
@@ -62,6 +66,13 @@ void bind_kv_cache(nb::module_& m) {
           [](PyKVCache& s, std::int64_t seq, std::int64_t layer) {
             std::lock_guard<std::mutex> lock(s.mutex);
             return s.cache.length(seq, layer);
+          },
+          "seq"_a, "layer"_a = 0)
+      .def(
+          "first_position",
+          [](PyKVCache& s, std::int64_t seq, std::int64_t layer) {
+            std::lock_guard<std::mutex> lock(s.mutex);
+            return s.cache.first_position(seq, layer);
           },
           "seq"_a, "layer"_a = 0)
       .def(
@@ -108,23 +119,33 @@ void bind_kv_cache(nb::module_& m) {
           "seq"_a = nb::none())
       .def(
           "decode_bytes",
-          [](PyKVCache& s, std::int64_t layer, std::int64_t first_seq, std::int64_t batch) {
+          [](PyKVCache& s, std::int64_t layer, std::int64_t first_seq, std::int64_t batch,
+             std::int64_t window, std::int64_t tnew) {
             std::lock_guard<std::mutex> lock(s.mutex);
-            return tmx::decode_bytes(s.cache, layer, first_seq, batch);
+            return tmx::decode_bytes(s.cache, layer, first_seq, batch, window, tnew);
           },
-          "layer"_a, "first_seq"_a, "batch"_a);
+          "layer"_a, "first_seq"_a, "batch"_a, "window"_a = 0, "tnew"_a = 1);
 
   m.def(
       "attention_decode",
       [](ArrayArg q, PyKVCache& cache, std::int64_t layer, ArrayArg out,
          std::optional<ArrayArg> lse, std::optional<double> scale, IntArg threads,
-         const std::string& isa, std::int64_t first_seq) {
+         const std::string& isa, std::int64_t first_seq, std::optional<IntArg> window,
+         std::optional<double> softcap, std::optional<ArrayArg> alibi_slopes,
+         std::optional<ArrayArg> sinks) {
         constexpr const char* fn = "attention_decode";
         tmx::DecodeOptions o;
         o.scale = scale;
         o.threads = thread_count(threads, fn);
         o.isa = tmx::parse_isa(isa, "isa");
         o.first_seq = first_seq;
+        tmx::AttentionOptions variants;  // the one conversion of the variant arguments
+        add_variants(variants, fn,
+                     {window, softcap, alibi_slopes, sinks, std::nullopt, std::nullopt});
+        o.window = variants.window;
+        o.softcap = variants.softcap;
+        o.alibi_slopes = variants.alibi_slopes;
+        o.sinks = variants.sinks;
         // q and out: float32, bfloat16 or float16 (one dtype) on a cache of any dtype.
         auto qv = in_float(q, fn, "q", 4);
         auto ov = out_float(out, fn, "out", 4);
@@ -135,7 +156,8 @@ void bind_kv_cache(nb::module_& m) {
         tmx::attention_decode(qv, cache.cache, layer, ov, lv, o);
       },
       "q"_a, "cache"_a, "layer"_a, "out"_a, "lse"_a.none(), "scale"_a.none(), "threads"_a, "isa"_a,
-      "first_seq"_a);
+      "first_seq"_a, "window"_a.none() = nb::none(), "softcap"_a.none() = nb::none(),
+      "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none());
 }
 
 }  // namespace tokenmix_py

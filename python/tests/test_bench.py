@@ -37,3 +37,27 @@ def test_bench_reduced_precision_side_by_side(capsys):
         for _, _, speedup, diff in cases:
             assert float(speedup) > 0.0
             assert float(diff) < bound, (dtype, diff)
+
+
+def test_bench_variants_passthrough(capsys):
+    """--window/--softcap/--alibi/--sinks reach tokenmix's extras; PyTorch computes the same
+    variant its own way (mask or eager), and the two agree."""
+    for extra, side in ((["--window", "16", "--alibi"], "SDPA with an explicit attn_mask"),
+                        (["--softcap", "5", "--sinks", "0.5", "--window", "8"], "eager attention")):
+        assert bench.main(["--seq", "40", "--repeats", "1", "--heads-q", "4", "--heads-kv", "2",
+                           "--head-dim", "16", "--threads", "1", "--mode", "fwd"] + extra) == 0
+        out = capsys.readouterr().out
+        assert "score variants: " in out and side in out
+        diff = re.search(r"max\|diff\| ([0-9.e+-]+)", out)
+        assert diff and float(diff.group(1)) < 1e-5, out
+    # useful work counts only the window's pairs: rows t < W see t + 1 keys, the others W
+    assert bench.case_flops(1, 40, 4, 16, "fwd", window=8) == 4.0 * 16 * 4 * (36 + 32 * 8)
+    assert bench.case_flops(1, 40, 4, 16, "fwd", window=100) == bench.case_flops(1, 40, 4, 16,
+                                                                                  "fwd")
+    for bad in (["--window", "0"], ["--softcap", "-1"]):
+        try:
+            bench.main(["--seq", "8"] + bad)
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(bad)

@@ -773,3 +773,69 @@ def test_torch_varlen_errors():
         tmt.varlen_attention(q, q, q, good, good, 5, 5.0)
     with pytest.raises(tm.ArgumentError, match="sinks must have shape"):
         tmt.varlen_attention(q, q, q, good, good, 5, 5, sinks=torch.zeros(3))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode on the KV cache (NumPy API): the same variants, rolling caches
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("kw", [dict(window=5), dict(softcap=2.0), dict(alibi=True),
+                                dict(sinks=True), dict(window=3, softcap=4.0, alibi=True,
+                                                       sinks=True)],
+                         ids=["window", "softcap", "alibi", "sinks", "all"])
+def test_decode_variants_equal_attention_forward(kw, isa):
+    """T_new = 3 new queries per sequence against a cache of 20 (sequence 0) and 9 positions:
+    what attention_forward (bottom-right, checked against the float64 reference above) gives on
+    the same keys, with the same variants."""
+    H_q, H_kv, D = 4, 2, 16
+    kw = dict(kw)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = alibi_slopes(H_q)
+    if kw.pop("sinks", False):
+        kw["sinks"] = rand(H_q)
+    lengths = [20, 9]
+    cache = tm.KVCache(1, 2, H_kv, D, 64)
+    keys = [rand(1, n, H_kv, D) for n in lengths]
+    vals = [rand(1, n, H_kv, D) for n in lengths]
+    for b in range(2):
+        cache.append(0, keys[b], vals[b], first_seq=b)
+    q = rand(2, 3, H_q, D)
+    out, lse = tm.attention_decode(q, cache, 0, return_lse=True, isa=isa, **kw)
+    for b in range(2):
+        ref, rlse = tm.attention_forward(q[b:b + 1], keys[b], vals[b], return_lse=True,
+                                         isa="portable", **kw)
+        assert_close(out[b:b + 1], ref, 1e-5, 1e-5, f"out seq {b}")
+        assert_lse_close(lse[b:b + 1], rlse, f"lse seq {b}")
+
+
+def test_decode_rolling_cache_equals_full_cache_and_errors():
+    """A sliding-window layer's rolling cache (KVCache(window=W)) keeps O(W) positions and gives
+    what the full cache gives with window=W; a decode window wider than the ring is refused."""
+    H_q, H_kv, D, W = 2, 1, 8, 6
+    full = tm.KVCache(1, 1, H_kv, D, 512)
+    ring = tm.KVCache(1, 1, H_kv, D, 512, window=W)
+    assert ring.window == W and ring.retained_positions < 512
+    assert ring.storage_bytes < full.storage_bytes
+    for step in range(5):
+        k, v = rand(1, 40, H_kv, D), rand(1, 40, H_kv, D)
+        full.append(0, k, v)
+        ring.append(0, k, v)
+        q = rand(1, 1, H_q, D)
+        a = tm.attention_decode(q, full, 0, window=W, sinks=[0.5, -0.5])
+        b = tm.attention_decode(q, ring, 0, window=W, sinks=[0.5, -0.5])
+        assert np.array_equal(a, b), step
+    assert ring.first_position(0) > 0 and full.first_position(0) == 0
+    assert ring.decode_bytes(0, 0, 1, window=W) == full.decode_bytes(0, 0, 1, window=W)
+    assert full.decode_bytes(0, 0, 1, window=W) < full.decode_bytes(0, 0, 1)
+    q = rand(1, 1, H_q, D)
+    with pytest.raises(tm.ArgumentError, match="window"):
+        tm.attention_decode(q, ring, 0)  # a rolling cache needs the window
+    with pytest.raises(tm.ArgumentError, match="window"):
+        tm.attention_decode(q, ring, 0, window=W + 500)
+    with pytest.raises(tm.ArgumentError, match="window"):
+        tm.attention_decode(q, full, 0, window=0)
+    with pytest.raises(TypeError, match="attention_decode: sinks has dtype float64"):
+        tm.attention_decode(q, full, 0, sinks=np.zeros(2))
+    with pytest.raises(tm.ArgumentError, match="alibi_slopes"):
+        tm.attention_decode(q, full, 0, alibi_slopes=np.zeros(3, np.float32))

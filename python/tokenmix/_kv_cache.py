@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from . import _tokenmix as _C
-from ._convert import as_array, as_output, check_layout, new_empty, view4
+from ._convert import as_array, as_output, check_layout, new_empty, opt_float, opt_vector, view4
 from ._tokenmix import KVCache
 
 kv_cache_bytes = _C.kv_cache_bytes
@@ -25,6 +25,10 @@ def attention_decode(
     first_seq: int = 0,
     layout: str = "bthd",
     return_lse: bool = False,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """Attention of T_new new queries per sequence against layer ``layer`` of a KV cache.
 
@@ -37,6 +41,10 @@ def attention_decode(
             is cache sequence ``first_seq + b``.
         cache: a :class:`KVCache` with H_kv dividing H_q and the same d_h.
         out, lse: optional outputs ([B', T_new, H_q, d_h] in q's layout; [B', H_q, T_new]).
+        window, softcap, alibi_slopes, sinks: the score variants, as for
+            :func:`tokenmix.attention_forward` (SPEC "Score variants used by real models"); with
+            a window only the last W (+ T_new − 1) positions are read. A rolling cache
+            (``KVCache(..., window=W)``) needs ``window`` ≤ W.
 
     Returns:
         ``out``, or ``(out, lse)`` when lse was given or ``return_lse`` is set.
@@ -52,6 +60,9 @@ def attention_decode(
     elif lse is not None:
         lse = as_output(fn, "lse", lse)
     _C.attention_decode(
-        q4, cache, layer, view4(fn, "out", out, layout), lse, scale, threads, isa, first_seq
+        q4, cache, layer, view4(fn, "out", out, layout), lse, scale, threads, isa, first_seq,
+        window=window, softcap=opt_float(fn, "softcap", softcap),
+        alibi_slopes=opt_vector(fn, "alibi_slopes", alibi_slopes),
+        sinks=opt_vector(fn, "sinks", sinks),
     )
     return (out, lse) if lse is not None else out

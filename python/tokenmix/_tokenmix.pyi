@@ -109,9 +109,12 @@ class KVCache:
     """Keys/values of n layers × B sequences, [n, B, T, H_kv, d_h] each, in "f32", "bf16" or
     "f16" (SPEC 4.8). block_tokens = 0: contiguous; else paged with blocks of that many
     positions (a multiple of 64) from a pool of pool_blocks (0 = enough for all at capacity).
-    Every mutating method validates first: on error the cache is unchanged."""
+    window = W ≥ 1: a rolling buffer for a sliding-window layer (only the last
+    retained_positions ≥ W positions are kept; storage O(W)). Every mutating method validates
+    first: on error the cache is unchanged."""
     def __init__(self, layers: int, batch: int, heads_kv: int, head_dim: int, capacity: int,
-                 dtype: str = "f32", block_tokens: int = 0, pool_blocks: int = 0) -> None: ...
+                 dtype: str = "f32", block_tokens: int = 0, pool_blocks: int = 0,
+                 window: int = 0) -> None: ...
     layers: int
     batch: int
     heads_kv: int
@@ -119,12 +122,16 @@ class KVCache:
     capacity: int
     dtype: str
     paged: bool
+    window: int
+    retained_positions: int
     block_tokens: int
     pool_blocks: int
     free_blocks: int
     storage_bytes: int
     memory_bytes: int
     def length(self, seq: int, layer: int = 0) -> int: ...
+    def first_position(self, seq: int, layer: int = 0) -> int:
+        """The oldest position still held (0 unless the cache is rolling)."""
     def active(self, seq: int) -> bool: ...
     def append(self, layer: int, k: Array, v: Array, first_seq: int = 0) -> None:
         """k, v [B', T_new, H_kv, d_h] float32 (post-RoPE) for sequences
@@ -132,11 +139,16 @@ class KVCache:
     def truncate(self, seq: int, new_length: int) -> None: ...
     def release(self, seq: int) -> None: ...
     def reset(self, seq: Optional[int] = None) -> None: ...
-    def decode_bytes(self, layer: int, first_seq: int, batch: int) -> int: ...
+    def decode_bytes(self, layer: int, first_seq: int, batch: int, window: int = 0,
+                     tnew: int = 1) -> int: ...
 
 def attention_decode(q: Array, cache: KVCache, layer: int, out: Array, lse: Optional[Array],
-                     scale: Optional[float], threads: int, isa: str, first_seq: int) -> None:
-    """q/out [B',T_new,H_q,d_h], lse [B',H_q,T_new]; "bottom_right" causal against the cache."""
+                     scale: Optional[float], threads: int, isa: str, first_seq: int,
+                     window: Optional[int] = None, softcap: Optional[float] = None,
+                     alibi_slopes: Optional[Array] = None,
+                     sinks: Optional[Array] = None) -> None:
+    """q/out [B',T_new,H_q,d_h], lse [B',H_q,T_new]; "bottom_right" causal against the cache,
+    with the score variants window, softcap, alibi_slopes [H_q] and sinks [H_q]."""
 
 class CausalSelfAttention:
     def __init__(self, d_model: int, heads_q: int, heads_kv: int, head_dim: int,

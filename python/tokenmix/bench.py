@@ -28,6 +28,15 @@ ceiling is a GEMM in that dtype instead: ``torch.mm`` on 2048 x 2048 bfloat16 / 
 matrices (oneDNN where PyTorch's CPU build uses it for the dtype), same threads, best of 10; its
 line names it. The forward agreement ``max|diff|`` is between the two sides' outputs in the
 dtype, so at bfloat16 it is of the order of the dtype's rounding (2^-8 relative), not 1e-6.
+
+Score variants (SPEC "Score variants used by real models"): ``--window W``, ``--softcap C``,
+``--alibi`` (the standard slopes 2^(−8(h+1)/H_q)) and ``--sinks V`` (one sink logit for every
+head) are passed to tokenmix's keyword-only extras. PyTorch's side is what a model does without
+tokenmix: SDPA with the window and ALiBi written into an explicit ``attn_mask`` (built once,
+outside the timing), or — for soft-capping and sinks, which SDPA cannot express — the eager
+computation (scores, ``tanh`` cap, mask, a sink column, softmax, P·V; as Hugging Face's eager
+attention does for Gemma 2 and gpt-oss). Useful FLOPs count only the pairs the window leaves
+visible.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -49,14 +58,77 @@ import tokenmix
 from tokenmix.torch import scaled_dot_product_attention as tm_sdpa
 
 
-def case_flops(B: int, T: int, H_q: int, d_h: int, mode: str) -> float:
+def case_flops(B: int, T: int, H_q: int, d_h: int, mode: str,
+               window: Optional[int] = None) -> float:
     """Useful FLOPs of one causal self-attention call (T_q = T_k = T) in ``mode`` "fwd" or
     "fwd+bwd", as the library counts them (SPEC "Useful-work counts": tokenmix.forward_flops,
-    and tokenmix.backward_flops = 2.5 × that, five matrix products instead of two)."""
-    flops = tokenmix.forward_flops(B, T, T, H_q, d_h, True, "top_left")
+    and tokenmix.backward_flops = 2.5 × that, five matrix products instead of two). With a
+    sliding window W only the visible pairs count: P = Σ_t min(t + 1, W)."""
+    if window is None:
+        flops = tokenmix.forward_flops(B, T, T, H_q, d_h, True, "top_left")
+    else:
+        W = min(window, T)
+        pairs = W * (W + 1) // 2 + (T - W) * W  # rows t < W see t + 1 keys, the others W
+        flops = 4.0 * d_h * H_q * pairs * B
     if mode != "fwd":
-        flops += tokenmix.backward_flops(B, T, T, H_q, d_h, True, "top_left")
+        flops *= 3.5  # + backward = 2.5 × forward
     return flops
+
+
+def alibi_slopes(H: int) -> torch.Tensor:
+    """The standard ALiBi slopes m_h = 2^(−8(h+1)/H) (SPEC "Score variants": ALiBi)."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], dtype=torch.float32)
+
+
+def variant_kwargs(args: argparse.Namespace, H_q: int) -> Dict[str, object]:
+    """tokenmix's keyword-only extras for the variants on the command line."""
+    kw: Dict[str, object] = {}
+    if args.window is not None:
+        kw["window"] = args.window
+    if args.softcap is not None:
+        kw["softcap"] = args.softcap
+    if args.alibi:
+        kw["alibi_slopes"] = alibi_slopes(H_q)
+    if args.sinks is not None:
+        kw["sinks"] = torch.full((H_q,), args.sinks, dtype=torch.float32)
+    return kw
+
+
+def torch_variant(T: int, H_q: int, H_kv: int, kw: Dict[str, object]) -> Callable:
+    """PyTorch's own way to compute the variants in ``kw`` (see the module docstring)."""
+    pos = torch.arange(T)
+    visible = pos[None, :] <= pos[:, None]  # causal [T, T]
+    if "window" in kw:
+        visible &= pos[None, :] > pos[:, None] - int(kw["window"])
+    bias = torch.zeros(T, T).masked_fill(~visible, float("-inf"))[None]  # [1, T, T]
+    if "alibi_slopes" in kw:
+        dist = (pos[:, None] - pos[None, :]).float()
+        bias = bias - kw["alibi_slopes"][:, None, None] * dist  # [H_q, T, T]
+    g = H_q // H_kv
+    if "softcap" not in kw and "sinks" not in kw:
+        mask = visible if "alibi_slopes" not in kw else bias
+
+        def sdpa(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=g > 1)
+        return sdpa
+    cap = kw.get("softcap")
+    sinks = kw.get("sinks")
+
+    def eager(q, k, v):
+        if g > 1:
+            k = k.repeat_interleave(g, dim=1)
+            v = v.repeat_interleave(g, dim=1)
+        s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+        if cap is not None:
+            s = cap * torch.tanh(s / cap)
+        s = s + bias.to(s.dtype)  # (--dtype bf16/f16: the eager model computes in the dtype)
+        if sinks is not None:
+            col = sinks[None, :, None, None].expand(s.shape[0], -1, s.shape[2], 1).to(s.dtype)
+            p = torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(s, dim=-1)
+        return p @ v
+    return eager
 
 
 def _cpu_model() -> str:
@@ -121,6 +193,8 @@ def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
     g = torch.randn(B, Hq, T, D, generator=gen).to(dtype)
     gqa = Hq != Hkv
 
+    extras = variant_kwargs(args, Hq)
+
     def torch_gqa(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
@@ -128,10 +202,13 @@ def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def ours(q, k, v):
-        return tm_sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
+        return tm_sdpa(q, k, v, is_causal=True, enable_gqa=gqa, **extras)
+
+    if extras:
+        torch_gqa = torch_variant(T, Hq, Hkv, extras)  # noqa: F811 — the variant's PyTorch way
 
     sides = {"torch": (torch_gqa, k, v), "tokenmix": (ours, k, v)}
-    if args.torch_expanded and gqa:
+    if args.torch_expanded and gqa and not extras:
         ke = k.repeat_interleave(Hq // Hkv, dim=1).contiguous()
         ve = v.repeat_interleave(Hq // Hkv, dim=1).contiguous()
         sides["torch_expanded"] = (torch_expanded, ke, ve)
@@ -169,7 +246,7 @@ def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
         min(times[n][i] for n in names if n.startswith("torch")) for i in range(args.repeats)
     ]
     ratios = [t / o for t, o in zip(torch_rounds, times["tokenmix"])]
-    flops = case_flops(B, T, Hq, D, mode)
+    flops = case_flops(B, T, Hq, D, mode, args.window)
     return {
         "torch": med["torch"],
         "torch_expanded": med.get("torch_expanded", float("nan")),
@@ -204,9 +281,22 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--torch-expanded", action="store_true",
                    help="also time PyTorch on K/V expanded to H_q heads; compare with the faster")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--window", type=int, default=None,
+                   help="sliding window W >= 1 (the last W positions up to the query's own)")
+    p.add_argument("--softcap", type=float, default=None, help="logit soft-capping c > 0")
+    p.add_argument("--alibi", action="store_true",
+                   help="ALiBi with the standard slopes 2^(-8(h+1)/H_q)")
+    p.add_argument("--sinks", type=float, default=None,
+                   help="one attention-sink logit for every query head")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.window is not None and args.window < 1:
+        p.error("--window must be >= 1")
+    if args.softcap is not None and not (0.0 < args.softcap < float("inf")):
+        p.error("--softcap must be a finite number > 0")
+    if args.sinks is not None and args.sinks != args.sinks:
+        p.error("--sinks must be a number")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -220,6 +310,15 @@ def main(argv: List[str] | None = None) -> int:
           f"H_kv={args.heads_kv} d_h={args.head_dim}, causal, "
           f"{str(DTYPES[args.dtype]).replace('torch.', '')}, layout [B,H,T,d_h]; "
           f"median of {args.repeats} rounds")
+    variants = [f"window={args.window}" if args.window is not None else "",
+                f"softcap={args.softcap:g}" if args.softcap is not None else "",
+                "alibi" if args.alibi else "",
+                f"sinks={args.sinks:g}" if args.sinks is not None else ""]
+    if any(variants):
+        print("score variants: " + " ".join(v for v in variants if v) +
+              " (PyTorch side: " + ("eager attention" if args.softcap is not None or
+                                    args.sinks is not None else "SDPA with an explicit attn_mask")
+              + ")")
     print(f"load average before: {_loadavg()}")
     sys.stdout.flush()
     if args.dtype == "f32":

@@ -104,17 +104,32 @@ void check_count_args(const char* fn, std::int64_t T_q, std::int64_t T_k, Causal
   detail::check_align(fn, "align", align);
 }
 
-// P = Σ_{t<T_q} pairs(t), exact in 128 bits (|P| ≤ T_q·T_k < 2^126). With a = 1 + shift,
-// pairs(t) = clamp(t + a, 0, T_k): 0 for t < z = 1 − a, t + a on [z, s) with s = T_k − a, and
-// T_k from max(z, s) on (both bounds clamped to [0, T_q]).
-__int128 pairs_exact(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align) {
+// Σ_{t<T_q} clamp(t + a, 0, T_k), exact in 128 bits (|sum| ≤ T_q·T_k < 2^126): 0 for t < z =
+// 1 − a, t + a on [z, s) with s = T_k − a, and T_k from max(z, s) on (bounds clamped to [0, T_q]).
+__int128 clamped_sum(std::int64_t T_q, std::int64_t T_k, __int128 a) {
   using I = __int128;
-  if (!causal) return I{T_q} * T_k;
-  const I a = I{1} + (align == CausalAlign::bottom_right ? I{T_k} - T_q : I{0});
   const auto clamp_t = [&](I x) { return std::clamp<I>(x, 0, T_q); };
   const I z = clamp_t(1 - a), s = std::max(z, clamp_t(I{T_k} - a));
   const I linear = (s - z) * ((z + a) + (s - 1 + a)) / 2;  // arithmetic series z+a … s−1+a
   return linear + (I{T_q} - s) * T_k;
+}
+
+// P = Σ_{t<T_q} pairs(t), exact in 128 bits. Causal: pairs(t) = clamp(p(t) + 1, 0, T_k) with
+// p(t) = t + shift. A window W ≥ 1 (0 = none) removes the keys u ≤ p(t) − W, i.e.
+// clamp(p(t) − W + 1, 0, T_k) of them (never more than the row has: p(t) − W + 1 ≤ p(t) + 1).
+__int128 pairs_exact(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align,
+                     std::int64_t window = 0) {
+  using I = __int128;
+  const I shift = align == CausalAlign::bottom_right ? I{T_k} - T_q : I{0};
+  const I all = causal ? clamped_sum(T_q, T_k, 1 + shift) : I{T_q} * T_k;
+  return window > 0 ? all - clamped_sum(T_q, T_k, 1 + shift - window) : all;
+}
+
+void check_window_arg(const char* fn, std::int64_t window) {
+  if (window < 1) {
+    fail(ErrorCode::invalid_argument, fn,
+         "window must be >= 1 (the last W positions up to p(t)); got " + std::to_string(window));
+  }
 }
 
 std::string approx(__int128 x) {
@@ -139,25 +154,58 @@ std::int64_t visible_keys(std::int64_t t, std::int64_t T_q, std::int64_t T_k, bo
   return std::clamp<std::int64_t>(t + 1 + shift, 0, T_k);
 }
 
-std::int64_t visible_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align) {
-  constexpr const char* fn = "visible_pairs";
+namespace {
+
+std::int64_t visible_pairs_checked(const char* fn, std::int64_t T_q, std::int64_t T_k, bool causal,
+                                   CausalAlign align, std::int64_t window) {
   check_count_args(fn, T_q, T_k, align);
-  const __int128 p = pairs_exact(T_q, T_k, causal, align);
+  const __int128 p = pairs_exact(T_q, T_k, causal, align, window);
   if (p > INT64_MAX) {
     fail(ErrorCode::overflow, fn,
          std::string("the number of visible pairs for T_q = ") + std::to_string(T_q) +
              ", T_k = " + std::to_string(T_k) + (causal ? ", causal " : ", no mask ") +
-             (causal ? to_string(align) : "") + " is " + approx(p) +
-             ", which exceeds 2^63 - 1 (int64)");
+             (causal ? to_string(align) : "") +
+             (window > 0 ? ", window " + std::to_string(window) : std::string()) + " is " +
+             approx(p) + ", which exceeds 2^63 - 1 (int64)");
   }
   return static_cast<std::int64_t>(p);
+}
+
+}  // namespace
+
+std::int64_t visible_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align) {
+  return visible_pairs_checked("visible_pairs", T_q, T_k, causal, align, 0);
+}
+
+std::int64_t visible_pairs_windowed(std::int64_t T_q, std::int64_t T_k, bool causal,
+                                    CausalAlign align, std::int64_t window) {
+  constexpr const char* fn = "visible_pairs_windowed";
+  check_window_arg(fn, window);
+  return visible_pairs_checked(fn, T_q, T_k, causal, align, window);
+}
+
+std::int64_t visible_keys_windowed(std::int64_t t, std::int64_t T_q, std::int64_t T_k, bool causal,
+                                   CausalAlign align, std::int64_t window) {
+  constexpr const char* fn = "visible_keys_windowed";
+  check_window_arg(fn, window);
+  check_count_args(fn, T_q, T_k, align);
+  if (t < 0 || t >= T_q) {
+    fail(ErrorCode::invalid_argument, fn,
+         "t must be in [0, T_q = " + std::to_string(T_q) + "); got " + std::to_string(t));
+  }
+  const std::int64_t end = visible_keys(t, T_q, T_k, causal, align);
+  // p(t) − W + 1, the first key in the window, clamped; p(t) ≥ −T_q, W < 2^63: in 128 bits.
+  const __int128 p = __int128{t} + (align == CausalAlign::bottom_right ? T_k - T_q : 0);
+  const __int128 begin = std::clamp<__int128>(p - window + 1, 0, end);  // u ≥ 0, ≤ end
+  return end - static_cast<std::int64_t>(begin);
 }
 
 namespace {
 
 // 4 · d_h · H_q · P · B (SPEC "Useful-work counts"); errors name the public function `fn`.
 double forward_flops_checked(const char* fn, std::int64_t B, std::int64_t T_q, std::int64_t T_k,
-                             std::int64_t H_q, std::int64_t d_h, bool causal, CausalAlign align) {
+                             std::int64_t H_q, std::int64_t d_h, bool causal, CausalAlign align,
+                             std::int64_t window = 0) {
   check_count_args(fn, T_q, T_k, align);
   const std::pair<const char*, std::int64_t> sizes[] = {{"B", B}, {"H_q", H_q}, {"d_h", d_h}};
   for (auto [name, x] : sizes) {
@@ -167,7 +215,7 @@ double forward_flops_checked(const char* fn, std::int64_t B, std::int64_t T_q, s
   }
   // SPEC "Useful-work counts": 4 · d_h · H_q · P · B.
   return 4.0 * static_cast<double>(d_h) * static_cast<double>(H_q) *
-         static_cast<double>(pairs_exact(T_q, T_k, causal, align)) * static_cast<double>(B);
+         static_cast<double>(pairs_exact(T_q, T_k, causal, align, window)) * static_cast<double>(B);
 }
 
 }  // namespace
@@ -175,6 +223,14 @@ double forward_flops_checked(const char* fn, std::int64_t B, std::int64_t T_q, s
 double forward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
                      std::int64_t d_h, bool causal, CausalAlign align) {
   return forward_flops_checked("forward_flops", B, T_q, T_k, H_q, d_h, causal, align);
+}
+
+double forward_flops_windowed(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
+                              std::int64_t d_h, bool causal, CausalAlign align,
+                              std::int64_t window) {
+  constexpr const char* fn = "forward_flops_windowed";
+  check_window_arg(fn, window);
+  return forward_flops_checked(fn, B, T_q, T_k, H_q, d_h, causal, align, window);
 }
 
 void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
@@ -255,6 +311,14 @@ double backward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::i
                       std::int64_t d_h, bool causal, CausalAlign align) {
   // SPEC "Useful-work counts": backward = 2.5 × forward (five products instead of two).
   return 2.5 * forward_flops_checked("backward_flops", B, T_q, T_k, H_q, d_h, causal, align);
+}
+
+double backward_flops_windowed(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,
+                               std::int64_t d_h, bool causal, CausalAlign align,
+                               std::int64_t window) {
+  constexpr const char* fn = "backward_flops_windowed";
+  check_window_arg(fn, window);
+  return 2.5 * forward_flops_checked(fn, B, T_q, T_k, H_q, d_h, causal, align, window);
 }
 
 }  // namespace tokenmix

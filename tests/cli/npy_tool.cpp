@@ -5,8 +5,11 @@
 //   npy_tool make DIR B T_q T_k H_q H_kv D SEED
 //       DIR/q.npy k.npy v.npy do.npy (float32, N(0,1)), DIR/q64.npy (q as float64, same values)
 //   npy_tool verify DIR OUT_PREFIX [--scale S] [--no-causal] [--top-left] [--grad]
-//       reads DIR/{q,k,v,do}.npy and DIR/OUT_PREFIX{o,lse[,dq,dk,dv]}.npy, compares with the
-//       oracle; exit 0 if max|x−r|/max|r| is within bounds, 1 otherwise
+//                   [--window W] [--softcap C] [--alibi] [--sinks V[,V...]]
+//       reads DIR/{q,k,v,do}.npy and DIR/OUT_PREFIX{o,lse[,dq,dk,dv[,dsinks]]}.npy, compares
+//       with the oracle (with the score variants given: --alibi the standard slopes
+//       2^(−8(h+1)/H_q), --sinks one value for every head or one per head; dsinks is checked
+//       with --grad and --sinks); exit 0 if max|x−r|/max|r| is within bounds, 1 otherwise
 //   npy_tool malformed DIR
 //       DIR/bad_magic.npy, truncated.npy, rank3.npy (valid, but rank 3), int32.npy ('<i4'), and
 //       valid files without data whose other sizes are huge: dh0_huge.npy (d_h = 0), h0_huge.npy
@@ -105,11 +108,25 @@ int verify(int argc, char** argv) {
   if (argc < 4) throw std::runtime_error("usage: verify DIR OUT_PREFIX [options]");
   const std::string dir = argv[2], prefix = dir + "/" + argv[3];
   tokenmix::reference::Options o;
-  bool grad = false;
+  bool grad = false, alibi = false;
+  std::vector<double> sinks;
   for (int i = 4; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--scale" && i + 1 < argc) {
       o.scale = std::stod(argv[++i]);
+    } else if (a == "--window" && i + 1 < argc) {
+      o.window = std::stoll(argv[++i]);
+    } else if (a == "--softcap" && i + 1 < argc) {
+      o.softcap = std::stod(argv[++i]);
+    } else if (a == "--alibi") {
+      alibi = true;
+    } else if (a == "--sinks" && i + 1 < argc) {
+      std::string list = argv[++i];
+      for (std::size_t pos = 0; pos <= list.size();) {
+        const std::size_t comma = std::min(list.find(',', pos), list.size());
+        sinks.push_back(std::stod(list.substr(pos, comma - pos)));
+        pos = comma + 1;
+      }
     } else if (a == "--no-causal") {
       o.causal = false;
     } else if (a == "--top-left") {
@@ -123,6 +140,13 @@ int verify(int argc, char** argv) {
   const NpyArray q = tokenmix::io::read_npy(dir + "/q.npy"),
                  k = tokenmix::io::read_npy(dir + "/k.npy"),
                  v = tokenmix::io::read_npy(dir + "/v.npy");
+  const std::int64_t H_q = q.shape.at(2);
+  for (std::int64_t h = 0; h < H_q; ++h) {
+    // As the CLI: float32 values of the slopes and sinks.
+    if (alibi) o.alibi_slopes.push_back(static_cast<float>(std::exp2(-8.0 * (h + 1) / H_q)));
+    if (!sinks.empty())
+      o.sinks.push_back(static_cast<float>(sinks.size() == 1 ? sinks[0] : sinks.at(h)));
+  }
   const auto f = tokenmix::reference::attention_forward(to64(q), to64(k), to64(v), o);
   const NpyArray out = tokenmix::io::read_npy(prefix + "o.npy");
   const NpyArray lse = tokenmix::io::read_npy(prefix + "lse.npy");
@@ -146,6 +170,13 @@ int verify(int argc, char** argv) {
                  e_dv = rel_err(dv, b.dv.data);
     std::printf("dQ  rel err %.2e\ndK  rel err %.2e\ndV  rel err %.2e\n", e_dq, e_dk, e_dv);
     ok = ok && e_dq <= 5e-5 && e_dk <= 5e-5 && e_dv <= 5e-5;
+    if (!o.sinks.empty()) {
+      const NpyArray ds = tokenmix::io::read_npy(prefix + "dsinks.npy");
+      ok = ok && ds.shape == std::vector<std::int64_t>{H_q};
+      const double e_ds = rel_err(ds, b.dsinks);
+      std::printf("dsinks rel err %.2e\n", e_ds);
+      ok = ok && e_ds <= 5e-5;
+    }
   }
   std::printf("%s\n", ok ? "verify: OK" : "verify: MISMATCH");
   return ok ? 0 : 1;

@@ -69,6 +69,10 @@ endfunction()
 # --- help, info, check, the built-in run -------------------------------------------------------
 tokenmix_cli_test(help ARGS --help STDOUT "run.*check.*info")
 tokenmix_cli_test(run_help ARGS run --help STDOUT "--seq.*--q .*--dout")
+tokenmix_cli_test(run_help_variants ARGS run --help
+                  STDOUT "--dsinks.*--window.*--softcap.*--alibi.*--sinks.*H_q comma-separated")
+tokenmix_cli_test(bench_help_variants ARGS bench --help
+                  STDOUT "--window.*--softcap.*--alibi.*2\\^\\(-8\\(h\\+1\\)/H_q\\).*--sinks")
 tokenmix_cli_test(check_help ARGS check --help STDOUT "--isa")
 tokenmix_cli_test(info_help ARGS info --help STDOUT "info")
 tokenmix_cli_test(info ARGS info
@@ -131,6 +135,45 @@ tokenmix_cli_test(npy_top_left FIXTURES cli_npy
                   POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_b} t --grad --top-left
                   CLEAN ${_cli_b}/to.npy ${_cli_b}/tlse.npy ${_cli_b}/tdq.npy ${_cli_b}/tdk.npy
                         ${_cli_b}/tdv.npy)
+# Score variants (SPEC "Score variants used by real models"), forward and backward with d(sinks),
+# against the oracle: every variant at once on set b (T_q < T_k, bottom-right and top-left), the
+# window alone with one sink value for every head on set a, on the default kernel path.
+tokenmix_cli_test(npy_variants FIXTURES cli_npy
+                  ARGS run ${_cli_qkv_b} --out ${_cli_b}/vo.npy --lse ${_cli_b}/vlse.npy --dout ${_cli_b}/do.npy
+                       --dq ${_cli_b}/vdq.npy --dk ${_cli_b}/vdk.npy --dv ${_cli_b}/vdv.npy
+                       --dsinks ${_cli_b}/vdsinks.npy --window 4 --softcap 3 --alibi --sinks 0.5,-1,0,1.5
+                  STDOUT "bottom_right, window=4 softcap=3 alibi sinks=0.5,-1,0,1.5, kernel path.*wrote --dsinks .*\\[4\\]"
+                  POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_b} v --grad --window 4 --softcap 3 --alibi
+                       --sinks 0.5,-1,0,1.5
+                  CLEAN ${_cli_b}/vo.npy ${_cli_b}/vlse.npy ${_cli_b}/vdq.npy ${_cli_b}/vdk.npy
+                        ${_cli_b}/vdv.npy ${_cli_b}/vdsinks.npy)
+tokenmix_cli_test(npy_variants_top_left_portable FIXTURES cli_npy
+                  ARGS run ${_cli_qkv_b} --out ${_cli_b}/uo.npy --lse ${_cli_b}/ulse.npy --dout ${_cli_b}/do.npy
+                       --dq ${_cli_b}/udq.npy --dk ${_cli_b}/udk.npy --dv ${_cli_b}/udv.npy
+                       --dsinks ${_cli_b}/udsinks.npy --align top_left --window 2 --alibi --sinks -0.5
+                       --isa portable
+                  STDOUT "top_left, window=2 alibi sinks=-0.5, kernel path portable"
+                  POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_b} u --grad --top-left --window 2 --alibi
+                       --sinks -0.5
+                  CLEAN ${_cli_b}/uo.npy ${_cli_b}/ulse.npy ${_cli_b}/udq.npy ${_cli_b}/udk.npy
+                        ${_cli_b}/udv.npy ${_cli_b}/udsinks.npy)
+tokenmix_cli_test(npy_window_softcap FIXTURES cli_npy
+                  ARGS run ${_cli_qkv_a} --out ${_cli_a}/xo.npy --lse ${_cli_a}/xlse.npy --window 7 --softcap 2.5
+                  STDOUT "window=7 softcap=2.5"
+                  POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_a} x --window 7 --softcap 2.5
+                  CLEAN ${_cli_a}/xo.npy ${_cli_a}/xlse.npy)
+# The bench records the variants in its JSON (one tiny case; not a timing test).
+tokenmix_cli_test(bench_variants_json
+                  ARGS bench forward --tq 64 --hq 4 --hkv 2 --dh 16 --repeats 1 --json --window 16
+                       --softcap 30 --alibi --sinks 0.25 TIMEOUT 600
+                  STDOUT "\"op\": \"forward\".*\"window\": 16, \"softcap\": 30, \"alibi\": true, \"sinks\": \\[0.25\\]")
+tokenmix_cli_test(bench_decode_variants_json
+                  ARGS bench decode --cache-tokens 256 --cache-dtype f32 --hq 4 --hkv 2 --dh 16 --repeats 1
+                       --json --window 64 --sinks 0,1,2,3 TIMEOUT 600
+                  STDOUT "\"op\": \"decode\".*\"window\": 64, \"softcap\": null, \"alibi\": false, \"sinks\": \\[0, 1, 2, 3\\]")
+tokenmix_cli_test(bench_plain_json_has_no_variants
+                  ARGS bench backward --tq 32 --hq 2 --hkv 1 --dh 8 --repeats 1 --json TIMEOUT 600
+                  STDOUT "\"window\": null, \"softcap\": null, \"alibi\": false, \"sinks\": null")
 
 # A successful run replaces an existing output, through a temporary file that does not remain.
 tokenmix_cli_test(npy_replaces_existing_output FIXTURES cli_npy
@@ -246,6 +289,31 @@ tokenmix_cli_error(error_seq_in_file_mode "--seq applies only to the built-in la
 tokenmix_cli_error(error_scale_without_files "--scale applies only to file mode"
                    ARGS run --scale 0.5)
 tokenmix_cli_error(error_bad_seq "--seq" ARGS run --seq 0)
+# Score-variant flags: bad values, sinks of the wrong length, file mode only, --dsinks needs them.
+tokenmix_cli_error(error_window_zero "--window: Value 0 not in range"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --window 0)
+tokenmix_cli_error(error_window_not_int "--window"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --window 2.5)
+tokenmix_cli_error(error_softcap_negative "--softcap must be a finite number > 0; got -1"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --softcap -1)
+tokenmix_cli_error(error_softcap_inf "--softcap must be a finite number > 0; got inf"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --softcap inf)
+tokenmix_cli_error(error_sinks_count "--sinks has 3 values; expected 1 \\(every head\\) or H_q = 4"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --sinks 1,2,3)
+tokenmix_cli_error(error_sinks_nan "--sinks values must be finite; got nan"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --sinks nan)
+tokenmix_cli_error(error_dsinks_without_sinks "--dsinks .*needs --sinks"
+                   ARGS run ${_cli_qkv_a} --out ${_cli_e} --dout ${_cli_a}/do.npy --dq ${_cli_a}/edq.npy
+                        --dk ${_cli_a}/edk.npy --dv ${_cli_a}/edv.npy --dsinks ${_cli_a}/eds.npy
+                   NOT_EXIST ${_cli_a}/eds.npy)
+tokenmix_cli_error(error_variants_in_layer_mode "--window, --alibi: the score variants apply only to file mode"
+                   ARGS run --window 8 --alibi)
+tokenmix_cli_error(error_bench_sinks_count "--sinks has 2 values; expected 1 \\(every head\\) or H_q = 4"
+                   ARGS bench forward --tq 16 --hq 4 --hkv 2 --dh 8 --repeats 1 --sinks 1,2)
+tokenmix_cli_error(error_bench_softcap_zero "--softcap must be a finite number > 0; got 0"
+                   ARGS bench decode --softcap 0)
+tokenmix_cli_error(error_bench_window_negative "--window"
+                   ARGS bench backward --window -4)
 tokenmix_cli_error(error_unknown_option "--bogus" ARGS run --bogus)
 tokenmix_cli_error(error_no_command "subcommand" ARGS)
 tokenmix_cli_error(error_unknown_command "unknown command 'frobnicate'" ARGS frobnicate)

@@ -22,10 +22,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
+#include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "api/decode_internal.hpp"
 #include "kernels/kv_element.hpp"
 #include "test_util.hpp"
 
@@ -248,7 +252,10 @@ struct Snapshot {
   explicit Snapshot(const KVCache& c)
       : bytes(c.raw_storage().begin(), c.raw_storage().end()), free_blocks(c.free_blocks()) {
     for (std::int64_t l = 0; l < c.config().layers; ++l)
-      for (std::int64_t b = 0; b < c.config().batch; ++b) lengths.push_back(c.length(b, l));
+      for (std::int64_t b = 0; b < c.config().batch; ++b) {
+        lengths.push_back(c.length(b, l));
+        lengths.push_back(c.first_position(b, l));  // rolling caches
+      }
     for (std::int64_t b = 0; b < c.config().batch; ++b) active.push_back(c.active(b));
   }
   bool operator==(const Snapshot&) const = default;
@@ -395,6 +402,119 @@ TEST(KVCacheErrors, BadConfigIsRejected) {
   bad({1, 1, 1, 16, 10, DType::f32, 0, 4}, ErrorCode::invalid_argument, "config.pool_blocks");
   bad({1 << 20, 1 << 20, 1 << 20, 1 << 20, 1 << 20, DType::f32, 0, 0}, ErrorCode::overflow,
       "overflow");
+  bad({1, 1, 1, 16, 10, DType::f32, 0, 0, -1}, ErrorCode::invalid_argument, "config.window");
+  bad({1, 1, 1, 16, 10, DType::f32, 0, 0, std::numeric_limits<std::int64_t>::max() - 8},
+      ErrorCode::overflow, "config.window");
+}
+
+// ---- rolling caches (KVCacheConfig::window): memory O(W), positions keep counting ----
+
+TEST(KVCacheRolling, MemoryIsOWindowNotOCapacity) {
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    for (std::int64_t capacity : {std::int64_t{2000}, std::int64_t{1} << 40}) {
+      KVCache c({2, 3, 2, 64, capacity, dt, 0, 0, 1000});  // R = round_up(1000 + 64, 64) = 1088
+      EXPECT_EQ(c.retained_positions(), 1088);
+      EXPECT_EQ(c.window(), 1000);
+      EXPECT_EQ(c.storage_bytes(), kv_cache_bytes(2, 3, 1088, 2, 64, size_of(dt)));
+      EXPECT_LE(c.memory_bytes() - c.storage_bytes(), 1024u);
+      KVCache p({2, 3, 2, 64, capacity, dt, 128, 0, 1000});  // R = 1152: 9 blocks a sequence
+      EXPECT_EQ(p.retained_positions(), 1152);
+      EXPECT_EQ(p.pool_blocks(), 27);
+      EXPECT_EQ(p.storage_bytes(), kv_cache_bytes(2, 27, 128, 2, 64, size_of(dt)));
+    }
+  }
+  KVCache small({1, 1, 1, 16, 10, DType::f32, 0, 0, 1});  // W = 1: one tile + one of slack
+  EXPECT_EQ(small.retained_positions(), 128);
+}
+
+// Appending far beyond R: lengths keep counting, first_position = length − R, the storage holds
+// the last R positions whatever the append sizes (one append of 300 = many small ones), blocks
+// are taken once per ring slot, truncate within the retained positions, release / reset
+// return everything and zero it.
+TEST(KVCacheRolling, AppendTruncateReleaseSemantics) {
+  std::mt19937_64 rng(21);
+  const auto kv = random_vec(400 * 2 * 16, rng);
+  for (std::int64_t block : {0, 64}) {
+    SCOPED_TRACE("block=" + std::to_string(block));
+    const KVCacheConfig cfg{2, 2, 2, 16, 100000, DType::bf16, block, block ? 5 : 0, 10};
+    KVCache one(cfg), many(cfg);  // R = 128 (2 blocks of 64)
+    append_rows(one, 0, 0, kv, 0, 300);
+    for (std::int64_t t0 = 0, n = 1; t0 < 300; t0 += n, n = n * 3 % 97 + 1)
+      append_rows(many, 0, 0, kv, t0, std::min<std::int64_t>(n, 300 - t0));
+    append_rows(one, 1, 0, kv, 0, 70);  // layer 1 is shorter (no wrap)
+    append_rows(many, 1, 0, kv, 0, 70);
+    EXPECT_EQ(one.length(0, 0), 300);
+    EXPECT_EQ(one.first_position(0, 0), 300 - 128);
+    EXPECT_EQ(one.first_position(0, 1), 0);
+    EXPECT_TRUE(Snapshot(one) == Snapshot(many));
+    if (block != 0) EXPECT_EQ(one.free_blocks(), 3);  // a ring of 2 blocks, taken once
+    // truncate: back within the retained positions only (0 empties the sequence)
+    one.truncate(0, 200);
+    EXPECT_EQ(one.length(0, 0), 200);
+    EXPECT_EQ(one.length(0, 1), 70);
+    EXPECT_EQ(one.first_position(0, 0), 172);
+    if (block != 0) EXPECT_EQ(one.free_blocks(), 3);  // wrapped: the ring keeps its blocks
+    append_rows(one, 0, 0, kv, 200, 100);
+    EXPECT_TRUE(Snapshot(one) == Snapshot(many)) << "truncate + append again = never truncated";
+    one.truncate(0, 0);
+    EXPECT_EQ(one.length(0, 0), 0);
+    EXPECT_EQ(one.first_position(0, 0), 0);
+    if (block != 0) EXPECT_EQ(one.free_blocks(), 5);
+    append_rows(one, 0, 1, kv, 0, 70);  // no wrap: truncate returns blocks as a plain cache does
+    if (block != 0) EXPECT_EQ(one.free_blocks(), 3);
+    one.truncate(1, 10);
+    if (block != 0) EXPECT_EQ(one.free_blocks(), 4);
+    many.release(0);
+    many.reset(0);
+    EXPECT_EQ(many.length(0, 0), 0);
+    EXPECT_EQ(many.first_position(0, 0), 0);
+    many.reset();
+    for (std::byte x : many.raw_storage()) ASSERT_EQ(x, std::byte{0});
+  }
+}
+
+TEST(KVCacheErrors, RollingCacheRejectsWhatItCannotServe) {
+  std::mt19937_64 rng(22);
+  KVCache c({1, 2, 2, 16, 100000, DType::f32, 64, 0, 50});  // R = 128
+  const auto kv = random_vec(500 * 2 * 16, rng);
+  append_rows(c, 0, 0, kv, 0, 500);
+  append_rows(c, 0, 1, kv, 0, 20);
+  std::vector<float> q = random_vec(2 * 80 * 4 * 16, rng), o(q.size(), kPoison);
+  auto decode = [&](std::int64_t tnew, std::optional<std::int64_t> window) {
+    return [&, tnew, window] {
+      DecodeOptions opt;
+      opt.window = window;
+      attention_decode(ConstTensorView::bthd(q.data(), 2, tnew, 4, 16), c, 0,
+                       TensorView::bthd(o.data(), 2, tnew, 4, 16), {}, opt);
+    };
+  };
+  using AE = ArgumentError;
+  expect_rejected<AE>(c, decode(1, std::nullopt), ErrorCode::invalid_argument, "options.window");
+  expect_rejected<AE>(c, decode(1, 51), ErrorCode::invalid_argument, "options.window");
+  // 500 − T_new + 1 − 50 ≥ first position 372 ⟺ T_new ≤ 79 = R − W + 1
+  expect_rejected<AE>(c, decode(80, 50), ErrorCode::invalid_argument, "T_new");
+  EXPECT_NO_THROW(decode(79, 50)());
+  EXPECT_NO_THROW(decode(1, 7)());
+  expect_rejected<AE>(
+      c, [&] { c.truncate(0, 371); }, ErrorCode::invalid_argument, "first position");
+  // A layer whose window does not fit the rolling cache.
+  LayerConfig cfg;
+  cfg.d_model = 32;
+  cfg.heads_q = 4;
+  cfg.heads_kv = 2;
+  cfg.head_dim = 16;
+  std::vector<float> u = random_vec(32, rng), out(32, kPoison);
+  for (std::optional<std::int64_t> w :
+       {std::optional<std::int64_t>{}, std::optional<std::int64_t>{51}}) {
+    cfg.attention.window = w;
+    CausalSelfAttention layer(cfg);
+    expect_rejected<AE>(
+        c, [&] { layer.step(u, 1, c, 0, out, 0); }, ErrorCode::invalid_argument,
+        "config.attention.window");
+    expect_rejected<AE>(
+        c, [&] { layer.step(u, 1, c, 0, out, 1); }, ErrorCode::invalid_argument,
+        "config.attention.window");
+  }
 }
 
 // Large caches are re-backed by huge pages after allocation (madvise + collapse on Linux, an
@@ -673,6 +793,90 @@ TEST(KVCacheErrors, FailedDecodeWritesNothing) {
   TensorView nul = Ov;
   nul.data = nullptr;
   fails("null out", ErrorCode::null_pointer, "out", nul, Lv, {});
+}
+
+/// Sets the decode scratch limit (test seam, api/decode_internal.hpp) for one scope.
+struct ScratchLimit {
+  explicit ScratchLimit(std::int64_t bytes) { detail::set_decode_scratch_limit_for_testing(bytes); }
+  ~ScratchLimit() { detail::set_decode_scratch_limit_for_testing(-1); }
+  ScratchLimit(const ScratchLimit&) = delete;
+  ScratchLimit& operator=(const ScratchLimit&) = delete;
+};
+
+// Issue 11 leftover: prefill / step on a sequence that holds tokens appends K/V and then decodes;
+// a ResourceError from the decode scratch must not leave the append behind. The scratch is
+// reserved before the append, so the failure comes first: the cache is byte-identical, out is
+// unwritten, and afterwards the cache behaves like one that never saw the failures. Also on a
+// rolling cache, where a long prefill runs as several append + decode pieces.
+TEST(KVCacheErrors, DecodeScratchFailureLeavesCacheUnchanged) {
+  constexpr std::int64_t d = 32, dh = 16;
+  std::mt19937_64 rng(23);
+  const auto u = random_vec(300 * d, rng);
+  for (std::int64_t window : {0, 40}) {
+    SCOPED_TRACE("cache window " + std::to_string(window));
+    LayerConfig cfg;
+    cfg.d_model = d;
+    cfg.heads_q = 4;
+    cfg.heads_kv = 2;
+    cfg.head_dim = dh;
+    cfg.rope = RopeOptions{RopePairing::rotate_half, 10000.0, 0};
+    if (window) cfg.attention.window = window;
+    CausalSelfAttention layer(cfg);
+    layer.init_random(5);
+    const KVCacheConfig cc{1, 2, 2, dh, 1000, DType::f16, 64, 0, window};
+    KVCache c(cc), twin(cc);
+    const auto kv = random_vec(100 * 2 * dh, rng);
+    for (KVCache* x : {&c, &twin}) {  // sequence 0 holds tokens: prefill / step decode
+      append_rows(*x, 0, 0, kv, 0, 100);
+      append_rows(*x, 0, 1, kv, 0, 30);
+    }
+    std::vector<float> out(300 * d, kPoison);
+    auto untouched = [&] {
+      return std::all_of(out.begin(), out.end(),
+                         [](float x) { return std::isnan(x) || x == kPoison; });
+    };
+    auto U = [&](std::int64_t rows) {
+      return std::span<const float>(u).first(static_cast<std::size_t>(rows * d));
+    };
+    auto O = [&](std::int64_t rows) {
+      return std::span<float>(out).first(static_cast<std::size_t>(rows * d));
+    };
+    {
+      ScratchLimit limit(64);  // far below any decode's scratch
+      const std::function<void()> calls[] = {
+          [&] { layer.step(U(1), 1, c, 0, O(1), 0); }, [&] { layer.step(U(2), 2, c, 0, O(2), 0); },
+          [&] { layer.prefill(U(200), 1, 200, c, 0, O(200), 0); },  // pieces on the rolling cache
+          [&] {
+            std::vector<float> q = random_vec(2 * 4 * dh, rng);
+            DecodeOptions o;
+            if (window) o.window = window;
+            attention_decode(ConstTensorView::bthd(q.data(), 2, 1, 4, dh), c, 0,
+                             TensorView::bthd(out.data(), 2, 1, 4, dh), {}, o);
+          }};
+      for (const auto& call : calls) {
+        const Snapshot before(c);
+        try {
+          call();
+          ADD_FAILURE() << "no ResourceError under a 64-byte scratch limit";
+        } catch (const ResourceError& e) {
+          EXPECT_EQ(e.code(), ErrorCode::out_of_memory) << e.what();
+          EXPECT_NE(std::string(e.what()).find("bytes"), std::string::npos) << e.what();
+        }
+        EXPECT_TRUE(Snapshot(c) == before) << "a failed call left its append in the cache";
+        EXPECT_TRUE(untouched()) << "out written by a failed call";
+      }
+    }
+    std::vector<float> o1(2 * d), o2(2 * d);
+    layer.step(U(2), 2, c, 0, o1, 0);
+    layer.step(U(2), 2, twin, 0, o2, 0);
+    EXPECT_TRUE(Snapshot(c) == Snapshot(twin)) << "failed calls left a trace in the cache";
+    EXPECT_EQ(0, std::memcmp(o1.data(), o2.data(), o1.size() * sizeof(float)));
+    std::vector<float> p1(200 * d), p2(200 * d);
+    layer.prefill(U(200), 1, 200, c, 0, p1, 0);  // and the long prefill now goes through
+    layer.prefill(U(200), 1, 200, twin, 0, p2, 0);
+    EXPECT_TRUE(Snapshot(c) == Snapshot(twin));
+    EXPECT_EQ(0, std::memcmp(p1.data(), p2.data(), p1.size() * sizeof(float)));
+  }
 }
 
 }  // namespace

@@ -16,9 +16,12 @@
 #include <limits>
 #include <optional>
 #include <random>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "test_util.hpp"
+#include "tokenmix/kv_cache.hpp"
 
 namespace tokenmix::testing {
 namespace {
@@ -201,6 +204,241 @@ TEST(Layer, KvCacheBytes) {
     EXPECT_EQ(e.code(), ErrorCode::overflow) << e.what();
   }
 }
+
+// ---- score variants in the layer (SPEC "Score variants used by real models") ----
+
+template <class Err>
+void expect_config_error(const LayerConfig& c, ErrorCode code, const std::string& needle) {
+  try {
+    CausalSelfAttention layer(c);
+    ADD_FAILURE() << "accepted a bad config (" << needle << ")";
+  } catch (const Err& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  } catch (const Error& e) {
+    ADD_FAILURE() << "wrong error type for " << needle << ": " << e.what();
+  }
+}
+
+// Every option is validated in the constructor, with the argument named; masks and key lengths
+// (per-call inputs) are not layer options.
+TEST(LayerVariants, ConstructorValidatesEveryOption) {
+  using AE = ArgumentError;
+  const LayerConfig base = small_config(std::nullopt);  // H_q = 4
+  std::vector<float> four{0.5f, 0.25f, 0.125f, 0.0625f}, three{1, 2, 3}, bad{0, 1, NAN, 2};
+  std::vector<std::int32_t> ints{1, 2, 3, 4};
+  const auto vec = [](const void* p, std::int64_t n, DType dt = DType::f32, int rank = 1) {
+    return ConstTensorView{p, dt, rank, {n, 1, 1, 1}, {1, 1, 1, 1}};
+  };
+  LayerConfig c = base;
+  c.attention.window = 0;
+  expect_config_error<AE>(c, ErrorCode::invalid_argument, "config.attention.window");
+  for (double cap : {0.0, -1.0, double(NAN), double(INFINITY), 1e-50, 1e300}) {
+    c = base;
+    c.attention.softcap = cap;
+    expect_config_error<AE>(c, ErrorCode::invalid_argument, "config.attention.softcap");
+  }
+  for (const char* which : {"alibi_slopes", "sinks"}) {
+    const std::string name = std::string("config.attention.") + which;
+    auto with = [&](ConstTensorView v) {
+      LayerConfig x = base;
+      (std::string(which) == "sinks" ? x.attention.sinks : x.attention.alibi_slopes) = v;
+      return x;
+    };
+    expect_config_error<AE>(with(vec(three.data(), 3)), ErrorCode::shape_mismatch, name);
+    expect_config_error<AE>(with(vec(four.data(), 4, DType::f32, 2)), ErrorCode::shape_mismatch,
+                            name);
+    expect_config_error<AE>(with(vec(bad.data(), 4)), ErrorCode::invalid_argument, name + "[2]");
+    expect_config_error<UnsupportedError>(with(vec(ints.data(), 4, DType::i32)),
+                                          ErrorCode::unsupported, name);
+    EXPECT_NO_THROW(CausalSelfAttention{with(vec(four.data(), 4))});
+  }
+  std::vector<std::uint8_t> mask(16, 1);
+  c = base;
+  c.attention.mask = ConstTensorView{mask.data(), DType::boolean, 4, {1, 1, 4, 4}, {0, 0, 4, 1}};
+  expect_config_error<AE>(c, ErrorCode::invalid_argument, "config.attention.mask");
+  c = base;
+  std::vector<std::int64_t> lens{3};
+  c.attention.key_lengths = vec(lens.data(), 1, DType::i64);
+  expect_config_error<AE>(c, ErrorCode::invalid_argument, "key_lengths");
+}
+
+// The layer copies the ALiBi slopes and sinks (documented in layer.hpp): the caller's buffers
+// need not outlive the constructor, and copies / moves keep views on their own values.
+TEST(LayerVariants, OwnsCopiesOfAlibiAndSinks) {
+  LayerConfig c = small_config(std::nullopt);
+  std::optional<CausalSelfAttention> layer;
+  {
+    std::vector<float> slopes{0, 9, 1, 9, 2, 9, 3, 9}, sinks{-1, 0, 1, 2};  // slopes: stride 2
+    c.attention.alibi_slopes = ConstTensorView{slopes.data(), DType::f32, 1, {4, 1, 1, 1}, {2}};
+    c.attention.sinks = ConstTensorView{sinks.data(), DType::f32, 1, {4, 1, 1, 1}, {1}};
+    layer.emplace(c);
+    std::fill(slopes.begin(), slopes.end(), -7.0f);
+    std::fill(sinks.begin(), sinks.end(), -7.0f);
+  }
+  auto values = [](const ConstTensorView& v) {
+    std::vector<float> x;
+    for (std::int64_t i = 0; i < v.dim(0); ++i)
+      x.push_back(static_cast<const float*>(v.data)[i * v.stride(0)]);
+    return x;
+  };
+  const std::vector<float> want_slopes{0, 1, 2, 3}, want_sinks{-1, 0, 1, 2};
+  EXPECT_EQ(values(layer->config().attention.alibi_slopes), want_slopes);
+  EXPECT_EQ(values(layer->config().attention.sinks), want_sinks);
+  CausalSelfAttention copy(*layer);
+  EXPECT_NE(copy.config().attention.sinks.data, layer->config().attention.sinks.data);
+  CausalSelfAttention moved(std::move(*layer));
+  layer.reset();
+  EXPECT_EQ(values(copy.config().attention.alibi_slopes), want_slopes);
+  EXPECT_EQ(values(moved.config().attention.sinks), want_sinks);
+  CausalSelfAttention assigned(small_config(std::nullopt));
+  assigned = copy;
+  EXPECT_EQ(values(assigned.config().attention.alibi_slopes), want_slopes);
+  EXPECT_NE(assigned.config().attention.alibi_slopes.data,
+            copy.config().attention.alibi_slopes.data);
+  CausalSelfAttention plain(small_config(std::nullopt));
+  EXPECT_TRUE(plain.config().attention.sinks.empty());
+}
+
+// The layer in double: Q, K, V = U W (4.1), RoPE, attention with the variants (reference), W_O.
+struct LayerOracle {
+  Tensor64 q, k, v;         // [1, T, H, d_h], after RoPE
+  std::vector<double> out;  // [T, d]
+  reference::Options opts;
+};
+
+LayerOracle layer_oracle(const CausalSelfAttention& layer, std::span<const float> u, std::int64_t T,
+                         const reference::Options& o) {
+  const auto& c = layer.config();
+  const std::int64_t d = c.d_model, dh = c.head_dim;
+  LayerOracle r{Tensor64({1, T, c.heads_q, dh}),
+                Tensor64({1, T, c.heads_kv, dh}),
+                Tensor64({1, T, c.heads_kv, dh}),
+                {},
+                o};
+  auto project = [&](std::span<const float> w, Tensor64& x, std::int64_t H) {
+    for (std::int64_t t = 0; t < T; ++t)
+      for (std::int64_t n = 0; n < H * dh; ++n) {
+        double acc = 0.0;
+        for (std::int64_t i = 0; i < d; ++i)
+          acc += static_cast<double>(u[static_cast<std::size_t>(t * d + i)]) *
+                 w[static_cast<std::size_t>(i * H * dh + n)];
+        x.at(0, t, n / dh, n % dh) = acc;
+      }
+  };
+  project(layer.w_q(), r.q, c.heads_q);
+  project(layer.w_k(), r.k, c.heads_kv);
+  project(layer.w_v(), r.v, c.heads_kv);
+  if (c.rope) {
+    const auto pairing = c.rope->pairing == RopePairing::rotate_half
+                             ? reference::RopePairing::rotate_half
+                             : reference::RopePairing::interleaved;
+    r.q = reference::rope(r.q, pairing, c.rope->base, 0);
+    r.k = reference::rope(r.k, pairing, c.rope->base, 0);
+  }
+  const auto y = reference::attention_forward(r.q, r.k, r.v, o).out;
+  const std::int64_t qw = c.heads_q * dh;
+  r.out.assign(static_cast<std::size_t>(T * d), 0.0);
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t n = 0; n < qw; ++n) {
+      const double yv = y.at(0, t, n / dh, n % dh);
+      for (std::int64_t i = 0; i < d; ++i)
+        r.out[static_cast<std::size_t>(t * d + i)] +=
+            yv * layer.w_o()[static_cast<std::size_t>(n * d + i)];
+    }
+  return r;
+}
+
+// The variant layer config of the tests below, and its oracle options.
+struct VariantLayer {
+  std::vector<float> slopes, sinks;
+  LayerConfig config;
+  reference::Options oracle;
+  explicit VariantLayer(Isa isa, std::int64_t window = 40) {
+    config.d_model = 64, config.heads_q = 8, config.heads_kv = 2, config.head_dim = 16;
+    config.rope = RopeOptions{RopePairing::rotate_half, 10000.0, 0};
+    config.attention.isa = isa;
+    config.attention.window = oracle.window = window;
+    config.attention.softcap = oracle.softcap = 4.0;
+    for (int h = 0; h < 8; ++h) {
+      slopes.push_back(static_cast<float>(std::exp2(-(h + 1))));
+      sinks.push_back(-1.0f + 0.5f * static_cast<float>(h));
+    }
+    config.attention.alibi_slopes =
+        ConstTensorView{slopes.data(), DType::f32, 1, {8, 1, 1, 1}, {1}};
+    config.attention.sinks = ConstTensorView{sinks.data(), DType::f32, 1, {8, 1, 1, 1}, {1}};
+    oracle.alibi_slopes.assign(slopes.begin(), slopes.end());
+    oracle.sinks.assign(sinks.begin(), sinks.end());
+  }
+};
+
+class LayerVariantsIsa : public PerIsaTest {};
+
+// prefill / step with window, soft-capping, ALiBi and sinks against the float64 layer with the
+// same options, on plain and rolling (KVCacheConfig::window = 40, ring R = 128) caches,
+// contiguous and paged, fp32 / bf16 / f16: two sequences seeded with P_b = 1 and 5 positions
+// (the oracle's K/V), then a chunk of 150 tokens for both (bottom-right against different
+// lengths; on the rolling cache in pieces of R − W + 1 = 89), then 5 steps. Bounds as in
+// test_kv_cache.cpp (fp32: the same arithmetic as the forward; bf16 / f16: 2·u_e).
+TEST_P(LayerVariantsIsa, PrefillAndStepsMatchFloat64) {
+  VariantLayer vl(GetParam());
+  CausalSelfAttention layer(vl.config);
+  layer.init_random(77);
+  const std::int64_t d = 64, chunk = 150, steps = 5, P[2] = {1, 5};
+  std::mt19937_64 rng(78);
+  std::normal_distribution<float> dist;
+  std::vector<float> u[2];
+  LayerOracle ref[2];
+  for (int b = 0; b < 2; ++b) {
+    u[b].resize(static_cast<std::size_t>((P[b] + chunk + steps) * d));
+    for (float& x : u[b]) x = dist(rng);
+    ref[b] = layer_oracle(layer, u[b], P[b] + chunk + steps, vl.oracle);
+  }
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+    const double bound = dtype == DType::f32 ? 1e-4 : dtype == DType::bf16 ? 0x1.0p-8 : 0x1.0p-11;
+    for (std::int64_t block : {0, 64})
+      for (std::int64_t rolling : {0, 40}) {
+        SCOPED_TRACE(std::string(to_string(dtype)) + " block=" + std::to_string(block) +
+                     " cache window=" + std::to_string(rolling));
+        KVCache cache({1, 2, 2, 16, 1000, dtype, block, 0, rolling});
+        for (int b = 0; b < 2; ++b) {  // seed: the oracle's post-RoPE K and V
+          std::vector<float> k(static_cast<std::size_t>(P[b] * 2 * 16)), v(k.size());
+          for (std::size_t i = 0; i < k.size(); ++i) {
+            k[i] = static_cast<float>(ref[b].k.data[i]);
+            v[i] = static_cast<float>(ref[b].v.data[i]);
+          }
+          cache.append(0, b, ConstTensorView::bthd(k.data(), 1, P[b], 2, 16),
+                       ConstTensorView::bthd(v.data(), 1, P[b], 2, 16));
+        }
+        std::vector<float> got[2];
+        for (int b = 0; b < 2; ++b) got[b].assign(u[b].size(), kPoison);
+        std::vector<float> ub(static_cast<std::size_t>(2 * chunk * d)), ob(ub.size(), kPoison);
+        for (int b = 0; b < 2; ++b)
+          std::copy_n(u[b].begin() + P[b] * d, chunk * d, ub.begin() + b * chunk * d);
+        layer.prefill(ub, 2, chunk, cache, 0, ob);
+        for (int b = 0; b < 2; ++b)
+          std::copy_n(ob.begin() + b * chunk * d, chunk * d, got[b].begin() + P[b] * d);
+        for (std::int64_t s = 0; s < steps; ++s) {
+          std::vector<float> us(static_cast<std::size_t>(2 * d)), os(us.size(), kPoison);
+          for (int b = 0; b < 2; ++b)
+            std::copy_n(u[b].begin() + (P[b] + chunk + s) * d, d, us.begin() + b * d);
+          layer.step(us, 2, cache, 0, os);
+          for (int b = 0; b < 2; ++b)
+            std::copy_n(os.begin() + b * d, d, got[b].begin() + (P[b] + chunk + s) * d);
+        }
+        for (int b = 0; b < 2; ++b) {
+          EXPECT_EQ(cache.length(b), P[b] + chunk + steps);
+          if (rolling) EXPECT_EQ(cache.first_position(b), P[b] + chunk + steps - 128);
+          const std::size_t from = static_cast<std::size_t>(P[b] * d);
+          const std::vector<float> g(got[b].begin() + from, got[b].end());
+          const std::vector<double> r(ref[b].out.begin() + from, ref[b].out.end());
+          EXPECT_LE(rel_err_flat(g, r), bound) << "sequence " << b;
+        }
+      }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, LayerVariantsIsa, AllIsas(), IsaName);
 
 }  // namespace
 }  // namespace tokenmix::testing

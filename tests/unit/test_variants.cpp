@@ -88,8 +88,8 @@ struct VariantCase {
   bool causal = true;
   CausalAlign align = CausalAlign::bottom_right;
   Layout layout = Layout::bthd;
-  std::optional<std::int64_t> window;
-  std::optional<double> softcap;
+  std::optional<std::int64_t> window{};
+  std::optional<double> softcap{};
   bool alibi = false, sinks = false, key_lengths = false;
   MaskShape mask = MaskShape::none;
   std::array<bool, 4> mask_full{true, true, true, true};  ///< false: that dimension is 1
@@ -897,12 +897,65 @@ TEST_P(Variants, VarlenMatchesOracle) {
       EXPECT_LE(rel_err(r.dq, bref.dq, g), kBackwardBound) << "dq";
       EXPECT_LE(rel_err(r.dk, bref.dk, g), kBackwardBound) << "dk";
       EXPECT_LE(rel_err(r.dv, bref.dv, g), kBackwardBound) << "dv";
-      if (variants >= 1) EXPECT_LE(rel_err_flat(r.dsinks, bref.dsinks), kBackwardBound);
+      if (variants >= 1) {
+        EXPECT_LE(rel_err_flat(r.dsinks, bref.dsinks), kBackwardBound) << "dsinks";
+      }
     }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, Variants, AllIsas(), IsaName);
+
+}  // namespace
+}  // namespace tokenmix::testing
+
+namespace tokenmix::testing {
+namespace {
+
+// The window-aware useful-work counts (SPEC "Useful-work counts" with "Score variants":
+// window): visible_keys_windowed counts the oracle's visible keys, visible_pairs_windowed is their
+// sum in closed form, the FLOP counts follow, and a window of at least T_k + T_q changes nothing.
+TEST(VariantCounts, WindowedCountsMatchBruteForce) {
+  for (bool causal : {true, false})
+    for (CausalAlign align : {CausalAlign::bottom_right, CausalAlign::top_left})
+      for (auto [Tq, Tk] : {std::pair<std::int64_t, std::int64_t>{1, 1},
+                            {7, 7},
+                            {5, 12},
+                            {12, 5},
+                            {64, 65},
+                            {0, 4},
+                            {4, 0}})
+        for (std::int64_t W : {1, 2, 3, 6, 13, 200}) {
+          reference::Options o;
+          o.causal = causal;
+          o.align = testkit::to_reference(align);
+          o.window = W;
+          std::int64_t total = 0;
+          for (std::int64_t t = 0; t < Tq; ++t) {
+            std::int64_t n = 0;
+            for (std::int64_t u = 0; u < Tk; ++u) n += reference::visible(t, u, Tq, Tk, o);
+            EXPECT_EQ(visible_keys_windowed(t, Tq, Tk, causal, align, W), n)
+                << "t=" << t << " Tq=" << Tq << " Tk=" << Tk << " W=" << W;
+            total += n;
+          }
+          EXPECT_EQ(visible_pairs_windowed(Tq, Tk, causal, align, W), total)
+              << "Tq=" << Tq << " Tk=" << Tk << " W=" << W << " causal=" << causal;
+          EXPECT_EQ(forward_flops_windowed(2, Tq, Tk, 3, 8, causal, align, W),
+                    4.0 * 8 * 3 * total * 2);
+          EXPECT_EQ(backward_flops_windowed(2, Tq, Tk, 3, 8, causal, align, W),
+                    2.5 * 4.0 * 8 * 3 * total * 2);
+          if (W >= Tq + Tk) {
+            EXPECT_EQ(visible_pairs_windowed(Tq, Tk, causal, align, W),
+                      visible_pairs(Tq, Tk, causal, align));
+          }
+        }
+  // Huge sizes: closed form, no overflow; W·T for T ≫ W (causal, square).
+  const std::int64_t T = std::int64_t{1} << 40, W = 4096;
+  EXPECT_EQ(visible_pairs_windowed(T, T, true, CausalAlign::bottom_right, W),
+            W * T - W * (W - 1) / 2);
+  EXPECT_EQ(visible_pairs_windowed(3, 3, true, CausalAlign::bottom_right, INT64_MAX),
+            visible_pairs(3, 3, true, CausalAlign::bottom_right));
+}
 
 }  // namespace
 }  // namespace tokenmix::testing

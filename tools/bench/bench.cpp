@@ -93,9 +93,116 @@ double sgemm_ceiling_gflops(int threads, int repeats) {
   return SgemmCeiling().best_gflops(threads, repeats);
 }
 
+std::vector<float> BenchVariants::alibi_slopes(std::int64_t H_q) const {
+  std::vector<float> m;
+  if (!alibi) return m;
+  for (std::int64_t h = 0; h < H_q; ++h)
+    m.push_back(static_cast<float>(
+        std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(H_q))));
+  return m;
+}
+
+std::vector<float> BenchVariants::sink_values(std::int64_t H_q) const {
+  if (sinks.empty()) return {};
+  if (sinks.size() != 1 && static_cast<std::int64_t>(sinks.size()) != H_q)
+    throw ArgumentError(ErrorCode::shape_mismatch,
+                        "--sinks has " + std::to_string(sinks.size()) +
+                            " values; expected 1 (every head) or H_q = " + std::to_string(H_q) +
+                            " (one per query head)");
+  std::vector<float> s(static_cast<std::size_t>(H_q));
+  for (std::int64_t h = 0; h < H_q; ++h)
+    s[static_cast<std::size_t>(h)] =
+        static_cast<float>(sinks.size() == 1 ? sinks[0] : sinks[static_cast<std::size_t>(h)]);
+  return s;
+}
+
+std::string BenchVariants::describe() const {
+  std::ostringstream os;
+  os << std::setprecision(6);
+  const char* sep = "";
+  if (window) os << sep << "window=" << *window, sep = " ";
+  if (softcap) os << sep << "softcap=" << *softcap, sep = " ";
+  if (alibi) os << sep << "alibi", sep = " ";
+  if (!sinks.empty()) {
+    os << sep << "sinks=";
+    for (std::size_t i = 0; i < sinks.size(); ++i) os << (i ? "," : "") << sinks[i];
+  }
+  return os.str();
+}
+
+std::string BenchVariants::json() const {
+  std::ostringstream os;
+  os << std::setprecision(9) << ", \"window\": ";
+  if (window)
+    os << *window;
+  else
+    os << "null";
+  os << ", \"softcap\": ";
+  if (softcap)
+    os << *softcap;
+  else
+    os << "null";
+  os << ", \"alibi\": " << (alibi ? "true" : "false") << ", \"sinks\": ";
+  if (sinks.empty()) {
+    os << "null";
+  } else {
+    os << "[";
+    for (std::size_t i = 0; i < sinks.size(); ++i) os << (i ? ", " : "") << sinks[i];
+    os << "]";
+  }
+  return os.str();
+}
+
+void BenchVariants::apply(AttentionOptions& o, const std::vector<float>& alibi_storage,
+                          const std::vector<float>& sink_storage) const {
+  o.window = window;
+  o.softcap = softcap;
+  auto vec = [](const std::vector<float>& v) {
+    ConstTensorView t;
+    if (v.empty()) return t;
+    t.data = v.data();
+    t.dtype = DType::f32;
+    t.rank = 1;
+    t.shape = {static_cast<std::int64_t>(v.size()), 1, 1, 1};
+    t.strides = {1, 0, 0, 0};
+    return t;
+  };
+  o.alibi_slopes = vec(alibi_storage);
+  o.sinks = vec(sink_storage);
+}
+
+std::int64_t windowed_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align,
+                            std::optional<std::int64_t> window) {
+  if (!window) return visible_pairs(T_q, T_k, causal, align);
+  if (*window < 1)
+    throw ArgumentError(ErrorCode::invalid_argument,
+                        "window must be >= 1; got " + std::to_string(*window));
+  std::int64_t total = 0;
+  const std::int64_t shift = align == CausalAlign::bottom_right ? T_k - T_q : 0;
+  for (std::int64_t t = 0; t < T_q; ++t) {
+    const std::int64_t p = t + shift;  // the row's position (SPEC "Score variants")
+    const std::int64_t hi = causal ? std::min(p, T_k - 1) : T_k - 1;
+    const std::int64_t lo = std::max<std::int64_t>(0, p - *window + 1);
+    if (hi >= lo) total += hi - lo + 1;
+  }
+  return total;
+}
+
+double windowed_forward_flops(const testkit::AttentionShape& s,
+                              std::optional<std::int64_t> window) {
+  if (!window) return s.forward_flops();
+  return 4.0 * static_cast<double>(s.d_h) * static_cast<double>(s.H_q) *
+         static_cast<double>(windowed_pairs(s.T_q, s.T_k, s.causal, s.align, window)) *
+         static_cast<double>(s.B);
+}
+
 AttentionRun::AttentionRun(const testkit::AttentionShape& shape, bool backward, Isa isa,
-                           int threads)
-    : shape_(shape), backward_(backward) {
+                           int threads, const BenchVariants& variants)
+    : shape_(shape),
+      backward_(backward),
+      variants_(variants),
+      alibi_(variants.alibi_slopes(shape.H_q)),
+      sinks_(variants.sink_values(shape.H_q)) {
   const std::int64_t B = shape.B, Hq = shape.H_q, Hkv = shape.H_kv, D = shape.d_h;
   q_ = random_normal(static_cast<std::size_t>(B * shape.T_q * Hq * D), 11);
   k_ = random_normal(static_cast<std::size_t>(B * shape.T_k * Hkv * D), 12);
@@ -112,6 +219,7 @@ AttentionRun::AttentionRun(const testkit::AttentionShape& shape, bool backward, 
   options_.align = shape.align;
   options_.threads = threads;
   options_.isa = isa;
+  variants_.apply(options_, alibi_, sinks_);
 }
 
 void AttentionRun::forward() {
@@ -138,8 +246,23 @@ void AttentionRun::call() {
 }
 
 double AttentionRun::useful_flops() const {
-  return backward_ ? shape_.backward_flops() : shape_.forward_flops();
+  const double fwd = windowed_forward_flops(shape_, variants_.window);
+  return backward_ ? 2.5 * fwd : fwd;
 }
+
+namespace {
+// The oracle's options for the variants, for the query heads [h0, h0 + n) of a slice.
+void reference_variants(reference::Options& ro, const BenchVariants& v,
+                        const std::vector<float>& alibi, const std::vector<float>& sinks,
+                        std::int64_t h0, std::int64_t n) {
+  ro.window = v.window;
+  ro.softcap = v.softcap;
+  for (std::int64_t h = h0; h < h0 + n; ++h) {
+    if (!alibi.empty()) ro.alibi_slopes.push_back(alibi[static_cast<std::size_t>(h)]);
+    if (!sinks.empty()) ro.sinks.push_back(sinks[static_cast<std::size_t>(h)]);
+  }
+}
+}  // namespace
 
 // Error on a slice: batch 0, the g query heads of KV head 0, R query rows — the last R for
 // bottom-right alignment (they see the most keys), the first R for top-left — against the
@@ -154,6 +277,7 @@ double AttentionRun::slice_error() const {
   reference::Options ro;
   ro.causal = shape_.causal;
   ro.align = testkit::to_reference(shape_.align);
+  reference_variants(ro, variants_, alibi_, sinks_, 0, g);
   const Tensor64 q64 = testkit::slice64(q_, 1, Tq, Hq, D, t0, R, 0, g);
   const Tensor64 k64 = testkit::slice64(k_, 1, Tk, Hkv, D, 0, Tk, 0, 1);
   const Tensor64 v64 = testkit::slice64(v_, 1, Tk, Hkv, D, 0, Tk, 0, 1);
@@ -222,7 +346,7 @@ std::string to_json(const BenchResult& r) {
      << ", \"align\": \"" << r.align << "\", \"seconds\": " << r.seconds
      << ", \"gflops\": " << r.gflops << ", \"ceiling_gflops\": " << r.ceiling_gflops
      << ", \"ratio\": " << r.ratio << ", \"max_rel_err\": " << r.max_rel_err
-     << ", \"extra_bytes\": " << r.extra_bytes;
+     << ", \"extra_bytes\": " << r.extra_bytes << r.variants.json();
   if (r.op == "decode") {
     os << ", \"cache_dtype\": \"" << r.cache_dtype << "\", \"gbps\": " << r.gbps
        << ", \"ceiling_gbps\": " << r.ceiling_gbps;
@@ -289,6 +413,7 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
         }
   if (!cfg.json) {
     out << "tokenmix bench decode on " << cpu_features().model << "\n";
+    if (cfg.variants.any()) out << "  variants: " << cfg.variants.describe() << "\n";
     out << "  op       T_new    T_k  H_q H_kv d_h thr isa     cache     ms     GB/s  ceiling  "
            "ratio  max_rel_err  extra_MiB\n";
   }
@@ -321,6 +446,16 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     DecodeOptions opt;
     opt.threads = c.threads;
     opt.isa = c.isa;
+    const std::vector<float> alibi = cfg.variants.alibi_slopes(Hq),
+                             sinks = cfg.variants.sink_values(Hq);
+    {
+      AttentionOptions ao;  // the same views, through the one helper
+      cfg.variants.apply(ao, alibi, sinks);
+      opt.window = ao.window;
+      opt.softcap = ao.softcap;
+      opt.alibi_slopes = ao.alibi_slopes;
+      opt.sinks = ao.sinks;
+    }
     const auto Q = ConstTensorView::bthd(q.data(), B, Tn, Hq, D);
     const auto O = TensorView::bthd(o.data(), B, Tn, Hq, D);
     const auto L = TensorView::bht(lse.data(), B, Hq, Tn);
@@ -349,10 +484,17 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     res.causal = true;
     res.align = "bottom-right";
     res.seconds = median(times);
-    res.gflops = 4.0 * D * Hq * static_cast<double>(c.tk) * Tn * B / res.seconds * 1e-9;
+    // Useful work: the pairs the T_new queries see (bottom-right, SPEC "Useful-work counts"),
+    // only the window's with one; bytes: what the step reads (decode_bytes, window-aware).
+    const std::int64_t pairs =
+        windowed_pairs(Tn, c.tk, true, CausalAlign::bottom_right, cfg.variants.window);
+    res.gflops = 4.0 * D * Hq * static_cast<double>(pairs) * B / res.seconds * 1e-9;
     res.ceiling_gflops = 0.0;
     res.cache_dtype = to_string(c.dtype);
-    res.gbps = static_cast<double>(decode_bytes(cache, 0, 0, B)) / res.seconds * 1e-9;
+    res.gbps =
+        static_cast<double>(decode_bytes(cache, 0, 0, B, cfg.variants.window.value_or(0), Tn)) /
+        res.seconds * 1e-9;
+    res.variants = cfg.variants;
     res.ceiling_gbps = median(ceiling);
     res.ratio = res.gbps / res.ceiling_gbps;
     res.extra_bytes = peak_ok && peak >= 0 && rss_before >= 0
@@ -374,7 +516,9 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
         k64.at(0, t, 0, x) = rounded(kv_k[src]);
         v64.at(0, t, 0, x) = rounded(kv_v[src]);
       }
-    const auto ref = reference::attention_forward(q64, k64, v64);
+    reference::Options ro;
+    reference_variants(ro, cfg.variants, alibi, sinks, 0, g);
+    const auto ref = reference::attention_forward(q64, k64, v64, ro);
     res.max_rel_err =
         testkit::rel_err(testkit::slice64(o, 1, Tn, Hq, D, 0, Tn, 0, g).data, ref.out.data);
     results.push_back(res);
@@ -400,6 +544,7 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
   }
   if (cfg.repeats < 1)
     throw ArgumentError(ErrorCode::invalid_argument, "bench: --repeats must be >= 1");
+  (void)cfg.variants.sink_values(cfg.hq);  // --sinks: 1 or H_q values, checked before any work
   if (cfg.op == "decode") return run_decode(cfg, out);
   const bool backward = cfg.op == "backward";
   std::vector<Case> cases;
@@ -417,6 +562,7 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
 
   if (!cfg.json) {
     out << "tokenmix bench " << cfg.op << " on " << cpu_features().model << "\n";
+    if (cfg.variants.any()) out << "  variants: " << cfg.variants.describe() << "\n";
     out << "  op        T_q    T_k  H_q H_kv d_h thr isa          ms   GFLOP/s  sgemm  ratio  "
            "max_rel_err  extra_MiB\n";
   }
@@ -433,7 +579,7 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
       std::cerr << "[bench] " << cfg.op << " T_q=" << sh.T_q << " T_k=" << sh.T_k
                 << " threads=" << c.threads << " isa=" << to_string(c.isa) << "\n";
     }
-    AttentionRun run(sh, backward, c.isa, c.threads);
+    AttentionRun run(sh, backward, c.isa, c.threads, cfg.variants);
     // Peak extra memory: resident-set growth over every call of this case (for backward, the
     // forward that produces O and L too), measured from here, where all inputs and outputs are
     // allocated and touched, so only the kernels' own scratch counts.
@@ -468,6 +614,7 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
                           ? std::max<std::int64_t>(0, peak - rss_before) * 1024
                           : -1;
     res.max_rel_err = run.slice_error();
+    res.variants = cfg.variants;
     results.push_back(res);
     print_result(out, res, cfg.json);
     out.flush();

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -19,6 +20,38 @@
 #include "tokenmix/tensor.hpp"
 
 namespace tokenmix::bench {
+
+/// Score variants of a bench case or a `tokenmix run` (SPEC "Score variants used by real
+/// models"); all off by default. The CLI's --window, --softcap, --alibi and --sinks.
+struct BenchVariants {
+  std::optional<std::int64_t> window;  ///< sliding window W ≥ 1
+  std::optional<double> softcap;       ///< c > 0
+  bool alibi = false;                  ///< the standard slopes m_h = 2^(−8(h+1)/H_q)
+  std::vector<double> sinks;           ///< empty = off; one value (every head) or H_q values
+
+  bool any() const { return window || softcap || alibi || !sinks.empty(); }
+  /// The standard ALiBi slopes for H_q heads (empty when alibi is off).
+  std::vector<float> alibi_slopes(std::int64_t H_q) const;
+  /// σ_h for H_q heads (empty when off); ArgumentError naming --sinks unless it has 1 or H_q
+  /// values.
+  std::vector<float> sink_values(std::int64_t H_q) const;
+  /// "window=4096 softcap=30 alibi sinks=0.5", "" when none.
+  std::string describe() const;
+  /// The JSON fields ", \"window\": 4096, \"softcap\": null, \"alibi\": false, \"sinks\": null".
+  std::string json() const;
+  /// Fills the variant fields of `o` with views of `alibi` and `sinks` (the caller's storage,
+  /// from alibi_slopes / sink_values).
+  void apply(AttentionOptions& o, const std::vector<float>& alibi,
+             const std::vector<float>& sinks) const;
+};
+
+/// pairs(t) summed over the T_q rows with the causal mask (4.3) and a sliding window W (none
+/// when window is empty): the useful pairs of SPEC "Useful-work counts" (O(T_q)).
+std::int64_t windowed_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align,
+                            std::optional<std::int64_t> window);
+/// Forward FLOPs 4·d_h·H_q·P·B with P = windowed_pairs (tokenmix::forward_flops without a
+/// window).
+double windowed_forward_flops(const testkit::AttentionShape& s, std::optional<std::int64_t> window);
 
 struct BenchConfig {
   std::string op = "forward";  ///< "forward", "backward" or "decode"
@@ -36,7 +69,8 @@ struct BenchConfig {
   std::vector<std::int64_t> cache_tokens = {4096, 32768,
                                             131072};  ///< T_k: cached positions per sequence
   std::vector<DType> cache_dtypes = {DType::f32, DType::bf16, DType::f16};
-  std::int64_t tnew = 1;  ///< new queries per sequence (T_new; > 1: speculative)
+  std::int64_t tnew = 1;   ///< new queries per sequence (T_new; > 1: speculative)
+  BenchVariants variants;  ///< score variants of every case (forward, backward and decode)
 };
 
 struct BenchResult {
@@ -58,6 +92,7 @@ struct BenchResult {
   double gbps = 0.0;        ///< K/V bytes read per second (SPEC "decode bytes") / 1e9
   double ceiling_gbps =
       0.0;  ///< streaming read bandwidth (StreamRead), median of passes interleaved with the steps
+  BenchVariants variants;  ///< the case's score variants (to_json writes them)
 };
 
 /// The fp32 GEMM ceiling of forward and backward: C = A B, n = 2048, through OpenBLAS, on seeded
@@ -85,17 +120,23 @@ double sgemm_ceiling_gflops(int threads, int repeats = 10);
 /// `tokenmix bench forward|backward` and benchmarks/ (Google Benchmark) both time this one.
 class AttentionRun {
  public:
-  AttentionRun(const testkit::AttentionShape& shape, bool backward, Isa isa, int threads);
+  AttentionRun(const testkit::AttentionShape& shape, bool backward, Isa isa, int threads,
+               const BenchVariants& variants = {});
   void forward();  ///< attention_forward: O and L (what backward starts from)
   void call();     ///< the timed call: forward, or backward from the O and L of forward()
   double useful_flops() const;
+  /// Useful FLOPs (SPEC "Useful-work counts"): only the pairs the causal mask and the window
+  /// leave visible count; backward = 2.5 × forward.
   /// rel_err (testkit) of batch 0, the g query heads of KV head 0, 32 query rows (dQ, and for
-  /// causal bottom-right T_q = T_k also dK, dV of the last 32 keys) vs reference::attention_*.
+  /// causal bottom-right T_q = T_k also dK, dV of the last 32 keys) vs reference::attention_*,
+  /// with the same score variants.
   double slice_error() const;
 
  private:
   testkit::AttentionShape shape_;
   bool backward_;
+  BenchVariants variants_;
+  std::vector<float> alibi_, sinks_;  // what options_ views
   AttentionOptions options_;
   std::vector<float> q_, k_, v_, o_, lse_, dout_, dq_, dk_, dv_;
 };

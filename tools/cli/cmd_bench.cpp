@@ -1,6 +1,7 @@
 // tools/cli/cmd_bench.cpp — `tokenmix bench forward|backward|decode`: our kernels next to the
 // machine's ceilings measured in the same run (tools/bench): fp32 GEMM (OpenBLAS sgemm) for
-// forward/backward, streaming read bandwidth for decode.
+// forward/backward, streaming read bandwidth for decode. --window, --softcap, --alibi and
+// --sinks time a score variant (SPEC "Score variants used by real models"); the JSON records them.
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <string>
@@ -24,6 +25,7 @@ Command add_bench_command(CLI::App& parent) {
     std::string align = "bottom_right";
     bool no_causal = false;
     std::vector<std::string> cache_dtypes{"f32", "bf16", "f16"};
+    VariantFlags variants;
   };
   auto o = std::make_shared<Options>();
   app->add_option("op", o->op, "What to measure: forward, backward or decode")
@@ -60,12 +62,16 @@ Command add_bench_command(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--tnew", o->config.tnew, "decode: new query positions per sequence (T_new)")
       ->capture_default_str();
+  add_variant_options(app, o->variants,
+                      "Score variants (every case; recorded in the JSON; useful FLOPs count only "
+                      "the pairs a window leaves visible)");
 
-  return {app, [o]() {
+  return {app, [app, o]() {
             bench::BenchConfig cfg = o->config;
             cfg.op = o->op;
             cfg.causal = !o->no_causal;
             cfg.align = parse_causal_align(o->align, "--align");
+            cfg.variants = variants_from_flags(*app, o->variants);
             cfg.isas.clear();
             for (const std::string& name : o->isas) cfg.isas.push_back(parse_isa(name, "--isa"));
             cfg.cache_dtypes.clear();

@@ -4,8 +4,11 @@
 //       one Llama-3-8B-shaped layer forward and backward, checked against float64 (run_layer.cpp)
 //   tokenmix run --q q.npy --k k.npy --v v.npy --out o.npy [--lse lse.npy] [--scale S]
 //                [--no-causal] [--align bottom_right|top_left]
-//                [--dout do.npy --dq dq.npy --dk dk.npy --dv dv.npy] [--threads N] [--isa NAME]
-//       attention on your tensors (run_npy.cpp)
+//                [--window W] [--softcap C] [--alibi] [--sinks V[,V...]]
+//                [--dout do.npy --dq dq.npy --dk dk.npy --dv dv.npy [--dsinks ds.npy]]
+//                [--threads N] [--isa NAME]
+//       attention on your tensors (run_npy.cpp), with the score variants of SPEC "Score variants
+//       used by real models"
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <memory>
@@ -27,6 +30,7 @@ struct RunArgs {
   int threads = 0;
   std::string isa = "auto";
   std::string cache_dtype = "bf16";
+  VariantFlags variants;
 };
 
 std::string join_missing(const std::vector<std::string>& names) {
@@ -45,7 +49,7 @@ int run_command(CLI::App& sub, RunArgs& a) {
   apply_blas_threads(a.threads);
 
   const std::vector<std::string> file_opts = {"--q",    "--k",  "--v",  "--out", "--lse",
-                                              "--dout", "--dq", "--dk", "--dv"};
+                                              "--dout", "--dq", "--dk", "--dv",  "--dsinks"};
   const std::vector<std::string> attention_opts = {"--scale", "--no-causal", "--align"};
   const std::vector<std::string> layer_opts = {"--seq", "--batch", "--seed", "--decode-steps",
                                                "--cache-dtype"};
@@ -60,6 +64,11 @@ int run_command(CLI::App& sub, RunArgs& a) {
         usage_error(o +
                     " applies only to file mode (--q, --k, --v, --out); the built-in layer "
                     "run always uses the causal bottom_right mask and scale 1/sqrt(d_h)");
+    const std::string variants = given_variant_options(sub);
+    if (!variants.empty())
+      usage_error(variants +
+                  ": the score variants apply only to file mode (--q, --k, --v, --out); the "
+                  "built-in layer run is checked against a plain causal float64 layer");
     a.layer.threads = a.threads;
     a.layer.isa = isa;
     a.layer.cache_dtype = a.cache_dtype == "f32"   ? DType::f32
@@ -76,7 +85,8 @@ int run_command(CLI::App& sub, RunArgs& a) {
     if (!given(o)) missing.emplace_back(o);
   if (!missing.empty())
     usage_error("file mode needs --q, --k, --v and --out; missing " + join_missing(missing));
-  const bool any_grad = given("--dout") || given("--dq") || given("--dk") || given("--dv");
+  const bool any_grad =
+      given("--dout") || given("--dq") || given("--dk") || given("--dv") || given("--dsinks");
   if (any_grad) {
     missing.clear();
     for (const auto& o : {"--dout", "--dq", "--dk", "--dv"})
@@ -85,6 +95,8 @@ int run_command(CLI::App& sub, RunArgs& a) {
       usage_error("the backward pass needs all of --dout, --dq, --dk and --dv; missing " +
                   join_missing(missing));
   }
+  if (given("--dsinks") && !given("--sinks"))
+    usage_error("--dsinks is the gradient of the attention sinks: it needs --sinks");
 
   NpyRunOptions& f = a.files;
   if (given("--scale")) {
@@ -95,6 +107,7 @@ int run_command(CLI::App& sub, RunArgs& a) {
   f.attention.align = parse_causal_align(a.align, "--align");
   f.attention.threads = a.threads;
   f.attention.isa = isa;
+  f.variants = variants_from_flags(sub, a.variants);
   return run_npy(f);
 }
 
@@ -144,11 +157,15 @@ Command add_run_command(CLI::App& parent) {
   sub->add_option("--dq", a.files.dq, "Gradient dQ (written; needs --dout)")->group(files);
   sub->add_option("--dk", a.files.dk, "Gradient dK (written; needs --dout)")->group(files);
   sub->add_option("--dv", a.files.dv, "Gradient dV (written; needs --dout)")->group(files);
+  sub->add_option("--dsinks", a.files.dsinks,
+                  "Gradient of the sinks [H_q] (written; needs --dout and --sinks)")
+      ->group(files);
   sub->add_option("--scale", a.scale, "Score scale s (default 1/sqrt(d_h))")->group(files);
   sub->add_flag("--no-causal", a.no_causal, "Attend to every key (no causal mask)")->group(files);
   sub->add_option("--align", a.align, "Causal diagonal when T_q != T_k: bottom_right or top_left")
       ->capture_default_str()
       ->group(files);
+  add_variant_options(sub, a.variants, "Score variants (file mode; SPEC \"Score variants\")");
 
   return {sub, [sub, args] { return run_command(*sub, *args); }};
 }

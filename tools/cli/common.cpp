@@ -3,8 +3,11 @@
 
 #include <cblas.h>
 
+#include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <limits>
 
 namespace tokenmix::cli {
 
@@ -16,6 +19,50 @@ std::string fmt(double value, const char* format) {
   char buf[64];
   std::snprintf(buf, sizeof buf, format, value);
   return buf;
+}
+
+void add_variant_options(CLI::App* app, VariantFlags& f, const std::string& group) {
+  app->add_option("--window", f.window,
+                  "Sliding window W >= 1: a query sees only the last W positions up to its own "
+                  "(Mistral, Gemma; FlashAttention's window_size = (W - 1, 0))")
+      ->check(CLI::Range(std::int64_t{1}, std::numeric_limits<std::int64_t>::max()))
+      ->group(group);
+  app->add_option("--softcap", f.softcap,
+                  "Logit soft-capping c > 0: scores c*tanh(z/c) after the scale (Gemma 2)")
+      ->group(group);
+  app->add_flag("--alibi", f.alibi,
+                "ALiBi with the standard slopes m_h = 2^(-8(h+1)/H_q) (BLOOM, MPT)")
+      ->group(group);
+  app->add_option("--sinks", f.sinks,
+                  "Attention sinks: one logit for every query head, or H_q comma-separated "
+                  "values, one per head (gpt-oss)")
+      ->delimiter(',')
+      ->group(group);
+}
+
+bench::BenchVariants variants_from_flags(const CLI::App& app, const VariantFlags& f) {
+  bench::BenchVariants v;
+  if (app.count("--window") > 0) v.window = f.window;
+  if (app.count("--softcap") > 0) {
+    if (!std::isfinite(f.softcap) || !(f.softcap > 0.0))
+      throw ArgumentError(ErrorCode::invalid_argument,
+                          "--softcap must be a finite number > 0; got " + fmt(f.softcap, "%g"));
+    v.softcap = f.softcap;
+  }
+  v.alibi = f.alibi;
+  for (double s : f.sinks)
+    if (!std::isfinite(s))
+      throw ArgumentError(ErrorCode::invalid_argument,
+                          "--sinks values must be finite; got " + fmt(s, "%g"));
+  v.sinks = f.sinks;
+  return v;
+}
+
+std::string given_variant_options(const CLI::App& app) {
+  std::string s;
+  for (const char* name : {"--window", "--softcap", "--alibi", "--sinks"})
+    if (app.count(name) > 0) s += (s.empty() ? "" : ", ") + std::string(name);
+  return s;
 }
 
 void apply_blas_threads(int threads) {

@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
+#include "bench.hpp"
 #include "reference/reference.hpp"
 #include "testkit.hpp"
 #include "tokenmix/tokenmix.hpp"
@@ -55,6 +57,22 @@ class Stopwatch {
 using testkit::ErrorAccumulator;
 using testkit::random_normal;
 using testkit::rel_err;
+
+/// The score-variant options of `tokenmix run` and `tokenmix bench` (SPEC "Score variants used by
+/// real models"), as parsed: --window W, --softcap C, --alibi, --sinks V[,V...].
+struct VariantFlags {
+  std::int64_t window = 0;
+  double softcap = 0.0;
+  bool alibi = false;
+  std::vector<double> sinks;
+};
+/// Adds the four options to `app` (in option group `group`).
+void add_variant_options(CLI::App* app, VariantFlags& flags, const std::string& group);
+/// The variants the command line asked for; ArgumentError (exit 2) for a --softcap that is not a
+/// finite number > 0 or a non-finite --sinks value (--window's range is checked by the parser).
+bench::BenchVariants variants_from_flags(const CLI::App& app, const VariantFlags& flags);
+/// The names of the variant options given ("--window, --alibi"), "" when none.
+std::string given_variant_options(const CLI::App& app);
 
 /// "1.23e-06"-style and fixed formatting helpers.
 std::string fmt(double value, const char* format);

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "bench.hpp"
 #include "tokenmix/tokenmix.hpp"
 
 namespace tokenmix::cli {
@@ -23,8 +24,10 @@ int run_layer(const LayerRunOptions& options);
 /// File mode: attention forward (and optionally backward) on .npy tensors [B, T, H, d_h].
 struct NpyRunOptions {
   std::string q, k, v, out, lse;
-  std::string dout, dq, dk, dv;  ///< all empty, or all set
-  AttentionOptions attention;
+  std::string dout, dq, dk, dv;   ///< all empty, or all set
+  std::string dsinks;             ///< optional (needs dout and variants.sinks)
+  AttentionOptions attention;     ///< scale, causal, align, threads, isa
+  bench::BenchVariants variants;  ///< window, softcap, ALiBi, sinks (resolved for H_q of q)
 };
 int run_npy(const NpyRunOptions& options);
 

@@ -2,7 +2,9 @@
 //
 // Reads q [B, T_q, H_q, d_h], k and v [B, T_k, H_kv, d_h] (and dO [B, T_q, H_q, d_h] for the
 // backward pass), runs attention_forward (and attention_backward), writes O, and if asked the
-// row log-sum-exp [B, H_q, T_q] and dQ, dK, dV. Every input is read and validated and all the
+// row log-sum-exp [B, H_q, T_q] and dQ, dK, dV (and d(sinks) [H_q]). The score variants
+// (--window, --softcap, --alibi, --sinks) apply to both passes; the useful FLOPs count only the
+// pairs the causal mask and the window leave visible. Every input is read and validated and all the
 // computing is done before the first output is written. Each output is first written to a
 // temporary file of its own (created exclusively) in the destination's folder; only when all of
 // them have been written are they renamed over the destinations. So a failed run leaves every
@@ -167,6 +169,7 @@ int run_npy(const NpyRunOptions& o) {
     out_paths.emplace_back("--dq", o.dq);
     out_paths.emplace_back("--dk", o.dk);
     out_paths.emplace_back("--dv", o.dv);
+    if (!o.dsinks.empty()) out_paths.emplace_back("--dsinks", o.dsinks);
   }
   std::vector<std::pair<const char*, std::string>> in_paths = {
       {"--q", o.q}, {"--k", o.k}, {"--v", o.v}};
@@ -214,30 +217,40 @@ int run_npy(const NpyRunOptions& o) {
     shape_error(describe("--dout", o.dout, dout.shape) + " must have the shape of " +
                 describe("--q", o.q, q.shape));
 
+  // The variants for H_q heads (--sinks: 1 or H_q values), viewed by the options.
+  const std::vector<float> alibi = o.variants.alibi_slopes(H_q),
+                           sinks = o.variants.sink_values(H_q);
+  AttentionOptions options = o.attention;
+  o.variants.apply(options, alibi, sinks);
+
   const std::int64_t n_lse =
       checked_product({B, H_q, T_q}, describe("--q", o.q, q.shape) + ": B * H_q * T_q");
   std::vector<float> out(q.data.size()), lse(static_cast<std::size_t>(n_lse));
   const TensorView out_v = TensorView::bthd(out.data(), B, T_q, H_q, d_h);
   const TensorView lse_v = TensorView::bht(lse.data(), B, H_q, T_q);
-  const double flops = forward_flops(B, T_q, T_k, H_q, d_h, o.attention.causal, o.attention.align);
-  const double bwd_flops =
-      backward_flops(B, T_q, T_k, H_q, d_h, o.attention.causal, o.attention.align);
+  const testkit::AttentionShape shape{
+      B, T_q, T_k, H_q, H_kv, d_h, o.attention.causal, o.attention.align};
+  const double flops = bench::windowed_forward_flops(shape, o.variants.window);
+  const double bwd_flops = 2.5 * flops;  // SPEC "Useful-work counts"
 
   Stopwatch fwd_clock;
-  attention_forward(view_of(q), view_of(k), view_of(v), out_v, lse_v, o.attention);
+  attention_forward(view_of(q), view_of(k), view_of(v), out_v, lse_v, options);
   const double fwd_s = fwd_clock.seconds();
 
-  std::vector<float> dq, dk, dv;
+  std::vector<float> dq, dk, dv, dsinks;
   double bwd_s = 0.0;
   if (backward) {
     dq.resize(q.data.size());
     dk.resize(k.data.size());
     dv.resize(v.data.size());
+    dsinks.resize(sinks.size());
+    TensorView dsinks_v;
+    if (!dsinks.empty()) dsinks_v = {dsinks.data(), DType::f32, 1, {H_q, 1, 1, 1}, {1, 0, 0, 0}};
     Stopwatch bwd_clock;
     attention_backward(view_of(q), view_of(k), view_of(v), out_v, lse_v, view_of(dout),
                        TensorView::bthd(dq.data(), B, T_q, H_q, d_h),
                        TensorView::bthd(dk.data(), B, T_k, H_kv, d_h),
-                       TensorView::bthd(dv.data(), B, T_k, H_kv, d_h), o.attention);
+                       TensorView::bthd(dv.data(), B, T_k, H_kv, d_h), options, dsinks_v);
     bwd_s = bwd_clock.seconds();
   }
 
@@ -247,13 +260,15 @@ int run_npy(const NpyRunOptions& o) {
     outputs.push_back({"--dq", o.dq, q.shape, &dq});
     outputs.push_back({"--dk", o.dk, k.shape, &dk});
     outputs.push_back({"--dv", o.dv, v.shape, &dv});
+    if (!o.dsinks.empty()) outputs.push_back({"--dsinks", o.dsinks, {H_q}, &dsinks});
   }
   write_outputs(outputs);
 
   std::cout << "attention B=" << B << " T_q=" << T_q << " T_k=" << T_k << " H_q=" << H_q
             << " H_kv=" << H_kv << " d_h=" << d_h
             << (o.attention.causal ? ", causal " : ", no mask")
-            << (o.attention.causal ? to_string(o.attention.align) : "") << ", kernel path "
+            << (o.attention.causal ? to_string(o.attention.align) : "")
+            << (o.variants.any() ? ", " + o.variants.describe() : std::string()) << ", kernel path "
             << to_string(resolve_isa(o.attention.isa)) << "\n";
   std::cout << "forward:  " << fmt(fwd_s * 1e3, "%.3f") << " ms, "
             << fmt(flops / std::max(fwd_s, 1e-9) * 1e-9, "%.2f") << " GFLOP/s ("

@@ -141,13 +141,13 @@ void DecodeUnits(const DecodeArgs& a) {
         // Tile crosses some row's end or window start: −∞ for lanes outside [begin, end).
         if (u0 + kKeyTile > kfull || u0 < kfull_begin) {
           const auto lo_minus_1 = hn::Set(  // lane ≥ lo ⟺ lo − 1 < lane (no integer Ge here)
-              di,
-              static_cast<std::int32_t>(std::clamp<std::int64_t>(begin - u0, 0, kKeyTile) - 1));
+              di, static_cast<std::int32_t>(std::clamp<std::int64_t>(begin - u0, 0, kKeyTile) - 1));
           const auto hi = hn::Set(
               di, static_cast<std::int32_t>(std::clamp<std::int64_t>(end - u0, 0, kKeyTile)));
           for (std::int64_t i = 0; i < kKeyTile; i += N) {
             const auto lane = hn::Iota(di, static_cast<std::int32_t>(i));
-            const auto visible = hn::RebindMask(d, hn::And(hn::Lt(lo_minus_1, lane), hn::Lt(lane, hi)));
+            const auto visible =
+                hn::RebindMask(d, hn::And(hn::Lt(lo_minus_1, lane), hn::Lt(lane, hi)));
             hn::Store(hn::IfThenElse(visible, hn::Load(d, score + i), hn::Set(d, kNegInf)), d,
                       score + i);
           }

@@ -5,8 +5,10 @@
 #
 # The virtual environment is persistent, outside the work tree:
 #   ${TOKENMIX_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv}
-# so NumPy, ml_dtypes, PyTorch, pytest, scikit-build-core and nanobind are downloaded from PyPI once per
-# machine and only when missing (PyPI's Linux torch wheel is the CUDA build: ~0.5 GB plus
+# so NumPy, ml_dtypes, PyTorch, pytest, scikit-build-core, nanobind and Hugging Face
+# transformers (for test_transformers.py: tiny models built from configs, nothing downloaded)
+# come from PyPI once per machine and only when missing (PyPI's Linux torch wheel is the CUDA
+# build: ~0.5 GB plus
 # ~3 GB of nvidia-* wheels that `import torch` needs even on a CPU-only machine; PyPI carries no
 # CPU-only torch wheel). Later runs reuse it and need no network. No test is ever skipped for a
 # missing package: a package that cannot be installed fails this stage.
@@ -53,7 +55,8 @@ echo "== virtual environment: $venv ($("$py" --version))"
 # Packages, installed only when missing (module name = requirement).
 missing=()
 for spec in numpy:numpy torch:torch pytest:pytest scikit_build_core:scikit-build-core \
-            nanobind:nanobind threadpoolctl:threadpoolctl ml_dtypes:ml_dtypes; do
+            nanobind:nanobind threadpoolctl:threadpoolctl transformers:transformers \
+            ml_dtypes:ml_dtypes; do
   "$py" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
 done
 if [[ ${#missing[@]} -gt 0 ]]; then
@@ -62,7 +65,8 @@ if [[ ${#missing[@]} -gt 0 ]]; then
   "$py" -m pip install --progress-bar off "${missing[@]}"
   echo "== installed in $((SECONDS - start)) s"
 fi
-"$py" -c 'import numpy, torch; print("numpy", numpy.__version__, "| torch", torch.__version__)'
+"$py" -c 'import numpy, torch, transformers as t
+print("numpy", numpy.__version__, "| torch", torch.__version__, "| transformers", t.__version__)'
 
 # Build the wheel (incremental in build/python/<tag>) and install it.
 echo "== pip wheel ."

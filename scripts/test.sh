@@ -10,8 +10,9 @@
 #   4. fuzzing (scripts/fuzz.sh): libFuzzer targets under ASan + UBSan, about a minute each;
 #   5. ThreadSanitizer (scripts/tsan.sh): the multi-threaded kernel tests;
 #   6. Python package (python/run-tests.sh): `pip wheel .` into a persistent virtual environment
-#      (${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv; NumPy and PyTorch installed from PyPI once,
-#      when missing), then pytest on python/tests (exit status 5, "no tests ran", is a failure).
+#      (${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv; NumPy, PyTorch and transformers installed
+#      from PyPI once, when missing), then pytest on python/tests (exit status 5, "no tests ran",
+#      is a failure).
 # Both ctest runs include the install test `install.consumer` (tests/consumer: `cmake --install`
 # into a scratch prefix, then a standalone find_package(tokenmix) project built against it with
 # the shared and the static library) and `readme.example` (the C++ example in README.md).

@@ -52,7 +52,7 @@ PUBLIC_NAMES = [
     "visible_pairs",
 ]
 # Subpackages that appear in dir(tokenmix) once something imports them (other tests do).
-SUBMODULES = {"torch", "bench"}
+SUBMODULES = {"torch", "bench", "transformers"}
 # Written in Python (the private modules); they present themselves as tokenmix.<name>.
 PYTHON_DEFINED = [
     "CausalSelfAttention", "LayerGradients", "attention_backward", "attention_backward_varlen",

@@ -9,9 +9,10 @@ and ``varlen_attention``, the packed variable-length form of FlashAttention's
 
     out = softmax(scale · Q Kᵀ + M) V       (SPEC 4.2–4.5; scale defaults to 1/sqrt(E))
 
-computed by tokenmix's fused flash kernels, forward and backward (a ``torch.autograd.Function``
-that saves ``out`` and the row log-sum-exp L and calls tokenmix's backward; no T×T matrix is
-stored). Tensors are passed to the kernels as strided views, without copies: PyTorch's
+computed by tokenmix's fused flash kernels, forward and backward: the registered operators
+``torch.ops.tokenmix.attention_forward`` / ``attention_backward`` (module ``_torch_ops``; the
+forward saves ``out`` and the row log-sum-exp L, no T×T matrix is stored), so the drop-in works
+under ``torch.compile(fullgraph=True)``, ``torch.export``, ``torch.func.grad`` and ``vmap``. Tensors are passed to the kernels as strided views, without copies: PyTorch's
 ``[B, H, T, E]`` layout, transposed views of ``[B, T, H, E]`` projections and other
 non-contiguous inputs all work in place.
 
@@ -64,9 +65,9 @@ import math
 from typing import Any, Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _tokenmix as _C
+from . import _torch_ops as _ops
 
 __all__ = ["scaled_dot_product_attention", "varlen_attention"]
 
@@ -86,121 +87,9 @@ def _as_bhtd(x: torch.Tensor) -> torch.Tensor:
     return x.reshape((-1,) + tuple(x.shape[-3:]))
 
 
-def _bthd(x: torch.Tensor) -> torch.Tensor:
-    """The logical [B, T, H, E] view tokenmix takes of a [B, H, T, E] tensor (no copy)."""
-    return x.permute(0, 2, 1, 3)
-
-
-class _Variants:
-    """The non-differentiable options of one call (tensors held here get no gradient)."""
-
-    def __init__(self, align: str, window: Optional[int], softcap: Optional[float],
-                 alibi_slopes: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> None:
-        self.align = align
-        self.window = window
-        self.softcap = softcap
-        self.alibi_slopes = alibi_slopes
-        self.mask = mask
-
-    def kwargs(self, sinks: Optional[torch.Tensor], varlen: bool = False) -> dict:
-        out = dict(window=self.window, softcap=self.softcap, alibi_slopes=self.alibi_slopes,
-                   sinks=sinks)
-        if not varlen:
-            out["mask"] = self.mask
-        return out
-
-
-class _TokenmixSDPA(torch.autograd.Function):
-    """out = SDPA(q, k, v; sinks) with tokenmix's forward; backward from (q, k, v, out, lse)."""
-
-    @staticmethod
-    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                sinks: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
-                variants: _Variants) -> torch.Tensor:
-        q4 = _as_bhtd(query.detach())
-        k4 = _as_bhtd(key.detach())
-        v4 = _as_bhtd(value.detach())
-        sinks = None if sinks is None else sinks.detach()
-        B, H_q, L, E = q4.shape
-        out = torch.empty((B, H_q, L, E), dtype=q4.dtype)  # the inputs' dtype
-        lse = torch.empty((B, H_q, L), dtype=torch.float32)  # float32 for every dtype
-        threads = torch.get_num_threads()
-        _C.attention_forward(_bthd(q4), _bthd(k4), _bthd(v4), _bthd(out), lse, scale,
-                             is_causal, variants.align, threads, "auto",
-                             **variants.kwargs(sinks))
-        if sinks is None:
-            ctx.save_for_backward(q4, k4, v4, out, lse)
-        else:
-            ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
-        ctx.is_causal = is_causal
-        ctx.scale = scale
-        ctx.variants = variants
-        ctx.shapes = (query.shape, key.shape, value.shape)
-        return out.view(query.shape[:-1] + (E,))
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Any, ...]:
-        q4, k4, v4, out, lse = ctx.saved_tensors[:5]
-        sinks = ctx.saved_tensors[5] if len(ctx.saved_tensors) > 5 else None
-        q_shape, k_shape, v_shape = ctx.shapes
-        if grad_out.dtype != q4.dtype or grad_out.device.type != "cpu":
-            grad_out = grad_out.to(device="cpu", dtype=q4.dtype)
-        do4 = _as_bhtd(grad_out)
-        # Gradients in the inputs' dtype (SPEC "Reduced precision": rounded once, at the end).
-        dq = torch.empty(q4.shape, dtype=q4.dtype)
-        dk = torch.empty(k4.shape, dtype=q4.dtype)
-        dv = torch.empty(v4.shape, dtype=q4.dtype)
-        dsinks = None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32)
-        _C.attention_backward(_bthd(q4), _bthd(k4), _bthd(v4), _bthd(out), lse, _bthd(do4),
-                              _bthd(dq), _bthd(dk), _bthd(dv), ctx.scale, ctx.is_causal,
-                              ctx.variants.align, torch.get_num_threads(), "auto",
-                              dsinks=dsinks, **ctx.variants.kwargs(sinks))
-        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), dsinks, None, None, None
-
-
-class _TokenmixVarlen(torch.autograd.Function):
-    """Packed varlen attention with tokenmix's forward and backward (SPEC "Score variants":
-    varlen)."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sinks: Optional[torch.Tensor], cu_q: torch.Tensor, cu_k: torch.Tensor,
-                is_causal: bool, scale: Optional[float], variants: _Variants) -> torch.Tensor:
-        q, k, v = q.detach(), k.detach(), v.detach()
-        sinks = None if sinks is None else sinks.detach()
-        out = torch.empty(q.shape, dtype=q.dtype)
-        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-        _C.attention_forward_varlen(q, k, v, cu_q, cu_k, out, lse, scale, is_causal,
-                                    variants.align, torch.get_num_threads(), "auto",
-                                    **variants.kwargs(sinks, varlen=True))
-        saved = (q, k, v, out, lse, cu_q, cu_k) + (() if sinks is None else (sinks,))
-        ctx.save_for_backward(*saved)
-        ctx.is_causal = is_causal
-        ctx.scale = scale
-        ctx.variants = variants
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Any, ...]:
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors[:7]
-        sinks = ctx.saved_tensors[7] if len(ctx.saved_tensors) > 7 else None
-        if grad_out.dtype != q.dtype or grad_out.device.type != "cpu":
-            grad_out = grad_out.to(device="cpu", dtype=q.dtype)
-        dq = torch.empty(q.shape, dtype=q.dtype)
-        dk = torch.empty(k.shape, dtype=q.dtype)
-        dv = torch.empty(v.shape, dtype=q.dtype)
-        dsinks = None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32)
-        _C.attention_backward_varlen(q, k, v, out, lse, grad_out, cu_q, cu_k, dq, dk, dv,
-                                     ctx.scale, ctx.is_causal, ctx.variants.align,
-                                     torch.get_num_threads(), "auto", dsinks=dsinks,
-                                     **ctx.variants.kwargs(sinks, varlen=True))
-        return dq, dk, dv, dsinks, None, None, None, None, None
-
-
 def _unsupported(what: str, fn: str = _FN) -> NotImplementedError:
-    return NotImplementedError(f"{fn}: {what}")
+    """tokenmix.UnsupportedError (a NotImplementedError) naming the entry point."""
+    return _typed(_C.UnsupportedError, "unsupported", f"{fn}: {what}")
 
 
 # The dtypes of q, k, v (and out, the gradients): SPEC "Reduced precision".
@@ -464,8 +353,10 @@ def scaled_dot_product_attention(
     window, softcap, alibi_slopes, sinks = _check_variants(
         _FN, H_q, window, softcap, alibi_slopes, sinks, causal_align)
     mask = None if attn_mask is None else _mask_view(attn_mask, query, key.shape[-2])
-    variants = _Variants(causal_align, window, softcap, alibi_slopes, mask)
-    return _TokenmixSDPA.apply(query, key, value, sinks, bool(is_causal), scale, variants)
+    out = _ops.attention(_as_bhtd(query), _as_bhtd(key), _as_bhtd(value), mask, alibi_slopes,
+                         sinks, scale, bool(is_causal), causal_align == "bottom_right", window,
+                         softcap)
+    return out.view(query.shape[:-1] + (E,))
 
 
 def _max_seqlen(fn: str, name: str, cu: torch.Tensor, given: Any) -> None:
@@ -477,8 +368,8 @@ def _max_seqlen(fn: str, name: str, cu: torch.Tensor, given: Any) -> None:
     except (AttributeError, TypeError):
         raise TypeError(f"{fn}: max_seqlen_{name} must be an int; got "
                         f"{type(given).__name__}") from None
-    if cu.dim() != 1 or cu.numel() < 2:
-        return
+    if cu.dim() != 1 or cu.numel() < 2 or not _ops.plain_eager(cu):
+        return  # (traced: the library checks the offsets when the operator runs)
     lengths = cu[1:].to(torch.int64) - cu[:-1].to(torch.int64)
     if bool((lengths >= 0).all()):
         longest = int(lengths.max())
@@ -558,6 +449,5 @@ def varlen_attention(
     _max_seqlen(fn, "k", cu_seqlens_k, max_seqlen_k)
     window, softcap, alibi_slopes, sinks = _check_variants(
         fn, q.shape[1], window, softcap, alibi_slopes, sinks, causal_align)
-    variants = _Variants(causal_align, window, softcap, alibi_slopes, None)
-    return _TokenmixVarlen.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, bool(is_causal),
-                                 scale, variants)
+    return _ops.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scale,
+                       bool(is_causal), causal_align == "bottom_right", window, softcap)

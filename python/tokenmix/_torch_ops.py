@@ -1,0 +1,536 @@
+"""tokenmix's attention as registered PyTorch operators: ``torch.ops.tokenmix.*``.
+
+Four ``torch.library.custom_op`` operators (float32, bfloat16 or float16 CPU tensors — q, k, v,
+out and the gradients in one dtype, lse, sinks and dsinks float32, SPEC "Reduced precision";
+the maths is SPEC 4.2–4.5, the backward pass and the score variants of SPEC "Score variants used
+by real models"):
+
+``tokenmix::attention_forward(q, k, v, attn_mask, alibi_slopes, sinks, scale, is_causal,
+bottom_right, window, softcap) -> (out, lse)``
+    q ``[B, H_q, L, E]``, k/v ``[B, H_kv, S, E]`` (PyTorch's SDPA layout, any strides; H_q a
+    multiple of H_kv: GQA, SPEC 4.8); ``attn_mask`` bool (True = may attend) or float32
+    additive, rank 4 and broadcastable to ``[B, H_q, L, S]`` (size-1 axes are broadcast without
+    a copy); ``alibi_slopes``/``sinks`` ``[H_q]``; ``bottom_right`` selects the alignment of
+    the causal mask, the window and ALiBi (SPEC 4.3). ``out`` is ``[B, H_q, L, E]`` with the
+    memory order of ``[B, L, H_q, E]`` (like PyTorch's CPU flash kernel: ``out.transpose(1, 2)``
+    is contiguous, which is what transformers' attention layers want); ``lse`` ``[B, H_q, L]``
+    is the row log-sum-exp L of SPEC (4.4) (not differentiable).
+``tokenmix::attention_backward(dout, q, k, v, out, lse, <the same options>) -> (dq, dk, dv,
+dsinks)``
+    the gradients (dq/dk/dv with the strides of q/k/v when those are dense); ``dsinks`` is
+    ``[H_q]``, or an empty ``[0]`` tensor when ``sinks`` is None.
+``tokenmix::varlen_forward`` / ``tokenmix::varlen_backward``
+    the packed variable-length form (``[total, H, E]`` with ``cu_seqlens_q/k`` offsets;
+    ``lse`` ``[H_q, total_q]``).
+
+Each has a fake (meta) implementation that computes the output shapes, so ``torch.compile``
+(``fullgraph=True``) and ``torch.export`` trace through it without a graph break; the forward
+operators have an autograd formula (``register_autograd`` with ``setup_context``) that calls the
+backward operator, so ``torch.func.grad`` works; every operator has a vmap rule (the vmapped
+dimension is merged into the batch when that is exact, otherwise the rule loops over it). The
+backward operators are not differentiable: a double backward raises
+``tokenmix.UnsupportedError``.
+
+Threads: the implementations read ``torch.get_num_threads()`` when they run, outside any traced
+region (an exported or compiled graph uses the thread count of the process that runs it); the
+results do not depend on it.
+
+Plain eager calls (no ``torch.compile``/export tracing, no functorch transform, no dispatch
+mode, no tensor subclass) skip the dispatcher: :func:`attention` and :func:`varlen` then call the
+same implementation functions through a ``torch.autograd.Function``, which costs a few
+microseconds instead of the custom operator's few tens (generation calls attention thousands
+of times a second). Both routes run identical code and are tested against each other.
+"""
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _tokenmix as _C
+
+__all__ = ["attention", "varlen", "plain_eager"]
+
+_ALIGN = ("top_left", "bottom_right")
+
+
+def _typed(kind: Any, code: str, msg: str) -> Exception:
+    err = kind(msg)
+    err.code = code
+    return err
+
+
+def _no_double_backward(op: str) -> Exception:
+    return _typed(_C.UnsupportedError, "unsupported",
+                  f"tokenmix.torch: double backward (differentiating {op}, the gradient of "
+                  "tokenmix attention) is not supported; compute second derivatives with "
+                  "torch.nn.functional.scaled_dot_product_attention")
+
+
+def _variant_kwargs(alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                    window: Optional[int], softcap: Optional[float]) -> dict:
+    kw = {}
+    if window is not None:
+        kw["window"] = window
+    if softcap is not None:
+        kw["softcap"] = softcap
+    if alibi_slopes is not None:
+        kw["alibi_slopes"] = alibi_slopes
+    if sinks is not None:
+        kw["sinks"] = sinks
+    return kw
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations (run eagerly: inside an operator call, or from the eager autograd.Function)
+
+
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                  alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: Optional[float],
+                  is_causal: bool, bottom_right: bool, window: Optional[int],
+                  softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+    B, H, L, E = q.shape
+    out_bthd = torch.empty((B, L, H, E), dtype=q.dtype)  # q's dtype (SPEC "Reduced precision")
+    lse = torch.empty((B, H, L), dtype=torch.float32)  # float32 for every dtype
+    kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
+    if attn_mask is not None:
+        kw["mask"] = attn_mask
+    _C.attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out_bthd, lse,
+                         scale, is_causal, _ALIGN[bottom_right], torch.get_num_threads(), "auto",
+                         **kw)
+    return out_bthd.transpose(1, 2), lse
+
+
+def _grad_like(x: Tensor) -> Tensor:
+    """An output for the gradient of x, in x's dtype and with x's strides when those are dense
+    (so a gradient flowing back through a transposed view needs no copy)."""
+    return torch.empty_like(x)
+
+
+def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                   sinks: Optional[Tensor], scale: Optional[float], is_causal: bool,
+                   bottom_right: bool, window: Optional[int],
+                   softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    if dout.dtype != q.dtype:
+        dout = dout.to(q.dtype)
+    dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
+    dsinks = torch.empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
+    kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
+    if attn_mask is not None:
+        kw["mask"] = attn_mask
+    if sinks is not None:
+        kw["dsinks"] = dsinks
+    t = (lambda x: x.transpose(1, 2))
+    _C.attention_backward(t(q), t(k), t(v), t(out), lse, t(dout), t(dq), t(dk), t(dv), scale,
+                          is_causal, _ALIGN[bottom_right], torch.get_num_threads(), "auto", **kw)
+    return dq, dk, dv, dsinks
+
+
+def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                         cu_seqlens_k: Tensor, alibi_slopes: Optional[Tensor],
+                         sinks: Optional[Tensor], scale: Optional[float], is_causal: bool,
+                         bottom_right: bool, window: Optional[int],
+                         softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+    out = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    _C.attention_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale, is_causal,
+                                _ALIGN[bottom_right], torch.get_num_threads(), "auto",
+                                **_variant_kwargs(alibi_slopes, sinks, window, softcap))
+    return out, lse
+
+
+def _varlen_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                          alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                          scale: Optional[float], is_causal: bool, bottom_right: bool,
+                          window: Optional[int],
+                          softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    if dout.dtype != q.dtype:
+        dout = dout.to(q.dtype)
+    dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
+    dsinks = torch.empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
+    kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
+    if sinks is not None:
+        kw["dsinks"] = dsinks
+    _C.attention_backward_varlen(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, dq, dk, dv,
+                                 scale, is_causal, _ALIGN[bottom_right], torch.get_num_threads(),
+                                 "auto", **kw)
+    return dq, dk, dv, dsinks
+
+
+# ---------------------------------------------------------------------------------------------
+# The operators
+
+
+@torch.library.custom_op("tokenmix::attention_forward", mutates_args=())
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                      alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                      scale: Optional[float], is_causal: bool, bottom_right: bool,
+                      window: Optional[int], softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+    """out, lse = attention(q [B,H_q,L,E], k/v [B,H_kv,S,E]); see the module's docstring."""
+    return _forward_impl(q, k, v, attn_mask, alibi_slopes, sinks, scale, is_causal, bottom_right,
+                         window, softcap)
+
+
+@attention_forward.register_fake
+def _(q, k, v, attn_mask, alibi_slopes, sinks, scale, is_causal, bottom_right, window, softcap):
+    B, H, L, E = q.shape
+    return (q.new_empty((B, L, H, E)).transpose(1, 2),
+            q.new_empty((B, H, L), dtype=torch.float32))
+
+
+@torch.library.custom_op("tokenmix::attention_backward", mutates_args=())
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                       sinks: Optional[Tensor], scale: Optional[float], is_causal: bool,
+                       bottom_right: bool, window: Optional[int],
+                       softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, dsinks of attention_forward; see the module's docstring."""
+    return _backward_impl(dout, q, k, v, out, lse, attn_mask, alibi_slopes, sinks, scale,
+                          is_causal, bottom_right, window, softcap)
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, attn_mask, alibi_slopes, sinks, scale, is_causal, bottom_right,
+      window, softcap):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32))
+
+
+@torch.library.custom_op("tokenmix::varlen_forward", mutates_args=())
+def varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                   alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                   scale: Optional[float], is_causal: bool, bottom_right: bool,
+                   window: Optional[int], softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+    """out [total_q, H_q, E], lse [H_q, total_q] of packed varlen attention."""
+    return _varlen_forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scale,
+                                is_causal, bottom_right, window, softcap)
+
+
+@varlen_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scale, is_causal, bottom_right,
+      window, softcap):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("tokenmix::varlen_backward", mutates_args=())
+def varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, alibi_slopes: Optional[Tensor],
+                    sinks: Optional[Tensor], scale: Optional[float], is_causal: bool,
+                    bottom_right: bool, window: Optional[int],
+                    softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, dsinks of varlen_forward."""
+    return _varlen_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                 alibi_slopes, sinks, scale, is_causal, bottom_right, window,
+                                 softcap)
+
+
+@varlen_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scale, is_causal,
+      bottom_right, window, softcap):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd
+
+
+def _check_no_grad(fn: str, needs: Sequence[bool], names: Sequence[Tuple[int, str]]) -> None:
+    for i, name in names:
+        if needs[i]:
+            raise _typed(_C.UnsupportedError, "unsupported",
+                         f"{fn}: {name} requires grad, but tokenmix computes no gradient for it "
+                         f"(it would be silently missing); pass {name}.detach()")
+
+
+def _forward_setup(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor]) -> None:
+    q, k, v, attn_mask, alibi_slopes, sinks = inputs[:6]
+    _check_no_grad("tokenmix::attention_forward", ctx.needs_input_grad,
+                   ((3, "attn_mask"), (4, "alibi_slopes")))
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes, sinks)
+    ctx.options = tuple(inputs[6:])
+
+
+def _forward_backward(ctx: Any, dout: Tensor, dlse: Optional[Tensor]) -> Tuple[Any, ...]:
+    q, k, v, out, lse, attn_mask, alibi_slopes, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = attention_backward(dout, q, k, v, out, lse, attn_mask, alibi_slopes,
+                                            sinks, *ctx.options)
+    return (dq, dk, dv, None, None, None if sinks is None else dsinks) + (None,) * 5
+
+
+attention_forward.register_autograd(_forward_backward, setup_context=_forward_setup)
+
+
+def _varlen_setup(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor]) -> None:
+    q, k, v, cu_q, cu_k, alibi_slopes, sinks = inputs[:7]
+    _check_no_grad("tokenmix::varlen_forward", ctx.needs_input_grad, ((5, "alibi_slopes"),))
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks)
+    ctx.options = tuple(inputs[7:])
+
+
+def _varlen_backward(ctx: Any, dout: Tensor, dlse: Optional[Tensor]) -> Tuple[Any, ...]:
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks,
+                                         *ctx.options)
+    return (dq, dk, dv, None, None, None, None if sinks is None else dsinks) + (None,) * 5
+
+
+varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+def _refuse_setup(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+    pass
+
+
+def _refuse_attention(ctx: Any, *grads: Any) -> Any:
+    raise _no_double_backward("tokenmix::attention_backward")
+
+
+def _refuse_varlen(ctx: Any, *grads: Any) -> Any:
+    raise _no_double_backward("tokenmix::varlen_backward")
+
+
+attention_backward.register_autograd(_refuse_attention, setup_context=_refuse_setup)
+varlen_backward.register_autograd(_refuse_varlen, setup_context=_refuse_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# vmap rules
+
+
+def _loop_vmap(op: Callable, info: Any, in_dims: Tuple[Any, ...], args: Tuple[Any, ...]) -> Any:
+    """The exact rule for any argument: one call per vmapped index, outputs stacked."""
+    results: List[Tuple[Tensor, ...]] = []
+    for i in range(info.batch_size):
+        call = [a if d is None else a.select(d, i) for a, d in zip(args, in_dims)]
+        results.append(op(*call))
+    outs = tuple(torch.stack([r[j] for r in results]) for j in range(len(results[0])))
+    return outs, (0,) * len(outs)
+
+
+def _merge(x: Tensor, d: Optional[int], n: int) -> Tensor:
+    """x (vmapped at d, or not vmapped) as [n·B, ...]: the vmapped axis merged into the batch."""
+    x = x.unsqueeze(0).expand((n,) + tuple(x.shape)) if d is None else x.movedim(d, 0)
+    return x.reshape((-1,) + tuple(x.shape[2:]))
+
+
+def _merge_mask(m: Optional[Tensor], d: Optional[int], n: int, B: int) -> Optional[Tensor]:
+    if m is None:
+        return None
+    if d is None and m.shape[0] == 1:
+        return m  # broadcast over the merged batch as it was over B
+    m = m.unsqueeze(0) if d is None else m.movedim(d, 0)
+    m = m.expand((n, B) + tuple(m.shape[2:]))
+    return m.reshape((n * B,) + tuple(m.shape[2:]))
+
+
+def _split(x: Tensor, n: int) -> Tensor:
+    return x.reshape((n, -1) + tuple(x.shape[1:]))
+
+
+@attention_forward.register_vmap
+def _(info, in_dims, q, k, v, attn_mask, alibi_slopes, sinks, *options):
+    args = (q, k, v, attn_mask, alibi_slopes, sinks) + tuple(options)
+    if in_dims[4] is not None or in_dims[5] is not None:  # per-index ALiBi slopes or sinks
+        return _loop_vmap(attention_forward, info, in_dims, args)
+    n = info.batch_size
+    B = (q.shape[0] if in_dims[0] is None else q.shape[0 if in_dims[0] != 0 else 1])
+    qm, km, vm = (_merge(x, d, n) for x, d in zip((q, k, v), in_dims[:3]))
+    out, lse = attention_forward(qm, km, vm, _merge_mask(attn_mask, in_dims[3], n, B),
+                                 alibi_slopes, sinks, *options)
+    return (_split(out, n), _split(lse, n)), (0, 0)
+
+
+@attention_backward.register_vmap
+def _(info, in_dims, dout, q, k, v, out, lse, attn_mask, alibi_slopes, sinks, *options):
+    args = (dout, q, k, v, out, lse, attn_mask, alibi_slopes, sinks) + tuple(options)
+    # dsinks sums over the batch: a merged batch would sum over the vmapped axis too.
+    if sinks is not None or in_dims[7] is not None:
+        return _loop_vmap(attention_backward, info, in_dims, args)
+    n = info.batch_size
+    d0 = next(d for d in in_dims[:6] if d is not None)
+    x0 = next(x for x, d in zip(args[:6], in_dims[:6]) if d is not None)
+    B = x0.shape[1 if d0 == 0 else 0]
+    merged = [_merge(x, d, n) for x, d in zip(args[:6], in_dims[:6])]
+    dq, dk, dv, dsinks = attention_backward(*merged, _merge_mask(attn_mask, in_dims[6], n, B),
+                                            alibi_slopes, sinks, *options)
+    return (_split(dq, n), _split(dk, n), _split(dv, n), dsinks), (0, 0, 0, None)
+
+
+@varlen_forward.register_vmap
+def _(info, in_dims, *args):
+    return _loop_vmap(varlen_forward, info, in_dims, args)
+
+
+@varlen_backward.register_vmap
+def _(info, in_dims, *args):
+    return _loop_vmap(varlen_backward, info, in_dims, args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points used by tokenmix.torch (and tokenmix.transformers)
+
+
+def plain_eager(*tensors: Tensor) -> bool:
+    """True when nothing traces or transforms this call: no torch.compile/export tracing, no
+    functorch transform (vmap, grad), no dispatch or function mode, no tensor subclass."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    if torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled():
+        return False
+    for t in tensors:
+        if t is not None and type(t) is not Tensor and type(t) is not torch.nn.Parameter:
+            return False
+    return True
+
+
+def _forward_call(*args: Any) -> Tuple[Tensor, Tensor]:
+    """attention_forward: the implementation itself in plain eager mode, else the operator."""
+    if plain_eager(*args[:3], args[5]):
+        return _forward_impl(*args)
+    return attention_forward(*args)
+
+
+def _backward_call(*args: Any) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    if plain_eager(*args[:4], args[8]):
+        return _backward_impl(*args)
+    return attention_backward(*args)
+
+
+def _varlen_forward_call(*args: Any) -> Tuple[Tensor, Tensor]:
+    if plain_eager(*args[:3], args[6]):
+        return _varlen_forward_impl(*args)
+    return varlen_forward(*args)
+
+
+def _varlen_backward_call(*args: Any) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    if plain_eager(*args[:4], args[9]):
+        return _varlen_backward_impl(*args)
+    return varlen_backward(*args)
+
+
+class _AttentionBackward(torch.autograd.Function):
+    """The backward as a function of its own, recorded only when the backward itself builds a
+    graph (create_graph=True, torch.func.grad), so that differentiating it raises tokenmix's
+    error (with setup_context and a generated vmap rule: functorch transforms work)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*args: Any) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        return _backward_call(*args)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise _no_double_backward("tokenmix::attention_backward")
+
+
+class _VarlenBackward(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*args: Any) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        return _varlen_backward_call(*args)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise _no_double_backward("tokenmix::varlen_backward")
+
+
+class _Attention(torch.autograd.Function):
+    """(out, lse) = attention_forward(...) for tokenmix.torch: forward, setup_context and
+    backward apart (what torch.func transforms need; the operator's own autograd formula, for
+    callers of torch.ops.tokenmix.attention_forward, is a combined one that they reject), the
+    vmap rule generated from the operators' rules."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor],
+                attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                options: Tuple[Any, ...]) -> Tuple[Tensor, Tensor]:
+        return _forward_call(q, k, v, attn_mask, alibi_slopes, sinks, *options)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor]) -> None:
+        q, k, v, sinks, attn_mask, alibi_slopes, options = inputs
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, attn_mask, alibi_slopes)
+        ctx.options = options
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, dlse: Optional[Tensor]) -> Tuple[Any, ...]:
+        q, k, v, out, lse, sinks, attn_mask, alibi_slopes = ctx.saved_tensors
+        args = (dout, q, k, v, out, lse, attn_mask, alibi_slopes, sinks) + ctx.options
+        if torch.is_grad_enabled():
+            dq, dk, dv, dsinks = _AttentionBackward.apply(*args)
+        else:
+            dq, dk, dv, dsinks = _backward_call(*args)
+        return dq, dk, dv, (None if sinks is None else dsinks), None, None, None
+
+
+class _Varlen(torch.autograd.Function):
+    """(out, lse) = varlen_forward(...) for tokenmix.torch.varlen_attention (as _Attention)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], cu_q: Tensor,
+                cu_k: Tensor, alibi_slopes: Optional[Tensor],
+                options: Tuple[Any, ...]) -> Tuple[Tensor, Tensor]:
+        return _varlen_forward_call(q, k, v, cu_q, cu_k, alibi_slopes, sinks, *options)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor]) -> None:
+        q, k, v, sinks, cu_q, cu_k, alibi_slopes, options = inputs
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks, alibi_slopes)
+        ctx.options = options
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, dlse: Optional[Tensor]) -> Tuple[Any, ...]:
+        q, k, v, out, lse, cu_q, cu_k, sinks, alibi_slopes = ctx.saved_tensors
+        args = (dout, q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks) + ctx.options
+        if torch.is_grad_enabled():
+            dq, dk, dv, dsinks = _VarlenBackward.apply(*args)
+        else:
+            dq, dk, dv, dsinks = _varlen_backward_call(*args)
+        return dq, dk, dv, (None if sinks is None else dsinks), None, None, None, None
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+              alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: Optional[float],
+              is_causal: bool, bottom_right: bool, window: Optional[int],
+              softcap: Optional[float]) -> Tensor:
+    """out = attention_forward(...)[0], differentiable w.r.t. q, k, v and sinks. Arguments are
+    taken as checked (tokenmix.torch and tokenmix.transformers validate them; a mask or ALiBi
+    slopes that require grad are refused there)."""
+    return _Attention.apply(q, k, v, sinks, attn_mask, alibi_slopes,
+                            (scale, is_causal, bottom_right, window, softcap))[0]
+
+
+def varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+           alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: Optional[float],
+           is_causal: bool, bottom_right: bool, window: Optional[int],
+           softcap: Optional[float]) -> Tensor:
+    """out = varlen_forward(...)[0], differentiable w.r.t. q, k, v and sinks."""
+    return _Varlen.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                         (scale, is_causal, bottom_right, window, softcap))[0]

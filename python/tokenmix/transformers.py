@@ -1,0 +1,171 @@
+"""tokenmix as an attention implementation of Hugging Face transformers (5.x).
+
+::
+
+    import tokenmix.transformers
+    tokenmix.transformers.register()          # idempotent
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="tokenmix")
+    # or: model.set_attn_implementation("tokenmix")
+
+:func:`register` adds "tokenmix" to transformers' attention interface (``AttentionInterface``:
+the function the attention layers call) *and* to its mask interface
+(``masking_utils.AttentionMaskInterface``: the function that builds the masks the model passes
+to the layers). Registering only the former would make transformers stop building masks
+(padding and static caches would then be silently wrong). transformers is an optional
+dependency: ``pip install tokenmix[transformers]``.
+
+What the layers pass is mapped onto tokenmix's options (SPEC "Score variants used by real
+models"):
+
+* no mask: the mask function returns ``None`` only when the keys are exactly the positions up to
+  the last query (dynamic cache or no cache, no padding, window not reached), so the causal mask
+  is **bottom-right** aligned (chunked prefill and cached decoding: query i of L sees the S − L
+  cached keys and its own prefix); the layer's ``sliding_window`` becomes ``window``;
+* otherwise a boolean mask ``[B, 1, L, S]`` (transformers' own mask, with padding, sliding window
+  and static-cache length in it), passed as ``attn_mask``: tokenmix detects a mask whose visible
+  keys form one interval per row (causal + left or right padding + window) and runs it as key
+  ranges at the unmasked speed; a float (additive) 4D mask passed by the caller is a bias;
+* ``softcap`` (Gemma 2's ``attn_logit_softcapping``), ``scaling``, grouped-query attention
+  (H_q a multiple of H_kv, no repeat), sinks (gpt-oss ``s_aux=module.sinks``, with gradient).
+
+No silent fallback to PyTorch: dropout in training, ``output_attentions``, a position bias, a
+non-float32 dtype or a non-CPU tensor raise :class:`tokenmix.UnsupportedError` naming what.
+"""
+
+from typing import Any, Optional, Tuple
+
+import torch
+
+from . import _tokenmix as _C
+from . import _torch_ops as _ops
+
+__all__ = ["register", "attention_forward", "mask_function", "NAME"]
+
+NAME = "tokenmix"
+_FN = "tokenmix.transformers.attention_forward"
+
+
+def _unsupported(msg: str) -> Exception:
+    err = _C.UnsupportedError(f"{_FN}: {msg}")
+    err.code = "unsupported"
+    return err
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                      dropout: float = 0.0, scaling: Optional[float] = None,
+                      is_causal: Optional[bool] = None, sliding_window: Optional[int] = None,
+                      softcap: Optional[float] = None, s_aux: Optional[torch.Tensor] = None,
+                      **kwargs: Any) -> Tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query ``[B, H_q, L, E]``, key/value
+    ``[B, H_kv, S, E]``; returns ``([B, L, H_q, E] contiguous, None)``."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dtype != torch.float32:
+            raise _unsupported(f"{name} has dtype {t.dtype}; tokenmix computes float32 only "
+                               "(load the model with torch_dtype=torch.float32)")
+        if t.device.type != "cpu":
+            raise _unsupported(f"{name} is on device '{t.device}'; tokenmix runs on the CPU only")
+    if dropout:
+        raise _unsupported(f"attention dropout {dropout} (training with attention_dropout > 0) "
+                           "is not implemented; set the config's attention_dropout to 0.0")
+    if kwargs.get("output_attentions"):
+        raise _unsupported("output_attentions=True: tokenmix never forms the attention weights; "
+                           "use attn_implementation='eager' to get them")
+    if kwargs.get("position_bias") is not None:
+        raise _unsupported("position_bias (a learned relative-position bias) is not supported")
+    if value.shape[-1] != query.shape[-1]:
+        raise _unsupported(f"value head width {value.shape[-1]} differs from the query's "
+                           f"{query.shape[-1]}")
+    sinks = s_aux if s_aux is not None else kwargs.get("sinks")
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.dim() != 1):
+        raise _unsupported(f"sinks must be a float32 [H_q] tensor; got {sinks.dtype} "
+                           f"{tuple(sinks.shape)}")
+    if softcap is not None:
+        softcap = float(softcap)
+    if scaling is not None:
+        scaling = float(scaling)
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+
+    if attention_mask is None:
+        window = None
+        if sliding_window is not None:
+            if not is_causal:
+                raise _unsupported("a bidirectional sliding window (non-causal layer with "
+                                   "sliding_window) is not supported")
+            window = int(sliding_window)
+        out = _ops.attention(query, key, value, None, None, sinks, scaling, bool(is_causal), True,
+                             window, softcap)
+    else:
+        mask = attention_mask
+        S = key.shape[-2]
+        if mask.dim() != 4:
+            raise _unsupported(f"attention_mask of rank {mask.dim()}; expected the 4D "
+                               "[B, 1, L, S] mask of transformers' mask interface")
+        if mask.shape[-1] > S:  # a mask sized for a longer cache (as eager, keep the first S)
+            mask = mask[..., :S]
+        if mask.dtype != torch.bool and mask.dtype != torch.float32:
+            raise _unsupported(f"attention_mask of dtype {mask.dtype}; expected bool or float32")
+        # The mask carries causality, padding, window and cache length: no causal flag.
+        out = _ops.attention(query, key, value, mask, None, sinks, scaling, False, True, None,
+                             softcap)
+    # out is [B, H_q, L, E] laid out as [B, L, H_q, E]: the transpose is contiguous, no copy.
+    return out.transpose(1, 2), None
+
+
+def _tracing(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not _ops.plain_eager(x)
+
+
+def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
+                  kv_offset: int = 0, mask_function: Any = None,
+                  attention_mask: Optional[torch.Tensor] = None, local_size: Optional[int] = None,
+                  allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: bool = False,
+                  **kwargs: Any) -> Optional[torch.Tensor]:
+    """transformers' mask-interface signature. Returns None when the plain causal mask,
+    bottom-right aligned, is exact (the keys are the positions [kv_offset, kv_offset + kv_length)
+    and the queries the last q_length of them, no padding, window not reached); otherwise
+    transformers' boolean [B, 1, L, S] mask (sdpa_mask)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    if mask_function is None:
+        mask_function = causal_mask_function
+    if allow_is_causal_skip and _bottom_right_causal(q_length, kv_length, q_offset, kv_offset,
+                                                      attention_mask, local_size):
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                     q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                     attention_mask=attention_mask, local_size=local_size,
+                     allow_is_causal_skip=False,
+                     allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs)
+
+
+def _bottom_right_causal(q_length: int, kv_length: int, q_offset: Any, kv_offset: int,
+                         attention_mask: Optional[torch.Tensor], local_size: Optional[int]) -> bool:
+    if _tracing(q_offset) or _tracing(attention_mask):
+        return False  # reading them would break the graph: build the mask
+    if local_size is not None and kv_length >= local_size:
+        return False
+    if isinstance(q_offset, torch.Tensor):
+        q_offset = int(q_offset)
+    if q_offset + q_length != kv_offset + kv_length:
+        return False  # e.g. a static cache: keys beyond the queries
+    if attention_mask is not None:
+        keys = attention_mask[:, kv_offset:kv_offset + kv_length]
+        if keys.shape[-1] != kv_length or not bool(keys.all()):
+            return False
+    return True
+
+
+def register() -> None:
+    """Registers "tokenmix" with transformers' AttentionInterface and AttentionMaskInterface
+    (idempotent). Then ``attn_implementation="tokenmix"`` works in ``from_pretrained``,
+    ``from_config`` and ``set_attn_implementation``."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:  # pragma: no cover - the extra is installed in CI
+        raise ImportError("tokenmix.transformers.register() needs Hugging Face transformers: "
+                          "pip install 'tokenmix[transformers]'") from e
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, mask_function)

@@ -17,6 +17,7 @@ blocks of query rows (no T×T buffer for T = 8192), keys beyond the causal front
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Optional, Tuple
 
@@ -480,3 +481,39 @@ def test_torch_dtype_errors():
         cu = torch.tensor([0, 8])
         tmt.varlen_attention(q[0, 0].unsqueeze(1), q[0, 0].unsqueeze(1),
                              q[0, 0].unsqueeze(1).float(), cu, cu, 8, 8)
+
+
+# --- a bfloat16 model in Hugging Face transformers -------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_transformers_bf16_model(family):
+    """transformers loads models in bfloat16: attn_implementation="tokenmix" runs them in it
+    (gpt-oss's bf16 sinks widened, with their gradient). Logits on the real tokens against the
+    same bf16 weights run in float64 (eager): no further than eager attention in bfloat16 is
+    (twice its error, as the rest of the model rounds alike), and every parameter gets a
+    bfloat16 gradient."""
+    from test_transformers import _batch, _models
+
+    eager, ours = _models(family)
+    eager, ours = eager.to(torch.bfloat16), ours.to(torch.bfloat16)
+    exact = copy.deepcopy(eager).double()
+    ids, mask = _batch()
+    real = mask.bool()
+    with torch.no_grad():
+        ref = exact(ids, attention_mask=mask).logits[real]
+        le = eager(ids, attention_mask=mask).logits[real]
+    out = ours(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    lt = out.logits[real]
+    assert lt.dtype == torch.bfloat16
+    scale = ref.abs().max().item()
+    err_ours = (lt.double() - ref).abs().max().item() / scale
+    err_eager = (le.double() - ref).abs().max().item() / scale
+    assert err_ours <= max(2 * err_eager, 2.0 ** -7), (family, err_ours, err_eager)
+    out.loss.backward()
+    for name, p in ours.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.bfloat16, name
+        assert torch.isfinite(p.grad).all(), name
+    if family == "gpt_oss":
+        assert any(n.endswith("sinks") and p.grad.abs().max() > 0
+                   for n, p in ours.named_parameters())

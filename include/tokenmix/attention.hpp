@@ -75,8 +75,13 @@ struct AttentionOptions {
 /// Forward pass. `lse` may be an empty view (data == nullptr) when not wanted.
 /// Throws ArgumentError on inconsistent shapes, null pointers, overlapping outputs/inputs, an
 /// output with a zero stride on an axis of size > 1 (it would overlap itself), overflowing sizes,
-/// non-finite scale, an options.align outside the enum; UnsupportedError for a dtype other than
-/// f32.
+/// non-finite scale, an options.align outside the enum, q, k, v, out of different dtypes;
+/// UnsupportedError for a dtype other than f32, bf16, f16 (lse: other than f32).
+///
+/// Reduced precision (SPEC "Reduced precision"): q, k, v, out (and in the backward dout, dq, dk,
+/// dv) are all f32, all bf16 or all f16; lse, sinks, ALiBi slopes and f32 masks stay f32. With
+/// bf16/f16 the products accumulate in fp32, the softmax (max, exp, sums, L) is fp32, and O, dQ,
+/// dK, dV are rounded to the dtype once, at the end (nearest even). Every path serves them.
 void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, TensorView out,
                        TensorView lse = {}, const AttentionOptions& options = {});
 

@@ -199,8 +199,10 @@ struct DecodeOptions {
 };
 
 /// Attention of T_new new queries per sequence against the cached keys/values of layer `layer`.
-///   q   [B', T_new, H_q, d_h] f32, any strides; H_q a multiple of the cache's H_kv
-///   out [B', T_new, H_q, d_h] f32;  lse [B', H_q, T_new] f32 or empty
+///   q   [B', T_new, H_q, d_h] f32, bf16 or f16 (on any cache dtype), any strides; H_q a
+///       multiple of the cache's H_kv
+///   out [B', T_new, H_q, d_h], the dtype of q (bf16/f16: rounded once, nearest even; the
+///       arithmetic is fp32, SPEC "Reduced precision");  lse [B', H_q, T_new] f32 or empty
 /// The new queries are the last T_new positions of each sequence (their K/V already appended):
 /// query t of sequence b (length L_b) sees keys u ≤ L_b − T_new + t (bottom-right, SPEC 4.3);
 /// sequences may have different lengths. All g = H_q / H_kv query heads of a KV head are served

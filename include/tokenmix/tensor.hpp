@@ -17,8 +17,10 @@
 
 namespace tokenmix {
 
-/// Element type of a view. Attention tensors are f32 (bf16/f16: KV-cache storage); boolean (one
-/// byte, nonzero = true) and the integer types describe masks, key lengths and varlen offsets.
+/// Element type of a view. Attention tensors (q, k, v, out and their gradients) are f32, bf16 or
+/// f16, one dtype per call (row log-sum-exp stays f32; SPEC "Reduced precision"); bf16/f16 are
+/// also KV-cache storage; boolean (one byte, nonzero = true) and the integer types describe
+/// masks, key lengths and varlen offsets.
 enum class DType : std::uint8_t { f32 = 0, bf16 = 1, f16 = 2, boolean = 3, i32 = 4, i64 = 5 };
 
 const char* to_string(DType dtype) noexcept;

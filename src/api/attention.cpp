@@ -28,9 +28,9 @@ using detail::strided;
 kernels::AttentionProblem make_problem(const char* fn, const ConstTensorView& q,
                                        const ConstTensorView& k, const ConstTensorView& v,
                                        const AttentionOptions& o, detail::VariantData& data) {
-  check_view(q, 4, fn, "q");
-  check_view(k, 4, fn, "k");
-  check_view(v, 4, fn, "v");
+  detail::check_activation(q, 4, fn, "q");
+  detail::check_activation(k, 4, fn, "k");
+  detail::check_activation(v, 4, fn, "v");
   kernels::AttentionProblem p;
   p.batch = q.dim(0);
   p.tq = q.dim(1);
@@ -75,7 +75,7 @@ kernels::AttentionProblem make_problem(const char* fn, const ConstTensorView& q,
 // Checks that `x` has the shape of q ([B,T_q,H_q,d_h]) or k ([B,T_k,H_kv,d_h]).
 void check_like(const char* fn, const ConstTensorView& x, const char* name, std::int64_t b,
                 std::int64_t t, std::int64_t h, std::int64_t d, const char* like) {
-  check_view(x, 4, fn, name);
+  detail::check_activation(x, 4, fn, name);
   const std::string from = std::string(like) + ".shape";
   check_dim(x, 0, b, fn, name, "B", (from + "[0]").c_str());
   check_dim(x, 1, t, fn, name, "T", (from + "[1]").c_str());
@@ -242,6 +242,9 @@ void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, 
   const auto& p = args.p;
   check_like(fn, out, "out", p.batch, p.tq, p.hq, p.dh, "q");
   if (!lse.empty()) check_lse(fn, lse, "lse", p);
+  // SPEC "Reduced precision": q, k, v, out share one dtype (f32, bf16, f16); lse is f32.
+  args.dtype =
+      detail::common_dtype(fn, {{"q", q}, {"k", k}, {"v", v}, {"out", out}}, "q, k, v and out");
   detail::check_no_overlap(fn, {{"out", out}, {"lse", lse}},
                            {{"q", q},
                             {"k", k},
@@ -257,7 +260,7 @@ void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, 
   args.out = strided(out);
   args.lse = lse.empty() ? kernels::Out{} : strided(lse);
   const auto kernel =
-      kernels::select_forward(fn, isa, DType::f32, p.tk, variants.names);  // registry.cpp
+      kernels::select_forward(fn, isa, args.dtype, p.tk, variants.names);  // registry.cpp
   args.p.site = {fn, kernel.name};
   kernel.fn(args);
 }
@@ -277,6 +280,17 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   check_like(fn, dq, "dq", p.batch, p.tq, p.hq, p.dh, "q");
   check_like(fn, dk, "dk", p.batch, p.tk, p.hkv, p.dh, "k");
   check_like(fn, dv, "dv", p.batch, p.tk, p.hkv, p.dh, "k");
+  // SPEC "Reduced precision": one dtype for the activations and gradients; lse is f32.
+  args.dtype = detail::common_dtype(fn,
+                                    {{"q", q},
+                                     {"k", k},
+                                     {"v", v},
+                                     {"out", out},
+                                     {"dout", dout},
+                                     {"dq", dq},
+                                     {"dk", dk},
+                                     {"dv", dv}},
+                                    "q, k, v, out, dout, dq, dk and dv");
   detail::check_dsinks(fn, options, dsinks, p.hq);
   detail::check_no_overlap(fn, {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dsinks", dsinks}},
                            {{"q", q},
@@ -300,11 +314,11 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   args.dk = strided(dk);
   args.dv = strided(dv);
   const auto kernel =
-      kernels::select_backward(fn, isa, DType::f32, p.tk, variants.names);  // registry.cpp
+      kernels::select_backward(fn, isa, args.dtype, p.tk, variants.names);  // registry.cpp
   args.p.site = {fn, kernel.name};
   kernel.fn(args);
   // dσ_h from L, O and dO, the same for every kernel path (SPEC "Score variants": sinks).
-  if (!dsinks.empty()) detail::sinks_gradient(p, args.out, args.dout, args.lse, dsinks);
+  if (!dsinks.empty()) detail::sinks_gradient(p, args.dtype, args.out, args.dout, args.lse, dsinks);
 }
 
 double backward_flops(std::int64_t B, std::int64_t T_q, std::int64_t T_k, std::int64_t H_q,

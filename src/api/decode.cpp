@@ -25,6 +25,7 @@
 
 #include "api/decode_internal.hpp"
 #include "kernels/attention_kernels.hpp"
+#include "kernels/kv_element.hpp"
 #include "kernels/nonfinite.hpp"
 #include "kernels/registry.hpp"
 #include "kernels/scratch_arena.hpp"
@@ -84,6 +85,7 @@ struct Plan {
   kernels::DecodeArgs a;
   kernels::NamedKernel<kernels::DecodeKernel> named;
   bool empty = false;  // no query row: nothing to compute
+  DType act = DType::f32;  // the dtype of q and out (SPEC "Reduced precision")
   int team = 1;
   kernels::ScratchLayout worker_layout, partials_layout;
   kernels::Slot<float> merge_slot, acc_slot, m_slot, l_slot, alibi_slot, sinks_slot;
@@ -100,7 +102,7 @@ Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, s
     fail(ErrorCode::invalid_argument, fn,
          "layer must be in [0, layers = " + str(cc.layers) + "); got " + str(layer));
   }
-  detail::check_view(q, 4, fn, "q");
+  detail::check_activation(q, 4, fn, "q");  // f32, bf16 or f16 on any cache dtype
   Plan plan;
   kernels::DecodeArgs& a = plan.a;
   a.batch = q.dim(0);
@@ -120,7 +122,9 @@ Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, s
              " (SPEC 4.8); got H_q = " + str(a.hq));
   }
   detail::check_dim(q, 3, cc.head_dim, fn, "q", "d_h", "the cache's head_dim");
-  detail::check_view(out, 4, fn, "out");
+  detail::check_activation(out, 4, fn, "out");
+  // SPEC "Reduced precision": out has the dtype of q; lse is f32.
+  plan.act = detail::common_dtype(fn, {{"q", q}, {"out", out}}, "q and out");
   for (int axis = 0; axis < 4; ++axis) {
     const char* names[] = {"B", "T_new", "H_q", "d_h"};
     detail::check_dim(out, axis, q.dim(axis), fn, "out", names[axis],
@@ -302,6 +306,23 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   a.table_width = Access::table_width(cache);
   a.lengths = Access::lengths(cache, layer) + o.first_seq;
   a.q = strided(q);
+  const DType act = plan.act;
+  // bf16/f16 queries: widened once into a contiguous fp32 [B, T_new, H_q, d_h] copy (a few rows:
+  // the kernels then read fp32 queries whatever the cache's dtype); O is rounded on store.
+  std::vector<float> q_wide;
+  if (act != DType::f32) {
+    q_wide.resize(static_cast<std::size_t>(a.batch * a.tnew * a.hq * a.dh));
+    for (std::int64_t b = 0; b < a.batch; ++b)
+      for (std::int64_t t = 0; t < a.tnew; ++t)
+        for (std::int64_t h = 0; h < a.hq; ++h)
+          for (std::int64_t x = 0; x < a.dh; ++x) {
+            q_wide[static_cast<std::size_t>(((b * a.tnew + t) * a.hq + h) * a.dh + x)] =
+                kernels::load_element(
+                    act, q.data,
+                    b * q.strides[0] + t * q.strides[1] + h * q.strides[2] + x * q.strides[3]);
+          }
+    a.q = {q_wide.data(), a.tnew * a.hq * a.dh, a.hq * a.dh, a.dh, 1};
+  }
   a.scratch = {base, plan.worker_layout.bytes()};
   const kernels::WorkerScratch partials{base + plan.workers_bytes, 0};
   a.part_acc = partials.at(plan.acc_slot, 0);
@@ -379,8 +400,13 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
           m = mn;
         }
         const float inv = kernels::inverse_sum(l);  // l = 0: O = 0 · Õ; l = NaN: O = NaN
-        float* orow = po + b * out.strides[0] + t * out.strides[1] + h * out.strides[2];
-        for (std::int64_t x = 0; x < a.dh; ++x) orow[x * out.strides[3]] = acc[x] * inv;
+        const std::int64_t orow = b * out.strides[0] + t * out.strides[1] + h * out.strides[2];
+        if (act == DType::f32) {
+          for (std::int64_t x = 0; x < a.dh; ++x) po[orow + x * out.strides[3]] = acc[x] * inv;
+        } else {  // rounded once to bf16/f16 (nearest even)
+          for (std::int64_t x = 0; x < a.dh; ++x)
+            kernels::store_element(act, out.data, orow + x * out.strides[3], acc[x] * inv);
+        }
         if (pl != nullptr) {
           pl[b * lse.strides[0] + h * lse.strides[1] + t * lse.strides[2]] =
               l == 0.0f ? kNegInf : m + std::log(l);

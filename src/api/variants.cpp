@@ -11,6 +11,7 @@
 #include <string>
 
 #include "kernels/kernel_skeleton.hpp"
+#include "kernels/kv_element.hpp"
 #include "tokenmix/error.hpp"
 #include "util/validate.hpp"
 
@@ -244,7 +245,7 @@ void check_dsinks(const char* fn, const AttentionOptions& o, const ConstTensorVi
   check_dim(dsinks, 0, hq, fn, "dsinks", "H_q", "q.shape[2]");
 }
 
-void sinks_gradient(const kernels::AttentionProblem& p, const kernels::In& out,
+void sinks_gradient(const kernels::AttentionProblem& p, DType dtype, const kernels::In& out,
                     const kernels::In& dout, const kernels::In& lse, const TensorView& dsinks) {
   auto* ds = static_cast<float*>(dsinks.data);
   const std::int64_t hq = p.hq;
@@ -255,11 +256,14 @@ void sinks_gradient(const kernels::AttentionProblem& p, const kernels::In& out,
     double acc = 0.0;
     for (std::int64_t b = 0; b < p.batch; ++b)
       for (std::int64_t t = 0; t < p.tq; ++t) {
-        const float* o_t = out.row(b, t, h);
-        const float* do_t = dout.row(b, t, h);
+        // Element offsets of the rows (the views' pointers are only addresses for bf16/f16).
+        const std::int64_t o_t = b * out.s0 + t * out.s1 + h * out.s2;
+        const std::int64_t do_t = b * dout.s0 + t * dout.s1 + h * dout.s2;
         double d_t = 0.0;  // D_t = ⟨dO_t, O_t⟩
-        for (std::int64_t i = 0; i < p.dh; ++i)
-          d_t += static_cast<double>(do_t[i * dout.s3]) * static_cast<double>(o_t[i * out.s3]);
+        for (std::int64_t i = 0; i < p.dh; ++i) {
+          d_t += static_cast<double>(kernels::load_element(dtype, dout.data, do_t + i * dout.s3)) *
+                 static_cast<double>(kernels::load_element(dtype, out.data, o_t + i * out.s3));
+        }
         const double l_t = lse.data[b * lse.s0 + h * lse.s1 + t * lse.s2];
         // e^{σ_h − L_t}, the sink's share of row t; 0 for σ_h = −∞ (no sink: e^{−∞ − L} = 0,
         // also when L = −∞, where the difference would be NaN).

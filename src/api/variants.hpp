@@ -58,8 +58,8 @@ void check_dsinks(const char* fn, const AttentionOptions& o, const ConstTensorVi
 /// dσ_h = −Σ_{b,t} e^{σ_h − L_t} D_t with D_t = ⟨dO_t, O_t⟩ (SPEC "Score variants": sinks), in
 /// double with a fixed order per head (independent of the thread count); written to dsinks[h].
 /// out/dout are [B, T_q, H_q, d_h], lse [B, H_q, T_q] (Strided views); uses p.batch, p.tq, p.hq,
-/// p.dh, p.var.sinks, p.threads.
-void sinks_gradient(const kernels::AttentionProblem& p, const kernels::In& out,
+/// p.dh, p.var.sinks, p.threads. out/dout have element type `dtype` (f32, bf16, f16).
+void sinks_gradient(const kernels::AttentionProblem& p, DType dtype, const kernels::In& out,
                     const kernels::In& dout, const kernels::In& lse, const TensorView& dsinks);
 
 }  // namespace tokenmix::detail

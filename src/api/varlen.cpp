@@ -12,10 +12,12 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "api/variants.hpp"
 #include "kernels/attention_kernels.hpp"
+#include "kernels/kv_element.hpp"
 #include "kernels/registry.hpp"
 #include "tokenmix/attention.hpp"
 #include "tokenmix/error.hpp"
@@ -76,7 +78,7 @@ std::vector<std::int64_t> offsets(const char* fn, const ConstTensorView& cu, con
 // A rank-3 [total, H, d_h] view shaped like q or k.
 void check_like3(const char* fn, const ConstTensorView& x, const char* name, std::int64_t t,
                  std::int64_t h, std::int64_t d, const char* like) {
-  check_view(x, 3, fn, name);
+  detail::check_activation(x, 3, fn, name);
   const std::string from = std::string(like) + ".shape";
   check_dim(x, 0, t, fn, name, "total", (from + "[0]").c_str());
   check_dim(x, 1, h, fn, name, "H", (from + "[1]").c_str());
@@ -94,9 +96,9 @@ struct Varlen {
 void make_varlen(const char* fn, const ConstTensorView& q, const ConstTensorView& k,
                  const ConstTensorView& v, const ConstTensorView& cu_seqlens_q,
                  const ConstTensorView& cu_seqlens_k, const AttentionOptions& o, Varlen& w) {
-  check_view(q, 3, fn, "q");
-  check_view(k, 3, fn, "k");
-  check_view(v, 3, fn, "v");
+  detail::check_activation(q, 3, fn, "q");
+  detail::check_activation(k, 3, fn, "k");
+  detail::check_activation(v, 3, fn, "v");
   kernels::AttentionProblem& p = w.p;
   w.total_q = q.dim(0);
   w.total_k = k.dim(0);
@@ -151,11 +153,15 @@ void check_lse2(const char* fn, const ConstTensorView& lse, const Varlen& w) {
   check_dim(lse, 1, w.total_q, fn, "lse", "total_q", "q.shape[0]");
 }
 
-// Rows [r0, r0 + n) of a rank-3 [total, H, d_h] view as the kernels' [1, n, H, d_h].
+// Rows [r0, r0 + n) of a rank-3 [total, H, d_h] view as the kernels' [1, n, H, d_h]. The offset
+// is taken in bytes of the view's dtype (a bf16/f16 view's float pointer is only an address).
 template <class V>
 auto rows(const V& x, std::int64_t r0) {
   auto s = strided(x);
-  s.data += r0 * x.stride(0);
+  using Ptr = decltype(s.data);
+  using Byte = std::conditional_t<std::is_same_v<Ptr, const float*>, const char*, char*>;
+  const auto bytes = r0 * x.stride(0) * static_cast<std::int64_t>(size_of(x.dtype));
+  s.data = reinterpret_cast<Ptr>(reinterpret_cast<Byte>(s.data) + bytes);
   s.s3 = x.stride(2);
   s.s2 = x.stride(1);
   s.s1 = x.stride(0);
@@ -174,13 +180,13 @@ auto lse_cols(const V& x, std::int64_t t0) {
   return s;
 }
 
-void fill_rows(const kernels::Out& x, std::int64_t n, std::int64_t heads, std::int64_t dh,
-               float value) {
+// Sets rows [0, n) of a [1, n, H, d_h] view of element type `dtype` to `value`.
+void fill_rows(DType dtype, const kernels::Out& x, std::int64_t n, std::int64_t heads,
+               std::int64_t dh, float value) {
   for (std::int64_t t = 0; t < n; ++t)
-    for (std::int64_t h = 0; h < heads; ++h) {
-      float* r = x.row(0, t, h);
-      for (std::int64_t i = 0; i < dh; ++i) r[i * x.s3] = value;
-    }
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t i = 0; i < dh; ++i)
+        kernels::store_element(dtype, x.data, t * x.s1 + h * x.s2 + i * x.s3, value);
 }
 
 }  // namespace
@@ -194,6 +200,9 @@ void attention_forward_varlen(ConstTensorView q, ConstTensorView k, ConstTensorV
   const kernels::AttentionProblem& p = w.p;
   check_like3(fn, out, "out", w.total_q, p.hq, p.dh, "q");
   if (!lse.empty()) check_lse2(fn, lse, w);
+  // SPEC "Reduced precision": q, k, v, out share one dtype (f32, bf16, f16); lse is f32.
+  const DType dtype =
+      detail::common_dtype(fn, {{"q", q}, {"k", k}, {"v", v}, {"out", out}}, "q, k, v and out");
   detail::check_no_overlap(fn, {{"out", out}, {"lse", lse}},
                            {{"q", q},
                             {"k", k},
@@ -207,13 +216,14 @@ void attention_forward_varlen(ConstTensorView q, ConstTensorView k, ConstTensorV
   std::vector<kernels::NamedKernel<kernels::ForwardKernel>> kernels_of;
   for (std::size_t i = 0; i + 1 < w.cu_q.size(); ++i) {
     kernels_of.push_back(
-        kernels::select_forward(fn, isa, DType::f32, w.cu_k[i + 1] - w.cu_k[i], w.variants.names));
+        kernels::select_forward(fn, isa, dtype, w.cu_k[i + 1] - w.cu_k[i], w.variants.names));
   }
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (std::size_t i = 0; i + 1 < w.cu_q.size(); ++i) {
     const std::int64_t q0 = w.cu_q[i], nq = w.cu_q[i + 1] - q0;
     const std::int64_t k0 = w.cu_k[i], nk = w.cu_k[i + 1] - k0;
     kernels::ForwardArgs args;
+    args.dtype = dtype;
     args.p = p;
     args.p.tq = nq;
     args.p.tk = nk;
@@ -225,7 +235,7 @@ void attention_forward_varlen(ConstTensorView q, ConstTensorView k, ConstTensorV
     const auto& kernel = kernels_of[i];
     if (nq == 0) continue;
     if (nk == 0) {  // no key: O = 0, L = −∞ (σ_h with sinks)
-      fill_rows(args.out, nq, p.hq, p.dh, 0.0f);
+      fill_rows(dtype, args.out, nq, p.hq, p.dh, 0.0f);
       if (args.lse.data != nullptr) {
         for (std::int64_t h = 0; h < p.hq; ++h)
           for (std::int64_t t = 0; t < nq; ++t)
@@ -254,6 +264,16 @@ void attention_backward_varlen(ConstTensorView q, ConstTensorView k, ConstTensor
   check_like3(fn, dq, "dq", w.total_q, p.hq, p.dh, "q");
   check_like3(fn, dk, "dk", w.total_k, p.hkv, p.dh, "k");
   check_like3(fn, dv, "dv", w.total_k, p.hkv, p.dh, "k");
+  const DType dtype = detail::common_dtype(fn,
+                                           {{"q", q},
+                                            {"k", k},
+                                            {"v", v},
+                                            {"out", out},
+                                            {"dout", dout},
+                                            {"dq", dq},
+                                            {"dk", dk},
+                                            {"dv", dv}},
+                                           "q, k, v, out, dout, dq, dk and dv");
   detail::check_dsinks(fn, options, dsinks, p.hq);
   detail::check_no_overlap(fn, {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dsinks", dsinks}},
                            {{"q", q},
@@ -269,12 +289,13 @@ void attention_backward_varlen(ConstTensorView q, ConstTensorView k, ConstTensor
   std::vector<kernels::NamedKernel<kernels::BackwardKernel>> kernels_of;  // as in the forward
   for (std::size_t i = 0; i + 1 < w.cu_q.size(); ++i) {
     kernels_of.push_back(
-        kernels::select_backward(fn, isa, DType::f32, w.cu_k[i + 1] - w.cu_k[i], w.variants.names));
+        kernels::select_backward(fn, isa, dtype, w.cu_k[i + 1] - w.cu_k[i], w.variants.names));
   }
   for (std::size_t i = 0; i + 1 < w.cu_q.size(); ++i) {
     const std::int64_t q0 = w.cu_q[i], nq = w.cu_q[i + 1] - q0;
     const std::int64_t k0 = w.cu_k[i], nk = w.cu_k[i + 1] - k0;
     kernels::BackwardArgs args;
+    args.dtype = dtype;
     args.p = p;
     args.p.tq = nq;
     args.p.tk = nk;
@@ -289,9 +310,9 @@ void attention_backward_varlen(ConstTensorView q, ConstTensorView k, ConstTensor
     args.dv = rows(dv, k0);
     const auto& kernel = kernels_of[i];
     if (nq == 0 || nk == 0) {  // nothing attends: zero gradients for the sequence's rows
-      fill_rows(args.dq, nq, p.hq, p.dh, 0.0f);
-      fill_rows(args.dk, nk, p.hkv, p.dh, 0.0f);
-      fill_rows(args.dv, nk, p.hkv, p.dh, 0.0f);
+      fill_rows(dtype, args.dq, nq, p.hq, p.dh, 0.0f);
+      fill_rows(dtype, args.dk, nk, p.hkv, p.dh, 0.0f);
+      fill_rows(dtype, args.dv, nk, p.hkv, p.dh, 0.0f);
       continue;
     }
     args.p.site = {fn, kernel.name};
@@ -300,7 +321,7 @@ void attention_backward_varlen(ConstTensorView q, ConstTensorView k, ConstTensor
   if (!dsinks.empty()) {
     kernels::AttentionProblem all = p;  // every packed row as one [1, total_q] problem
     all.tq = w.total_q;
-    detail::sinks_gradient(all, rows(out, 0), rows(dout, 0), lse_cols(lse, 0), dsinks);
+    detail::sinks_gradient(all, dtype, rows(out, 0), rows(dout, 0), lse_cols(lse, 0), dsinks);
   }
 }
 

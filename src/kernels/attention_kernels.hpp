@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels/kv_element.hpp"
 #include "kernels/kv_tile_layout.hpp"
 #include "kernels/scratch_arena.hpp"
 #include "tokenmix/attention.hpp"
@@ -18,7 +19,7 @@
 
 namespace tokenmix::kernels {
 
-/// A float tensor of logical shape [B, T, H, d_h] (or [B, H, T] for LSE) with element strides.
+/// A tensor of logical shape [B, T, H, d_h] (or [B, H, T] for LSE) with element strides.
 template <class Pointer>
 struct Strided {
   Pointer data = nullptr;
@@ -27,8 +28,23 @@ struct Strided {
     return data + i0 * s0 + i1 * s1 + i2 * s2;
   }
 };
+/// The activation views of ForwardArgs/BackwardArgs. Their element type is the call's dtype
+/// (ForwardArgs::dtype: f32, bf16 or f16; SPEC "Reduced precision"); the pointer is typed
+/// `float` and holds the tensor's address. A kernel of another dtype re-types the view with
+/// as<T>() before any indexing (strides count elements of the dtype); nothing may index a
+/// bf16/f16 view as float. LSE views are always f32.
 using In = Strided<const float*>;
 using Out = Strided<float*>;
+
+/// The view `x` re-typed to its true element type T (float, bf16_t, f16_t; kv_element.hpp).
+template <class T>
+Strided<const T*> as(const In& x) {
+  return {reinterpret_cast<const T*>(x.data), x.s0, x.s1, x.s2, x.s3};
+}
+template <class T>
+Strided<T*> as(const Out& x) {
+  return {reinterpret_cast<T*>(x.data), x.s0, x.s1, x.s2, x.s3};
+}
 
 /// How an explicit mask enters the scores (SPEC "Score variants": explicit masks).
 enum class MaskKind : std::uint8_t {
@@ -133,6 +149,7 @@ struct AttentionProblem {
 
 struct ForwardArgs {
   AttentionProblem p;
+  DType dtype = DType::f32;  // of q, k, v, out (f32, bf16, f16; the kernel's column)
   In q, k, v;  // q [B,T_q,H_q,d_h], k/v [B,T_k,H_kv,d_h]; unit stride along d_h NOT assumed
   Out out;     // [B,T_q,H_q,d_h]
   Out lse;     // [B,H_q,T_q] (s0,s1,s2 used); data may be null
@@ -140,6 +157,7 @@ struct ForwardArgs {
 
 struct BackwardArgs {
   AttentionProblem p;
+  DType dtype = DType::f32;  // of q, k, v, out, dout, dq, dk, dv (lse is f32)
   In q, k, v, out, lse, dout;
   Out dq, dk, dv;
   // dsinks is not a kernel output: the API computes dσ_h = −Σ_{b,t} e^{σ_h − L_t} D_t from L,
@@ -247,6 +265,12 @@ using DecodeKernel = void (*)(const DecodeArgs&);
 // Portable (src/kernels/portable/): plain C++, every CPU, any T_k.
 void attention_fwd_f32_portable(const ForwardArgs& args);
 void attention_bwd_f32_portable(const BackwardArgs& args);
+// bf16 / f16 activations (SPEC "Reduced precision"): the fp32 kernels' arithmetic on operands
+// widened exactly on pack, O, dQ, dK, dV rounded (nearest even) once on store.
+void attention_fwd_bf16_portable(const ForwardArgs& args);
+void attention_fwd_f16_portable(const ForwardArgs& args);
+void attention_bwd_bf16_portable(const BackwardArgs& args);
+void attention_bwd_f16_portable(const BackwardArgs& args);
 void attention_decode_f32_portable(const DecodeArgs& args);
 void attention_decode_bf16_portable(const DecodeArgs& args);
 void attention_decode_f16_portable(const DecodeArgs& args);
@@ -257,6 +281,13 @@ void attention_decode_f16_portable(const DecodeArgs& args);
 // positions are indexed with int32 lanes: they serve T_k < 2^31 − 1 (KernelSet::max_keys).
 extern const ForwardKernel attention_fwd_f32_avx2, attention_fwd_f32_avx512;
 extern const BackwardKernel attention_bwd_f32_avx2, attention_bwd_f32_avx512;
+// bf16 / f16 activations, widened to fp32 where the kernels pack Q, K, V (and dO, O) tiles.
+extern const ForwardKernel attention_fwd_bf16_avx2, attention_fwd_f16_avx2,
+    attention_fwd_bf16_avx512, attention_fwd_f16_avx512, attention_fwd_bf16_neon,
+    attention_fwd_f16_neon;
+extern const BackwardKernel attention_bwd_bf16_avx2, attention_bwd_f16_avx2,
+    attention_bwd_bf16_avx512, attention_bwd_f16_avx512, attention_bwd_bf16_neon,
+    attention_bwd_f16_neon;
 extern const DecodeKernel attention_decode_f32_avx2, attention_decode_bf16_avx2,
     attention_decode_f16_avx2;
 extern const DecodeKernel attention_decode_f32_avx512, attention_decode_bf16_avx512,

@@ -1,11 +1,13 @@
 // src/kernels/kv_element.hpp — element conversions of the KV cache (tokenmix/kv_cache.hpp):
 // fp32 → bf16 / f16 with round-to-nearest-even on write, exact widening back to fp32 on read.
-// NaN stays NaN (quiet), ±∞ stays ±∞, values beyond the format's range round to ±∞.
+// NaN stays NaN (quiet), ±∞ stays ±∞, values beyond the format's range round to ±∞. The same
+// conversions widen bf16/f16 attention activations on pack and round O, dQ, dK, dV on store.
 #pragma once
 
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "tokenmix/tensor.hpp"
 
@@ -53,6 +55,45 @@ inline float f16_to_f32(std::uint16_t h) {
   }
   return std::bit_cast<float>(sign | ((e + 112u) << 23) | (m << 13));
 }
+
+/// The 16-bit activation element types of the attention kernels (SPEC "Reduced precision"):
+/// distinct types over the stored bits, so a kernel templated on its element type tells them
+/// apart. Layout-compatible with std::uint16_t (and with Highway's bfloat16_t / float16_t).
+struct bf16_t {
+  std::uint16_t bits;
+};
+struct f16_t {
+  std::uint16_t bits;
+};
+
+/// An activation element widened to fp32 (exact).
+inline float widen(float x) {
+  return x;
+}
+inline float widen(bf16_t x) {
+  return bf16_to_f32(x.bits);
+}
+inline float widen(f16_t x) {
+  return f16_to_f32(x.bits);
+}
+
+/// fp32 rounded to an activation element type, to nearest even (identity for float).
+template <class T>
+inline T narrow(float x) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    return bf16_t{f32_to_bf16(x)};
+  } else if constexpr (std::is_same_v<T, f16_t>) {
+    return f16_t{f32_to_f16(x)};
+  } else {
+    return x;
+  }
+}
+
+/// The DType of an activation element type.
+template <class T>
+inline constexpr DType dtype_of = std::is_same_v<T, bf16_t>  ? DType::bf16
+                                  : std::is_same_v<T, f16_t> ? DType::f16
+                                                             : DType::f32;
 
 /// Stores x as element `i` of a `dtype` array.
 inline void store_element(DType dtype, void* base, std::int64_t i, float x) {

@@ -15,13 +15,18 @@ namespace {
 constexpr std::int64_t kInt32LaneKeys = (std::int64_t{1} << 31) - 2;
 constexpr std::int64_t kAnyKeys = INT64_MAX;
 
-// Column order = DType values: f32, bf16, f16. Forward/backward take f32 activations only.
+// Column order = DType values: f32, bf16, f16. Forward/backward bf16/f16 columns: the fp32
+// kernels with operands widened on pack and outputs rounded on store (SPEC "Reduced precision").
 std::array<KernelSet, 4> make_sets() {
   return {{
       {Isa::portable,
        [](const CpuFeatures&) { return true; },
-       {{"attention_fwd_f32_portable", &attention_fwd_f32_portable}, {}, {}},
-       {{"attention_bwd_f32_portable", &attention_bwd_f32_portable}, {}, {}},
+       {{"attention_fwd_f32_portable", &attention_fwd_f32_portable},
+        {"attention_fwd_bf16_portable", &attention_fwd_bf16_portable},
+        {"attention_fwd_f16_portable", &attention_fwd_f16_portable}},
+       {{"attention_bwd_f32_portable", &attention_bwd_f32_portable},
+        {"attention_bwd_bf16_portable", &attention_bwd_bf16_portable},
+        {"attention_bwd_f16_portable", &attention_bwd_f16_portable}},
        {{"attention_decode_f32_portable", &attention_decode_f32_portable},
         {"attention_decode_bf16_portable", &attention_decode_bf16_portable},
         {"attention_decode_f16_portable", &attention_decode_f16_portable}},
@@ -29,12 +34,17 @@ std::array<KernelSet, 4> make_sets() {
        "plain C++, exact fp32: two-pass softmax per query row, O(T_k*d_h) scratch per worker, "
        "OpenMP over (batch, head, 64-row block); decode widens each 64-key cache tile to fp32 "
        "and runs an online softmax per row; score variants (window, softcap, ALiBi, sinks, "
-       "masks, key lengths) by key ranges and element-wise score terms",
+       "masks, key lengths) by key ranges and element-wise score terms; bf16/f16 activations "
+       "widened to fp32 on pack, O/dQ/dK/dV rounded once on store",
        /*score_variants=*/true},
       {Isa::avx2,
        [](const CpuFeatures& f) { return f.avx2_fma; },
-       {{"attention_fwd_f32_avx2", attention_fwd_f32_avx2}, {}, {}},
-       {{"attention_bwd_f32_avx2", attention_bwd_f32_avx2}, {}, {}},
+       {{"attention_fwd_f32_avx2", attention_fwd_f32_avx2},
+        {"attention_fwd_bf16_avx2", attention_fwd_bf16_avx2},
+        {"attention_fwd_f16_avx2", attention_fwd_f16_avx2}},
+       {{"attention_bwd_f32_avx2", attention_bwd_f32_avx2},
+        {"attention_bwd_bf16_avx2", attention_bwd_bf16_avx2},
+        {"attention_bwd_f16_avx2", attention_bwd_f16_avx2}},
        {{"attention_decode_f32_avx2", attention_decode_f32_avx2},
         {"attention_decode_bf16_avx2", attention_decode_bf16_avx2},
         {"attention_decode_f16_avx2", attention_decode_f16_avx2}},
@@ -46,12 +56,18 @@ std::array<KernelSet, 4> make_sets() {
        "per-lane "
        "key ranges (tiles outside every range skipped, sliding window O(W) per row), one "
        "vectorised element-wise pass (softcap, ALiBi, masks) and sinks in the online softmax; "
-       "decode over the cache's 64-key tiles with bf16/f16 widened in registers",
+       "decode over the cache's 64-key tiles with bf16/f16 widened in registers; bf16/f16 "
+       "activations widened to fp32 where Q, K, V tiles are packed (fp32 products), outputs "
+       "rounded once on store",
        /*score_variants=*/true},
       {Isa::avx512,
        [](const CpuFeatures& f) { return f.avx512f; },
-       {{"attention_fwd_f32_avx512", attention_fwd_f32_avx512}, {}, {}},
-       {{"attention_bwd_f32_avx512", attention_bwd_f32_avx512}, {}, {}},
+       {{"attention_fwd_f32_avx512", attention_fwd_f32_avx512},
+        {"attention_fwd_bf16_avx512", attention_fwd_bf16_avx512},
+        {"attention_fwd_f16_avx512", attention_fwd_f16_avx512}},
+       {{"attention_bwd_f32_avx512", attention_bwd_f32_avx512},
+        {"attention_bwd_bf16_avx512", attention_bwd_bf16_avx512},
+        {"attention_bwd_f16_avx512", attention_bwd_f16_avx512}},
        {{"attention_decode_f32_avx512", attention_decode_f32_avx512},
         {"attention_decode_bf16_avx512", attention_decode_bf16_avx512},
         {"attention_decode_f16_avx512", attention_decode_f16_avx512}},
@@ -61,8 +77,12 @@ std::array<KernelSet, 4> make_sets() {
        /*score_variants=*/true},
       {Isa::neon,
        [](const CpuFeatures& f) { return f.neon; },
-       {{"attention_fwd_f32_neon", attention_fwd_f32_neon}, {}, {}},
-       {{"attention_bwd_f32_neon", attention_bwd_f32_neon}, {}, {}},
+       {{"attention_fwd_f32_neon", attention_fwd_f32_neon},
+        {"attention_fwd_bf16_neon", attention_fwd_bf16_neon},
+        {"attention_fwd_f16_neon", attention_fwd_f16_neon}},
+       {{"attention_bwd_f32_neon", attention_bwd_f32_neon},
+        {"attention_bwd_bf16_neon", attention_bwd_bf16_neon},
+        {"attention_bwd_f16_neon", attention_bwd_f16_neon}},
        {{"attention_decode_f32_neon", attention_decode_f32_neon},
         {"attention_decode_bf16_neon", attention_decode_bf16_neon},
         {"attention_decode_f16_neon", attention_decode_f16_neon}},

@@ -67,6 +67,33 @@ void check_view(const ConstTensorView& v, int rank, const char* fn, const char* 
   check_view_extent(v, fn, name);
 }
 
+void check_activation(const ConstTensorView& v, int rank, const char* fn, const char* name) {
+  const std::string n(name);
+  if (v.rank != rank) {
+    fail(ErrorCode::shape_mismatch, fn,
+         n + " must have rank " + std::to_string(rank) + "; got rank " + std::to_string(v.rank));
+  }
+  if (v.dtype != DType::f32 && v.dtype != DType::bf16 && v.dtype != DType::f16) {
+    throw UnsupportedError(std::string(fn) + ": " + n + " has dtype " + to_string(v.dtype) +
+                           "; attention tensors must be f32, bf16 or f16");
+  }
+  check_view_extent(v, fn, name);
+}
+
+DType common_dtype(const char* fn,
+                   std::initializer_list<std::pair<const char*, ConstTensorView>> views,
+                   const char* together) {
+  const auto& first = *views.begin();
+  for (const auto& [name, v] : views) {
+    if (v.empty() || v.dtype == first.second.dtype) continue;
+    fail(ErrorCode::invalid_argument, fn,
+         std::string(name) + " has dtype " + to_string(v.dtype) + " but " + first.first +
+             " has dtype " + to_string(first.second.dtype) + "; " + together +
+             " must all have one dtype (f32, bf16 or f16; lse stays f32)");
+  }
+  return first.second.dtype;
+}
+
 void check_view_extent(const ConstTensorView& v, const char* fn, const char* name) {
   const std::string n(name);
   const int rank = v.rank;
@@ -125,9 +152,15 @@ bool views_overlap(const ConstTensorView& a, const ConstTensorView& b) {
   if (ma < 0 || mb < 0) return false;
   const auto* pa = static_cast<const char*>(a.data);
   const auto* pb = static_cast<const char*>(b.data);
-  const std::int64_t bytes = static_cast<std::int64_t>(sizeof(float));
+  // Element sizes (f32 4 bytes, bf16/f16 2, ...).
+  const auto ea = static_cast<std::int64_t>(std::max<std::size_t>(size_of(a.dtype), 1));
+  const auto eb = static_cast<std::int64_t>(std::max<std::size_t>(size_of(b.dtype), 1));
   // Byte ranges [begin, end) of each view; disjoint ranges cannot share an element.
-  if (pa + (ma + 1) * bytes <= pb || pb + (mb + 1) * bytes <= pa) return false;
+  if (pa + (ma + 1) * ea <= pb || pb + (mb + 1) * eb <= pa) return false;
+  // Intersecting ranges of views with different element sizes: reported as overlap
+  // (conservative; interleaving tensors of different dtypes in one buffer is not supported).
+  if (ea != eb) return true;
+  const std::int64_t bytes = ea;
 
   // The ranges intersect: decide exactly for interleaved views (e.g. q, k, v as slices of one
   // packed [B, T, 3, H, d_h] buffer). Exact membership is cheap when the view's strides are
@@ -161,7 +194,7 @@ bool views_overlap(const ConstTensorView& a, const ConstTensorView& b) {
     }
     return e == 0;
   };
-  // Partial overlap of a float element (misaligned pointers) counts as overlap.
+  // Partial overlap of an element (misaligned pointers) counts as overlap.
   const std::int64_t base = psmall - pbig;
   if (base % bytes != 0) return true;
   std::array<std::int64_t, 4> idx{};

@@ -29,6 +29,17 @@ std::string shape_string(const ConstTensorView& v);
 /// byte extent fit in 64-bit arithmetic.
 void check_view(const ConstTensorView& v, int rank, const char* fn, const char* name);
 
+/// check_view for an attention activation (q, k, v, out, dout, dq, dk, dv; SPEC "Reduced
+/// precision"): dtype f32, bf16 or f16 (UnsupportedError naming the dtype otherwise).
+void check_activation(const ConstTensorView& v, int rank, const char* fn, const char* name);
+
+/// The one dtype of a call's activations: every non-empty view of `views` must have the dtype of
+/// the first; otherwise ArgumentError(invalid_argument) naming both views and their dtypes and
+/// `together` (e.g. "q, k, v and out").
+DType common_dtype(const char* fn,
+                   std::initializer_list<std::pair<const char*, ConstTensorView>> views,
+                   const char* together);
+
 /// The part of check_view after rank and dtype (for views of any dtype and rank 1–4): sizes and
 /// strides ≥ 0, non-null data unless empty, largest offset and byte extent within int64.
 void check_view_extent(const ConstTensorView& v, const char* fn, const char* name);

@@ -280,10 +280,12 @@ TEST(Errors, AttentionForwardOptionsAndTypes) {
     opt.threads = -1;
     FORWARD_CASE([](Attn&) {}, {kInvalid}, {"threads", "-1"}, opt);
   }
-  // dtype bf16 / f16 → UnsupportedError naming the tensor and the dtype.
-  FORWARD_CASE([](Attn& a) { a.q.dtype = DType::bf16; }, {kUnsupported}, {"q", "bf16"});
-  FORWARD_CASE([](Attn& a) { a.out.dtype = DType::f16; }, {kUnsupported}, {"out", "f16"});
-  BACKWARD_CASE([](Attn& a) { a.dk.dtype = DType::bf16; }, {kUnsupported}, {"dk", "bf16"});
+  // One bf16 / f16 tensor among f32 ones (SPEC "Reduced precision": one dtype per call) →
+  // ArgumentError naming the tensor and the dtype; a non-float dtype → UnsupportedError.
+  FORWARD_CASE([](Attn& a) { a.q.dtype = DType::bf16; }, {kInvalid}, {"q", "bf16"});
+  FORWARD_CASE([](Attn& a) { a.out.dtype = DType::f16; }, {kInvalid}, {"out", "f16"});
+  BACKWARD_CASE([](Attn& a) { a.dk.dtype = DType::bf16; }, {kInvalid}, {"dk", "bf16"});
+  FORWARD_CASE([](Attn& a) { a.v.dtype = DType::i64; }, {kUnsupported}, {"v", "i64"});
   // Forcing an ISA this build or CPU lacks (runtime.hpp): UnsupportedError, nothing written.
   const auto avail = available_isas();
   for (Isa isa : {Isa::avx2, Isa::avx512, Isa::neon}) {

@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kernel_skeleton.hpp"
@@ -63,21 +64,25 @@ inline void axpy(float alpha, const float* x, float* y, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// Copies n elements spaced `stride` apart into a contiguous row.
-inline void gather(const float* src, std::int64_t stride, std::int64_t n, float* dst) {
-  if (stride == 1) {
-    std::copy(src, src + n, dst);
+// Copies n elements spaced `stride` apart into a contiguous fp32 row (bf16/f16 widened exactly).
+template <class T>
+inline void gather(const T* src, std::int64_t stride, std::int64_t n, float* dst) {
+  if (std::is_same_v<T, float> && stride == 1) {
+    std::transform(src, src + n, dst, [](T x) { return widen(x); });
   } else {
-    for (std::int64_t i = 0; i < n; ++i) dst[i] = src[i * stride];
+    for (std::int64_t i = 0; i < n; ++i) dst[i] = widen(src[i * stride]);
   }
 }
-inline void scatter(const float* src, std::int64_t n, float* dst, std::int64_t stride) {
-  for (std::int64_t i = 0; i < n; ++i) dst[i * stride] = src[i];
+// The fp32 row rounded once to T (nearest even; a plain copy for float) into a strided row.
+template <class T>
+inline void scatter(const float* src, std::int64_t n, T* dst, std::int64_t stride) {
+  for (std::int64_t i = 0; i < n; ++i) dst[i * stride] = narrow<T>(src[i]);
 }
 
 // Packs rows [0, rows) of head `head` of a [B, T, H, d_h] tensor into contiguous [rows, d_h].
-void pack_rows(const In& x, std::int64_t b, std::int64_t head, std::int64_t row0, std::int64_t rows,
-               std::int64_t dh, float* dst) {
+template <class T>
+void pack_rows(const Strided<const T*>& x, std::int64_t b, std::int64_t head, std::int64_t row0,
+               std::int64_t rows, std::int64_t dh, float* dst) {
   for (std::int64_t r = 0; r < rows; ++r) gather(x.row(b, row0 + r, head), x.s3, dh, dst + r * dh);
 }
 
@@ -137,8 +142,16 @@ inline float sink_term(const AttentionProblem& p, std::int64_t h, float shift) {
 
 }  // namespace
 
-void attention_fwd_f32_portable(const ForwardArgs& a) {
-  const AttentionProblem& p = a.p;
+// The forward for activations of type T (float, bf16_t, f16_t): every operand is widened to fp32
+// where it is gathered or packed, the arithmetic is the fp32 kernel's, O is rounded on store.
+template <class T>
+void attention_fwd_portable(const ForwardArgs& args) {
+  const AttentionProblem& p = args.p;
+  struct {
+    Strided<const T*> q, k, v;
+    Strided<T*> out;
+    Out lse;
+  } const a{as<T>(args.q), as<T>(args.k), as<T>(args.v), as<T>(args.out), args.lse};
   const std::int64_t dh = p.dh, g = p.group();
   const std::int64_t blocks = ceil_div(p.tq, kRowBlock);
   const std::int64_t units = p.batch * p.hq * blocks;
@@ -180,7 +193,7 @@ void attention_fwd_f32_portable(const ForwardArgs& a) {
 
     for (std::int64_t t = t0; t < t1; ++t) {
       const auto [begin, end] = p.key_range(b, h, t);
-      float* out = a.out.data + b * a.out.s0 + t * a.out.s1 + h * a.out.s2;
+      T* out = a.out.row(b, t, h);
       float lse = kNegInf;
       if (end <= begin) {  // no visible key: zeros and L = −∞ (SPEC 4.3), L = σ_h with a sink
         std::fill(acc, acc + dh, 0.0f);
@@ -214,8 +227,18 @@ void attention_fwd_f32_portable(const ForwardArgs& a) {
   }
 }
 
-void attention_bwd_f32_portable(const BackwardArgs& a) {
-  const AttentionProblem& p = a.p;
+// The backward for activations of type T, as the forward: widened on gather/pack, dQ, dK, dV
+// rounded once on store.
+template <class T>
+void attention_bwd_portable(const BackwardArgs& args) {
+  const AttentionProblem& p = args.p;
+  struct {
+    Strided<const T*> q, k, v, out;
+    In lse;
+    Strided<const T*> dout;
+    Strided<T*> dq, dk, dv;
+  } const a{as<T>(args.q),    as<T>(args.k),  as<T>(args.v),  as<T>(args.out), args.lse,
+            as<T>(args.dout), as<T>(args.dq), as<T>(args.dk), as<T>(args.dv)};
   const std::int64_t dh = p.dh, g = p.group();
 
   // D[b, h, t] = ⟨dO_t, O_t⟩, filled by pass 1 and read by pass 2.
@@ -276,7 +299,7 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
           for (std::int64_t i = 0; i < dh; ++i) dq_acc[i] *= p.scale;  // dQ = s · dS K
         }
         delta[(b * p.hq + h) * p.tq + t] = d_t;
-        float* dq = a.dq.data + b * a.dq.s0 + t * a.dq.s1 + h * a.dq.s2;
+        T* dq = a.dq.row(b, t, h);
         scatter(dq_acc, dh, dq, a.dq.s3);
       }
     }
@@ -347,6 +370,25 @@ void attention_bwd_f32_portable(const BackwardArgs& a) {
       }
     }
   }
+}
+
+void attention_fwd_f32_portable(const ForwardArgs& args) {
+  attention_fwd_portable<float>(args);
+}
+void attention_fwd_bf16_portable(const ForwardArgs& args) {
+  attention_fwd_portable<bf16_t>(args);
+}
+void attention_fwd_f16_portable(const ForwardArgs& args) {
+  attention_fwd_portable<f16_t>(args);
+}
+void attention_bwd_f32_portable(const BackwardArgs& args) {
+  attention_bwd_portable<float>(args);
+}
+void attention_bwd_bf16_portable(const BackwardArgs& args) {
+  attention_bwd_portable<bf16_t>(args);
+}
+void attention_bwd_f16_portable(const BackwardArgs& args) {
+  attention_bwd_portable<f16_t>(args);
 }
 
 }  // namespace tokenmix::kernels

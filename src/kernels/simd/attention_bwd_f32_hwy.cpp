@@ -64,8 +64,31 @@ constexpr std::int64_t kOnePassMinUnits = 8;
 
 // Pass 1: D and dQ. Mirrors the forward kernel's unit layout (kBlocksPerUnit lane blocks share
 // each packed K/V tile).
-void BackwardQueries(const BackwardArgs& args, float* delta) {
-  const AttentionProblem& p = args.p;
+// The activation views of a backward call, re-typed to their element type T (float, bf16_t,
+// f16_t): every read widens to fp32 (the lane set-up loops, DenseRows, PackRows,
+// PackTransposed, RowsOf), every write (StoreColumn) rounds once (SPEC "Reduced precision").
+template <class T>
+struct TypedBackward {
+  Strided<const T*> q, k, v, out;
+  In lse;
+  Strided<const T*> dout;
+  Strided<T*> dq, dk, dv;
+  explicit TypedBackward(const BackwardArgs& a)
+      : q(as<T>(a.q)),
+        k(as<T>(a.k)),
+        v(as<T>(a.v)),
+        out(as<T>(a.out)),
+        lse(a.lse),
+        dout(as<T>(a.dout)),
+        dq(as<T>(a.dq)),
+        dk(as<T>(a.dk)),
+        dv(as<T>(a.dv)) {}
+};
+
+template <class T>
+void BackwardQueries(const BackwardArgs& bwd, float* delta) {
+  const AttentionProblem& p = bwd.p;
+  const TypedBackward<T> args(bwd);
   const hn::ScalableTag<float> d;
   const hn::RebindToSigned<decltype(d)> di;
   using VF = hn::Vec<decltype(d)>;
@@ -166,14 +189,14 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
             bs.pos[i] = static_cast<std::int32_t>(p.position(t));
             bs.mask_base[i] = p.mask_offset(b, h, t, 0);
           }
-          const float* q = args.q.row(b, t, h);
-          const float* dout = args.dout.row(b, t, h);
-          const float* o = args.out.row(b, t, h);
+          const T* q = args.q.row(b, t, h);
+          const T* dout = args.dout.row(b, t, h);
+          const T* o = args.out.row(b, t, h);
           float dsum = 0.0f;  // D_t = ⟨dO_t, O_t⟩
           for (std::int64_t x = 0; x < dh; ++x) {
-            bs.qt[x * M + i] = p.scale * q[x * args.q.s3];
-            bs.dot[x * M + i] = dout[x * args.dout.s3];
-            dsum += dout[x * args.dout.s3] * o[x * args.out.s3];
+            bs.qt[x * M + i] = p.scale * widen(q[x * args.q.s3]);
+            bs.dot[x * M + i] = widen(dout[x * args.dout.s3]);
+            dsum += widen(dout[x * args.dout.s3]) * widen(o[x * args.out.s3]);
           }
           delta[(b * p.hq + h) * p.tq + t] = e ? dsum : 0.0f;
           bs.delta_lane[i] = dsum;
@@ -275,9 +298,10 @@ void BackwardQueries(const BackwardArgs& args, float* delta) {
 // a per-unit buffer of g × T_q/M lane blocks [d_h][M] (O(T·d_h) per head; blocked so each
 // chunk's dQᵀ is contiguous) — 5 products per score tile instead of 7,
 // and still exactly one owner per output row (deterministic for any thread count).
-template <bool kOnePass>
-void BackwardKeys(const BackwardArgs& args, float* delta) {
-  const AttentionProblem& p = args.p;
+template <class T, bool kOnePass>
+void BackwardKeys(const BackwardArgs& bwd, float* delta) {
+  const AttentionProblem& p = bwd.p;
+  const TypedBackward<T> args(bwd);
   const hn::ScalableTag<float> d;
   using VF = hn::Vec<decltype(d)>;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = kV * N;
@@ -343,10 +367,11 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
     if constexpr (kOnePass) {  // D_t = ⟨dO_t, O_t⟩ for the group's rows; dQᵀ = 0
       for (std::int64_t h = j * g; h < (j + 1) * g; ++h)
         for (std::int64_t t = 0; t < p.tq; ++t) {
-          const float* dout = args.dout.row(b, t, h);
-          const float* o = args.out.row(b, t, h);
+          const T* dout = args.dout.row(b, t, h);
+          const T* o = args.out.row(b, t, h);
           float dsum = 0.0f;
-          for (std::int64_t x = 0; x < dh; ++x) dsum += dout[x * args.dout.s3] * o[x * args.out.s3];
+          for (std::int64_t x = 0; x < dh; ++x)
+            dsum += widen(dout[x * args.dout.s3]) * widen(o[x * args.out.s3]);
           const KeyRange r = p.key_range(b, h, t);
           delta[(b * p.hq + h) * p.tq + t] = r.end > r.begin ? dsum : 0.0f;
         }
@@ -499,7 +524,8 @@ void BackwardKeys(const BackwardArgs& args, float* delta) {
   }
 }
 
-void AttentionBwd(const BackwardArgs& args) {
+template <class T>
+void AttentionBwdT(const BackwardArgs& args) {
   const AttentionProblem& p = args.p;
   ScratchLayout delta_layout(p.site);  // D [B, H_q, T_q], shared by both passes
   const auto delta_slot = delta_layout.add<float>(
@@ -510,11 +536,21 @@ void AttentionBwd(const BackwardArgs& args) {
   // the choice depends on the shape only, never on the thread count, so results stay bitwise
   // independent of it.
   if (p.batch * p.hkv >= kOnePassMinUnits) {
-    BackwardKeys<true>(args, delta);
+    BackwardKeys<T, true>(args, delta);
   } else {
-    BackwardQueries(args, delta);
-    BackwardKeys<false>(args, delta);
+    BackwardQueries<T>(args, delta);
+    BackwardKeys<T, false>(args, delta);
   }
+}
+
+void AttentionBwd(const BackwardArgs& args) {
+  AttentionBwdT<float>(args);
+}
+void AttentionBwdBf16(const BackwardArgs& args) {
+  AttentionBwdT<bf16_t>(args);
+}
+void AttentionBwdF16(const BackwardArgs& args) {
+  AttentionBwdT<f16_t>(args);
 }
 
 }  // namespace tokenmix::kernels::HWY_NAMESPACE
@@ -526,6 +562,12 @@ namespace tokenmix::kernels {
 const BackwardKernel attention_bwd_f32_avx512 = TOKENMIX_SIMD_AVX512(AttentionBwd);
 const BackwardKernel attention_bwd_f32_avx2 = TOKENMIX_SIMD_AVX2(AttentionBwd);
 const BackwardKernel attention_bwd_f32_neon = TOKENMIX_SIMD_NEON(AttentionBwd);
+const BackwardKernel attention_bwd_bf16_avx512 = TOKENMIX_SIMD_AVX512(AttentionBwdBf16);
+const BackwardKernel attention_bwd_bf16_avx2 = TOKENMIX_SIMD_AVX2(AttentionBwdBf16);
+const BackwardKernel attention_bwd_bf16_neon = TOKENMIX_SIMD_NEON(AttentionBwdBf16);
+const BackwardKernel attention_bwd_f16_avx512 = TOKENMIX_SIMD_AVX512(AttentionBwdF16);
+const BackwardKernel attention_bwd_f16_avx2 = TOKENMIX_SIMD_AVX2(AttentionBwdF16);
+const BackwardKernel attention_bwd_f16_neon = TOKENMIX_SIMD_NEON(AttentionBwdF16);
 
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

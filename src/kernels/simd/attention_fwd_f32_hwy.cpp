@@ -58,8 +58,17 @@ namespace hn = hwy::HWY_NAMESPACE;
 constexpr std::int64_t kKeyTile = KVTileLayout::kKeyTile;  // keys per tile (Sᵀ: kKeyTile × M)
 constexpr std::int64_t kBlocksPerUnit = 4;  // lane blocks sharing each K/V tile (QueryUnits)
 
-void AttentionFwd(const ForwardArgs& args) {
-  const AttentionProblem& p = args.p;
+// The kernel for activations of type T (float, bf16_t, f16_t; SPEC "Reduced precision"): Q is
+// widened as it is loaded into scale·Qᵀ, K and V as their tiles are packed (DenseRows), so the
+// products and the softmax are the fp32 kernel's, in fp32; O is rounded once, on store.
+template <class T>
+void AttentionFwdT(const ForwardArgs& fwd) {
+  const AttentionProblem& p = fwd.p;
+  struct {
+    Strided<const T*> q, k, v;
+    Strided<T*> out;
+    Out lse;
+  } const args{as<T>(fwd.q), as<T>(fwd.k), as<T>(fwd.v), as<T>(fwd.out), fwd.lse};
   const hn::ScalableTag<float> d;
   const hn::RebindToSigned<decltype(d)> di;
   using VF = hn::Vec<decltype(d)>;
@@ -262,6 +271,16 @@ void AttentionFwd(const ForwardArgs& args) {
   }
 }
 
+void AttentionFwd(const ForwardArgs& args) {
+  AttentionFwdT<float>(args);
+}
+void AttentionFwdBf16(const ForwardArgs& args) {
+  AttentionFwdT<bf16_t>(args);
+}
+void AttentionFwdF16(const ForwardArgs& args) {
+  AttentionFwdT<f16_t>(args);
+}
+
 }  // namespace tokenmix::kernels::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -271,6 +290,12 @@ namespace tokenmix::kernels {
 const ForwardKernel attention_fwd_f32_avx512 = TOKENMIX_SIMD_AVX512(AttentionFwd);
 const ForwardKernel attention_fwd_f32_avx2 = TOKENMIX_SIMD_AVX2(AttentionFwd);
 const ForwardKernel attention_fwd_f32_neon = TOKENMIX_SIMD_NEON(AttentionFwd);
+const ForwardKernel attention_fwd_bf16_avx512 = TOKENMIX_SIMD_AVX512(AttentionFwdBf16);
+const ForwardKernel attention_fwd_bf16_avx2 = TOKENMIX_SIMD_AVX2(AttentionFwdBf16);
+const ForwardKernel attention_fwd_bf16_neon = TOKENMIX_SIMD_NEON(AttentionFwdBf16);
+const ForwardKernel attention_fwd_f16_avx512 = TOKENMIX_SIMD_AVX512(AttentionFwdF16);
+const ForwardKernel attention_fwd_f16_avx2 = TOKENMIX_SIMD_AVX2(AttentionFwdF16);
+const ForwardKernel attention_fwd_f16_neon = TOKENMIX_SIMD_NEON(AttentionFwdF16);
 
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

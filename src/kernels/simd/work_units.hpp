@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kernel_skeleton.hpp"
@@ -130,62 +131,78 @@ void ForEachRow(const QueryUnits& units, const QueryUnits::Block& blk, F&& f) {
 }
 
 // Column `lane` of a transposed [cols][M] buffer into a strided row: dst[x·stride] =
-// factor · src[x·M + lane]. The write-out of every transposed accumulator (Oᵀ, dQᵀ, dKᵀ, dVᵀ).
+// factor · src[x·M + lane], rounded once to T (SPEC "Reduced precision"; a plain store for
+// float). The write-out of every transposed accumulator (Oᵀ, dQᵀ, dKᵀ, dVᵀ).
+template <class T>
 inline void StoreColumn(const float* src, std::int64_t M, std::int64_t lane, std::int64_t cols,
-                        float factor, float* dst, std::int64_t stride) {
-  for (std::int64_t x = 0; x < cols; ++x) dst[x * stride] = factor * src[x * M + lane];
+                        float factor, T* dst, std::int64_t stride) {
+  for (std::int64_t x = 0; x < cols; ++x) dst[x * stride] = narrow<T>(factor * src[x * M + lane]);
 }
 
-// A strided row into column `lane` of a transposed [cols][M] buffer, times `factor`.
-inline void LoadColumn(const float* src, std::int64_t stride, std::int64_t cols, float factor,
+// A strided row (widened to fp32) into column `lane` of a transposed [cols][M] buffer, times
+// `factor`.
+template <class T>
+inline void LoadColumn(const T* src, std::int64_t stride, std::int64_t cols, float factor,
                        float* dst, std::int64_t M, std::int64_t lane) {
-  for (std::int64_t x = 0; x < cols; ++x) dst[x * M + lane] = factor * src[x * stride];
+  for (std::int64_t x = 0; x < cols; ++x) dst[x * M + lane] = factor * widen(src[x * stride]);
 }
 
 // Copies `rows` rows of a strided matrix (row stride `ld`, column stride `cs`) into a contiguous
-// [rows][cols] buffer.
-inline void PackRows(const float* src, std::int64_t ld, std::int64_t cs, std::int64_t rows,
+// fp32 [rows][cols] buffer (bf16/f16 widened exactly).
+template <class T>
+inline void PackRows(const T* src, std::int64_t ld, std::int64_t cs, std::int64_t rows,
                      std::int64_t cols, float* dst) {
   for (std::int64_t r = 0; r < rows; ++r) {
-    const float* row = src + r * ld;
+    const T* row = src + r * ld;
     float* out = dst + r * cols;
-    if (cs == 1) {
-      std::copy(row, row + cols, out);
-    } else {
-      for (std::int64_t x = 0; x < cols; ++x) out[x] = row[x * cs];
+    if constexpr (std::is_same_v<T, float>) {
+      if (cs == 1) {
+        std::copy(row, row + cols, out);
+        continue;
+      }
     }
+    for (std::int64_t x = 0; x < cols; ++x) out[x] = widen(row[x * cs]);
   }
 }
 
 // Copies rows [0, rows) of a strided matrix transposed into dst[col][row] (dst rows M floats
-// long), scaled by `scale`. Packs the B operands Qᵀ, Kᵀ, Vᵀ of the microkernel.
-inline void PackTransposed(const float* src, std::int64_t ld, std::int64_t cs, std::int64_t rows,
+// long), widened and scaled by `scale`. Packs the B operands Qᵀ, Kᵀ, Vᵀ of the microkernel.
+template <class T>
+inline void PackTransposed(const T* src, std::int64_t ld, std::int64_t cs, std::int64_t rows,
                            std::int64_t cols, float scale, float* dst, std::int64_t M) {
   for (std::int64_t r = 0; r < rows; ++r) {
-    const float* row = src + r * ld;
-    for (std::int64_t x = 0; x < cols; ++x) dst[x * M + r] = scale * row[x * cs];
+    const T* row = src + r * ld;
+    for (std::int64_t x = 0; x < cols; ++x) dst[x * M + r] = scale * widen(row[x * cs]);
   }
 }
 
-// Rows [row0, row0 + rows) of head `head` of a [B, T, H, d_h] tensor as a dense [rows][d_h]
-// matrix: in place when they already are (e.g. the [B, H, T, d_h] layout), else packed into
-// `scratch`. Dense rows keep a tile on few pages and cache sets (in [B, T, H, d_h], rows of one
-// head are H·d_h floats apart: one page each for H·d_h·4 ≥ 4 KiB).
-inline const float* DenseRows(const In& x, std::int64_t b, std::int64_t row0, std::int64_t head,
-                              std::int64_t rows, std::int64_t dh, float* scratch) {
-  if (x.s3 == 1 && (x.s1 == dh || rows <= 1)) return x.row(b, row0, head);
+// Rows [row0, row0 + rows) of head `head` of a [B, T, H, d_h] tensor as a dense fp32 [rows][d_h]
+// matrix: in place when they already are (f32 only, e.g. the [B, H, T, d_h] layout), else
+// packed (bf16/f16: widened) into `scratch`. Dense rows keep a tile on few pages and cache sets
+// (in [B, T, H, d_h], rows of one head are H·d_h floats apart: one page each for H·d_h·4 ≥ 4 KiB).
+template <class T>
+inline const float* DenseRows(const Strided<const T*>& x, std::int64_t b, std::int64_t row0,
+                              std::int64_t head, std::int64_t rows, std::int64_t dh,
+                              float* scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (x.s3 == 1 && (x.s1 == dh || rows <= 1)) return x.row(b, row0, head);
+  }
   PackRows(x.row(b, row0, head), x.s1, x.s3, rows, dh, scratch);
   return scratch;
 }
 
-// Rows [row0, row0 + rows) of head `head` of a [B, T, H, d_h] tensor as a row-major matrix the
-// microkernel can broadcast from: in place when d_h is the unit-stride axis, else packed into
-// `scratch` ([rows][d_h]). Sets `ld` to the row stride of the returned matrix.
-inline const float* RowsOf(const In& x, std::int64_t b, std::int64_t row0, std::int64_t head,
-                           std::int64_t rows, std::int64_t dh, float* scratch, std::int64_t& ld) {
-  if (x.s3 == 1) {
-    ld = x.s1;
-    return x.row(b, row0, head);
+// Rows [row0, row0 + rows) of head `head` of a [B, T, H, d_h] tensor as a row-major fp32 matrix
+// the microkernel can broadcast from: in place when d_h is the unit-stride axis (f32 only), else
+// packed (widened) into `scratch` ([rows][d_h]). Sets `ld` to the row stride of the result.
+template <class T>
+inline const float* RowsOf(const Strided<const T*>& x, std::int64_t b, std::int64_t row0,
+                           std::int64_t head, std::int64_t rows, std::int64_t dh, float* scratch,
+                           std::int64_t& ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (x.s3 == 1) {
+      ld = x.s1;
+      return x.row(b, row0, head);
+    }
   }
   PackRows(x.row(b, row0, head), x.s1, x.s3, rows, dh, scratch);
   ld = dh;

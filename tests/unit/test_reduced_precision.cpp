@@ -1,0 +1,490 @@
+// tests/unit/test_reduced_precision.cpp — bf16 and f16 attention (SPEC "Reduced precision") on
+// every kernel path this machine runs: forward, backward, varlen and decode, through the public
+// API, against the float64 oracle run on the same (already rounded) inputs, and bitwise against
+// the fp32 path run on the widened inputs (the reduced-precision kernels widen exactly on pack
+// and keep the fp32 kernels' arithmetic: only the final rounding of O, dQ, dK, dV differs).
+//
+// Error bounds (max-norm error relative to the reference's max-norm, test_util.hpp):
+//   * O: the fp32 kernel's error (forward bound 2e-5, test_flash_kernels.cpp) plus one rounding
+//     to the dtype, at most half an ulp of |O_i| ≤ max|O|: the unit roundoff 2^-8 for bf16 (8
+//     significand bits: ulp(1) = 2^-7; not 2^-9), 2^-11 for f16 (11 bits; |O| ≤ max|v| ~ 4
+//     stays far from f16's subnormals). Measured: up to 0.0037 = 0.95 · 2^-8 for bf16.
+//   * dQ, dK, dV: the fp32 backward bound (1e-4, with the gradient floor of 1) plus the final
+//     rounding (2^-9 / 2^-11), plus the effect of D = ⟨dO, O⟩ formed from the rounded O (as
+//     FlashAttention and PyTorch do): |ΔD| ≤ 2^-8 ⟨|dO|, |O|⟩, which enters dS = P ⊙ (dP − D) on
+//     the scale of dS itself. Bound: 4 · 2^-8 (bf16) and 4 · 2^-11 (f16) + 1e-4, four rounding
+//     units; a wrong widening, rounding or offset gives errors of order 1.
+//   * L (lse, f32): the fp32 bound 2e-5 relative to max(1, |L|): it is never rounded.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/kv_element.hpp"
+#include "reference/reference.hpp"
+#include "test_util.hpp"
+
+namespace tokenmix::testing {
+namespace {
+
+constexpr double kFp32Fwd = 2e-5, kFp32Bwd = 1e-4;
+
+double unit(DType dt) {  // unit roundoff (half an ulp of 1): one rounding of an output element
+  return dt == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+}
+double fwd_bound(DType dt) {
+  return unit(dt) + kFp32Fwd;
+}
+double bwd_bound(DType dt) {
+  return 4 * unit(dt) + kFp32Bwd;
+}
+
+float widen(DType dt, std::uint16_t bits) {
+  return dt == DType::bf16 ? kernels::bf16_to_f32(bits) : kernels::f16_to_f32(bits);
+}
+std::uint16_t narrow(DType dt, float x) {
+  return dt == DType::bf16 ? kernels::f32_to_bf16(x) : kernels::f32_to_f16(x);
+}
+
+// A 16-bit tensor of logical shape [B, T, H, D] in one of testkit's layouts (the padding of
+// `strided` holds NaN bits: a kernel that reads it makes NaN and fails), plus its rank-3 form.
+struct Tensor16 {
+  DType dtype;
+  std::vector<std::uint16_t> storage;
+  TensorView view;
+
+  Tensor16(DType dt, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t D, Layout layout)
+      : dtype(dt) {
+    std::array<std::int64_t, 4> st{};
+    std::int64_t total = 0;
+    if (layout == Layout::bthd) {
+      st = {T * H * D, H * D, D, 1};
+      total = B * T * H * D;
+    } else if (layout == Layout::bhtd) {
+      st = {H * T * D, D, T * D, 1};
+      total = B * H * T * D;
+    } else {
+      const std::int64_t sh = D + 3, stt = (H + 1) * sh, sb = (T + 2) * stt;
+      st = {sb, stt, sh, 1};
+      total = B * sb;
+    }
+    storage.assign(static_cast<std::size_t>(std::max<std::int64_t>(total, 1)), nan_bits());
+    view = TensorView{storage.data(), dt, 4, {B, T, H, D}, st};
+  }
+  std::uint16_t nan_bits() const { return dtype == DType::bf16 ? 0x7fc0 : 0x7e00; }
+  std::uint16_t& bits(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t d) {
+    const auto& s = view.strides;
+    return storage[static_cast<std::size_t>(b * s[0] + t * s[1] + h * s[2] + d * s[3])];
+  }
+  float at(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t d) {
+    return widen(dtype, bits(b, t, h, d));
+  }
+  void set(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t d, float x) {
+    bits(b, t, h, d) = narrow(dtype, x);
+  }
+  template <class F>
+  void for_each(F&& f) {
+    const auto& s = view.shape;
+    for (std::int64_t b = 0; b < s[0]; ++b)
+      for (std::int64_t t = 0; t < s[1]; ++t)
+        for (std::int64_t h = 0; h < s[2]; ++h)
+          for (std::int64_t d = 0; d < s[3]; ++d) f(b, t, h, d);
+  }
+  void fill_random(std::mt19937_64& rng) {
+    std::normal_distribution<float> dist;
+    for_each([&](auto b, auto t, auto h, auto d) { set(b, t, h, d, dist(rng)); });
+  }
+  void poison() {
+    for_each([&](auto b, auto t, auto h, auto d) { bits(b, t, h, d) = nan_bits(); });
+  }
+  // The exact (widened) values, for the oracle.
+  reference::Tensor64 to64() {
+    reference::Tensor64 r(view.shape);
+    for_each([&](auto b, auto t, auto h, auto d) { r.at(b, t, h, d) = at(b, t, h, d); });
+    return r;
+  }
+  // The widened values as an f32 tensor in the same layout (for the fp32 path).
+  StridedTensor to32(Layout layout) {
+    StridedTensor x(view.shape[0], view.shape[1], view.shape[2], view.shape[3], layout);
+    for_each([&](auto b, auto t, auto h, auto d) { x.at(b, t, h, d) = at(b, t, h, d); });
+    return x;
+  }
+  // [B·T, H, D] as rank 3 (B = 1 only): the varlen form.
+  TensorView rank3() const {
+    return TensorView{view.data,
+                      dtype,
+                      3,
+                      {view.shape[1], view.shape[2], view.shape[3], 1},
+                      {view.strides[1], view.strides[2], view.strides[3], 0}};
+  }
+};
+
+double err16(Tensor16& x, const reference::Tensor64& r, double floor = 1e-30) {
+  ErrorAccumulator acc;
+  x.for_each([&](auto b, auto t, auto h, auto d) { acc.add(x.at(b, t, h, d), r.at(b, t, h, d)); });
+  return acc.value(floor);
+}
+
+// True if every element of x is the fp32 result y rounded to x's dtype, bit for bit.
+bool rounds_of(Tensor16& x, StridedTensor& y) {
+  bool same = true;
+  x.for_each([&](auto b, auto t, auto h, auto d) {
+    const std::uint16_t want = narrow(x.dtype, y.at(b, t, h, d));
+    const std::uint16_t got = x.bits(b, t, h, d);
+    const bool both_nan = std::isnan(widen(x.dtype, got)) && std::isnan(widen(x.dtype, want));
+    if (got != want && !both_nan) same = false;
+  });
+  return same;
+}
+
+double lse_err(const std::vector<float>& got, const reference::Tensor64& ref) {
+  double e = 0.0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double r = ref.data[i], g = got[i];
+    if (std::isinf(r)) {
+      if (!(std::isinf(g) && (g < 0) == (r < 0))) return INFINITY;
+      continue;
+    }
+    e = std::max(e, std::isnan(g) ? INFINITY : std::fabs(g - r) / std::max(1.0, std::fabs(r)));
+  }
+  return e;
+}
+
+struct Shape {
+  std::int64_t B, Tq, Tk, Hq, Hkv, D;
+  Layout layout = Layout::bthd;
+  bool causal = true;
+};
+
+std::string name_of(const Shape& s, DType dt) {
+  std::ostringstream o;
+  o << to_string(dt) << " B" << s.B << " Tq" << s.Tq << " Tk" << s.Tk << " Hq" << s.Hq << " Hkv"
+    << s.Hkv << " d" << s.D << " " << layout_name(s.layout) << (s.causal ? "" : " noncausal");
+  return o.str();
+}
+
+// Shapes around the key tile (64) and the lane blocks (64 rows AVX-512, 24 AVX2, 16 NEON), odd
+// d_h, GQA ratios 1, 2, 3, 7, T_q ≠ T_k both ways, the three layouts; B·H_kv ≥ 8 for the
+// one-pass backward.
+std::vector<Shape> shapes() {
+  return {{1, 1, 1, 1, 1, 1},
+          {1, 65, 65, 2, 1, 64, Layout::bthd},
+          {2, 64, 64, 4, 4, 33, Layout::bhtd},
+          {1, 25, 130, 3, 1, 17, Layout::strided},
+          {1, 130, 70, 7, 1, 16, Layout::bthd},
+          {1, 47, 47, 6, 2, 40, Layout::strided, false},
+          {2, 40, 40, 8, 4, 24, Layout::bhtd}};
+}
+
+struct Inputs {
+  Tensor16 q, k, v;
+  Inputs(DType dt, const Shape& s, std::mt19937_64& rng)
+      : q(dt, s.B, s.Tq, s.Hq, s.D, s.layout),
+        k(dt, s.B, s.Tk, s.Hkv, s.D, s.layout),
+        v(dt, s.B, s.Tk, s.Hkv, s.D, s.layout) {
+    q.fill_random(rng);
+    k.fill_random(rng);
+    v.fill_random(rng);
+  }
+};
+
+class ReducedPrecision : public PerIsaTest {};
+
+TEST_P(ReducedPrecision, ForwardMatchesOracleAndRoundsTheFp32Path) {
+  std::mt19937_64 rng(13);
+  for (DType dt : {DType::bf16, DType::f16}) {
+    for (const Shape& s : shapes()) {
+      SCOPED_TRACE(name_of(s, dt));
+      Inputs in(dt, s, rng);
+      Tensor16 out(dt, s.B, s.Tq, s.Hq, s.D, s.layout);
+      out.poison();
+      std::vector<float> lse(static_cast<std::size_t>(s.B * s.Hq * s.Tq), kPoison);
+      AttentionOptions o;
+      o.isa = GetParam();
+      o.causal = s.causal;
+      attention_forward(in.q.view, in.k.view, in.v.view, out.view,
+                        TensorView::bht(lse.data(), s.B, s.Hq, s.Tq), o);
+      reference::Options ro;
+      ro.causal = s.causal;
+      const auto ref = reference::attention_forward(in.q.to64(), in.k.to64(), in.v.to64(), ro);
+      EXPECT_LE(err16(out, ref.out), fwd_bound(dt));
+      EXPECT_LE(lse_err(lse, ref.lse), kFp32Fwd);
+
+      // The fp32 path on the widened inputs, rounded, gives the same bits (same arithmetic).
+      StridedTensor q32 = in.q.to32(s.layout), k32 = in.k.to32(s.layout), v32 = in.v.to32(s.layout);
+      StridedTensor out32(s.B, s.Tq, s.Hq, s.D, s.layout);
+      attention_forward(q32.view, k32.view, v32.view, out32.view, {}, o);
+      EXPECT_TRUE(rounds_of(out, out32));
+    }
+  }
+}
+
+TEST_P(ReducedPrecision, BackwardMatchesOracleAndRoundsTheFp32Path) {
+  std::mt19937_64 rng(17);
+  for (DType dt : {DType::bf16, DType::f16}) {
+    for (const Shape& s : shapes()) {
+      SCOPED_TRACE(name_of(s, dt));
+      Inputs in(dt, s, rng);
+      Tensor16 out(dt, s.B, s.Tq, s.Hq, s.D, s.layout), dout(dt, s.B, s.Tq, s.Hq, s.D, s.layout);
+      dout.fill_random(rng);
+      std::vector<float> lse(static_cast<std::size_t>(s.B * s.Hq * s.Tq), kPoison);
+      AttentionOptions o;
+      o.isa = GetParam();
+      o.causal = s.causal;
+      const TensorView lse_view = TensorView::bht(lse.data(), s.B, s.Hq, s.Tq);
+      attention_forward(in.q.view, in.k.view, in.v.view, out.view, lse_view, o);
+      Tensor16 dq(dt, s.B, s.Tq, s.Hq, s.D, s.layout), dk(dt, s.B, s.Tk, s.Hkv, s.D, s.layout),
+          dv(dt, s.B, s.Tk, s.Hkv, s.D, s.layout);
+      dq.poison();
+      dk.poison();
+      dv.poison();
+      attention_backward(in.q.view, in.k.view, in.v.view, out.view, lse_view, dout.view, dq.view,
+                         dk.view, dv.view, o);
+      reference::Options ro;
+      ro.causal = s.causal;
+      const auto ref =
+          reference::attention_backward(in.q.to64(), in.k.to64(), in.v.to64(), dout.to64(), ro);
+      // Gradient floor 1: gradients may vanish (e.g. a key no query sees).
+      EXPECT_LE(err16(dq, ref.dq, 1.0), bwd_bound(dt));
+      EXPECT_LE(err16(dk, ref.dk, 1.0), bwd_bound(dt));
+      EXPECT_LE(err16(dv, ref.dv, 1.0), bwd_bound(dt));
+
+      // The fp32 backward on the widened q, k, v, O, dO (and the same L) rounds to the same bits.
+      StridedTensor q32 = in.q.to32(s.layout), k32 = in.k.to32(s.layout), v32 = in.v.to32(s.layout),
+                    o32 = out.to32(s.layout), do32 = dout.to32(s.layout);
+      StridedTensor dq32(s.B, s.Tq, s.Hq, s.D, s.layout), dk32(s.B, s.Tk, s.Hkv, s.D, s.layout),
+          dv32(s.B, s.Tk, s.Hkv, s.D, s.layout);
+      attention_backward(q32.view, k32.view, v32.view, o32.view, lse_view, do32.view, dq32.view,
+                         dk32.view, dv32.view, o);
+      EXPECT_TRUE(rounds_of(dq, dq32));
+      EXPECT_TRUE(rounds_of(dk, dk32));
+      EXPECT_TRUE(rounds_of(dv, dv32));
+    }
+  }
+}
+
+// Window, soft-capping and sinks (with ALiBi) in bf16/f16, forward and backward, vs the oracle.
+TEST_P(ReducedPrecision, ScoreVariants) {
+  std::mt19937_64 rng(19);
+  const Shape s{2, 70, 90, 4, 2, 24, Layout::strided};
+  for (DType dt : {DType::bf16, DType::f16}) {
+    for (int variant = 0; variant < 3; ++variant) {
+      SCOPED_TRACE(name_of(s, dt) + " variant " + std::to_string(variant));
+      Inputs in(dt, s, rng);
+      std::vector<float> sinks{0.5f, -1.0f, 2.0f, 0.0f}, slopes{0.5f, 0.25f, 0.125f, 0.0625f};
+      AttentionOptions o;
+      o.isa = GetParam();
+      reference::Options ro;
+      if (variant == 0) {
+        o.window = 7;
+        ro.window = 7;
+      } else if (variant == 1) {
+        o.softcap = 2.0;
+        ro.softcap = 2.0;
+      } else {
+        o.sinks = ConstTensorView{sinks.data(), DType::f32, 1, {4, 1, 1, 1}, {1, 0, 0, 0}};
+        o.alibi_slopes = ConstTensorView{slopes.data(), DType::f32, 1, {4, 1, 1, 1}, {1, 0, 0, 0}};
+        ro.sinks.assign(sinks.begin(), sinks.end());
+        ro.alibi_slopes.assign(slopes.begin(), slopes.end());
+      }
+      Tensor16 out(dt, s.B, s.Tq, s.Hq, s.D, s.layout), dout(dt, s.B, s.Tq, s.Hq, s.D, s.layout);
+      out.poison();
+      dout.fill_random(rng);
+      std::vector<float> lse(static_cast<std::size_t>(s.B * s.Hq * s.Tq), kPoison);
+      const TensorView lse_view = TensorView::bht(lse.data(), s.B, s.Hq, s.Tq);
+      attention_forward(in.q.view, in.k.view, in.v.view, out.view, lse_view, o);
+      const auto ref = reference::attention_forward(in.q.to64(), in.k.to64(), in.v.to64(), ro);
+      EXPECT_LE(err16(out, ref.out), fwd_bound(dt));
+      EXPECT_LE(lse_err(lse, ref.lse), kFp32Fwd);
+
+      Tensor16 dq(dt, s.B, s.Tq, s.Hq, s.D, s.layout), dk(dt, s.B, s.Tk, s.Hkv, s.D, s.layout),
+          dv(dt, s.B, s.Tk, s.Hkv, s.D, s.layout);
+      dq.poison();
+      dk.poison();
+      dv.poison();
+      std::vector<float> dsinks(4, kPoison);
+      const TensorView dsinks_view{dsinks.data(), DType::f32, 1, {4, 1, 1, 1}, {1, 0, 0, 0}};
+      attention_backward(in.q.view, in.k.view, in.v.view, out.view, lse_view, dout.view, dq.view,
+                         dk.view, dv.view, o, variant == 2 ? dsinks_view : TensorView{});
+      const auto gref =
+          reference::attention_backward(in.q.to64(), in.k.to64(), in.v.to64(), dout.to64(), ro);
+      EXPECT_LE(err16(dq, gref.dq, 1.0), bwd_bound(dt));
+      EXPECT_LE(err16(dk, gref.dk, 1.0), bwd_bound(dt));
+      EXPECT_LE(err16(dv, gref.dv, 1.0), bwd_bound(dt));
+      if (variant == 2) {  // dσ_h from the rounded O (D_t = ⟨dO_t, O_t⟩): the bound of dQ
+        EXPECT_LE(testkit::rel_err(dsinks, gref.dsinks, 1.0), bwd_bound(dt));
+      }
+    }
+  }
+}
+
+TEST_P(ReducedPrecision, VarlenForwardAndBackward) {
+  std::mt19937_64 rng(23);
+  const std::vector<std::int64_t> cu_q{0, 5, 5, 75, 100}, cu_k{0, 9, 12, 82, 100};
+  const std::int64_t total_q = cu_q.back(), total_k = cu_k.back(), hq = 4, hkv = 2, d = 20;
+  const ConstTensorView cq{cu_q.data(), DType::i64, 1, {5, 1, 1, 1}, {1, 0, 0, 0}};
+  const ConstTensorView ck{cu_k.data(), DType::i64, 1, {5, 1, 1, 1}, {1, 0, 0, 0}};
+  for (DType dt : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(to_string(dt));
+    Tensor16 q(dt, 1, total_q, hq, d, Layout::strided), k(dt, 1, total_k, hkv, d, Layout::strided),
+        v(dt, 1, total_k, hkv, d, Layout::strided), out(dt, 1, total_q, hq, d, Layout::bthd),
+        dout(dt, 1, total_q, hq, d, Layout::bthd);
+    q.fill_random(rng);
+    k.fill_random(rng);
+    v.fill_random(rng);
+    dout.fill_random(rng);
+    out.poison();
+    std::vector<float> lse(static_cast<std::size_t>(hq * total_q), kPoison);
+    const TensorView lse_view{lse.data(), DType::f32, 2, {hq, total_q, 1, 1}, {total_q, 1, 0, 0}};
+    AttentionOptions o;
+    o.isa = GetParam();
+    attention_forward_varlen(q.rank3(), k.rank3(), v.rank3(), cq, ck, out.rank3(), lse_view, o);
+    const auto ref =
+        reference::attention_forward_varlen(q.to64(), k.to64(), v.to64(), cu_q, cu_k, {});
+    EXPECT_LE(err16(out, ref.out), fwd_bound(dt));
+
+    Tensor16 dq(dt, 1, total_q, hq, d, Layout::bhtd), dk(dt, 1, total_k, hkv, d, Layout::bhtd),
+        dv(dt, 1, total_k, hkv, d, Layout::bhtd);
+    dq.poison();
+    dk.poison();
+    dv.poison();
+    attention_backward_varlen(q.rank3(), k.rank3(), v.rank3(), out.rank3(), lse_view, dout.rank3(),
+                              cq, ck, dq.rank3(), dk.rank3(), dv.rank3(), o);
+    const auto gref = reference::attention_backward_varlen(q.to64(), k.to64(), v.to64(),
+                                                           dout.to64(), cu_q, cu_k, {});
+    EXPECT_LE(err16(dq, gref.dq, 1.0), bwd_bound(dt));
+    EXPECT_LE(err16(dk, gref.dk, 1.0), bwd_bound(dt));
+    EXPECT_LE(err16(dv, gref.dv, 1.0), bwd_bound(dt));
+  }
+}
+
+// bf16/f16 queries on every cache dtype: O is the f32-query decode's O (tested against the
+// oracle in test_decode.cpp) on the widened queries, rounded once — bit for bit.
+TEST_P(ReducedPrecision, DecodeQueriesOnEveryCacheDtype) {
+  std::mt19937_64 rng(29);
+  const std::int64_t B = 2, tnew = 3, hq = 6, hkv = 2, d = 40, len = 150;
+  std::vector<float> kv(static_cast<std::size_t>(B * len * hkv * d));
+  std::normal_distribution<float> dist;
+  for (DType cache_dt : {DType::f32, DType::bf16, DType::f16}) {
+    KVCache cache({1, B, hkv, d, 256, cache_dt, 0, 0});
+    for (float& x : kv) x = dist(rng);
+    const ConstTensorView kview{
+        kv.data(), DType::f32, 4, {B, len, hkv, d}, {len * hkv * d, hkv * d, d, 1}};
+    cache.append(0, 0, kview, kview);
+    for (DType dt : {DType::bf16, DType::f16}) {
+      SCOPED_TRACE(std::string("q ") + to_string(dt) + ", cache " + to_string(cache_dt));
+      Tensor16 q(dt, B, tnew, hq, d, Layout::strided), out(dt, B, tnew, hq, d, Layout::bhtd);
+      q.fill_random(rng);
+      out.poison();
+      DecodeOptions o;
+      o.isa = GetParam();
+      std::vector<float> lse(static_cast<std::size_t>(B * hq * tnew), kPoison),
+          lse32(lse.size(), kPoison);
+      attention_decode(q.view, cache, 0, out.view, TensorView::bht(lse.data(), B, hq, tnew), o);
+      StridedTensor q32 = q.to32(Layout::bthd), out32(B, tnew, hq, d, Layout::bthd);
+      attention_decode(q32.view, cache, 0, out32.view, TensorView::bht(lse32.data(), B, hq, tnew),
+                       o);
+      EXPECT_TRUE(rounds_of(out, out32));
+      EXPECT_EQ(0, std::memcmp(lse.data(), lse32.data(), lse.size() * sizeof(float)));
+    }
+  }
+}
+
+// SPEC 4.3: a NaN in a key a row reads makes its output NaN; one in a key it does not see
+// (causal future) stays out. bf16/f16 NaN widen to NaN and round back to NaN.
+TEST_P(ReducedPrecision, NaNPropagation) {
+  std::mt19937_64 rng(31);
+  const Shape s{1, 70, 70, 2, 1, 16};
+  for (DType dt : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(to_string(dt));
+    Inputs in(dt, s, rng);
+    const std::int64_t bad = 50;  // key 50: seen by rows t ≥ 50 only
+    in.k.bits(0, bad, 0, 3) = in.k.nan_bits();
+    Tensor16 out(dt, s.B, s.Tq, s.Hq, s.D, s.layout);
+    out.poison();
+    AttentionOptions o;
+    o.isa = GetParam();
+    attention_forward(in.q.view, in.k.view, in.v.view, out.view, {}, o);
+    for (std::int64_t t = 0; t < s.Tq; ++t)
+      for (std::int64_t h = 0; h < s.Hq; ++h) {
+        const bool nan = std::isnan(out.at(0, t, h, 0));
+        EXPECT_EQ(nan, t >= bad) << "t=" << t << " h=" << h;
+      }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, ReducedPrecision, AllIsas(), IsaName);
+
+// ---- dtype contract errors (ArgumentError / UnsupportedError naming views and dtypes) ----
+
+template <class F>
+void expect_error(F&& f, ErrorCode code, const std::vector<std::string>& words) {
+  try {
+    f();
+    ADD_FAILURE() << "no error thrown";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    for (const auto& w : words)
+      EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
+  }
+}
+
+TEST(ReducedPrecisionErrors, MixedDtypesAreArgumentErrors) {
+  std::mt19937_64 rng(37);
+  const Shape s{1, 8, 8, 2, 1, 8};
+  Inputs in(DType::bf16, s, rng);
+  StridedTensor k32(1, 8, 1, 8, Layout::bthd), out32(1, 8, 2, 8, Layout::bthd);
+  Tensor16 out(DType::bf16, 1, 8, 2, 8, Layout::bthd), outh(DType::f16, 1, 8, 2, 8, Layout::bthd);
+  std::vector<float> lse(16);
+  const TensorView lse_view = TensorView::bht(lse.data(), 1, 2, 8);
+  expect_error([&] { attention_forward(in.q.view, k32.view, in.v.view, out.view); },
+               ErrorCode::invalid_argument,
+               {"attention_forward", "k has dtype f32", "q has dtype bf16"});
+  expect_error([&] { attention_forward(in.q.view, in.k.view, in.v.view, outh.view); },
+               ErrorCode::invalid_argument, {"attention_forward", "out has dtype f16"});
+  expect_error([&] { attention_forward(in.q.view, in.k.view, in.v.view, out32.view); },
+               ErrorCode::invalid_argument, {"out has dtype f32", "q has dtype bf16"});
+  Tensor16 dq(DType::bf16, 1, 8, 2, 8, Layout::bthd), dk(DType::bf16, 1, 8, 1, 8, Layout::bthd);
+  StridedTensor dv32(1, 8, 1, 8, Layout::bthd);
+  expect_error(
+      [&] {
+        attention_backward(in.q.view, in.k.view, in.v.view, out.view, lse_view, out.view, dq.view,
+                           dk.view, dv32.view);
+      },
+      ErrorCode::invalid_argument, {"attention_backward", "dv has dtype f32", "q has dtype bf16"});
+  // lse stays f32: a bf16 lse is unsupported.
+  TensorView lse16 = lse_view;
+  lse16.dtype = DType::bf16;
+  expect_error([&] { attention_forward(in.q.view, in.k.view, in.v.view, out.view, lse16); },
+               ErrorCode::unsupported, {"attention_forward", "lse has dtype bf16"});
+  // Other dtypes are unsupported for attention tensors.
+  TensorView qb = in.q.view;
+  qb.dtype = DType::i32;
+  expect_error([&] { attention_forward(qb, in.k.view, in.v.view, out.view); },
+               ErrorCode::unsupported,
+               {"attention_forward", "q has dtype i32", "f32, bf16 or f16"});
+  // Varlen.
+  const std::vector<std::int64_t> cu{0, 8};
+  const ConstTensorView c{cu.data(), DType::i64, 1, {2, 1, 1, 1}, {1, 0, 0, 0}};
+  expect_error(
+      [&] {
+        attention_forward_varlen(in.q.rank3(), in.k.rank3(), in.v.rank3(), c, c, outh.rank3());
+      },
+      ErrorCode::invalid_argument, {"attention_forward_varlen", "out has dtype f16"});
+  // Decode: out must have q's dtype.
+  KVCache cache({1, 1, 1, 8, 16, DType::f32, 0, 0});
+  StridedTensor kv(1, 4, 1, 8, Layout::bthd);
+  kv.fill_random(rng);
+  cache.append(0, 0, kv.view, kv.view);
+  expect_error([&] { attention_decode(in.q.view, cache, 0, out32.view); },
+               ErrorCode::invalid_argument, {"attention_decode", "out has dtype f32"});
+}
+
+}  // namespace
+}  // namespace tokenmix::testing

@@ -84,7 +84,7 @@ void check_head_vector(const char* fn, const char* name, const ConstTensorView& 
 struct Plan {
   kernels::DecodeArgs a;
   kernels::NamedKernel<kernels::DecodeKernel> named;
-  bool empty = false;  // no query row: nothing to compute
+  bool empty = false;      // no query row: nothing to compute
   DType act = DType::f32;  // the dtype of q and out (SPEC "Reduced precision")
   int team = 1;
   kernels::ScratchLayout worker_layout, partials_layout;

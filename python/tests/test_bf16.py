@@ -519,3 +519,21 @@ def test_transformers_bf16_model(family):
     if family == "gpt_oss":
         assert any(n.endswith("sinks") and p.grad.abs().max() > 0
                    for n, p in ours.named_parameters())
+
+
+def test_autocast_under_torch_compile():
+    """The autocast cast is traced with the drop-in: a compiled function (fullgraph) under
+    torch.autocast("cpu") gives the eager result, in bfloat16."""
+    torch._dynamo.reset()
+    q = torch.randn(1, 4, 16, 32, requires_grad=True)
+    k, v = torch.randn(1, 2, 16, 32), torch.randn(1, 2, 16, 32)
+
+    def f(q, k, v):
+        return tmt.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    with torch.autocast("cpu"):
+        compiled = torch.compile(f, fullgraph=True)(q, k, v)
+        eager = f(q, k, v)
+    assert compiled.dtype == torch.bfloat16 and torch.equal(compiled, eager)
+    compiled.float().sum().backward()
+    assert q.grad.dtype == torch.float32

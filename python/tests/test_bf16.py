@@ -166,6 +166,40 @@ def test_accuracy_at_4096_f16_noncausal_gqa():
     assert_no_worse_than_torch(ours, theirs, ref, dtype, "f16 T=4096")
 
 
+def to_numpy(x: torch.Tensor) -> np.ndarray:
+    """A bf16/f16 tensor as a NumPy array of the same bits (ml_dtypes.bfloat16 / float16)."""
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return x.numpy()
+
+
+def from_numpy(x: np.ndarray) -> torch.Tensor:
+    if x.dtype == np.dtype(ml_dtypes.bfloat16):
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("isa", tm.available_isas())
+@pytest.mark.parametrize("T,D,causal", [(520, 64, True), (301, 40, False)])
+def test_accuracy_every_kernel_path(dt, isa, T, D, causal):
+    """Every kernel path this CPU has (``isa=``, NumPy API on ml_dtypes.bfloat16 / float16
+    arrays in PyTorch's [B, H, T, d_h] layout) is no less accurate than PyTorch's SDPA."""
+    dtype, H_q, H_kv = DTYPES[dt], 4, 2
+    q, k, v = rounded((1, H_q, T, D), dtype), rounded((1, H_kv, T, D), dtype), \
+        rounded((1, H_kv, T, D), dtype)
+    dout = rounded((1, H_q, T, D), dtype)
+    kw = dict(causal=causal, layout="bhtd", isa=isa, align="top_left")
+    out, lse = tm.attention_forward(*(to_numpy(x) for x in (q, k, v)), return_lse=True, **kw)
+    grads = tm.attention_backward(*(to_numpy(x) for x in (q, k, v)), out, lse, to_numpy(dout),
+                                  **kw)
+    ours = tuple(from_numpy(x) for x in (out,) + tuple(grads))
+    theirs = forward_backward(F.scaled_dot_product_attention, q, k, v, dout, is_causal=causal,
+                              enable_gqa=True)
+    ref = oracle(q.double(), k.double(), v.double(), dout.double(), causal)
+    assert_no_worse_than_torch(ours, theirs, ref, dtype, f"{dt} {isa} T={T}")
+
+
 @pytest.mark.parametrize("dt", list(DTYPES))
 def test_accuracy_window_and_alibi_variants(dt):
     """Score variants in reduced precision: tokenmix's window= and alibi_slopes= against PyTorch

@@ -191,9 +191,10 @@ struct DecodeOptions {
   std::optional<std::int64_t> window;
   /// Logit soft-capping c > 0 (finite, positive in float32): cap(z) = c·tanh(z / c).
   std::optional<double> softcap;
-  /// ALiBi slopes, rank 1 [H_q] f32 (any stride), finite: b_h = −m_h·(p − u). Empty = off.
+  /// ALiBi slopes, rank 1 [H_q] f32 (any stride): b_h = −m_h·(p − u). Empty = off. As for
+  /// attention_forward, values are data (NaN and ±∞ propagate, SPEC 4.3).
   ConstTensorView alibi_slopes;
-  /// Attention sinks, rank 1 [H_q] f32 (any stride), finite: σ_h joins each row's softmax
+  /// Attention sinks, rank 1 [H_q] f32 (any stride; values are data): σ_h joins each row's softmax
   /// denominator, L = log(e^{σ_h} + Σ_u e^{S_u}); a row that sees no key gives O = 0, L = σ_h.
   ConstTensorView sinks;
 };

@@ -60,7 +60,7 @@ class CausalSelfAttention {
   /// Validates the configuration (positive sizes, H_q % H_kv == 0, even d_h and a finite
   /// positive base with RoPE; attention options: scale finite in float32, threads >= 0, causal
   /// bottom_right, isa a known value that runs here unless automatic, window >= 1, softcap
-  /// finite and > 0 in float32, alibi_slopes and sinks rank 1 [H_q] f32 with finite values, no
+  /// finite and > 0 in float32, alibi_slopes and sinks rank 1 [H_q] f32 (values are data), no
   /// mask or key_lengths) and allocates zero weights. Throws ArgumentError (UnsupportedError for
   /// a forced isa this CPU or build lacks, or a non-f32 alibi_slopes / sinks).
   explicit CausalSelfAttention(const LayerConfig& config);

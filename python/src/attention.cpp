@@ -185,6 +185,49 @@ void bind_attention(nb::module_& m) {
                                    int64_arg(d_h, fn, "d_h"), causal, parse_align(fn, align));
       },
       "B"_a, "T_q"_a, "T_k"_a, "H_q"_a, "d_h"_a, "causal"_a, "align"_a);
+
+  // The same counts with a sliding window W (SPEC "Score variants": window): only keys
+  // p(t) − W < u count; W < 1 → ArgumentError naming window.
+  m.def(
+      "visible_keys_windowed",
+      [](IntArg t, IntArg T_q, IntArg T_k, bool causal, const std::string& align, IntArg window) {
+        constexpr const char* fn = "visible_keys";
+        return tmx::visible_keys_windowed(int64_arg(t, fn, "t"), int64_arg(T_q, fn, "T_q"),
+                                          int64_arg(T_k, fn, "T_k"), causal, parse_align(fn, align),
+                                          int64_arg(window, fn, "window"));
+      },
+      "t"_a, "T_q"_a, "T_k"_a, "causal"_a, "align"_a, "window"_a);
+  m.def(
+      "visible_pairs_windowed",
+      [](IntArg T_q, IntArg T_k, bool causal, const std::string& align, IntArg window) {
+        constexpr const char* fn = "visible_pairs";
+        return tmx::visible_pairs_windowed(int64_arg(T_q, fn, "T_q"), int64_arg(T_k, fn, "T_k"),
+                                           causal, parse_align(fn, align),
+                                           int64_arg(window, fn, "window"));
+      },
+      "T_q"_a, "T_k"_a, "causal"_a, "align"_a, "window"_a);
+  m.def(
+      "forward_flops_windowed",
+      [](IntArg B, IntArg T_q, IntArg T_k, IntArg H_q, IntArg d_h, bool causal,
+         const std::string& align, IntArg window) {
+        constexpr const char* fn = "forward_flops";
+        return tmx::forward_flops_windowed(int64_arg(B, fn, "B"), int64_arg(T_q, fn, "T_q"),
+                                           int64_arg(T_k, fn, "T_k"), int64_arg(H_q, fn, "H_q"),
+                                           int64_arg(d_h, fn, "d_h"), causal,
+                                           parse_align(fn, align), int64_arg(window, fn, "window"));
+      },
+      "B"_a, "T_q"_a, "T_k"_a, "H_q"_a, "d_h"_a, "causal"_a, "align"_a, "window"_a);
+  m.def(
+      "backward_flops_windowed",
+      [](IntArg B, IntArg T_q, IntArg T_k, IntArg H_q, IntArg d_h, bool causal,
+         const std::string& align, IntArg window) {
+        constexpr const char* fn = "backward_flops";
+        return tmx::backward_flops_windowed(
+            int64_arg(B, fn, "B"), int64_arg(T_q, fn, "T_q"), int64_arg(T_k, fn, "T_k"),
+            int64_arg(H_q, fn, "H_q"), int64_arg(d_h, fn, "d_h"), causal, parse_align(fn, align),
+            int64_arg(window, fn, "window"));
+      },
+      "B"_a, "T_q"_a, "T_k"_a, "H_q"_a, "d_h"_a, "causal"_a, "align"_a, "window"_a);
 }
 
 }  // namespace tokenmix_py

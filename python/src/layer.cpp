@@ -45,24 +45,33 @@ void bind_layer(nb::module_& m) {
           "__init__",
           [](PyLayer* self, std::int64_t d_model, std::int64_t heads_q, std::int64_t heads_kv,
              std::int64_t head_dim, std::optional<std::string> rope, double rope_base,
-             std::optional<double> scale, IntArg threads, const std::string& isa) {
+             std::optional<double> scale, IntArg threads, const std::string& isa,
+             std::optional<IntArg> window, std::optional<double> softcap,
+             std::optional<ArrayArg> alibi_slopes, std::optional<ArrayArg> sinks) {
+            constexpr const char* fn = "CausalSelfAttention";
             tmx::LayerConfig c;
             c.d_model = d_model;
             c.heads_q = heads_q;
             c.heads_kv = heads_kv;
             c.head_dim = head_dim;
             if (rope) c.rope = rope_options(*rope, rope_base, 0);
-            c.attention =
-                attention_options("CausalSelfAttention", scale, true, "bottom_right", threads, isa);
+            c.attention = attention_options(fn, scale, true, "bottom_right", threads, isa);
+            // The score variants (the layer copies the ALiBi slopes and sinks it is given).
+            add_variants(c.attention, fn,
+                         {window, softcap, alibi_slopes, sinks, std::nullopt, std::nullopt});
             new (self) PyLayer(c);
           },
           "d_model"_a, "heads_q"_a, "heads_kv"_a, "head_dim"_a, "rope"_a.none(), "rope_base"_a,
-          "scale"_a.none(), "threads"_a, "isa"_a)
+          "scale"_a.none(), "threads"_a, "isa"_a, "window"_a.none() = nb::none(),
+          "softcap"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(),
+          "sinks"_a.none() = nb::none())
       .def_prop_ro("d_model", [](PyLayer& s) { return s.layer.config().d_model; })
       .def_prop_ro("heads_q", [](PyLayer& s) { return s.layer.config().heads_q; })
       .def_prop_ro("heads_kv", [](PyLayer& s) { return s.layer.config().heads_kv; })
       .def_prop_ro("head_dim", [](PyLayer& s) { return s.layer.config().head_dim; })
       .def_prop_ro("scale", [](PyLayer& s) { return s.layer.config().attention.scale; })
+      .def_prop_ro("window", [](PyLayer& s) { return s.layer.config().attention.window; })
+      .def_prop_ro("softcap", [](PyLayer& s) { return s.layer.config().attention.softcap; })
       .def_prop_ro("rope",
                    [](PyLayer& s) -> std::optional<std::string> {
                      const auto& r = s.layer.config().rope;
@@ -126,11 +135,14 @@ void bind_layer(nb::module_& m) {
             const auto& c = s.layer.config();
             const size_t d = size_t(c.d_model), hq = size_t(c.heads_q * c.head_dim),
                          hkv = size_t(c.heads_kv * c.head_dim);
+            nb::object d_sinks = nb::none();  // [H_q] with sinks (SPEC "Score variants")
+            if (!g->d_sinks.empty())
+              d_sinks = nb::cast(numpy_view(g->d_sinks.data(), {g->d_sinks.size()}, owner));
             return nb::make_tuple(numpy_view(g->d_u.data(), {size_t(batch), size_t(seq), d}, owner),
                                   numpy_view(g->d_w_q.data(), {d, hq}, owner),
                                   numpy_view(g->d_w_k.data(), {d, hkv}, owner),
                                   numpy_view(g->d_w_v.data(), {d, hkv}, owner),
-                                  numpy_view(g->d_w_o.data(), {hq, d}, owner));
+                                  numpy_view(g->d_w_o.data(), {hq, d}, owner), d_sinks);
           },
           "d_out"_a)
       .def(

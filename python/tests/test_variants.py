@@ -427,6 +427,7 @@ def test_numpy_variant_errors():
         (dict(window=0), tm.ArgumentError, "window"),
         (dict(window=-3), tm.ArgumentError, "window"),
         (dict(window="3"), TypeError, f"{fn}: window must be an integer"),
+        (dict(window=True), TypeError, f"{fn}: window must be an integer or None; got bool"),
         (dict(softcap=0.0), tm.ArgumentError, "softcap"),
         (dict(softcap=-1.0), tm.ArgumentError, "softcap"),
         (dict(softcap=float("inf")), tm.ArgumentError, "softcap"),
@@ -535,6 +536,10 @@ def test_torch_padded_batch_like_hugging_face(side):
         empty = ~mask.any(-1)[:, 0]  # [B, T]: left padding's pad rows see no key
         assert bool(empty.any()) == (side == "left")
         assert (out.detach().transpose(1, 2)[empty] == 0).all()  # O = 0, not NaN
+    # Hugging Face's own float mask uses finfo(float32).min, not −inf: then every row, padding
+    # rows included, is PyTorch's (a fully "masked" row averages over all keys, as in PyTorch).
+    hf = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    check_torch(q, k, v, dict(attn_mask=hf.double()), dict(attn_mask=hf), what=f"{side} finfo.min")
     if side == "right":  # key padding alone: the native key_lengths gives the same
         kl = torch.tensor(lengths, dtype=torch.int32)
         ours = tm.attention_forward(q, k, v, layout="bhtd", key_lengths=kl)
@@ -689,6 +694,8 @@ def test_torch_errors():
         tmt.scaled_dot_product_attention(q, q, q, alibi_slopes=torch.ones(2, requires_grad=True))
     with pytest.raises(TypeError, match="window must be an int"):
         tmt.scaled_dot_product_attention(q, q, q, window=2.5)
+    with pytest.raises(TypeError, match="window must be an int or None; got bool"):
+        tmt.scaled_dot_product_attention(q, q, q, window=True)
     with pytest.raises(TypeError, match="softcap must be a real number"):
         tmt.scaled_dot_product_attention(q, q, q, softcap="1")
     with pytest.raises(tm.ArgumentError, match="window"):
@@ -839,3 +846,72 @@ def test_decode_rolling_cache_equals_full_cache_and_errors():
         tm.attention_decode(q, full, 0, sinks=np.zeros(2))
     with pytest.raises(tm.ArgumentError, match="alibi_slopes"):
         tm.attention_decode(q, full, 0, alibi_slopes=np.zeros(3, np.float32))
+
+
+def test_windowed_useful_work_counts():
+    """pairs(t), P and the FLOPs with a window count exactly the keys visibility() leaves."""
+    cases = [(9, 9, True, "bottom_right", 3), (5, 12, True, "top_left", 4),
+             (12, 5, True, "bottom_right", 2), (7, 7, False, "top_left", 2),
+             (6, 6, True, "bottom_right", 100)]
+    for T_q, T_k, causal, align, W in cases:
+        vis = visibility(1, 1, T_q, T_k, causal=causal, align=align, window=W)[0, 0]
+        for t in range(T_q):
+            assert tm.visible_keys(t, T_q, T_k, causal, align, window=W) == int(vis[t].sum())
+        P = int(vis.sum())
+        assert tm.visible_pairs(T_q, T_k, causal, align, window=W) == P
+        assert tm.forward_flops(2, T_q, T_k, 3, 8, causal, align, window=W) == 4.0 * 8 * 3 * P * 2
+        assert tm.backward_flops(2, T_q, T_k, 3, 8, causal, align, window=W) == \
+            2.5 * 4.0 * 8 * 3 * P * 2
+    assert tm.visible_pairs(10, 10, window=1) == 10
+    with pytest.raises(tm.ArgumentError, match="window"):
+        tm.visible_pairs(4, 4, window=0)
+    with pytest.raises(TypeError, match="forward_flops: window must be an integer"):
+        tm.forward_flops(1, 4, 4, 1, 8, window=2.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer (CausalSelfAttention) with variants
+
+
+def test_layer_variants_forward_backward_and_decode():
+    """A layer with window, softcap, ALiBi and sinks: its attention core equals the float64
+    reference on the layer's own (post-RoPE) q, k, v; d(sinks) equals autograd of that reference
+    through W_O; prefill + steps on a rolling cache equal the forward."""
+    d, H_q, H_kv, D, B, T, W = 32, 4, 2, 8, 2, 13, 5
+    slopes, sinks = alibi_slopes(H_q), rand(H_q)
+    layer = tm.CausalSelfAttention(d, H_q, H_kv, D, rope="rotate_half", seed=5, window=W,
+                                   softcap=4.0, alibi_slopes=slopes, sinks=sinks)
+    assert layer.window == W and layer.softcap == 4.0
+    slopes[:] = 0.0  # the layer holds its own copies
+    sinks_ref = sinks.copy()
+    sinks[:] = 0.0
+    u = rand(B, T, d)
+    d_out = rand(B, T, d)
+    out = layer.forward(u)
+    grads = layer.backward(d_out)
+    saved = layer.saved()
+    s64 = t64(sinks_ref).requires_grad_()
+    y, _ = ref_attention(t64(saved["q"]), t64(saved["k"]), t64(saved["v"]), window=W,
+                         softcap=4.0, alibi=t64(alibi_slopes(H_q)), sinks=s64)
+    assert_close(saved["y"], y.detach(), FWD_ATOL, FWD_RTOL, "layer attention core")
+    o = y.reshape(B, T, H_q * D) @ t64(layer.w_o)
+    assert_close(out, o.detach(), 3e-5, 1e-4, "layer out")
+    (o * t64(d_out)).sum().backward()
+    assert grads.d_sinks.shape == (H_q,)
+    assert_close(grads.d_sinks, s64.grad, BWD_ATOL, BWD_RTOL, "layer d_sinks")
+
+    cache = tm.KVCache(1, B, H_kv, D, 256, window=W)
+    outs = [layer.prefill(np.ascontiguousarray(u[:, :7]), cache, 0)]
+    for t in range(7, T):
+        outs.append(layer.step(np.ascontiguousarray(u[:, t]), cache, 0)[:, None])
+    assert_close(np.concatenate(outs, 1), out, 1e-5, 1e-5, "prefill + steps on a rolling cache")
+
+    plain = tm.CausalSelfAttention(d, H_q, H_kv, D, seed=5)
+    plain.forward(u)
+    assert plain.backward(d_out).d_sinks is None and plain.window is None
+    with pytest.raises(tm.ArgumentError, match="CausalSelfAttention.*window"):
+        tm.CausalSelfAttention(d, H_q, H_kv, D, window=0)
+    with pytest.raises(tm.ArgumentError, match="sinks"):
+        tm.CausalSelfAttention(d, H_q, H_kv, D, sinks=np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match="CausalSelfAttention: alibi_slopes has dtype float64"):
+        tm.CausalSelfAttention(d, H_q, H_kv, D, alibi_slopes=np.zeros(H_q))

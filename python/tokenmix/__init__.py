@@ -34,8 +34,16 @@ stride is not a multiple of its element size, a ``threads`` outside [0, 2**31 âˆ
 ``align`` other than ``"bottom_right"``/``"top_left"`` (ArgumentError, ``"invalid_argument"``).
 The GIL is released while the library computes.
 
+Score variants (SPEC "Score variants used by real models"): the attention entry points take
+``window=``, ``softcap=``, ``alibi_slopes=``, ``sinks=`` (the backward then also returns
+d(sinks)), ``mask=`` (bool or float32, broadcastable to [B, H_q, T_q, T_k], any strides) and
+``key_lengths=``; ``attention_forward_varlen``/``attention_backward_varlen`` take packed
+variable-length batches ([total, H, d_h] with ``cu_seqlens``); ``attention_decode`` and
+``KVCache(window=W)`` (a rolling cache) serve sliding-window layers.
+
 For a differentiable, drop-in replacement of ``torch.nn.functional.scaled_dot_product_attention``
-see :mod:`tokenmix.torch`; for a side-by-side benchmark run ``python -m tokenmix.bench``.
+(with ``attn_mask``, the variants as keyword-only extras, and ``varlen_attention``) see
+:mod:`tokenmix.torch`; for a side-by-side benchmark run ``python -m tokenmix.bench``.
 
 Modules (all re-exported here; import from ``tokenmix``): ``_attention`` (forward, backward,
 useful-work counts), ``_ops`` (merge, RoPE, softmax), ``_kv_cache`` (KVCache, decode), ``_layer``

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import numpy as np
+
 from . import _tokenmix as _C
 from ._convert import (
     as_array, as_output, check_layout, index_vector, new_empty, opt_float, opt_mask4, opt_vector,
@@ -107,6 +109,8 @@ def attention_forward(
 def _variants(fn: str, window: Any, softcap: Any, alibi_slopes: Any, sinks: Any, mask: Any = None,
               key_lengths: Any = None, varlen: bool = False) -> dict:
     """The variant keyword arguments of the extension's entry points, checked and converted."""
+    if isinstance(window, (bool, np.bool_)):
+        raise TypeError(f"{fn}: window must be an integer or None; got bool")
     out = dict(
         window=window,
         softcap=opt_float(fn, "softcap", softcap),
@@ -300,33 +304,46 @@ def attention_backward_varlen(
 
 
 def visible_keys(
-    t: int, T_q: int, T_k: int, causal: bool = True, align: str = "bottom_right"
+    t: int, T_q: int, T_k: int, causal: bool = True, align: str = "bottom_right",
+    window: Optional[int] = None,
 ) -> int:
-    """pairs(t): number of keys query t sees (SPEC 4.3, "Useful-work counts"). Raises
-    ArgumentError (code ``"invalid_argument"``) for t outside [0, T_q), a negative size or an
-    align other than ``"bottom_right"``/``"top_left"``."""
+    """pairs(t): number of keys query t sees (SPEC 4.3, "Useful-work counts"), with a sliding
+    window W only the last W positions up to the query's (SPEC "Score variants"). Raises
+    ArgumentError (code ``"invalid_argument"``) for t outside [0, T_q), a negative size, a
+    window < 1 or an align other than ``"bottom_right"``/``"top_left"``."""
+    if window is not None:
+        return _C.visible_keys_windowed(t, T_q, T_k, causal, align, window)
     return _C.visible_keys(t, T_q, T_k, causal, align)
 
 
-def visible_pairs(T_q: int, T_k: int, causal: bool = True, align: str = "bottom_right") -> int:
-    """P = Σ_t pairs(t) (T(T+1)/2 for causal T_q = T_k = T), exact. Raises ArgumentError as
-    :func:`visible_keys`, with code ``"overflow"`` when P exceeds 2**63 − 1."""
+def visible_pairs(T_q: int, T_k: int, causal: bool = True, align: str = "bottom_right",
+                  window: Optional[int] = None) -> int:
+    """P = Σ_t pairs(t) (T(T+1)/2 for causal T_q = T_k = T; ≈ W·T_q with a window W ≪ T),
+    exact. Raises ArgumentError as :func:`visible_keys`, with code ``"overflow"`` when P
+    exceeds 2**63 − 1."""
+    if window is not None:
+        return _C.visible_pairs_windowed(T_q, T_k, causal, align, window)
     return _C.visible_pairs(T_q, T_k, causal, align)
 
 
 def forward_flops(
     B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool = True,
-    align: str = "bottom_right",
+    align: str = "bottom_right", window: Optional[int] = None,
 ) -> float:
-    """Forward FLOPs 4·d_h·H_q·P·B (SPEC "Useful-work counts"), a float (no overflow).
-    Raises ArgumentError for a negative size or an unknown align."""
+    """Forward FLOPs 4·d_h·H_q·P·B (SPEC "Useful-work counts"), a float (no overflow); with a
+    window only the pairs it leaves visible count. Raises ArgumentError for a negative size, a
+    window < 1 or an unknown align."""
+    if window is not None:
+        return _C.forward_flops_windowed(B, T_q, T_k, H_q, d_h, causal, align, window)
     return _C.forward_flops(B, T_q, T_k, H_q, d_h, causal, align)
 
 
 def backward_flops(
     B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool = True,
-    align: str = "bottom_right",
+    align: str = "bottom_right", window: Optional[int] = None,
 ) -> float:
     """Backward FLOPs = 2.5 × :func:`forward_flops` (SPEC "Useful-work counts": five matrix
     products instead of two, the convention of the FlashAttention papers)."""
+    if window is not None:
+        return _C.backward_flops_windowed(B, T_q, T_k, H_q, d_h, causal, align, window)
     return _C.backward_flops(B, T_q, T_k, H_q, d_h, causal, align)

@@ -9,7 +9,9 @@ from typing import Any, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _tokenmix as _C
-from ._convert import as_array, as_output, contiguous, is_c_contiguous, is_torch, new_empty
+from ._convert import (
+    as_array, as_output, contiguous, is_c_contiguous, is_torch, new_empty, opt_float, opt_vector,
+)
 from ._tokenmix import KVCache
 
 
@@ -22,6 +24,7 @@ class LayerGradients(NamedTuple):
     d_w_k: Any  #: [d, H_kv·d_h]
     d_w_v: Any  #: [d, H_kv·d_h]
     d_w_o: Any  #: [H_q·d_h, d]
+    d_sinks: Any = None  #: [H_q] d(sinks) when the layer has sinks, else None
 
 
 class CausalSelfAttention:
@@ -44,6 +47,10 @@ class CausalSelfAttention:
         head_dim: d_h (default d // H_q).
         rope: ``None``, ``"rotate_half"`` or ``"interleaved"``; rope_base: its base.
         scale: s (default 1/sqrt(d_h)); threads, isa: as for attention_forward.
+        window, softcap, alibi_slopes, sinks: the score variants (SPEC "Score variants used by
+            real models"), as for attention_forward; they apply in forward/backward and in
+            prefill/step (a rolling ``KVCache(window=W)`` needs the layer's window ≤ W). The
+            slopes and sinks are copied. With sinks, backward's ``d_sinks`` is their gradient.
 
     One object may be used from several Python threads; its calls are serialised.
     """
@@ -61,13 +68,21 @@ class CausalSelfAttention:
         threads: int = 0,
         isa: str = "auto",
         seed: Optional[int] = None,
+        window: Optional[int] = None,
+        softcap: Optional[float] = None,
+        alibi_slopes: Any = None,
+        sinks: Any = None,
     ) -> None:
         if heads_kv is None:
             heads_kv = heads_q
         if head_dim is None:
             head_dim = d_model // heads_q if heads_q > 0 else 0
+        fn = "CausalSelfAttention"
         self._impl = _C.CausalSelfAttention(
-            d_model, heads_q, heads_kv, head_dim, rope, rope_base, scale, threads, isa
+            d_model, heads_q, heads_kv, head_dim, rope, rope_base, scale, threads, isa,
+            window=window, softcap=opt_float(fn, "softcap", softcap),
+            alibi_slopes=opt_vector(fn, "alibi_slopes", alibi_slopes),
+            sinks=opt_vector(fn, "sinks", sinks),
         )
         if seed is not None:
             self._impl.init_random(seed)
@@ -78,6 +93,8 @@ class CausalSelfAttention:
     heads_kv = property(lambda self: self._impl.heads_kv, doc="H_kv")
     head_dim = property(lambda self: self._impl.head_dim, doc="d_h")
     scale = property(lambda self: self._impl.scale, doc="s, or None for 1/sqrt(d_h)")
+    window = property(lambda self: self._impl.window, doc="sliding window W, or None")
+    softcap = property(lambda self: self._impl.softcap, doc="soft-capping c, or None")
     rope = property(lambda self: self._impl.rope, doc="RoPE pairing or None")
     rope_base = property(lambda self: self._impl.rope_base, doc="RoPE base")
 
@@ -131,14 +148,15 @@ class CausalSelfAttention:
     __call__ = forward
 
     def backward(self, d_out: Any) -> LayerGradients:
-        """From dO [B, T, d] of the most recent forward: dU and the four weight gradients."""
+        """From dO [B, T, d] of the most recent forward: dU and the four weight gradients (and
+        d(sinks) when the layer has sinks)."""
         fn = "CausalSelfAttention.backward"
         d_out = as_array(fn, "d_out", d_out)
         grads = self._impl.backward(contiguous(d_out))
         if is_torch(d_out):
             import torch
 
-            grads = tuple(torch.from_numpy(g) for g in grads)
+            grads = tuple(None if g is None else torch.from_numpy(g) for g in grads)
         return LayerGradients(*grads)
 
     def prefill(

@@ -79,6 +79,14 @@ def forward_flops(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
 def backward_flops(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
                    align: str) -> float:
     """2.5 × forward_flops (SPEC "Useful-work counts")."""
+def visible_keys_windowed(t: int, T_q: int, T_k: int, causal: bool, align: str,
+                          window: int) -> int:
+    """pairs(t) with a sliding window W ≥ 1 (SPEC "Score variants": window)."""
+def visible_pairs_windowed(T_q: int, T_k: int, causal: bool, align: str, window: int) -> int: ...
+def forward_flops_windowed(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
+                           align: str, window: int) -> float: ...
+def backward_flops_windowed(B: int, T_q: int, T_k: int, H_q: int, d_h: int, causal: bool,
+                            align: str, window: int) -> float: ...
 def rope_forward(x: Array, pairing: str, base: float, position_offset: int) -> None:
     """Rotates x [B,T,H,d_h] in place (SPEC 4.1, RoPE)."""
 def rope_backward(dx: Array, pairing: str, base: float, position_offset: int) -> None:
@@ -153,12 +161,16 @@ def attention_decode(q: Array, cache: KVCache, layer: int, out: Array, lse: Opti
 class CausalSelfAttention:
     def __init__(self, d_model: int, heads_q: int, heads_kv: int, head_dim: int,
                  rope: Optional[str], rope_base: float, scale: Optional[float], threads: int,
-                 isa: str) -> None: ...
+                 isa: str, window: Optional[int] = None, softcap: Optional[float] = None,
+                 alibi_slopes: Optional[Array] = None,
+                 sinks: Optional[Array] = None) -> None: ...
     d_model: int
     heads_q: int
     heads_kv: int
     head_dim: int
     scale: Optional[float]
+    window: Optional[int]
+    softcap: Optional[float]
     rope: Optional[str]
     rope_base: float
     w_q: Any  # numpy view [d, H_q·d_h]
@@ -168,8 +180,9 @@ class CausalSelfAttention:
     def init_random(self, seed: int) -> None: ...
     def forward(self, u: Array, out: Array) -> None:
         """u, out [B, T, d] C-contiguous."""
-    def backward(self, d_out: Array) -> tuple[Any, Any, Any, Any, Any]:
-        """→ (d_u [B,T,d], d_w_q, d_w_k, d_w_v, d_w_o) as NumPy arrays."""
+    def backward(self, d_out: Array) -> tuple[Any, Any, Any, Any, Any, Any]:
+        """→ (d_u [B,T,d], d_w_q, d_w_k, d_w_v, d_w_o, d_sinks [H_q] or None) as NumPy
+        arrays."""
     def prefill(self, u: Array, cache: KVCache, layer: int, out: Array, first_seq: int) -> None: ...
     def step(self, u: Array, cache: KVCache, layer: int, out: Array, first_seq: int) -> None: ...
     def saved(self) -> dict[str, Any]: ...

@@ -63,15 +63,10 @@ def case_flops(B: int, T: int, H_q: int, d_h: int, mode: str,
     """Useful FLOPs of one causal self-attention call (T_q = T_k = T) in ``mode`` "fwd" or
     "fwd+bwd", as the library counts them (SPEC "Useful-work counts": tokenmix.forward_flops,
     and tokenmix.backward_flops = 2.5 × that, five matrix products instead of two). With a
-    sliding window W only the visible pairs count: P = Σ_t min(t + 1, W)."""
-    if window is None:
-        flops = tokenmix.forward_flops(B, T, T, H_q, d_h, True, "top_left")
-    else:
-        W = min(window, T)
-        pairs = W * (W + 1) // 2 + (T - W) * W  # rows t < W see t + 1 keys, the others W
-        flops = 4.0 * d_h * H_q * pairs * B
+    sliding window W only the visible pairs count (tokenmix.forward_flops(..., window=W))."""
+    flops = tokenmix.forward_flops(B, T, T, H_q, d_h, True, "top_left", window=window)
     if mode != "fwd":
-        flops *= 3.5  # + backward = 2.5 × forward
+        flops += tokenmix.backward_flops(B, T, T, H_q, d_h, True, "top_left", window=window)
     return flops
 
 

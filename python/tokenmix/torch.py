@@ -142,7 +142,9 @@ def _check_variants(fn: str, H_q: int, window: Any, softcap: Any, alibi_slopes: 
                      f"{fn}: causal_align must be one of top_left, bottom_right; got "
                      f"{causal_align!r}")
     if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int):
+        if isinstance(window, bool):
+            raise TypeError(f"{fn}: window must be an int or None; got bool")
+        if not isinstance(window, int):
             try:
                 window = int(window.__index__())
             except (AttributeError, TypeError):

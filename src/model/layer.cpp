@@ -80,23 +80,17 @@ std::int64_t check_layer_io(const char* fn, std::span<const float> u, std::span<
   return rows;
 }
 
-// Validates a rank-1 [H_q] f32 option of the layer's attention (ALiBi slopes, sinks: finite
-// values, any stride) and returns a contiguous copy; empty view → empty vector.
+// Validates a rank-1 [H_q] f32 option of the layer's attention (ALiBi slopes, sinks; any stride)
+// and returns a contiguous copy; empty view → empty vector. Values are data, as for
+// attention_forward (NaN and ±∞ propagate).
 std::vector<float> copy_head_vector(const char* fn, const char* name, const ConstTensorView& v,
                                     std::int64_t hq) {
   if (v.empty()) return {};
   detail::check_view(v, 1, fn, name);
   detail::check_dim(v, 0, hq, fn, name, "H_q", "config.heads_q");
   std::vector<float> out(static_cast<std::size_t>(hq));
-  for (std::int64_t h = 0; h < hq; ++h) {
-    const float x = static_cast<const float*>(v.data)[h * v.strides[0]];
-    if (!std::isfinite(x)) {
-      fail(ErrorCode::invalid_argument, fn,
-           std::string(name) + "[" + std::to_string(h) + "] must be finite; got " +
-               std::to_string(x));
-    }
-    out[static_cast<std::size_t>(h)] = x;
-  }
+  for (std::int64_t h = 0; h < hq; ++h)
+    out[static_cast<std::size_t>(h)] = static_cast<const float*>(v.data)[h * v.strides[0]];
   return out;
 }
 

@@ -18,6 +18,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <utility>
@@ -465,6 +466,43 @@ TEST_P(Decode, VariantsBitwiseIdenticalAcrossThreadCounts) {
           << v.name;
     }
   }
+}
+
+// Slopes and sinks are data, as for attention_forward: a NaN sink or slope makes its head's rows
+// NaN and leaves the other heads as they are; a −∞ sink is no sink (weight e^{−∞} = 0), bitwise.
+TEST_P(Decode, NonFiniteSlopesAndSinksPropagate) {
+  std::mt19937_64 rng(19);
+  Filled f = make_kv({1100, 40}, 1, 32, rng);
+  StridedTensor q(2, 2, 4, 32, Layout::bthd);
+  q.fill_random(rng);
+  KVCache cache({1, 2, 1, 32, 1100, DType::f32, 0, 0});
+  fill_cache(cache, 0, f);
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> sinks{0.5f, std::nanf(""), -inf, 1.0f},
+      slopes{0.1f, 0.2f, std::nanf(""), 0.3f};
+  auto run = [&](bool with_sinks, bool with_slopes, StridedTensor& out) {
+    DecodeOptions o;
+    o.isa = GetParam();
+    o.window = 700;
+    if (with_sinks) o.sinks = ConstTensorView{sinks.data(), DType::f32, 1, {4, 1, 1, 1}, {1}};
+    if (with_slopes)
+      o.alibi_slopes = ConstTensorView{slopes.data(), DType::f32, 1, {4, 1, 1, 1}, {1}};
+    attention_decode(q.view, cache, 0, out.view, {}, o);
+  };
+  StridedTensor plain(2, 2, 4, 32, Layout::bthd), sunk(2, 2, 4, 32, Layout::bthd),
+      sloped(2, 2, 4, 32, Layout::bthd);
+  run(false, false, plain);
+  run(true, false, sunk);
+  run(false, true, sloped);
+  for (std::int64_t b = 0; b < 2; ++b)
+    for (std::int64_t t = 0; t < 2; ++t)
+      for (std::int64_t x = 0; x < 32; ++x) {
+        EXPECT_TRUE(std::isnan(sunk.at(b, t, 1, x)));
+        EXPECT_EQ(sunk.at(b, t, 2, x), plain.at(b, t, 2, x));  // σ = −∞: no sink
+        EXPECT_TRUE(std::isfinite(sunk.at(b, t, 0, x)) && std::isfinite(sunk.at(b, t, 3, x)));
+        EXPECT_TRUE(std::isnan(sloped.at(b, t, 2, x)));
+        for (std::int64_t h : {0, 1, 3}) EXPECT_TRUE(std::isfinite(sloped.at(b, t, h, x)));
+      }
 }
 
 // ---- rolling caches (KVCacheConfig::window) ----

@@ -793,6 +793,30 @@ TEST(KVCacheErrors, FailedDecodeWritesNothing) {
   TensorView nul = Ov;
   nul.data = nullptr;
   fails("null out", ErrorCode::null_pointer, "out", nul, Lv, {});
+  // The score variants (DecodeOptions, as AttentionOptions).
+  DecodeOptions o_w;
+  o_w.window = 0;
+  fails("window", ErrorCode::invalid_argument, "options.window", Ov, Lv, o_w);
+  for (double cap : {0.0, -2.0, std::nan(""), HUGE_VAL, 1e-50, 1e300}) {
+    DecodeOptions o_c;
+    o_c.softcap = cap;
+    fails("softcap", ErrorCode::invalid_argument, "options.softcap", Ov, Lv, o_c);
+  }
+  std::vector<float> heads(8, 0.5f);
+  std::vector<std::int32_t> ints(4, 1);
+  for (const char* which : {"options.alibi_slopes", "options.sinks"}) {
+    auto with = [&](ConstTensorView v) {
+      DecodeOptions x;
+      (std::string(which) == "options.sinks" ? x.sinks : x.alibi_slopes) = v;
+      return x;
+    };
+    fails(which, ErrorCode::shape_mismatch, std::string(which) + ".shape[0] (H_q)", Ov, Lv,
+          with(ConstTensorView{heads.data(), DType::f32, 1, {3, 1, 1, 1}, {1}}));
+    fails(which, ErrorCode::shape_mismatch, which, Ov, Lv,
+          with(ConstTensorView{heads.data(), DType::f32, 2, {4, 2, 1, 1}, {2, 1}}));
+    fails(which, ErrorCode::unsupported, which, Ov, Lv,
+          with(ConstTensorView{ints.data(), DType::i32, 1, {4, 1, 1, 1}, {1}}));
+  }
 }
 
 /// Sets the decode scratch limit (test seam, api/decode_internal.hpp) for one scope.

@@ -173,27 +173,14 @@ void BenchVariants::apply(AttentionOptions& o, const std::vector<float>& alibi_s
 
 std::int64_t windowed_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align,
                             std::optional<std::int64_t> window) {
-  if (!window) return visible_pairs(T_q, T_k, causal, align);
-  if (*window < 1)
-    throw ArgumentError(ErrorCode::invalid_argument,
-                        "window must be >= 1; got " + std::to_string(*window));
-  std::int64_t total = 0;
-  const std::int64_t shift = align == CausalAlign::bottom_right ? T_k - T_q : 0;
-  for (std::int64_t t = 0; t < T_q; ++t) {
-    const std::int64_t p = t + shift;  // the row's position (SPEC "Score variants")
-    const std::int64_t hi = causal ? std::min(p, T_k - 1) : T_k - 1;
-    const std::int64_t lo = std::max<std::int64_t>(0, p - *window + 1);
-    if (hi >= lo) total += hi - lo + 1;
-  }
-  return total;
+  return window ? visible_pairs_windowed(T_q, T_k, causal, align, *window)
+                : visible_pairs(T_q, T_k, causal, align);
 }
 
 double windowed_forward_flops(const testkit::AttentionShape& s,
                               std::optional<std::int64_t> window) {
   if (!window) return s.forward_flops();
-  return 4.0 * static_cast<double>(s.d_h) * static_cast<double>(s.H_q) *
-         static_cast<double>(windowed_pairs(s.T_q, s.T_k, s.causal, s.align, window)) *
-         static_cast<double>(s.B);
+  return forward_flops_windowed(s.B, s.T_q, s.T_k, s.H_q, s.d_h, s.causal, s.align, *window);
 }
 
 AttentionRun::AttentionRun(const testkit::AttentionShape& shape, bool backward, Isa isa,

@@ -46,11 +46,12 @@ struct BenchVariants {
 };
 
 /// pairs(t) summed over the T_q rows with the causal mask (4.3) and a sliding window W (none
-/// when window is empty): the useful pairs of SPEC "Useful-work counts" (O(T_q)).
+/// when window is empty): the useful pairs of SPEC "Useful-work counts" (the library's
+/// visible_pairs / visible_pairs_windowed).
 std::int64_t windowed_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align,
                             std::optional<std::int64_t> window);
-/// Forward FLOPs 4·d_h·H_q·P·B with P = windowed_pairs (tokenmix::forward_flops without a
-/// window).
+/// Forward FLOPs 4·d_h·H_q·P·B with P = windowed_pairs (tokenmix::forward_flops or
+/// forward_flops_windowed).
 double windowed_forward_flops(const testkit::AttentionShape& s, std::optional<std::int64_t> window);
 
 struct BenchConfig {

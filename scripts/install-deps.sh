@@ -18,6 +18,7 @@ packages=(
   libgtest-dev        # GoogleTest (tests/unit); pulls the `googletest` sources package
   libbenchmark-dev    # Google Benchmark (benchmarks)
   libhwy-dev          # Highway: the AVX2/AVX-512 flash, backward and decode kernels
+  libdnnl-dev         # oneDNN: the bf16 GEMM ceiling of `tokenmix bench --dtype bf16`
   git
   python3             # the Python package (python/) and helper scripts
   python3-venv        # the persistent virtual environment of python/run-tests.sh

@@ -3,8 +3,8 @@
 // The kernel path is chosen once per public call from what the CPU *and* the OS support
 // (x86: CPUID plus XCR0 for AVX/AVX-512 state; AArch64: the kernel's HWCAP bits). Callers may
 // force a lower path with AttentionOptions::isa or the environment variable TOKENMIX_ISA
-// (= auto | portable | avx2 | avx512 | neon); asking for a path this build or CPU cannot run
-// throws UnsupportedError (naming the entry point) rather than crashing with an illegal
+// (= auto | portable | avx2 | avx512 | avx512_bf16 | neon); asking for a path this build or CPU
+// cannot run throws UnsupportedError (naming the entry point) rather than crashing with an illegal
 // instruction. An x86 build has no neon kernels and an AArch64 build no avx2/avx512 kernels:
 // forcing one of them throws UnsupportedError saying the build lacks it.
 //
@@ -28,11 +28,13 @@ namespace tokenmix {
 /// Instruction-set paths. `automatic` means "the best available". portable runs everywhere;
 /// avx2/avx512 are x86-64 paths, neon (AArch64 Advanced SIMD, 128-bit) the ARM one; values
 /// are stable (neon was appended).
-enum class Isa { automatic = 0, portable = 1, avx2 = 2, avx512 = 3, neon = 4 };
+/// avx512_bf16 is avx512 plus AVX512-BF16 (`vdpbf16ps`) for the bf16 forward's products; it
+/// needs CpuFeatures::avx512_bf16 (TOKENMIX_CPU_CAP=avx2 or portable hides it).
+enum class Isa { automatic = 0, portable = 1, avx2 = 2, avx512 = 3, neon = 4, avx512_bf16 = 5 };
 
 const char* to_string(Isa isa) noexcept;
-/// Parses "auto", "portable", "avx2", "avx512", "neon" (throws ArgumentError naming `what`
-/// otherwise).
+/// Parses "auto", "portable", "avx2", "avx512", "neon", "avx512_bf16" (throws ArgumentError
+/// naming `what` otherwise).
 Isa parse_isa(const std::string& text, const char* what = "isa");
 
 /// What this CPU and OS support (independent of what this build compiled).

@@ -55,17 +55,21 @@ const char* to_string(Isa isa) noexcept {
       return "avx512";
     case Isa::neon:
       return "neon";
+    case Isa::avx512_bf16:
+      return "avx512_bf16";
   }
   return "unknown";
 }
 
 Isa parse_isa(const std::string& text, const char* what) {
-  for (Isa i : {Isa::automatic, Isa::portable, Isa::avx2, Isa::avx512, Isa::neon}) {
+  for (Isa i :
+       {Isa::automatic, Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::neon}) {
     if (text == to_string(i)) return i;
   }
-  throw ArgumentError(
-      ErrorCode::invalid_argument,
-      std::string(what) + " must be one of auto, portable, avx2, avx512, neon; got '" + text + "'");
+  throw ArgumentError(ErrorCode::invalid_argument,
+                      std::string(what) +
+                          " must be one of auto, portable, avx2, avx512, avx512_bf16, neon; got '" +
+                          text + "'");
 }
 
 std::vector<Isa> available_isas() {

@@ -14,6 +14,14 @@ inline int team_size(int threads, std::int64_t units) {
   return static_cast<int>(std::clamp<std::int64_t>(threads, 1, std::max<std::int64_t>(1, units)));
 }
 
+/// Runs body(ctx) on a team of `team` threads: one OpenMP parallel region, opened here in plain
+/// code (kernel_skeleton.cpp) for kernels compiled per Highway target, which share out their
+/// units inside it with an orphaned `omp for`. (clang 14 cannot outline a parallel region inside
+/// a Highway-targeted function: the outlined body loses the target attribute and the compiler
+/// crashes; an orphaned `omp for` is not outlined.) Thread sanitizer builds thus see the SIMD
+/// kernels' threads like every other kernel's.
+void RunTeam(int team, void (*body)(void*), void* ctx);
+
 /// Splits a work-unit number into mixed-radix digits, fastest first:
 ///   Unravel(unit, n0, n1) = {unit % n0, unit / n0 % n1, unit / (n0 · n1)}
 /// (the last digit is the rest, e.g. the batch index).

@@ -17,7 +17,7 @@ constexpr std::int64_t kAnyKeys = INT64_MAX;
 
 // Column order = DType values: f32, bf16, f16. Forward/backward bf16/f16 columns: the fp32
 // kernels with operands widened on pack and outputs rounded on store (SPEC "Reduced precision").
-std::array<KernelSet, 4> make_sets() {
+std::array<KernelSet, 5> make_sets() {
   return {{
       {Isa::portable,
        [](const CpuFeatures&) { return true; },
@@ -91,6 +91,22 @@ std::array<KernelSet, 4> make_sets() {
        "backward and decode kernels as avx2 with 16 query rows per lane block; bf16/f16 caches "
        "widened exactly in registers (shift / FCVTL)",
        /*score_variants=*/true},
+      {Isa::avx512_bf16,
+       [](const CpuFeatures& f) { return f.avx512_bf16; },
+       {{"attention_fwd_f32_avx512", attention_fwd_f32_avx512},
+        {"attention_fwd_bf16_avx512bf16", attention_fwd_bf16_avx512bf16},
+        {"attention_fwd_f16_avx512", attention_fwd_f16_avx512}},
+       {{"attention_bwd_f32_avx512", attention_bwd_f32_avx512},
+        {"attention_bwd_bf16_avx512", attention_bwd_bf16_avx512},
+        {"attention_bwd_f16_avx512", attention_bwd_f16_avx512}},
+       {{"attention_decode_f32_avx512", attention_decode_f32_avx512},
+        {"attention_decode_bf16_avx512", attention_decode_bf16_avx512},
+        {"attention_decode_f16_avx512", attention_decode_f16_avx512}},
+       kInt32LaneKeys,
+       "avx512 plus AVX512-BF16: the bf16 forward's Q K^T and P V products on vdpbf16ps (bf16 "
+       "pairs, fp32 accumulation; P rounded to bf16 before P V, intrinsics in their own "
+       "translation unit); every other kernel is the avx512 one",
+       /*score_variants=*/true},
   }};
 }
 
@@ -124,7 +140,7 @@ NamedKernel<Fn> pick(const NamedKernel<Fn> (&column)[kDTypeCount], const char* e
 }  // namespace
 
 std::span<const KernelSet> kernel_sets() {
-  static const std::array<KernelSet, 4> sets = make_sets();
+  static const std::array<KernelSet, 5> sets = make_sets();
   return sets;
 }
 

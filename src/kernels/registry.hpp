@@ -1,7 +1,8 @@
 // src/kernels/registry.hpp — which kernel runs, for every ISA path and dtype: the one table
 // (kernels/registry.cpp) that dispatch, `tokenmix info` and the tests read.
 //
-// One KernelSet per ISA path (portable, avx2, avx512, neon); an x86 build compiles no neon
+// One KernelSet per ISA path (portable, avx2, avx512, neon, avx512_bf16 — avx512 with the
+// AVX512-BF16 bf16 forward, appended last); an x86 build compiles no neon
 // kernels and an AArch64 build no avx2/avx512 ones (their entries are there, not compiled).
 // Each names its forward, backward and decode kernels per dtype (activations for
 // forward/backward, the KV cache's element type for decode) and describes them. Adding a
@@ -49,7 +50,8 @@ struct KernelSet {
   bool compiled() const { return forward[0].fn != nullptr; }
 };
 
-/// Every path: portable, avx2, avx512 (x86, lowest first), neon (AArch64). At most one SIMD
+/// Every path: portable, avx2, avx512 (x86, lowest first), neon (AArch64), avx512_bf16 (x86,
+/// above avx512). At most one SIMD
 /// family is compiled into a build, so the compiled and runnable ones are in ascending order.
 std::span<const KernelSet> kernel_sets();
 /// The set of a concrete path (not Isa::automatic).

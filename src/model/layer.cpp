@@ -177,10 +177,10 @@ CausalSelfAttention::CausalSelfAttention(const LayerConfig& config) : config_(co
              (a.causal ? "true" : "false") + ", config.attention.align = " + to_string(a.align));
   }
   if (a.isa != Isa::automatic && a.isa != Isa::portable && a.isa != Isa::avx2 &&
-      a.isa != Isa::avx512 && a.isa != Isa::neon) {
+      a.isa != Isa::avx512 && a.isa != Isa::neon && a.isa != Isa::avx512_bf16) {
     fail(ErrorCode::invalid_argument, fn,
-         "config.attention.isa must be an Isa value (auto, portable, avx2, avx512, neon); got the "
-         "value " +
+         "config.attention.isa must be an Isa value (auto, portable, avx2, avx512, avx512_bf16, "
+         "neon); got the value " +
              std::to_string(static_cast<int>(a.isa)));
   }
   // A forced path must run here (UnsupportedError otherwise); `automatic` follows TOKENMIX_ISA,

@@ -317,3 +317,7 @@ tokenmix_cli_error(error_bench_window_negative "--window"
 tokenmix_cli_error(error_unknown_option "--bogus" ARGS run --bogus)
 tokenmix_cli_error(error_no_command "subcommand" ARGS)
 tokenmix_cli_error(error_unknown_command "unknown command 'frobnicate'" ARGS frobnicate)
+
+# --- bench --dtype (issue 13): a bad dtype is one error line, exit 2, before any measurement ----
+tokenmix_cli_test(bench_bad_dtype ARGS bench forward --dtype f8 --tq 8 --repeats 1
+                  EXPECT_RC 2 ONE_LINE_ERROR STDERR "--dtype: f8 not in")

@@ -160,21 +160,22 @@ std::vector<float> decode_once(Isa isa, DType dtype) {
 
 TEST(Dispatch, RegistryHasOneEntryPerPathWithKernelsNamedAfterIt) {
   const auto sets = kernels::kernel_sets();
-  ASSERT_EQ(sets.size(), 4u);
+  ASSERT_EQ(sets.size(), 5u);
   EXPECT_EQ(sets[0].isa, Isa::portable);
   EXPECT_EQ(sets[1].isa, Isa::avx2);
   EXPECT_EQ(sets[2].isa, Isa::avx512);
   EXPECT_EQ(sets[3].isa, Isa::neon);
+  EXPECT_EQ(sets[4].isa, Isa::avx512_bf16);  // appended: avx512 + the AVX512-BF16 bf16 forward
   EXPECT_TRUE(sets[0].compiled());
   // Which SIMD family a build has follows its architecture: x86 builds the AVX paths and no
   // NEON, AArch64 builds NEON and no AVX path.
 #if defined(__x86_64__)
   EXPECT_FALSE(sets[3].compiled());
-  EXPECT_TRUE(sets[1].compiled() && sets[2].compiled());
+  EXPECT_TRUE(sets[1].compiled() && sets[2].compiled() && sets[4].compiled());
   EXPECT_FALSE(uncapped_features().neon);
 #elif defined(__aarch64__)
   EXPECT_TRUE(sets[3].compiled());
-  EXPECT_FALSE(sets[1].compiled() || sets[2].compiled());
+  EXPECT_FALSE(sets[1].compiled() || sets[2].compiled() || sets[4].compiled());
   EXPECT_FALSE(uncapped_features().avx2_fma || uncapped_features().avx512f);
 #endif
   const DType dtypes[] = {DType::f32, DType::bf16, DType::f16};
@@ -182,12 +183,15 @@ TEST(Dispatch, RegistryHasOneEntryPerPathWithKernelsNamedAfterIt) {
     SCOPED_TRACE(to_string(s.isa));
     ASSERT_NE(s.runs_on, nullptr);
     EXPECT_GT(std::strlen(s.description), 0u);
-    const std::string suffix = std::string("_") + to_string(s.isa);
+    // avx512_bf16 reuses the avx512 kernels except its own bf16 forward (…_avx512bf16).
+    const bool bf16_path = s.isa == Isa::avx512_bf16;
+    const std::string suffix = bf16_path ? "_avx512" : std::string("_") + to_string(s.isa);
     for (int i = 0; i < kernels::kDTypeCount; ++i) {
       const std::string dt = to_string(dtypes[i]);
+      const std::string fwd_suffix = bf16_path && i == 1 ? "_avx512bf16" : suffix;
       // Every column that names a kernel follows attention_<op>_<dtype>_<isa>.
       if (s.forward[i].name != nullptr) {
-        EXPECT_EQ(s.forward[i].name, "attention_fwd_" + dt + suffix);
+        EXPECT_EQ(s.forward[i].name, "attention_fwd_" + dt + fwd_suffix);
       }
       if (s.backward[i].name != nullptr) {
         EXPECT_EQ(s.backward[i].name, "attention_bwd_" + dt + suffix);
@@ -198,10 +202,10 @@ TEST(Dispatch, RegistryHasOneEntryPerPathWithKernelsNamedAfterIt) {
       EXPECT_EQ(s.decode[i].fn != nullptr, s.compiled());
     }
     EXPECT_EQ(s.backward[0].fn != nullptr, s.compiled());  // f32 forward and backward together
-    // Forward/backward of bf16/f16 activations do not exist yet (validation rejects them).
+    // Forward/backward of bf16/f16 activations (SPEC "Reduced precision") on every compiled path.
     for (int i = 1; i < kernels::kDTypeCount; ++i) {
-      EXPECT_EQ(s.forward[i].fn, nullptr);
-      EXPECT_EQ(s.backward[i].fn, nullptr);
+      EXPECT_EQ(s.forward[i].fn != nullptr, s.compiled());
+      EXPECT_EQ(s.backward[i].fn != nullptr, s.compiled());
     }
   }
   // available_isas() is exactly the compiled sets whose CPU features are present.
@@ -240,10 +244,13 @@ TEST(Dispatch, SelectionFollowsTheTableAndTheExplicitKeyCountRule) {
       EXPECT_STREQ(kernels::select_backward("t", isa, DType::f32, s.max_keys + 1).name,
                    "attention_bwd_f32_portable");
     }
-    // A missing column is an error naming the entry point and the dtype, never a substitute.
+    // Every column is filled: bf16 and f16 select their own kernels.
+    EXPECT_EQ(kernels::select_forward("t", isa, DType::bf16, 100).fn, s.forward[1].fn);
+    EXPECT_EQ(kernels::select_backward("t", isa, DType::f16, 100).fn, s.backward[2].fn);
+    // A dtype past the columns is an error naming the entry point and the dtype.
     expect_error<UnsupportedError>(
-        [&] { (void)kernels::select_forward("attention_forward", isa, DType::bf16, 10); },
-        ErrorCode::unsupported, {"attention_forward", "bf16", to_string(isa)});
+        [&] { (void)kernels::select_forward("attention_forward", isa, DType::i32, 10); },
+        ErrorCode::unsupported, {"attention_forward", "i32", to_string(isa)});
   }
 }
 
@@ -497,14 +504,14 @@ void huge_head_width(Isa isa, std::int64_t dh, ErrorCode code) {
         attention_forward(in(&q), in(&k), in(&v), outv(unwritable), TensorView::bht(&lse, 1, 1, 1),
                           o);
       },
-      code, {"attention_forward", std::string("attention_fwd_f32_") + to_string(isa), bytes});
+      code, {"attention_forward", kernels::kernel_set(isa).forward[0].name, bytes});
   expect_error<ResourceError>(
       [&] {
         attention_backward(in(&q), in(&k), in(&v), in(&q), ConstTensorView::bht(&lse, 1, 1, 1),
                            in(&dout), outv(unwritable), outv(unwritable + dh),
                            outv(unwritable + 2 * dh), o);
       },
-      code, {"attention_backward", std::string("attention_bwd_f32_") + to_string(isa), bytes});
+      code, {"attention_backward", kernels::kernel_set(isa).backward[0].name, bytes});
   EXPECT_TRUE(std::isnan(lse));
 }
 

@@ -618,11 +618,12 @@ TEST(Errors, Runtime) {
   EXPECT_EQ(parse_isa("avx2"), Isa::avx2);
   EXPECT_EQ(parse_isa("avx512"), Isa::avx512);
   EXPECT_EQ(parse_isa("neon"), Isa::neon);
-  for (Isa i : {Isa::portable, Isa::avx2, Isa::avx512, Isa::neon}) {
+  EXPECT_EQ(parse_isa("avx512_bf16"), Isa::avx512_bf16);
+  for (Isa i : {Isa::portable, Isa::avx2, Isa::avx512, Isa::neon, Isa::avx512_bf16}) {
     EXPECT_EQ(parse_isa(to_string(i)), i);
   }
   EXPECT_ERROR([] { (void)parse_isa("avx3"); }, kInvalid,
-               {"isa", "avx3", "auto, portable, avx2, avx512, neon"});
+               {"isa", "avx3", "auto, portable, avx2, avx512, avx512_bf16, neon"});
   EXPECT_ERROR([] { (void)parse_isa("NEON"); }, kInvalid, {"isa", "NEON"});
   EXPECT_ERROR([] { (void)parse_isa("sse4", "TOKENMIX_ISA"); }, kInvalid, {"TOKENMIX_ISA", "sse4"});
   EXPECT_ERROR([] { (void)parse_isa(""); }, kInvalid, {"isa"});

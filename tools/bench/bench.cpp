@@ -18,6 +18,10 @@
 #include <random>
 #include <sstream>
 
+#ifdef TOKENMIX_HAVE_ONEDNN
+#include <oneapi/dnnl/dnnl.hpp>
+#endif
+
 #include "kernels/kv_element.hpp"
 #include "reference/reference.hpp"
 #include "testkit.hpp"
@@ -183,13 +187,57 @@ double windowed_forward_flops(const testkit::AttentionShape& s,
   return forward_flops_windowed(s.B, s.T_q, s.T_k, s.H_q, s.d_h, s.causal, s.align, *window);
 }
 
+double bf16_gemm_ceiling_gflops(int threads, std::string& kind, int repeats) {
+#ifdef TOKENMIX_HAVE_ONEDNN
+  using dnnl::memory;
+  constexpr memory::dim n = SgemmCeiling::kN;
+  const std::vector<float> a32 = random_normal(std::size_t{n} * n, 1),
+                           b32 = random_normal(a32.size(), 2);
+  std::vector<std::uint16_t> a(a32.size()), b(b32.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    a[i] = kernels::f32_to_bf16(a32[i]);
+    b[i] = kernels::f32_to_bf16(b32[i]);
+  }
+  std::vector<float> c(a.size());
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(threads);  // oneDNN's OpenMP runtime takes the default team size
+  dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  dnnl::stream stream(eng);
+  const memory::desc a_md({n, n}, memory::data_type::bf16, memory::format_tag::ab);
+  const memory::desc b_md({n, n}, memory::data_type::bf16, memory::format_tag::ab);
+  const memory::desc c_md({n, n}, memory::data_type::f32, memory::format_tag::ab);
+  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), eng);
+  const dnnl::matmul prim(pd);
+  memory am(a_md, eng, a.data()), bm(b_md, eng, b.data()), cm(c_md, eng, c.data());
+  double best = 0.0;
+  for (int r = 0; r < repeats + 1; ++r) {  // first run is a warm-up
+    const auto t0 = Clock::now();
+    prim.execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+    stream.wait();
+    const double s = seconds_since(t0);
+    if (r > 0) best = std::max(best, SgemmCeiling::flops() / s * 1e-9);
+  }
+  omp_set_num_threads(saved);
+  kind = std::string("onednn_bf16_gemm_2048 (") + pd.impl_info_str() + ")";
+  return best;
+#else
+  (void)threads;
+  (void)kind;
+  (void)repeats;
+  throw UnsupportedError(
+      "bench: the bf16 ceiling needs oneDNN, which this build lacks (install libdnnl-dev: "
+      "scripts/install-deps.sh, then reconfigure)");
+#endif
+}
+
 AttentionRun::AttentionRun(const testkit::AttentionShape& shape, bool backward, Isa isa,
-                           int threads, const BenchVariants& variants)
+                           int threads, const BenchVariants& variants, DType dtype)
     : shape_(shape),
       backward_(backward),
       variants_(variants),
       alibi_(variants.alibi_slopes(shape.H_q)),
-      sinks_(variants.sink_values(shape.H_q)) {
+      sinks_(variants.sink_values(shape.H_q)),
+      dtype_(dtype) {
   const std::int64_t B = shape.B, Hq = shape.H_q, Hkv = shape.H_kv, D = shape.d_h;
   q_ = random_normal(static_cast<std::size_t>(B * shape.T_q * Hq * D), 11);
   k_ = random_normal(static_cast<std::size_t>(B * shape.T_k * Hkv * D), 12);
@@ -207,29 +255,62 @@ AttentionRun::AttentionRun(const testkit::AttentionShape& shape, bool backward, 
   options_.threads = threads;
   options_.isa = isa;
   variants_.apply(options_, alibi_, sinks_);
+  if (dtype_ == DType::f32) return;
+  if (dtype_ != DType::bf16 && dtype_ != DType::f16)
+    throw ArgumentError(ErrorCode::invalid_argument, "bench: --dtype must be f32, bf16 or f16");
+  // Round the inputs to the dtype; the float copies keep the rounded values (for the oracle).
+  const auto to16 = [&](std::vector<float>& x32, std::vector<std::uint16_t>& x16) {
+    x16.resize(x32.size());
+    for (std::size_t i = 0; i < x32.size(); ++i) {
+      kernels::store_element(dtype_, x16.data(), static_cast<std::int64_t>(i), x32[i]);
+      x32[i] = kernels::load_element(dtype_, x16.data(), static_cast<std::int64_t>(i));
+    }
+  };
+  to16(q_, q16_);
+  to16(k_, k16_);
+  to16(v_, v16_);
+  to16(o_, o16_);
+  if (backward) {
+    to16(dout_, dout16_);
+    to16(dq_, dq16_);
+    to16(dk_, dk16_);
+    to16(dv_, dv16_);
+  }
+}
+
+template <class V>
+V AttentionRun::view(std::vector<float>& x32, std::vector<std::uint16_t>& x16, std::int64_t T,
+                     std::int64_t H) const {
+  const testkit::AttentionShape& s = shape_;
+  V x = V::bthd(x32.data(), s.B, T, H, s.d_h);
+  if (dtype_ != DType::f32) {
+    x.data = x16.data();
+    x.dtype = dtype_;
+  }
+  return x;
 }
 
 void AttentionRun::forward() {
   const testkit::AttentionShape& s = shape_;
-  attention_forward(ConstTensorView::bthd(q_.data(), s.B, s.T_q, s.H_q, s.d_h),
-                    ConstTensorView::bthd(k_.data(), s.B, s.T_k, s.H_kv, s.d_h),
-                    ConstTensorView::bthd(v_.data(), s.B, s.T_k, s.H_kv, s.d_h),
-                    TensorView::bthd(o_.data(), s.B, s.T_q, s.H_q, s.d_h),
+  auto* self = const_cast<AttentionRun*>(this);  // views of the members (inputs stay unchanged)
+  using CV = ConstTensorView;
+  attention_forward(self->view<CV>(self->q_, self->q16_, s.T_q, s.H_q),
+                    self->view<CV>(self->k_, self->k16_, s.T_k, s.H_kv),
+                    self->view<CV>(self->v_, self->v16_, s.T_k, s.H_kv),
+                    view<TensorView>(o_, o16_, s.T_q, s.H_q),
                     TensorView::bht(lse_.data(), s.B, s.H_q, s.T_q), options_);
 }
 
 void AttentionRun::call() {
   if (!backward_) return forward();
   const testkit::AttentionShape& s = shape_;
-  attention_backward(ConstTensorView::bthd(q_.data(), s.B, s.T_q, s.H_q, s.d_h),
-                     ConstTensorView::bthd(k_.data(), s.B, s.T_k, s.H_kv, s.d_h),
-                     ConstTensorView::bthd(v_.data(), s.B, s.T_k, s.H_kv, s.d_h),
-                     ConstTensorView::bthd(o_.data(), s.B, s.T_q, s.H_q, s.d_h),
-                     ConstTensorView::bht(lse_.data(), s.B, s.H_q, s.T_q),
-                     ConstTensorView::bthd(dout_.data(), s.B, s.T_q, s.H_q, s.d_h),
-                     TensorView::bthd(dq_.data(), s.B, s.T_q, s.H_q, s.d_h),
-                     TensorView::bthd(dk_.data(), s.B, s.T_k, s.H_kv, s.d_h),
-                     TensorView::bthd(dv_.data(), s.B, s.T_k, s.H_kv, s.d_h), options_);
+  using CV = ConstTensorView;
+  attention_backward(
+      view<CV>(q_, q16_, s.T_q, s.H_q), view<CV>(k_, k16_, s.T_k, s.H_kv),
+      view<CV>(v_, v16_, s.T_k, s.H_kv), view<CV>(o_, o16_, s.T_q, s.H_q),
+      ConstTensorView::bht(lse_.data(), s.B, s.H_q, s.T_q), view<CV>(dout_, dout16_, s.T_q, s.H_q),
+      view<TensorView>(dq_, dq16_, s.T_q, s.H_q), view<TensorView>(dk_, dk16_, s.T_k, s.H_kv),
+      view<TensorView>(dv_, dv16_, s.T_k, s.H_kv), options_);
 }
 
 double AttentionRun::useful_flops() const {
@@ -268,6 +349,16 @@ double AttentionRun::slice_error() const {
   const Tensor64 q64 = testkit::slice64(q_, 1, Tq, Hq, D, t0, R, 0, g);
   const Tensor64 k64 = testkit::slice64(k_, 1, Tk, Hkv, D, 0, Tk, 0, 1);
   const Tensor64 v64 = testkit::slice64(v_, 1, Tk, Hkv, D, 0, Tk, 0, 1);
+  // Outputs as fp32: bf16/f16 ones widened (exactly) from what the call wrote.
+  const auto wide = [&](const std::vector<float>& x32, const std::vector<std::uint16_t>& x16) {
+    if (dtype_ == DType::f32) return x32;
+    std::vector<float> x(x16.size());
+    for (std::size_t i = 0; i < x.size(); ++i)
+      x[i] = kernels::load_element(dtype_, x16.data(), static_cast<std::int64_t>(i));
+    return x;
+  };
+  const std::vector<float> o_ = wide(this->o_, o16_), dq_ = wide(this->dq_, dq16_),
+                           dk_ = wide(this->dk_, dk16_), dv_ = wide(this->dv_, dv16_);
   auto at = [](const std::vector<float>& x, std::int64_t i) {
     return static_cast<double>(x[static_cast<std::size_t>(i)]);
   };
@@ -330,10 +421,11 @@ std::string to_json(const BenchResult& r) {
      << ", \"tq\": " << r.tq << ", \"tk\": " << r.tk << ", \"hq\": " << r.hq
      << ", \"hkv\": " << r.hkv << ", \"dh\": " << r.dh << ", \"threads\": " << r.threads
      << ", \"isa\": \"" << r.isa << "\", \"causal\": " << (r.causal ? "true" : "false")
-     << ", \"align\": \"" << r.align << "\", \"seconds\": " << r.seconds
-     << ", \"gflops\": " << r.gflops << ", \"ceiling_gflops\": " << r.ceiling_gflops
-     << ", \"ratio\": " << r.ratio << ", \"max_rel_err\": " << r.max_rel_err
-     << ", \"extra_bytes\": " << r.extra_bytes << r.variants.json();
+     << ", \"align\": \"" << r.align << "\", \"dtype\": \"" << r.dtype << "\", \"ceiling_kind\": \""
+     << r.ceiling_kind << "\", \"seconds\": " << r.seconds << ", \"gflops\": " << r.gflops
+     << ", \"ceiling_gflops\": " << r.ceiling_gflops << ", \"ratio\": " << r.ratio
+     << ", \"max_rel_err\": " << r.max_rel_err << ", \"extra_bytes\": " << r.extra_bytes
+     << r.variants.json();
   if (r.op == "decode") {
     os << ", \"cache_dtype\": \"" << r.cache_dtype << "\", \"gbps\": " << r.gbps
        << ", \"ceiling_gbps\": " << r.ceiling_gbps;
@@ -410,9 +502,16 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   std::optional<StreamRead> stream;     // 1 GiB, allocated once
   constexpr std::int64_t kFill = 4096;  // positions appended per call while filling the cache
   const std::vector<float> kv_k = random_normal(static_cast<std::size_t>(B * kFill * Hkv * D), 21),
-                           kv_v = random_normal(kv_k.size(), 22),
-                           q = random_normal(static_cast<std::size_t>(B * Tn * Hq * D), 23);
+                           kv_v = random_normal(kv_k.size(), 22);
+  std::vector<float> q = random_normal(static_cast<std::size_t>(B * Tn * Hq * D), 23);
   std::vector<float> o(q.size()), lse(static_cast<std::size_t>(B * Hq * Tn));
+  // --dtype bf16/f16: the queries and outputs in that dtype (q keeps the rounded values).
+  const DType qdt = cfg.dtype;
+  std::vector<std::uint16_t> q16(qdt == DType::f32 ? 0 : q.size()), o16(q16.size());
+  for (std::size_t i = 0; i < q16.size(); ++i) {
+    kernels::store_element(qdt, q16.data(), static_cast<std::int64_t>(i), q[i]);
+    q[i] = kernels::load_element(qdt, q16.data(), static_cast<std::int64_t>(i));
+  }
   for (const DecodeCase& c : cases) {
     if (!stream) {
       if (cfg.progress)
@@ -443,8 +542,14 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
       opt.alibi_slopes = ao.alibi_slopes;
       opt.sinks = ao.sinks;
     }
-    const auto Q = ConstTensorView::bthd(q.data(), B, Tn, Hq, D);
-    const auto O = TensorView::bthd(o.data(), B, Tn, Hq, D);
+    auto Q = ConstTensorView::bthd(q.data(), B, Tn, Hq, D);
+    auto O = TensorView::bthd(o.data(), B, Tn, Hq, D);
+    if (qdt != DType::f32) {
+      Q.data = q16.data();
+      Q.dtype = qdt;
+      O.data = o16.data();
+      O.dtype = qdt;
+    }
     const auto L = TensorView::bht(lse.data(), B, Hq, Tn);
     attention_decode(Q, cache, 0, O, L, opt);  // warm-up
     (void)stream->pass_gbps(c.threads);
@@ -477,6 +582,10 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
         windowed_pairs(Tn, c.tk, true, CausalAlign::bottom_right, cfg.variants.window);
     res.gflops = 4.0 * D * Hq * static_cast<double>(pairs) * B / res.seconds * 1e-9;
     res.ceiling_gflops = 0.0;
+    res.dtype = to_string(qdt);
+    res.ceiling_kind = "stream_read_1GiB";
+    for (std::size_t i = 0; i < o16.size(); ++i)  // bf16/f16 outputs widened for the error
+      o[i] = kernels::load_element(qdt, o16.data(), static_cast<std::int64_t>(i));
     res.cache_dtype = to_string(c.dtype);
     res.gbps =
         static_cast<double>(decode_bytes(cache, 0, 0, B, cfg.variants.window.value_or(0), Tn)) /
@@ -548,25 +657,32 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
       }
 
   if (!cfg.json) {
-    out << "tokenmix bench " << cfg.op << " on " << cpu_features().model << "\n";
+    out << "tokenmix bench " << cfg.op << " (" << to_string(cfg.dtype) << ") on "
+        << cpu_features().model << "\n";
     if (cfg.variants.any()) out << "  variants: " << cfg.variants.describe() << "\n";
-    out << "  op        T_q    T_k  H_q H_kv d_h thr isa          ms   GFLOP/s  sgemm  ratio  "
+    out << "  op        T_q    T_k  H_q H_kv d_h thr isa          ms   GFLOP/s   ceil  ratio  "
            "max_rel_err  extra_MiB\n";
   }
+  // The ceiling of the dtype (bench.hpp): bf16 GEMM (oneDNN) for bf16, sgemm otherwise.
+  const bool bf16 = cfg.dtype == DType::bf16;
   std::map<int, double> ceilings;
+  std::string ceiling_kind = bf16 ? "" : "openblas_sgemm_2048";
   std::vector<BenchResult> results;
   for (const Case& c : cases) {
     const testkit::AttentionShape& sh = c.shape;
     if (!ceilings.count(c.threads)) {
-      if (cfg.progress)
-        std::cerr << "[bench] measuring sgemm 2048^3 ceiling, " << c.threads << " thread(s)\n";
-      ceilings[c.threads] = sgemm_ceiling_gflops(c.threads);
+      if (cfg.progress) {
+        std::cerr << "[bench] measuring " << (bf16 ? "the oneDNN bf16 GEMM" : "sgemm")
+                  << " 2048^3 ceiling, " << c.threads << " thread(s)\n";
+      }
+      ceilings[c.threads] = bf16 ? bf16_gemm_ceiling_gflops(c.threads, ceiling_kind)
+                                 : sgemm_ceiling_gflops(c.threads);
     }
     if (cfg.progress) {
       std::cerr << "[bench] " << cfg.op << " T_q=" << sh.T_q << " T_k=" << sh.T_k
                 << " threads=" << c.threads << " isa=" << to_string(c.isa) << "\n";
     }
-    AttentionRun run(sh, backward, c.isa, c.threads, cfg.variants);
+    AttentionRun run(sh, backward, c.isa, c.threads, cfg.variants, cfg.dtype);
     // Peak extra memory: resident-set growth over every call of this case (for backward, the
     // forward that produces O and L too), measured from here, where all inputs and outputs are
     // allocated and touched, so only the kernels' own scratch counts.
@@ -593,6 +709,8 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
     res.isa = to_string(c.isa);
     res.causal = sh.causal;
     res.align = sh.align_name();
+    res.dtype = to_string(cfg.dtype);
+    res.ceiling_kind = ceiling_kind;
     res.seconds = median(times);
     res.gflops = run.useful_flops() / res.seconds * 1e-9;
     res.ceiling_gflops = ceilings[c.threads];

@@ -2,6 +2,9 @@
 //
 // Every figure is a ratio to a ceiling measured in the same run on the same machine:
 //   forward/backward: useful GFLOP/s (SPEC "Useful-work counts") / OpenBLAS sgemm 2048³ GFLOP/s
+//           for f32 and f16 activations (f16 runs fp32 products on widened operands), / a bf16
+//           GEMM 2048³ (oneDNN matmul, bf16 × bf16 → f32, on the best ISA oneDNN finds) for bf16;
+//           the JSON says which (ceiling_kind) and the dtype
 //   decode: K/V bytes read per second (SPEC "decode bytes") / streaming read bandwidth (a
 //           multi-threaded sum over a 1 GiB buffer, ≫ L3), one attention_decode step on a KVCache
 // Times are medians of several repetitions after a warm-up; each case also reports the max
@@ -63,9 +66,10 @@ struct BenchConfig {
   bool causal = true;
   CausalAlign align = CausalAlign::bottom_right;
   std::vector<Isa> isas = {Isa::automatic};
-  int repeats = 5;       ///< timed runs per case (median reported)
-  bool json = false;     ///< one JSON object per line per case
-  bool progress = true;  ///< progress lines on stderr
+  DType dtype = DType::f32;  ///< forward/backward: q, k, v, out (and gradients) element type
+  int repeats = 5;           ///< timed runs per case (median reported)
+  bool json = false;         ///< one JSON object per line per case
+  bool progress = true;      ///< progress lines on stderr
   // decode only: one case per (cache_tokens, cache_dtype, threads, isa); tq is not used.
   std::vector<std::int64_t> cache_tokens = {4096, 32768,
                                             131072};  ///< T_k: cached positions per sequence
@@ -81,8 +85,10 @@ struct BenchResult {
   std::string isa;
   bool causal;
   std::string align;
-  double seconds;            ///< median wall time of one call
-  double gflops;             ///< useful GFLOP/s
+  std::string dtype = "f32";                         ///< activations (decode: the queries)
+  std::string ceiling_kind = "openblas_sgemm_2048";  ///< what ceiling_gflops measured
+  double seconds;                                    ///< median wall time of one call
+  double gflops;                                     ///< useful GFLOP/s
   double ceiling_gflops;     ///< SgemmCeiling, best of several, same thread count
   double ratio;              ///< gflops / ceiling_gflops
   double max_rel_err;        ///< vs float64 reference on a slice: max|x − r| / max|r|
@@ -115,14 +121,23 @@ class SgemmCeiling {
 /// sgemm 2048×2048×2048 through OpenBLAS with `threads` threads: best GFLOP/s of `repeats`.
 double sgemm_ceiling_gflops(int threads, int repeats = 10);
 
+/// The bf16 ceiling: C (f32) = A B with A, B bf16, n = 2048, through oneDNN's matmul (its best
+/// ISA here: AMX, AVX512-BF16, or its own conversion elsewhere), `threads` OpenMP threads; best
+/// GFLOP/s of `repeats`. `kind` receives a description (library, ISA). Throws UnsupportedError
+/// when this build has no oneDNN (libdnnl-dev).
+double bf16_gemm_ceiling_gflops(int threads, std::string& kind, int repeats = 10);
+
 /// One forward or backward case of the bench: seeded contiguous [B, T, H, d_h] inputs and
 /// outputs of `shape`, the call that is timed, its useful FLOPs (SPEC "Useful-work counts", from
 /// the case's shape) and its error against the float64 oracle on a slice of rows.
 /// `tokenmix bench forward|backward` and benchmarks/ (Google Benchmark) both time this one.
 class AttentionRun {
  public:
+  /// `variants`: the score variants of every call. `dtype`: f32, or bf16 / f16 (the inputs
+  /// are drawn in fp32 and rounded to it; the error slice compares with the oracle on the
+  /// rounded values).
   AttentionRun(const testkit::AttentionShape& shape, bool backward, Isa isa, int threads,
-               const BenchVariants& variants = {});
+               const BenchVariants& variants = {}, DType dtype = DType::f32);
   void forward();  ///< attention_forward: O and L (what backward starts from)
   void call();     ///< the timed call: forward, or backward from the O and L of forward()
   double useful_flops() const;
@@ -139,7 +154,13 @@ class AttentionRun {
   BenchVariants variants_;
   std::vector<float> alibi_, sinks_;  // what options_ views
   AttentionOptions options_;
+  DType dtype_ = DType::f32;
   std::vector<float> q_, k_, v_, o_, lse_, dout_, dq_, dk_, dv_;
+  // bf16 / f16: the tensors the calls see (q_, ... hold the same values widened, for the oracle)
+  std::vector<std::uint16_t> q16_, k16_, v16_, o16_, dout16_, dq16_, dk16_, dv16_;
+  template <class V>
+  V view(std::vector<float>& x32, std::vector<std::uint16_t>& x16, std::int64_t T,
+         std::int64_t H) const;
 };
 
 /// Streaming read bandwidth: `threads` threads sum a buffer of `bytes` (≫ L3), backed by

@@ -1,7 +1,8 @@
 // tools/cli/cmd_bench.cpp — `tokenmix bench forward|backward|decode`: our kernels next to the
 // machine's ceilings measured in the same run (tools/bench): fp32 GEMM (OpenBLAS sgemm) for
-// forward/backward, streaming read bandwidth for decode. --window, --softcap, --alibi and
-// --sinks time a score variant (SPEC "Score variants used by real models"); the JSON records them.
+// forward/backward (a bf16 GEMM through oneDNN with --dtype bf16), streaming read bandwidth for
+// decode. --window, --softcap, --alibi and --sinks time a score variant (SPEC "Score variants
+// used by real models"); the JSON records them.
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <string>
@@ -26,6 +27,7 @@ Command add_bench_command(CLI::App& parent) {
     bool no_causal = false;
     std::vector<std::string> cache_dtypes{"f32", "bf16", "f16"};
     VariantFlags variants;
+    std::string dtype = "f32";
   };
   auto o = std::make_shared<Options>();
   app->add_option("op", o->op, "What to measure: forward, backward or decode")
@@ -43,7 +45,7 @@ Command add_bench_command(CLI::App& parent) {
       ->delimiter(',')
       ->capture_default_str();
   app->add_option("--isa", o->isas,
-                  "Kernel paths: auto, portable, avx2, avx512, neon (comma-separated)")
+                  "Kernel paths: auto, portable, avx2, avx512, avx512_bf16, neon (comma-separated)")
       ->delimiter(',')
       ->capture_default_str();
   app->add_option("--align", o->align, "Causal alignment: bottom_right or top_left")
@@ -60,29 +62,37 @@ Command add_bench_command(CLI::App& parent) {
       ->delimiter(',')
       ->check(CLI::IsMember({"f32", "bf16", "f16"}))
       ->capture_default_str();
+  app->add_option("--dtype", o->dtype,
+                  "Activation dtype: f32, bf16 or f16 (forward/backward: q, k, v, out and the "
+                  "gradients; decode: the queries and outputs). bf16 is measured against a bf16 "
+                  "GEMM (oneDNN), f32 and f16 against sgemm")
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+      ->capture_default_str();
   app->add_option("--tnew", o->config.tnew, "decode: new query positions per sequence (T_new)")
       ->capture_default_str();
   add_variant_options(app, o->variants,
                       "Score variants (every case; recorded in the JSON; useful FLOPs count only "
                       "the pairs a window leaves visible)");
 
-  return {app, [app, o]() {
-            bench::BenchConfig cfg = o->config;
-            cfg.op = o->op;
-            cfg.causal = !o->no_causal;
-            cfg.align = parse_causal_align(o->align, "--align");
-            cfg.variants = variants_from_flags(*app, o->variants);
-            cfg.isas.clear();
-            for (const std::string& name : o->isas) cfg.isas.push_back(parse_isa(name, "--isa"));
-            cfg.cache_dtypes.clear();
-            for (const std::string& name : o->cache_dtypes) {
-              cfg.cache_dtypes.push_back(name == "f32"    ? DType::f32
-                                         : name == "bf16" ? DType::bf16
-                                                          : DType::f16);
-            }
-            bench::run(cfg, std::cout);
-            return kExitOk;
-          }};
+  return {
+      app, [app, o]() {
+        bench::BenchConfig cfg = o->config;
+        cfg.op = o->op;
+        cfg.causal = !o->no_causal;
+        cfg.align = parse_causal_align(o->align, "--align");
+        cfg.variants = variants_from_flags(*app, o->variants);
+        cfg.isas.clear();
+        for (const std::string& name : o->isas) cfg.isas.push_back(parse_isa(name, "--isa"));
+        cfg.dtype = o->dtype == "f32" ? DType::f32 : o->dtype == "bf16" ? DType::bf16 : DType::f16;
+        cfg.cache_dtypes.clear();
+        for (const std::string& name : o->cache_dtypes) {
+          cfg.cache_dtypes.push_back(name == "f32"    ? DType::f32
+                                     : name == "bf16" ? DType::bf16
+                                                      : DType::f16);
+        }
+        bench::run(cfg, std::cout);
+        return kExitOk;
+      }};
 }
 
 }  // namespace tokenmix::cli

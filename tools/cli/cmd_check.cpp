@@ -389,9 +389,10 @@ Command add_check_command(CLI::App& parent) {
     int threads = 0;
   };
   auto args = std::make_shared<Args>();
-  sub->add_option("--isa", args->isa,
-                  "Check only this kernel path (portable, avx2, avx512, neon); auto = every "
-                  "available")
+  sub->add_option(
+         "--isa", args->isa,
+         "Check only this kernel path (portable, avx2, avx512, avx512_bf16, neon); auto = every "
+         "available")
       ->capture_default_str();
   sub->add_option("--threads", args->threads, "Threads (0 = all)")
       ->capture_default_str()

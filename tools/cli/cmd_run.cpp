@@ -134,7 +134,7 @@ Command add_run_command(CLI::App& parent) {
   sub->add_option("--threads", a.threads, "Threads (0 = all, the default)")
       ->capture_default_str()
       ->check(CLI::Range(0, 4096));
-  sub->add_option("--isa", a.isa, "Kernel path: auto, portable, avx2, avx512, neon")
+  sub->add_option("--isa", a.isa, "Kernel path: auto, portable, avx2, avx512, avx512_bf16, neon")
       ->capture_default_str();
   sub->add_option(
          "--decode-steps", a.layer.decode_steps,

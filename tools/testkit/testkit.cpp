@@ -83,7 +83,8 @@ std::vector<float> random_normal(std::size_t n, std::uint64_t seed, double sigma
 }
 
 const std::vector<Isa>& concrete_isas() {
-  static const std::vector<Isa> isas = {Isa::portable, Isa::avx2, Isa::avx512, Isa::neon};
+  static const std::vector<Isa> isas = {Isa::portable, Isa::avx2, Isa::avx512, Isa::neon,
+                                        Isa::avx512_bf16};
   return isas;
 }
 
@@ -92,7 +93,8 @@ std::string isa_unavailable_reason(Isa isa) {
   if (std::find(avail.begin(), avail.end(), isa) != avail.end()) return {};
   const CpuFeatures& f = cpu_features();
   const bool cpu_has = isa == Isa::portable || (isa == Isa::avx2 && f.avx2_fma) ||
-                       (isa == Isa::avx512 && f.avx512f) || (isa == Isa::neon && f.neon);
+                       (isa == Isa::avx512 && f.avx512f) || (isa == Isa::neon && f.neon) ||
+                       (isa == Isa::avx512_bf16 && f.avx512_bf16);
   if (!cpu_has) {
     return std::string("this CPU/OS does not support ") + to_string(isa) + " (CPU: " + f.model +
            ")";

@@ -129,165 +129,169 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
   const auto k_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "K tile"));
   const auto v_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "V tile"));
   const ScratchArena scratch(scratch_layout, team, "the per-worker scratch of pass 1 (dQ)");
-#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
-  for (std::int64_t unit = 0; unit < units; ++unit) {
-    const int worker = omp_get_thread_num();
-    float* st = scratch.at(st_slot, worker);          // Sᵀ → Pᵀ → dSᵀ [kKeyTile][M]
-    float* dpt = scratch.at(dpt_slot, worker);        // dPᵀ [kKeyTile][M]
-    float* k_tile = scratch.at(k_tile_slot, worker);  // K rows u0.. packed [kKeyTile][dh]
-    float* v_tile = scratch.at(v_tile_slot, worker);  // V rows u0.. packed [kKeyTile][dh]
-    float* dcap = capped ? scratch.at(dcap_slot, worker) : nullptr;     // ∂S/∂z [u][M]
-    float* keep = keep_mask ? scratch.at(keep_slot, worker) : nullptr;  // boolean mask [u][M]
-    struct BlockState : LaneBlock {
-      float *qt, *dot, *dqt, *lse_lane, *delta_lane;  // scale·Qᵀ, dOᵀ, dQᵀ [dh][M]; L, D [M]
-      float* slope;                                   // element-wise terms per lane [M]
-      std::int32_t* pos;
-      std::int64_t* mask_base;
-    };
-    BlockState blocks[kBlocksPerUnit] = {};
-    std::int64_t unit_key_begin = p.tk, unit_key_end = 0;
-    for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
-      BlockState& bs = blocks[lb];
-      bs.blk = layout(p, unit, lb);
-      bs.qt = scratch.at(block_slots[lb].qt, worker);
-      bs.dot = scratch.at(block_slots[lb].dot, worker);
-      bs.dqt = scratch.at(block_slots[lb].dqt, worker);
-      bs.lse_lane = scratch.at(block_slots[lb].lse_lane, worker);
-      bs.delta_lane = scratch.at(block_slots[lb].delta_lane, worker);
-      bs.begin_lane = scratch.at(block_slots[lb].begin_lane, worker);
-      bs.end_lane = scratch.at(block_slots[lb].end_lane, worker);
-      bs.slope = scratch.at(block_slots[lb].slope, worker);
-      bs.pos = scratch.at(block_slots[lb].pos, worker);
-      bs.mask_base = scratch.at(block_slots[lb].mask_base, worker);
-      // Lanes as in SetUpLanes (work_units.hpp), written out here: this setup also computes D,
-      // and padding lanes see nothing (end 0: P = 0). (Routing D's loop through SetUpLanes'
-      // callback changed how the compiler rounds it: kept inline, bitwise as before.)
-      bs.key_begin = p.tk;
-      bs.key_end = 0;
-      bs.full_begin = 0;
-      bs.full_end = p.tk;
-      const auto& [b, j, h0, heads, t0, positions] = bs.blk;
-      if (positions <= 0) {
-        bs.key_begin = 0;
-        continue;
-      }
-      for (std::int64_t i = 0; i < M; ++i) {
-        const std::int64_t hl = i / layout.mq, tl = i % layout.mq;
-        KeyRange r;  // padding lanes see nothing
-        if (hl < heads && tl < positions) {
-          const std::int64_t h = h0 + hl, t = t0 + tl;
-          r = p.key_range(b, h, t);
-          const bool e = r.end > r.begin;
-          if (e) {
-            bs.key_begin = std::min(bs.key_begin, r.begin);
-            bs.key_end = std::max(bs.key_end, r.end);
-          }
-          bs.full_begin = std::max(bs.full_begin, r.begin);
-          bs.full_end = std::min(bs.full_end, r.end);
-          if (elementwise) {
-            bs.slope[i] = var.alibi != nullptr ? var.alibi[h] : 0.0f;
-            bs.pos[i] = static_cast<std::int32_t>(p.position(t));
-            bs.mask_base[i] = p.mask_offset(b, h, t, 0);
-          }
-          const T* q = args.q.row(b, t, h);
-          const T* dout = args.dout.row(b, t, h);
-          const T* o = args.out.row(b, t, h);
-          float dsum = 0.0f;  // D_t = ⟨dO_t, O_t⟩
-          for (std::int64_t x = 0; x < dh; ++x) {
-            bs.qt[x * M + i] = p.scale * widen(q[x * args.q.s3]);
-            bs.dot[x * M + i] = widen(dout[x * args.dout.s3]);
-            dsum += widen(dout[x * args.dout.s3]) * widen(o[x * args.out.s3]);
-          }
-          delta[(b * p.hq + h) * p.tq + t] = e ? dsum : 0.0f;
-          bs.delta_lane[i] = dsum;
-          const float lse = args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2];
-          bs.lse_lane[i] = e ? softmax_shift(lse) : 0.0f;
-        } else {
-          for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = bs.dot[x * M + i] = 0.0f;
-          bs.delta_lane[i] = bs.lse_lane[i] = 0.0f;
-          if (elementwise) {
-            bs.slope[i] = 0.0f;
-            bs.pos[i] = 0;
-            bs.mask_base[i] = 0;
-          }
-        }
-        bs.begin_lane[i] = static_cast<std::int32_t>(r.begin);
-        bs.end_lane[i] = static_cast<std::int32_t>(r.end);
-      }
-      if (bs.key_end == 0) bs.key_begin = 0;
-      std::fill(bs.dqt, bs.dqt + dh * M, 0.0f);
-      if (bs.key_end > bs.key_begin) {
-        unit_key_begin = std::min(unit_key_begin, bs.key_begin);
-        unit_key_end = std::max(unit_key_end, bs.key_end);
-      }
-    }
-    const std::int64_t b = blocks[0].blk.b, j = blocks[0].blk.j;
-
-    for (std::int64_t u0 = unit_key_begin; u0 < unit_key_end; u0 += kKeyTile) {
-      const std::int64_t tile = std::min(kKeyTile, unit_key_end - u0);
-      const float* k_rows = DenseRows(args.k, b, u0, j, tile, dh, k_tile);  // [tile][dh]
-      const float* v_rows = DenseRows(args.v, b, u0, j, tile, dh, v_tile);  // [tile][dh]
+  const auto team_work = [&]() HWY_ATTR {
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t unit = 0; unit < units; ++unit) {
+      const int worker = omp_get_thread_num();
+      float* st = scratch.at(st_slot, worker);          // Sᵀ → Pᵀ → dSᵀ [kKeyTile][M]
+      float* dpt = scratch.at(dpt_slot, worker);        // dPᵀ [kKeyTile][M]
+      float* k_tile = scratch.at(k_tile_slot, worker);  // K rows u0.. packed [kKeyTile][dh]
+      float* v_tile = scratch.at(v_tile_slot, worker);  // V rows u0.. packed [kKeyTile][dh]
+      float* dcap = capped ? scratch.at(dcap_slot, worker) : nullptr;     // ∂S/∂z [u][M]
+      float* keep = keep_mask ? scratch.at(keep_slot, worker) : nullptr;  // boolean mask [u][M]
+      struct BlockState : LaneBlock {
+        float *qt, *dot, *dqt, *lse_lane, *delta_lane;  // scale·Qᵀ, dOᵀ, dQᵀ [dh][M]; L, D [M]
+        float* slope;                                   // element-wise terms per lane [M]
+        std::int32_t* pos;
+        std::int64_t* mask_base;
+      };
+      BlockState blocks[kBlocksPerUnit] = {};
+      std::int64_t unit_key_begin = p.tk, unit_key_end = 0;
       for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
         BlockState& bs = blocks[lb];
-        if (u0 >= bs.key_end || u0 + tile <= bs.key_begin) continue;  // no lane sees the tile
-        const std::int64_t ua = std::max(u0, bs.key_begin) - u0;  // the block's keys k0 + [0, nt)
-        const std::int64_t k0 = u0 + ua, nt = std::min(tile, bs.key_end - u0) - ua;
-        const float* k_blk = k_rows + ua * dh;
-        GemmRows(d, nt, k_blk, dh, 1, bs.qt, M, dh, st, M, false);  // Sᵀ = K (scale·Q)ᵀ   (4.2)
-        GemmRows(d, nt, v_rows + ua * dh, dh, 1, bs.dot, M, dh, dpt, M, false);  // dPᵀ = V dOᵀ
-        if (elementwise) {  // the forward's S: cap, ALiBi, general mask
-          const auto is_row = [&](std::int64_t i) {
-            return i / layout.mq < bs.blk.heads && i % layout.mq < bs.blk.positions;
-          };
-          ElementwiseQueryLanes(d, var, st, M, nt, k0, bs.slope, bs.pos, bs.mask_base, is_row, dcap,
-                                keep);
+        bs.blk = layout(p, unit, lb);
+        bs.qt = scratch.at(block_slots[lb].qt, worker);
+        bs.dot = scratch.at(block_slots[lb].dot, worker);
+        bs.dqt = scratch.at(block_slots[lb].dqt, worker);
+        bs.lse_lane = scratch.at(block_slots[lb].lse_lane, worker);
+        bs.delta_lane = scratch.at(block_slots[lb].delta_lane, worker);
+        bs.begin_lane = scratch.at(block_slots[lb].begin_lane, worker);
+        bs.end_lane = scratch.at(block_slots[lb].end_lane, worker);
+        bs.slope = scratch.at(block_slots[lb].slope, worker);
+        bs.pos = scratch.at(block_slots[lb].pos, worker);
+        bs.mask_base = scratch.at(block_slots[lb].mask_base, worker);
+        // Lanes as in SetUpLanes (work_units.hpp), written out here: this setup also computes D,
+        // and padding lanes see nothing (end 0: P = 0). (Routing D's loop through SetUpLanes'
+        // callback changed how the compiler rounds it: kept inline, bitwise as before.)
+        bs.key_begin = p.tk;
+        bs.key_end = 0;
+        bs.full_begin = 0;
+        bs.full_end = p.tk;
+        const auto& [b, j, h0, heads, t0, positions] = bs.blk;
+        if (positions <= 0) {
+          bs.key_begin = 0;
+          continue;
         }
-        const bool crosses = bs.partial(k0, k0 + nt);
-        for (std::int64_t i = 0; i < M; i += N) {
-          const VF lse = hn::Load(d, bs.lse_lane + i), dl = hn::Load(d, bs.delta_lane + i);
-          const auto begins = hn::Load(di, bs.begin_lane + i);
-          const auto ends = hn::Load(di, bs.end_lane + i);
-          for (std::int64_t u = 0; u < nt; ++u) {
-            // A = e^{S − L} (4.4), dS = A ⊙ (dA − D)
-            const VF pu = ExpNaN(d, hn::Sub(hn::Load(d, st + u * M + i), lse));
-            VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dpt + u * M + i), dl));
-            if (crosses) {  // key ranges (4.3), a select: no NaN of a masked key gets in
-              const auto key = hn::Set(di, static_cast<std::int32_t>(k0 + u));
-              const auto visible =
-                  hn::RebindMask(d, hn::AndNot(hn::Lt(key, begins), hn::Lt(key, ends)));
-              ds = hn::IfThenElseZero(visible, ds);
+        for (std::int64_t i = 0; i < M; ++i) {
+          const std::int64_t hl = i / layout.mq, tl = i % layout.mq;
+          KeyRange r;  // padding lanes see nothing
+          if (hl < heads && tl < positions) {
+            const std::int64_t h = h0 + hl, t = t0 + tl;
+            r = p.key_range(b, h, t);
+            const bool e = r.end > r.begin;
+            if (e) {
+              bs.key_begin = std::min(bs.key_begin, r.begin);
+              bs.key_end = std::max(bs.key_end, r.end);
             }
-            if (keep != nullptr)
-              ds = hn::IfThenElseZero(hn::Ne(hn::Load(d, keep + u * M + i), hn::Zero(d)), ds);
-            if (dcap != nullptr) ds = hn::Mul(ds, hn::Load(d, dcap + u * M + i));  // dz = dS ∂S/∂z
-            hn::Store(ds, d, st + u * M + i);
+            bs.full_begin = std::max(bs.full_begin, r.begin);
+            bs.full_end = std::min(bs.full_end, r.end);
+            if (elementwise) {
+              bs.slope[i] = var.alibi != nullptr ? var.alibi[h] : 0.0f;
+              bs.pos[i] = static_cast<std::int32_t>(p.position(t));
+              bs.mask_base[i] = p.mask_offset(b, h, t, 0);
+            }
+            const T* q = args.q.row(b, t, h);
+            const T* dout = args.dout.row(b, t, h);
+            const T* o = args.out.row(b, t, h);
+            float dsum = 0.0f;  // D_t = ⟨dO_t, O_t⟩
+            for (std::int64_t x = 0; x < dh; ++x) {
+              bs.qt[x * M + i] = p.scale * widen(q[x * args.q.s3]);
+              bs.dot[x * M + i] = widen(dout[x * args.dout.s3]);
+              dsum += widen(dout[x * args.dout.s3]) * widen(o[x * args.out.s3]);
+            }
+            delta[(b * p.hq + h) * p.tq + t] = e ? dsum : 0.0f;
+            bs.delta_lane[i] = dsum;
+            const float lse = args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2];
+            bs.lse_lane[i] = e ? softmax_shift(lse) : 0.0f;
+          } else {
+            for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = bs.dot[x * M + i] = 0.0f;
+            bs.delta_lane[i] = bs.lse_lane[i] = 0.0f;
+            if (elementwise) {
+              bs.slope[i] = 0.0f;
+              bs.pos[i] = 0;
+              bs.mask_base[i] = 0;
+            }
           }
+          bs.begin_lane[i] = static_cast<std::int32_t>(r.begin);
+          bs.end_lane[i] = static_cast<std::int32_t>(r.end);
         }
-        // dQᵀ += Kᵀ dSᵀ (keys outside [full_begin, full_end) or excluded by a boolean mask are
-        // masked for some lanes: 0 · K must add nothing)
-        const auto lane_sees = [&](std::int64_t u, std::int64_t i) {
-          const auto key = hn::Set(di, static_cast<std::int32_t>(k0 + u));
-          auto seen = hn::RebindMask(d, hn::AndNot(hn::Lt(key, hn::Load(di, bs.begin_lane + i)),
-                                                   hn::Lt(key, hn::Load(di, bs.end_lane + i))));
-          if (keep != nullptr)
-            seen = hn::And(seen, hn::Ne(hn::Load(d, keep + u * M + i), hn::Zero(d)));
-          return seen;
-        };
-        const PartialKeys part = keep != nullptr
-                                     ? PartialKeys{0, nt}
-                                     : PartialRange(bs.full_begin - k0, bs.full_end - k0, nt);
-        GemmRowsMaskedIfNonFinite(d, dh, k_blk, 1, dh, st, M, nt, bs.dqt, M, true, nullptr, part.lo,
-                                  part.hi, lane_sees);
+        if (bs.key_end == 0) bs.key_begin = 0;
+        std::fill(bs.dqt, bs.dqt + dh * M, 0.0f);
+        if (bs.key_end > bs.key_begin) {
+          unit_key_begin = std::min(unit_key_begin, bs.key_begin);
+          unit_key_end = std::max(unit_key_end, bs.key_end);
+        }
+      }
+      const std::int64_t b = blocks[0].blk.b, j = blocks[0].blk.j;
+
+      for (std::int64_t u0 = unit_key_begin; u0 < unit_key_end; u0 += kKeyTile) {
+        const std::int64_t tile = std::min(kKeyTile, unit_key_end - u0);
+        const float* k_rows = DenseRows(args.k, b, u0, j, tile, dh, k_tile);  // [tile][dh]
+        const float* v_rows = DenseRows(args.v, b, u0, j, tile, dh, v_tile);  // [tile][dh]
+        for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
+          BlockState& bs = blocks[lb];
+          if (u0 >= bs.key_end || u0 + tile <= bs.key_begin) continue;  // no lane sees the tile
+          const std::int64_t ua = std::max(u0, bs.key_begin) - u0;  // the block's keys k0 + [0, nt)
+          const std::int64_t k0 = u0 + ua, nt = std::min(tile, bs.key_end - u0) - ua;
+          const float* k_blk = k_rows + ua * dh;
+          GemmRows(d, nt, k_blk, dh, 1, bs.qt, M, dh, st, M, false);  // Sᵀ = K (scale·Q)ᵀ   (4.2)
+          GemmRows(d, nt, v_rows + ua * dh, dh, 1, bs.dot, M, dh, dpt, M, false);  // dPᵀ = V dOᵀ
+          if (elementwise) {  // the forward's S: cap, ALiBi, general mask
+            const auto is_row = [&](std::int64_t i) {
+              return i / layout.mq < bs.blk.heads && i % layout.mq < bs.blk.positions;
+            };
+            ElementwiseQueryLanes(d, var, st, M, nt, k0, bs.slope, bs.pos, bs.mask_base, is_row,
+                                  dcap, keep);
+          }
+          const bool crosses = bs.partial(k0, k0 + nt);
+          for (std::int64_t i = 0; i < M; i += N) {
+            const VF lse = hn::Load(d, bs.lse_lane + i), dl = hn::Load(d, bs.delta_lane + i);
+            const auto begins = hn::Load(di, bs.begin_lane + i);
+            const auto ends = hn::Load(di, bs.end_lane + i);
+            for (std::int64_t u = 0; u < nt; ++u) {
+              // A = e^{S − L} (4.4), dS = A ⊙ (dA − D)
+              const VF pu = ExpNaN(d, hn::Sub(hn::Load(d, st + u * M + i), lse));
+              VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dpt + u * M + i), dl));
+              if (crosses) {  // key ranges (4.3), a select: no NaN of a masked key gets in
+                const auto key = hn::Set(di, static_cast<std::int32_t>(k0 + u));
+                const auto visible =
+                    hn::RebindMask(d, hn::AndNot(hn::Lt(key, begins), hn::Lt(key, ends)));
+                ds = hn::IfThenElseZero(visible, ds);
+              }
+              if (keep != nullptr)
+                ds = hn::IfThenElseZero(hn::Ne(hn::Load(d, keep + u * M + i), hn::Zero(d)), ds);
+              if (dcap != nullptr)
+                ds = hn::Mul(ds, hn::Load(d, dcap + u * M + i));  // dz = dS ∂S/∂z
+              hn::Store(ds, d, st + u * M + i);
+            }
+          }
+          // dQᵀ += Kᵀ dSᵀ (keys outside [full_begin, full_end) or excluded by a boolean mask are
+          // masked for some lanes: 0 · K must add nothing)
+          const auto lane_sees = [&](std::int64_t u, std::int64_t i) {
+            const auto key = hn::Set(di, static_cast<std::int32_t>(k0 + u));
+            auto seen = hn::RebindMask(d, hn::AndNot(hn::Lt(key, hn::Load(di, bs.begin_lane + i)),
+                                                     hn::Lt(key, hn::Load(di, bs.end_lane + i))));
+            if (keep != nullptr)
+              seen = hn::And(seen, hn::Ne(hn::Load(d, keep + u * M + i), hn::Zero(d)));
+            return seen;
+          };
+          const PartialKeys part = keep != nullptr
+                                       ? PartialKeys{0, nt}
+                                       : PartialRange(bs.full_begin - k0, bs.full_end - k0, nt);
+          GemmRowsMaskedIfNonFinite(d, dh, k_blk, 1, dh, st, M, nt, bs.dqt, M, true, nullptr,
+                                    part.lo, part.hi, lane_sees);
+        }
+      }
+
+      for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {  // dQ = scale · (dQᵀ)ᵀ
+        const BlockState& bs = blocks[lb];
+        ForEachRow(layout, bs.blk, [&](std::int64_t i, std::int64_t h, std::int64_t t) HWY_ATTR {
+          StoreColumn(bs.dqt, M, i, dh, p.scale, args.dq.row(bs.blk.b, t, h), args.dq.s3);
+        });
       }
     }
-
-    for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {  // dQ = scale · (dQᵀ)ᵀ
-      const BlockState& bs = blocks[lb];
-      ForEachRow(layout, bs.blk, [&](std::int64_t i, std::int64_t h, std::int64_t t) HWY_ATTR {
-        StoreColumn(bs.dqt, M, i, dh, p.scale, args.dq.row(bs.blk.b, t, h), args.dq.s3);
-      });
-    }
-  }
+  };
+  RunTeam(team, team_work);
 }
 
 // Pass 2: dK and dV, keys in lanes — and, in one-pass mode, dQ and D as well.
@@ -340,188 +344,192 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
                                       : "the per-worker scratch of pass 2 (dK, dV)");
   const std::int64_t shift = p.align == CausalAlign::bottom_right ? p.tk - p.tq : 0;
 
-#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
-  for (std::int64_t unit = 0; unit < units; ++unit) {
-    // Two-pass: unit = (key block, j, b), early key blocks (most work) first; one-pass: (j, b).
-    const auto [kb_unit, j, b] = Unravel(unit, kOnePass ? 1 : kblocks, p.hkv);
-    const std::int64_t kb_first = kOnePass ? 0 : kb_unit;
-    const std::int64_t kb_end = kOnePass ? kblocks : kb_first + 1;
+  const auto team_work = [&]() HWY_ATTR {
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t unit = 0; unit < units; ++unit) {
+      // Two-pass: unit = (key block, j, b), early key blocks (most work) first; one-pass: (j, b).
+      const auto [kb_unit, j, b] = Unravel(unit, kOnePass ? 1 : kblocks, p.hkv);
+      const std::int64_t kb_first = kOnePass ? 0 : kb_unit;
+      const std::int64_t kb_end = kOnePass ? kblocks : kb_first + 1;
 
-    const int worker = omp_get_thread_num();
-    float* kt = scratch.at(kv_acc_slot, worker);        // scale·Kᵀ [dh][M]
-    float* vt = kt + dh * M;                            // Vᵀ [dh][M]
-    float* dkt = vt + dh * M;                           // dKᵀ [dh][M]
-    float* dvt = dkt + dh * M;                          // dVᵀ [dh][M]
-    float* scores = scratch.at(scores_slot, worker);    // S → P [chunk][M]
-    float* dp = scratch.at(dp_slot, worker);            // dP → dS [chunk][M]
-    float* q_pack = scratch.at(q_pack_slot, worker);    // [chunk][dh] if needed
-    float* do_pack = scratch.at(do_pack_slot, worker);  // [chunk][dh] if needed
-    float* k_nat = scratch.at(k_nat_slot, worker);      // one-pass: K block [M][dh]
-    float* dst = scratch.at(dst_slot, worker);          // one-pass: dSᵀ [M keys][M rows]
-    float* dqt = scratch.at(dqt_slot, worker);          // one-pass: dQᵀ [g][tq_pad / M][dh][M]
-    float* dcap = capped ? scratch.at(dcap_slot, worker) : nullptr;     // [chunk][M]
-    float* keep = keep_mask ? scratch.at(keep_slot, worker) : nullptr;  // [chunk][M]
-    std::int32_t* rb = scratch.at(range_slot, worker);  // key_range(b, h, c0 + r).begin [chunk]
-    std::int32_t* re = rb + kQueryChunk;                // ... .end; empty past T_q
+      const int worker = omp_get_thread_num();
+      float* kt = scratch.at(kv_acc_slot, worker);        // scale·Kᵀ [dh][M]
+      float* vt = kt + dh * M;                            // Vᵀ [dh][M]
+      float* dkt = vt + dh * M;                           // dKᵀ [dh][M]
+      float* dvt = dkt + dh * M;                          // dVᵀ [dh][M]
+      float* scores = scratch.at(scores_slot, worker);    // S → P [chunk][M]
+      float* dp = scratch.at(dp_slot, worker);            // dP → dS [chunk][M]
+      float* q_pack = scratch.at(q_pack_slot, worker);    // [chunk][dh] if needed
+      float* do_pack = scratch.at(do_pack_slot, worker);  // [chunk][dh] if needed
+      float* k_nat = scratch.at(k_nat_slot, worker);      // one-pass: K block [M][dh]
+      float* dst = scratch.at(dst_slot, worker);          // one-pass: dSᵀ [M keys][M rows]
+      float* dqt = scratch.at(dqt_slot, worker);          // one-pass: dQᵀ [g][tq_pad / M][dh][M]
+      float* dcap = capped ? scratch.at(dcap_slot, worker) : nullptr;     // [chunk][M]
+      float* keep = keep_mask ? scratch.at(keep_slot, worker) : nullptr;  // [chunk][M]
+      std::int32_t* rb = scratch.at(range_slot, worker);  // key_range(b, h, c0 + r).begin [chunk]
+      std::int32_t* re = rb + kQueryChunk;                // ... .end; empty past T_q
 
-    if constexpr (kOnePass) {  // D_t = ⟨dO_t, O_t⟩ for the group's rows; dQᵀ = 0
-      for (std::int64_t h = j * g; h < (j + 1) * g; ++h)
-        for (std::int64_t t = 0; t < p.tq; ++t) {
-          const T* dout = args.dout.row(b, t, h);
-          const T* o = args.out.row(b, t, h);
-          float dsum = 0.0f;
-          for (std::int64_t x = 0; x < dh; ++x)
-            dsum += widen(dout[x * args.dout.s3]) * widen(o[x * args.out.s3]);
-          const KeyRange r = p.key_range(b, h, t);
-          delta[(b * p.hq + h) * p.tq + t] = r.end > r.begin ? dsum : 0.0f;
-        }
-      std::fill(dqt, dqt + dq_floats, 0.0f);
-    }
-
-    for (std::int64_t kb = kb_first; kb < kb_end; ++kb) {
-      const std::int64_t u0 = kb * M, keys = std::min(M, p.tk - u0);
-      std::fill(kt, kt + 4 * dh * M, 0.0f);  // zero padding lanes (keys ≥ T_k) and accumulators
-      PackTransposed(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, p.scale, kt, M);
-      PackTransposed(args.v.row(b, u0, j), args.v.s1, args.v.s3, keys, dh, 1.0f, vt, M);
-      if constexpr (kOnePass) {
-        PackRows(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, k_nat);
-        std::fill(k_nat + keys * dh, k_nat + M * dh, 0.0f);
+      if constexpr (kOnePass) {  // D_t = ⟨dO_t, O_t⟩ for the group's rows; dQᵀ = 0
+        for (std::int64_t h = j * g; h < (j + 1) * g; ++h)
+          for (std::int64_t t = 0; t < p.tq; ++t) {
+            const T* dout = args.dout.row(b, t, h);
+            const T* o = args.out.row(b, t, h);
+            float dsum = 0.0f;
+            for (std::int64_t x = 0; x < dh; ++x)
+              dsum += widen(dout[x * args.dout.s3]) * widen(o[x * args.out.s3]);
+            const KeyRange r = p.key_range(b, h, t);
+            delta[(b * p.hq + h) * p.tq + t] = r.end > r.begin ? dsum : 0.0f;
+          }
+        std::fill(dqt, dqt + dq_floats, 0.0f);
       }
 
-      // Queries that see any key of the block: t ≥ u0 − shift (causal), all otherwise. One-pass
-      // chunks start on a multiple of M (they are lane blocks of dQᵀ); rows before t_first are
-      // fully masked there and contribute exactly 0.
-      // With a window W, rows t ≥ u0 + keys − 1 + W − shift see none of them (p(t) − W < u).
-      const std::int64_t t_first = p.causal ? std::max<std::int64_t>(0, u0 - shift) : 0;
-      const std::int64_t c_begin = kOnePass ? t_first / M * M : t_first;
-      const std::int64_t t_stop =
-          var.window > 0 ? std::clamp<std::int64_t>(u0 + keys - 1 + var.window - shift, 0, p.tq)
-                         : p.tq;
-      for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {  // the g query heads of group j (4.8)
-        for (std::int64_t c0 = c_begin; c0 < t_stop; c0 += chunk) {
-          const std::int64_t rows = std::min(chunk, p.tq - c0);
-          // The rows' key ranges; skip a chunk none of whose rows sees a key of the block.
-          // Rows [r_lo, r_hi) are the ones that do not see every key of the block; keys
-          // outside [u0 + full_lo, u0 + full_hi) are not seen by every row.
-          bool any = false;
-          std::int64_t r_lo = rows, r_hi = 0, full_lo = 0, full_hi = keys;
-          for (std::int64_t r = 0; r < rows; ++r) {
-            const KeyRange kr = p.key_range(b, h, c0 + r);
-            rb[r] = static_cast<std::int32_t>(kr.begin);
-            re[r] = static_cast<std::int32_t>(kr.end);
-            any |= kr.end > kr.begin && kr.begin < u0 + keys && kr.end > u0;
-            if (kr.begin > u0 || kr.end < u0 + keys) {
-              r_lo = std::min(r_lo, r);
-              r_hi = r + 1;
-            }
-            full_lo = std::max(full_lo, kr.begin - u0);
-            full_hi = std::min(full_hi, kr.end - u0);
-          }
-          if (!any) continue;
-          for (std::int64_t r = rows; r < chunk; ++r) rb[r] = re[r] = 0;
-          // Q and dO rows are read in place (packing them per chunk was slower, docs/
-          // performance.md "Backward"); only a non-unit d_h stride forces a copy.
-          std::int64_t ldq = 0, lddo = 0;
-          const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq);
-          const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo);
-          GemmRows(d, rows, q_rows, ldq, 1, kt, M, dh, scores, M, false);  // S = Q (scale·K)ᵀ (4.2)
-          GemmRows(d, rows, do_rows, lddo, 1, vt, M, dh, dp, M, false);  // dP = dO Vᵀ
-          for (std::int64_t r = 0; r < rows; ++r) {
-            const std::int64_t t = c0 + r;
-            // Lanes [lo, visible) see their key (key range of the row, SPEC 4.3 and variants).
-            const std::int64_t lo = rb[r] - u0, visible = re[r] - u0;
-            const float lse = args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2];
-            const VF l = hn::Set(d, visible > 0 ? softmax_shift(lse) : 0.0f);
-            const VF dl = hn::Set(d, delta[(b * p.hq + h) * p.tq + t]);
-            if (elementwise) {  // the forward's S: cap, ALiBi, general mask
-              ElementwiseKeyLanes(d, p, scores + r * M, M, keys, u0, b, h, t,
-                                  dcap != nullptr ? dcap + r * M : nullptr,
-                                  keep != nullptr ? keep + r * M : nullptr);
-            }
-            for (std::int64_t i = 0; i < M; i += N) {
-              VF pu = ExpNaN(d, hn::Sub(hn::Load(d, scores + r * M + i), l));  // A = e^{S − L}
-              VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dp + r * M + i), dl));  // dS = A ⊙ (dA − D)
-              if (visible < i + N || lo > i) {  // key range (4.3), a select on P and dS
-                const std::int64_t n_vis = std::clamp<std::int64_t>(visible - i, 0, N);
-                const std::int64_t n_lo = std::clamp<std::int64_t>(lo - i, 0, N);
-                const auto seen = hn::AndNot(hn::FirstN(d, static_cast<std::size_t>(n_lo)),
-                                             hn::FirstN(d, static_cast<std::size_t>(n_vis)));
-                pu = hn::IfThenElseZero(seen, pu);
-                ds = hn::IfThenElseZero(seen, ds);
+      for (std::int64_t kb = kb_first; kb < kb_end; ++kb) {
+        const std::int64_t u0 = kb * M, keys = std::min(M, p.tk - u0);
+        std::fill(kt, kt + 4 * dh * M, 0.0f);  // zero padding lanes (keys ≥ T_k) and accumulators
+        PackTransposed(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, p.scale, kt, M);
+        PackTransposed(args.v.row(b, u0, j), args.v.s1, args.v.s3, keys, dh, 1.0f, vt, M);
+        if constexpr (kOnePass) {
+          PackRows(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, k_nat);
+          std::fill(k_nat + keys * dh, k_nat + M * dh, 0.0f);
+        }
+
+        // Queries that see any key of the block: t ≥ u0 − shift (causal), all otherwise. One-pass
+        // chunks start on a multiple of M (they are lane blocks of dQᵀ); rows before t_first are
+        // fully masked there and contribute exactly 0.
+        // With a window W, rows t ≥ u0 + keys − 1 + W − shift see none of them (p(t) − W < u).
+        const std::int64_t t_first = p.causal ? std::max<std::int64_t>(0, u0 - shift) : 0;
+        const std::int64_t c_begin = kOnePass ? t_first / M * M : t_first;
+        const std::int64_t t_stop =
+            var.window > 0 ? std::clamp<std::int64_t>(u0 + keys - 1 + var.window - shift, 0, p.tq)
+                           : p.tq;
+        for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {  // the g query heads of group j (4.8)
+          for (std::int64_t c0 = c_begin; c0 < t_stop; c0 += chunk) {
+            const std::int64_t rows = std::min(chunk, p.tq - c0);
+            // The rows' key ranges; skip a chunk none of whose rows sees a key of the block.
+            // Rows [r_lo, r_hi) are the ones that do not see every key of the block; keys
+            // outside [u0 + full_lo, u0 + full_hi) are not seen by every row.
+            bool any = false;
+            std::int64_t r_lo = rows, r_hi = 0, full_lo = 0, full_hi = keys;
+            for (std::int64_t r = 0; r < rows; ++r) {
+              const KeyRange kr = p.key_range(b, h, c0 + r);
+              rb[r] = static_cast<std::int32_t>(kr.begin);
+              re[r] = static_cast<std::int32_t>(kr.end);
+              any |= kr.end > kr.begin && kr.begin < u0 + keys && kr.end > u0;
+              if (kr.begin > u0 || kr.end < u0 + keys) {
+                r_lo = std::min(r_lo, r);
+                r_hi = r + 1;
               }
-              if (keep != nullptr) {  // general boolean mask, a select as well
-                const auto kept = hn::Ne(hn::Load(d, keep + r * M + i), hn::Zero(d));
-                pu = hn::IfThenElseZero(kept, pu);
-                ds = hn::IfThenElseZero(kept, ds);
+              full_lo = std::max(full_lo, kr.begin - u0);
+              full_hi = std::min(full_hi, kr.end - u0);
+            }
+            if (!any) continue;
+            for (std::int64_t r = rows; r < chunk; ++r) rb[r] = re[r] = 0;
+            // Q and dO rows are read in place (packing them per chunk was slower, docs/
+            // performance.md "Backward"); only a non-unit d_h stride forces a copy.
+            std::int64_t ldq = 0, lddo = 0;
+            const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq);
+            const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo);
+            GemmRows(d, rows, q_rows, ldq, 1, kt, M, dh, scores, M,
+                     false);  // S = Q (scale·K)ᵀ (4.2)
+            GemmRows(d, rows, do_rows, lddo, 1, vt, M, dh, dp, M, false);  // dP = dO Vᵀ
+            for (std::int64_t r = 0; r < rows; ++r) {
+              const std::int64_t t = c0 + r;
+              // Lanes [lo, visible) see their key (key range of the row, SPEC 4.3 and variants).
+              const std::int64_t lo = rb[r] - u0, visible = re[r] - u0;
+              const float lse = args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2];
+              const VF l = hn::Set(d, visible > 0 ? softmax_shift(lse) : 0.0f);
+              const VF dl = hn::Set(d, delta[(b * p.hq + h) * p.tq + t]);
+              if (elementwise) {  // the forward's S: cap, ALiBi, general mask
+                ElementwiseKeyLanes(d, p, scores + r * M, M, keys, u0, b, h, t,
+                                    dcap != nullptr ? dcap + r * M : nullptr,
+                                    keep != nullptr ? keep + r * M : nullptr);
               }
-              if (dcap != nullptr) ds = hn::Mul(ds, hn::Load(d, dcap + r * M + i));  // dz
-              hn::Store(pu, d, scores + r * M + i);
-              hn::Store(ds, d, dp + r * M + i);
+              for (std::int64_t i = 0; i < M; i += N) {
+                VF pu = ExpNaN(d, hn::Sub(hn::Load(d, scores + r * M + i), l));  // A = e^{S − L}
+                VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dp + r * M + i), dl));  // dS = A ⊙ (dA − D)
+                if (visible < i + N || lo > i) {  // key range (4.3), a select on P and dS
+                  const std::int64_t n_vis = std::clamp<std::int64_t>(visible - i, 0, N);
+                  const std::int64_t n_lo = std::clamp<std::int64_t>(lo - i, 0, N);
+                  const auto seen = hn::AndNot(hn::FirstN(d, static_cast<std::size_t>(n_lo)),
+                                               hn::FirstN(d, static_cast<std::size_t>(n_vis)));
+                  pu = hn::IfThenElseZero(seen, pu);
+                  ds = hn::IfThenElseZero(seen, ds);
+                }
+                if (keep != nullptr) {  // general boolean mask, a select as well
+                  const auto kept = hn::Ne(hn::Load(d, keep + r * M + i), hn::Zero(d));
+                  pu = hn::IfThenElseZero(kept, pu);
+                  ds = hn::IfThenElseZero(kept, ds);
+                }
+                if (dcap != nullptr) ds = hn::Mul(ds, hn::Load(d, dcap + r * M + i));  // dz
+                hn::Store(pu, d, scores + r * M + i);
+                hn::Store(ds, d, dp + r * M + i);
+              }
             }
-          }
-          // dVᵀ += dOᵀ P, dKᵀ += Qᵀ dS. Rows [r_lo, r_hi) do not see every key of the block: a
-          // NaN in their dO or Q must not reach the keys they do not see (0 · NaN = NaN).
-          if (keep != nullptr) r_lo = 0, r_hi = rows;
-          const auto row_sees = [&](std::int64_t r, std::int64_t i) {
-            const std::int64_t n = std::clamp<std::int64_t>(re[r] - u0 - i, 0, N);
-            const std::int64_t n_lo = std::clamp<std::int64_t>(rb[r] - u0 - i, 0, N);
-            auto seen = hn::AndNot(hn::FirstN(d, static_cast<std::size_t>(n_lo)),
-                                   hn::FirstN(d, static_cast<std::size_t>(n)));
-            if (keep != nullptr) {
-              seen = hn::And(seen, hn::Ne(hn::Load(d, keep + r * M + i), hn::Zero(d)));
-            }
-            return seen;
-          };
-          GemmRowsMaskedIfNonFinite(d, dh, do_rows, 1, lddo, scores, M, rows, dvt, M, true, nullptr,
-                                    r_lo, r_hi, row_sees);
-          GemmRowsMaskedIfNonFinite(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true, nullptr, r_lo,
-                                    r_hi, row_sees);
-          if constexpr (kOnePass) {
-            // dQᵀ[x][c0 + r] += Σ_u K[u][x] dS[r][u]: dS transposed to [key][row] (rows past
-            // T_q zeroed), then the microkernel with B = dSᵀ, C = the chunk's columns of dQᵀ.
-            for (std::int64_t u = 0; u < M; ++u) {
-              for (std::int64_t r = 0; r < rows; ++r) dst[u * M + r] = dp[r * M + u];
-              for (std::int64_t r = rows; r < M; ++r) dst[u * M + r] = 0.0f;
-            }
-            // Keys outside [u0 + full_lo, u0 + full_hi) are not seen by some rows of the chunk:
-            // row c0 + i + lane sees key u0 + u iff rb ≤ u0 + u < re (and the boolean mask).
-            const hn::RebindToSigned<decltype(d)> di;
-            const auto key_seen_by = [&](std::int64_t u, std::int64_t i) {
-              const auto key = hn::Set(di, static_cast<std::int32_t>(u0 + u));
-              auto seen = hn::RebindMask(d, hn::AndNot(hn::Lt(key, hn::LoadU(di, rb + i)),
-                                                       hn::Lt(key, hn::LoadU(di, re + i))));
-              if (keep != nullptr) {  // keep is [row][key]: gather the lanes' column
-                HWY_ALIGN float col[hn::MaxLanes(d)] = {};
-                for (std::int64_t x = 0; x < N; ++x)
-                  col[x] = i + x < rows ? keep[(i + x) * M + u] : 0.0f;
-                seen = hn::And(seen, hn::Ne(hn::Load(d, col), hn::Zero(d)));
+            // dVᵀ += dOᵀ P, dKᵀ += Qᵀ dS. Rows [r_lo, r_hi) do not see every key of the block: a
+            // NaN in their dO or Q must not reach the keys they do not see (0 · NaN = NaN).
+            if (keep != nullptr) r_lo = 0, r_hi = rows;
+            const auto row_sees = [&](std::int64_t r, std::int64_t i) {
+              const std::int64_t n = std::clamp<std::int64_t>(re[r] - u0 - i, 0, N);
+              const std::int64_t n_lo = std::clamp<std::int64_t>(rb[r] - u0 - i, 0, N);
+              auto seen = hn::AndNot(hn::FirstN(d, static_cast<std::size_t>(n_lo)),
+                                     hn::FirstN(d, static_cast<std::size_t>(n)));
+              if (keep != nullptr) {
+                seen = hn::And(seen, hn::Ne(hn::Load(d, keep + r * M + i), hn::Zero(d)));
               }
               return seen;
             };
-            const PartialKeys part =
-                keep != nullptr ? PartialKeys{0, keys} : PartialRange(full_lo, full_hi, keys);
-            GemmRowsMaskedIfNonFinite(d, dh, k_nat, 1, dh, dst, M, keys,
-                                      dqt + ((h - j * g) * tq_pad + c0) * dh, M, true, nullptr,
-                                      part.lo, part.hi, key_seen_by);
+            GemmRowsMaskedIfNonFinite(d, dh, do_rows, 1, lddo, scores, M, rows, dvt, M, true,
+                                      nullptr, r_lo, r_hi, row_sees);
+            GemmRowsMaskedIfNonFinite(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true, nullptr,
+                                      r_lo, r_hi, row_sees);
+            if constexpr (kOnePass) {
+              // dQᵀ[x][c0 + r] += Σ_u K[u][x] dS[r][u]: dS transposed to [key][row] (rows past
+              // T_q zeroed), then the microkernel with B = dSᵀ, C = the chunk's columns of dQᵀ.
+              for (std::int64_t u = 0; u < M; ++u) {
+                for (std::int64_t r = 0; r < rows; ++r) dst[u * M + r] = dp[r * M + u];
+                for (std::int64_t r = rows; r < M; ++r) dst[u * M + r] = 0.0f;
+              }
+              // Keys outside [u0 + full_lo, u0 + full_hi) are not seen by some rows of the chunk:
+              // row c0 + i + lane sees key u0 + u iff rb ≤ u0 + u < re (and the boolean mask).
+              const hn::RebindToSigned<decltype(d)> di;
+              const auto key_seen_by = [&](std::int64_t u, std::int64_t i) {
+                const auto key = hn::Set(di, static_cast<std::int32_t>(u0 + u));
+                auto seen = hn::RebindMask(d, hn::AndNot(hn::Lt(key, hn::LoadU(di, rb + i)),
+                                                         hn::Lt(key, hn::LoadU(di, re + i))));
+                if (keep != nullptr) {  // keep is [row][key]: gather the lanes' column
+                  HWY_ALIGN float col[hn::MaxLanes(d)] = {};
+                  for (std::int64_t x = 0; x < N; ++x)
+                    col[x] = i + x < rows ? keep[(i + x) * M + u] : 0.0f;
+                  seen = hn::And(seen, hn::Ne(hn::Load(d, col), hn::Zero(d)));
+                }
+                return seen;
+              };
+              const PartialKeys part =
+                  keep != nullptr ? PartialKeys{0, keys} : PartialRange(full_lo, full_hi, keys);
+              GemmRowsMaskedIfNonFinite(d, dh, k_nat, 1, dh, dst, M, keys,
+                                        dqt + ((h - j * g) * tq_pad + c0) * dh, M, true, nullptr,
+                                        part.lo, part.hi, key_seen_by);
+            }
+          }
+        }
+        for (std::int64_t u = 0; u < keys; ++u) {  // dK = scale · (dKᵀ)ᵀ, dV = (dVᵀ)ᵀ
+          StoreColumn(dkt, M, u, dh, p.scale, args.dk.row(b, u0 + u, j), args.dk.s3);
+          StoreColumn(dvt, M, u, dh, 1.0f, args.dv.row(b, u0 + u, j), args.dv.s3);
+        }
+      }
+
+      if constexpr (kOnePass) {  // dQ = scale · (dQᵀ)ᵀ
+        for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {
+          const float* src = dqt + (h - j * g) * tq_pad * dh;
+          for (std::int64_t t = 0; t < p.tq; ++t) {  // lane t % M of lane block t / M: [dh][M]
+            StoreColumn(src + (t / M) * M * dh, M, t % M, dh, p.scale, args.dq.row(b, t, h),
+                        args.dq.s3);
           }
         }
       }
-      for (std::int64_t u = 0; u < keys; ++u) {  // dK = scale · (dKᵀ)ᵀ, dV = (dVᵀ)ᵀ
-        StoreColumn(dkt, M, u, dh, p.scale, args.dk.row(b, u0 + u, j), args.dk.s3);
-        StoreColumn(dvt, M, u, dh, 1.0f, args.dv.row(b, u0 + u, j), args.dv.s3);
-      }
     }
-
-    if constexpr (kOnePass) {  // dQ = scale · (dQᵀ)ᵀ
-      for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {
-        const float* src = dqt + (h - j * g) * tq_pad * dh;
-        for (std::int64_t t = 0; t < p.tq; ++t) {  // lane t % M of lane block t / M: [dh][M]
-          StoreColumn(src + (t / M) * M * dh, M, t % M, dh, p.scale, args.dq.row(b, t, h),
-                      args.dq.s3);
-        }
-      }
-    }
-  }
+  };
+  RunTeam(team, team_work);
 }
 
 template <class T>

@@ -120,6 +120,18 @@ inline PartialKeys PartialRange(std::int64_t full_lo, std::int64_t full_hi, std:
   return {std::max<std::int64_t>(full_hi, 0), n};
 }
 
+// Runs f() on each thread of a team of `team` (RunTeam, kernel_skeleton.hpp): the kernels'
+// `#pragma omp parallel for` is this region plus an orphaned `#pragma omp for` inside f, so the
+// region itself is opened outside the Highway target code.
+template <class F>
+void RunTeamBody(void* f) {
+  (*static_cast<const F*>(f))();
+}
+template <class F>
+void RunTeam(int team, const F& f) {
+  RunTeam(team, &RunTeamBody<F>, const_cast<void*>(static_cast<const void*>(&f)));
+}
+
 // Calls f(i, h, t) for every lane i of a lane block that holds a row (head h, position t).
 template <class F>
 void ForEachRow(const QueryUnits& units, const QueryUnits::Block& blk, F&& f) {

@@ -43,6 +43,9 @@ CausalAlign parse_causal_align(const std::string& text, const char* what = "alig
 /// of sequence b and the boolean mask all allow it. p(t) = t + (T_k − T_q) bottom-right, t
 /// top-left, is query t's position (for the window and ALiBi; also when causal is false).
 /// A row that sees no key gives O = 0 and L = −∞ (with sinks: O = 0, L = σ_h).
+/// A kernel path that does not implement the variants (see `tokenmix info`) refuses a call that
+/// uses any of them with UnsupportedError naming the kernel and the variants; force another
+/// path with `isa` (Isa::portable implements all of them).
 struct AttentionOptions {
   std::optional<double> scale;  ///< s in (4.2); default 1/sqrt(d_h). Must be finite.
   bool causal = true;           ///< apply the mask M of (4.3)
@@ -103,7 +106,10 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
 ///   positions are per sequence.
 ///   out [total_q, H_q, d_h]; lse [H_q, total_q] (rank 2) or empty.
 /// options.mask and options.key_lengths must be empty (UnsupportedError otherwise). Bad offsets
-/// throw ArgumentError naming the index.
+/// throw ArgumentError naming the index. Runs one B = 1 kernel call per sequence on views of the
+/// packed tensors (no copy): the threads share the work of each sequence in turn (its heads and
+/// row blocks), so many tiny sequences use the threads less well than a padded batch. A sequence
+/// with no keys gives O = 0 and L = −∞ (σ_h with sinks).
 void attention_forward_varlen(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                               ConstTensorView cu_seqlens_q, ConstTensorView cu_seqlens_k,
                               TensorView out, TensorView lse = {},

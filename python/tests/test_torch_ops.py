@@ -205,6 +205,22 @@ def test_compile_fullgraph_model_and_export():
     assert_close(ep.module()(x, mask), ref, 1e-6, 1e-6, "exported model")
 
 
+def test_export_with_a_dynamic_sequence_length():
+    """The fake implementations compute shapes symbolically: one exported program serves every
+    T (here 9 when exported, 33 when run)."""
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return tmt.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                    window=3)
+
+    q, k, v = _inputs(L=9, S=9, grad=False)
+    T = torch.export.Dim("T", min=2, max=512)
+    ep = torch.export.export(M(), (q, k, v), dynamic_shapes=({2: T}, {2: T}, {2: T}))
+    q, k, v = _inputs(L=33, S=33, grad=False)
+    assert torch.equal(ep.module()(q, k, v), M()(q, k, v))
+
+
 def test_threads_are_read_when_the_operator_runs():
     """The compiled graph has no thread count baked in: the operator reads it at run time (and
     the result does not depend on it)."""
@@ -271,6 +287,25 @@ def test_vmap_of_grad_gives_per_sample_gradients():
         sinks, q, k, v)
     for i in range(4):
         ref = torch.func.grad(loss, argnums=(0, 1))(sinks, q[i], k[i], v[i])
+        assert torch.allclose(per[0][i], ref[0], atol=1e-5, rtol=1e-5)
+        assert torch.allclose(per[1][i], ref[1], atol=1e-5, rtol=1e-5)
+
+
+def test_vmap_of_grad_without_sinks_merges_the_batch():
+    """No sinks: the vmap rules merge the vmapped axis into B (forward and backward); an
+    unbatched mask with a batch of its own is expanded over the vmapped axis."""
+    q, k, v = _inputs(B=2, grad=False)
+    qs = torch.randn((3,) + q.shape)
+    mask = torch.rand(2, 1, 7, 7) > 0.3
+
+    def loss(q, k, v):
+        return tmt.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                enable_gqa=True).square().sum()
+
+    per = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(0, None, None))(
+        qs, k, v)
+    for i in range(3):
+        ref = torch.func.grad(loss, argnums=(0, 1))(qs[i], k, v)
         assert torch.allclose(per[0][i], ref[0], atol=1e-5, rtol=1e-5)
         assert torch.allclose(per[1][i], ref[1], atol=1e-5, rtol=1e-5)
 
@@ -345,6 +380,31 @@ def test_compile_fullgraph_reduced_precision(dtype):
     for name, a, b in zip(("dq", "dk", "dv", "dsinks"), g, r):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert g[0].dtype == dtype and g[3].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float64])  # bf16/f16 run (test_bf16.py)
+def test_operators_refuse_other_dtypes(dtype):
+    q, k, v = (t.detach().to(dtype) for t in _inputs())
+    with pytest.raises(tokenmix.UnsupportedError, match=f"q has dtype {dtype}"):
+        OPS.attention_forward(q, k, v, None, None, None, None, True, False, None, None)
+    with pytest.raises(tokenmix.UnsupportedError, match=f"q has dtype {dtype}"):
+        OPS.attention_backward(q, q, k, v, q, q[..., 0], None, None, None, None, True, False,
+                               None, None)
+    vq, vk, vv, cu_q, cu_k = (a.detach() for a in _varlen_args()[:5])
+    with pytest.raises(tokenmix.UnsupportedError, match=f"q has dtype {dtype}"):
+        OPS.varlen_forward(vq.to(dtype), vk, vv, cu_q, cu_k, None, None, None, True, True, None,
+                           None)
+    # Under tracing the fake implementation raises it (dynamo reports it inside its own
+    # Unsupported error under fullgraph=True).
+    with pytest.raises(Exception, match="q has dtype .* only torch.float32, torch.bfloat16 "
+                                        "and torch.float16 are supported"):
+        torch.compile(lambda q: OPS.attention_forward(q, q, q, None, None, None, None, True,
+                                                      False, None, None)[0], fullgraph=True)(q)
+    # Mixed dtypes (bf16 q, float32 k/v) are refused by the operators too.
+    with pytest.raises(tokenmix.UnsupportedError, match="k has dtype torch.float32 but q has "
+                                                        "torch.bfloat16"):
+        OPS.varlen_forward(vq.bfloat16(), vk, vv, cu_q, cu_k, None, None, None, True, True, None,
+                           None)
 
 
 def test_operator_refuses_gradients_it_cannot_compute():

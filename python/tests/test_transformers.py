@@ -134,8 +134,8 @@ def test_chunked_prefill_on_a_dynamic_cache(family):
     for model in (eager, ours):
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
-            model(ids[:, :6], past_key_values=cache, use_cache=True)
-            logits.append(model(ids[:, 6:], past_key_values=cache, use_cache=True).logits)
+            model(ids[:, :6], cache=cache, use_cache=True)
+            logits.append(model(ids[:, 6:], cache=cache, use_cache=True).logits)
             full = model(ids).logits[:, 6:]
             assert _rel(logits[-1], full) <= REL
     assert _rel(logits[1], logits[0]) <= REL
@@ -211,3 +211,18 @@ def test_unsupported_requests_raise():
     model = model.to(torch.float64)  # (bfloat16 and float16 run: test_bf16.py)
     with pytest.raises(tokenmix.UnsupportedError, match="float64"):
         model(ids, attention_mask=mask)
+
+
+def test_a_custom_4d_float_mask_is_a_bias():
+    """A prepared 4D mask is passed through by transformers as it is: here an additive float
+    mask with holes (not one interval per row), as eager takes it."""
+    eager, ours = _models("qwen2")
+    ids = _batch()[0]
+    T = ids.shape[1]
+    keep = torch.ones(T, T, dtype=torch.bool).tril() & (torch.rand(2, 1, T, T) > 0.3)
+    keep |= torch.eye(T, dtype=torch.bool)  # every row sees itself
+    bias = torch.zeros(2, 1, T, T).masked_fill(~keep, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        ref = eager(ids, attention_mask=bias).logits
+        got = ours(ids, attention_mask=bias).logits
+    assert _rel(got, ref) <= REL

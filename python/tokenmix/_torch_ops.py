@@ -24,26 +24,32 @@ dsinks)``
     ``lse`` ``[H_q, total_q]``).
 
 Each has a fake (meta) implementation that computes the output shapes, so ``torch.compile``
-(``fullgraph=True``) and ``torch.export`` trace through it without a graph break; the forward
-operators have an autograd formula (``register_autograd`` with ``setup_context``) that calls the
-backward operator, so ``torch.func.grad`` works; every operator has a vmap rule (the vmapped
-dimension is merged into the batch when that is exact, otherwise the rule loops over it). The
-backward operators are not differentiable: a double backward raises
+(``fullgraph=True``) and ``torch.export`` trace through it without a graph break, and a vmap
+rule (the vmapped dimension is merged into the batch when that is exact, otherwise the rule
+loops over it). The forward operators have an autograd formula (``register_autograd`` with
+``setup_context``) that calls the backward operator, for callers of ``torch.ops.tokenmix.*``
+themselves. The backward operators are not differentiable: a double backward raises
 ``tokenmix.UnsupportedError``.
+
+tokenmix.torch (and tokenmix.transformers) reach the operators through :func:`attention` and
+:func:`varlen`: an ``autograd.Function`` with ``forward``, ``setup_context`` and ``backward``
+apart and a generated vmap rule (``_Attention``; the autograd that ``register_autograd`` builds
+has a combined forward, which ``torch.func.grad`` refuses), whose forward and backward call the
+operators. Plain eager calls (no compile/export tracing, no functorch transform, no dispatch or
+function mode, no tensor subclass: :func:`plain_eager`) skip the dispatcher: a ctx-style
+Function (``_EagerAttention``) calls the same implementation functions directly, which costs a
+few microseconds instead of the operator's few tens (generation calls attention thousands of
+times a second). Both routes run identical code and are tested against each other.
 
 Threads: the implementations read ``torch.get_num_threads()`` when they run, outside any traced
 region (an exported or compiled graph uses the thread count of the process that runs it); the
-results do not depend on it.
-
-Plain eager calls (no ``torch.compile``/export tracing, no functorch transform, no dispatch
-mode, no tensor subclass) skip the dispatcher: :func:`attention` and :func:`varlen` then call the
-same implementation functions through a ``torch.autograd.Function``, which costs a few
-microseconds instead of the custom operator's few tens (generation calls attention thousands
-of times a second). Both routes run identical code and are tested against each other.
+results do not depend on it. Tensors reach the extension as NumPy views (``.numpy()``: no copy,
+strides kept), which is cheaper than torch's Python-level ``__dlpack__``.
 """
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+import ml_dtypes
 import torch
 from torch import Tensor
 
@@ -67,6 +73,35 @@ def _no_double_backward(op: str) -> Exception:
                   "torch.nn.functional.scaled_dot_product_attention")
 
 
+def _np(t: Tensor) -> Any:
+    """The NumPy view of a CPU tensor (no copy, strides kept, stride-0 broadcasts included).
+    The extension takes tensors through DLPack too, but torch's ``__dlpack__`` is Python code
+    that costs several microseconds per tensor; ``.numpy()`` is a C call."""
+    t = t.detach() if t.requires_grad else t
+    if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: the same bits as ml_dtypes.bfloat16
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _check(op: str, **tensors: Tensor) -> None:
+    """float32, bfloat16 or float16 CPU tensors, all of one dtype (SPEC "Reduced precision"):
+    else tokenmix.UnsupportedError."""
+    first = next(iter(tensors.items()))
+    for name, t in tensors.items():
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise _typed(_C.UnsupportedError, "unsupported",
+                         f"tokenmix::{op}: {name} has dtype {t.dtype}; only torch.float32, "
+                         "torch.bfloat16 and torch.float16 are supported")
+        if t.dtype != first[1].dtype:
+            raise _typed(_C.UnsupportedError, "unsupported",
+                         f"tokenmix::{op}: {name} has dtype {t.dtype} but {first[0]} has "
+                         f"{first[1].dtype}; {', '.join(tensors)} must have one dtype")
+        if t.device.type not in ("cpu", "meta"):
+            raise _typed(_C.UnsupportedError, "unsupported",
+                         f"tokenmix::{op}: {name} is on device '{t.device}'; tokenmix runs on "
+                         "the CPU only")
+
+
 def _variant_kwargs(alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                     window: Optional[int], softcap: Optional[float]) -> dict:
     kw = {}
@@ -75,9 +110,9 @@ def _variant_kwargs(alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
     if softcap is not None:
         kw["softcap"] = softcap
     if alibi_slopes is not None:
-        kw["alibi_slopes"] = alibi_slopes
+        kw["alibi_slopes"] = _np(alibi_slopes)
     if sinks is not None:
-        kw["sinks"] = sinks
+        kw["sinks"] = _np(sinks)
     return kw
 
 
@@ -89,15 +124,16 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                   alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: Optional[float],
                   is_causal: bool, bottom_right: bool, window: Optional[int],
                   softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+    _check("attention_forward", q=q, k=k, v=v)
     B, H, L, E = q.shape
     out_bthd = torch.empty((B, L, H, E), dtype=q.dtype)  # q's dtype (SPEC "Reduced precision")
     lse = torch.empty((B, H, L), dtype=torch.float32)  # float32 for every dtype
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
     if attn_mask is not None:
-        kw["mask"] = attn_mask
-    _C.attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out_bthd, lse,
-                         scale, is_causal, _ALIGN[bottom_right], torch.get_num_threads(), "auto",
-                         **kw)
+        kw["mask"] = _np(attn_mask)
+    _C.attention_forward(_np(q.transpose(1, 2)), _np(k.transpose(1, 2)), _np(v.transpose(1, 2)),
+                         _np(out_bthd), lse.numpy(), scale, is_causal, _ALIGN[bottom_right],
+                         torch.get_num_threads(), "auto", **kw)
     return out_bthd.transpose(1, 2), lse
 
 
@@ -112,17 +148,18 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    sinks: Optional[Tensor], scale: Optional[float], is_causal: bool,
                    bottom_right: bool, window: Optional[int],
                    softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check("attention_backward", q=q, k=k, v=v)
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
     dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
     dsinks = torch.empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
     if attn_mask is not None:
-        kw["mask"] = attn_mask
+        kw["mask"] = _np(attn_mask)
     if sinks is not None:
-        kw["dsinks"] = dsinks
-    t = (lambda x: x.transpose(1, 2))
-    _C.attention_backward(t(q), t(k), t(v), t(out), lse, t(dout), t(dq), t(dk), t(dv), scale,
+        kw["dsinks"] = dsinks.numpy()
+    t = (lambda x: _np(x.transpose(1, 2)))
+    _C.attention_backward(t(q), t(k), t(v), t(out), _np(lse), t(dout), t(dq), t(dk), t(dv), scale,
                           is_causal, _ALIGN[bottom_right], torch.get_num_threads(), "auto", **kw)
     return dq, dk, dv, dsinks
 
@@ -132,10 +169,12 @@ def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                          sinks: Optional[Tensor], scale: Optional[float], is_causal: bool,
                          bottom_right: bool, window: Optional[int],
                          softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+    _check("varlen_forward", q=q, k=k, v=v)
     out = torch.empty(q.shape, dtype=q.dtype)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    _C.attention_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, scale, is_causal,
-                                _ALIGN[bottom_right], torch.get_num_threads(), "auto",
+    _C.attention_forward_varlen(_np(q), _np(k), _np(v), _np(cu_seqlens_q), _np(cu_seqlens_k),
+                                _np(out), lse.numpy(), scale, is_causal, _ALIGN[bottom_right],
+                                torch.get_num_threads(), "auto",
                                 **_variant_kwargs(alibi_slopes, sinks, window, softcap))
     return out, lse
 
@@ -146,14 +185,16 @@ def _varlen_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                           scale: Optional[float], is_causal: bool, bottom_right: bool,
                           window: Optional[int],
                           softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check("varlen_backward", q=q, k=k, v=v)
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
     dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
     dsinks = torch.empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
     if sinks is not None:
-        kw["dsinks"] = dsinks
-    _C.attention_backward_varlen(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, dq, dk, dv,
+        kw["dsinks"] = dsinks.numpy()
+    _C.attention_backward_varlen(*[_np(x) for x in (q, k, v, out, lse, dout, cu_seqlens_q,
+                                                    cu_seqlens_k, dq, dk, dv)],
                                  scale, is_causal, _ALIGN[bottom_right], torch.get_num_threads(),
                                  "auto", **kw)
     return dq, dk, dv, dsinks
@@ -175,6 +216,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
 
 @attention_forward.register_fake
 def _(q, k, v, attn_mask, alibi_slopes, sinks, scale, is_causal, bottom_right, window, softcap):
+    _check("attention_forward", q=q, k=k, v=v)
     B, H, L, E = q.shape
     return (q.new_empty((B, L, H, E)).transpose(1, 2),
             q.new_empty((B, H, L), dtype=torch.float32))
@@ -211,6 +253,7 @@ def varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
 @varlen_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scale, is_causal, bottom_right,
       window, softcap):
+    _check("varlen_forward", q=q, k=k, v=v)
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -516,6 +559,41 @@ class _Varlen(torch.autograd.Function):
         return dq, dk, dv, (None if sinks is None else dsinks), None, None, None, None
 
 
+class _EagerAttention(torch.autograd.Function):
+    """_Attention for plain eager calls: the implementation without the dispatcher, and a
+    forward(ctx, ...) that autograd applies without binding the signature each call (what a
+    setup_context-style Function costs)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor],
+                attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                options: Tuple[Any, ...]) -> Tensor:
+        out, lse = _forward_impl(q, k, v, attn_mask, alibi_slopes, sinks, *options)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, attn_mask, alibi_slopes)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> Tuple[Any, ...]:
+        return _Attention.backward(ctx, dout, None)
+
+
+class _EagerVarlen(torch.autograd.Function):
+    """_Varlen for plain eager calls (see _EagerAttention)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], cu_q: Tensor,
+                cu_k: Tensor, alibi_slopes: Optional[Tensor], options: Tuple[Any, ...]) -> Tensor:
+        out, lse = _varlen_forward_impl(q, k, v, cu_q, cu_k, alibi_slopes, sinks, *options)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks, alibi_slopes)
+        ctx.options = options
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> Tuple[Any, ...]:
+        return _Varlen.backward(ctx, dout, None)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
               alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: Optional[float],
               is_causal: bool, bottom_right: bool, window: Optional[int],
@@ -523,8 +601,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     """out = attention_forward(...)[0], differentiable w.r.t. q, k, v and sinks. Arguments are
     taken as checked (tokenmix.torch and tokenmix.transformers validate them; a mask or ALiBi
     slopes that require grad are refused there)."""
-    return _Attention.apply(q, k, v, sinks, attn_mask, alibi_slopes,
-                            (scale, is_causal, bottom_right, window, softcap))[0]
+    options = (scale, is_causal, bottom_right, window, softcap)
+    if plain_eager(q, k, v, sinks):
+        return _EagerAttention.apply(q, k, v, sinks, attn_mask, alibi_slopes, options)
+    return _Attention.apply(q, k, v, sinks, attn_mask, alibi_slopes, options)[0]
 
 
 def varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -532,5 +612,8 @@ def varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
            is_causal: bool, bottom_right: bool, window: Optional[int],
            softcap: Optional[float]) -> Tensor:
     """out = varlen_forward(...)[0], differentiable w.r.t. q, k, v and sinks."""
-    return _Varlen.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                         (scale, is_causal, bottom_right, window, softcap))[0]
+    options = (scale, is_causal, bottom_right, window, softcap)
+    if plain_eager(q, k, v, sinks):
+        return _EagerVarlen.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                  options)
+    return _Varlen.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options)[0]

@@ -3,6 +3,8 @@
     python -m tokenmix.bench                       # T = 512, 2048, 8192; forward and fwd+bwd
     python -m tokenmix.bench --seq 2048 --repeats 7 --threads 2 --markdown
     python -m tokenmix.bench --dtype bf16          # both sides in bfloat16 (or f16: float16)
+    python -m tokenmix.bench --model      # a Llama-shaped model in transformers (_bench_model)
+    python -m tokenmix.bench --overhead   # the cost of one tiny call (generation's shapes)
 
 Shapes (SPEC "Names and shapes"): B=1, H_q=32, H_kv=8, d_h=128 by default (grouped-query,
 g = 4), causal, float32 (``--dtype bf16`` / ``f16``: both sides in bfloat16 / float16, the
@@ -256,6 +258,10 @@ def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
 
 
 def main(argv: List[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--model" in argv or "--overhead" in argv:  # whole-model and per-call timings
+        from . import _bench_model
+        return _bench_model.main(argv)
     p = argparse.ArgumentParser(
         prog="python -m tokenmix.bench", description=__doc__.split("\n\n")[0]
     )

@@ -12,9 +12,10 @@ and ``varlen_attention``, the packed variable-length form of FlashAttention's
 computed by tokenmix's fused flash kernels, forward and backward: the registered operators
 ``torch.ops.tokenmix.attention_forward`` / ``attention_backward`` (module ``_torch_ops``; the
 forward saves ``out`` and the row log-sum-exp L, no T×T matrix is stored), so the drop-in works
-under ``torch.compile(fullgraph=True)``, ``torch.export``, ``torch.func.grad`` and ``vmap``. Tensors are passed to the kernels as strided views, without copies: PyTorch's
-``[B, H, T, E]`` layout, transposed views of ``[B, T, H, E]`` projections and other
-non-contiguous inputs all work in place.
+under ``torch.compile(fullgraph=True)``, ``torch.export``, ``torch.func.grad`` and ``vmap``.
+Tensors are passed to the kernels as strided views, without copies: PyTorch's ``[B, H, T, E]``
+layout, transposed views of ``[B, T, H, E]`` projections and other non-contiguous inputs all
+work in place.
 
 ``attn_mask`` has PyTorch's meaning: a bool mask (True = may attend) or a float32 additive bias,
 broadcastable to [..., H_q, L, S]; size-1 (and expanded, stride-0) axes are broadcast by the
@@ -51,9 +52,10 @@ sinks' gradient flows back through the widening).
 Supported: float32, bfloat16 and float16 CPU tensors, any number of batch dimensions (equal for
 q, k, v), grouped query attention with ``enable_gqa=True`` (H_q a multiple of H_kv; as in
 PyTorch, H_q ≠ H_kv without it is an error), ``scale``, ``is_causal``, ``attn_mask``. Everything
-else raises ``NotImplementedError`` naming the argument: ``dropout_p > 0``, a non-CPU device, a
-dtype other than float32, bfloat16 and float16, a value head width different from the query's,
-batch dimensions that need broadcasting. Double backward is not supported.
+else raises ``tokenmix.UnsupportedError`` (a ``NotImplementedError``) naming the argument:
+``dropout_p > 0``, a non-CPU device, a dtype other than float32, bfloat16 and float16, a value
+head width different from the query's, batch dimensions that need broadcasting. Double backward
+raises ``tokenmix.UnsupportedError``.
 
 Threads: the kernels use ``torch.get_num_threads()`` threads, so ``torch.set_num_threads``
 controls both libraries.
@@ -240,6 +242,26 @@ def _mask_view(attn_mask: torch.Tensor, query: torch.Tensor, S: int) -> torch.Te
     return m.expand(batch + tuple(m.shape[-3:])).reshape((-1,) + tuple(m.shape[-3:]))
 
 
+def _fast_shapes(q: Any, k: Any, v: Any, enable_gqa: bool) -> bool:
+    """True when q, k, v are plain strided CPU tensors [B, H, T, E] of one dtype (float32,
+    bfloat16 or float16) that the general path would accept as they are (same B and E, K and V
+    alike, GQA only with enable_gqa), and autocast is off (it may cast them)."""
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
+        return False
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if torch.is_autocast_enabled("cpu"):
+        return False
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if len(qs) != 4 or len(ks) != 4 or ks != vs or qs[0] != ks[0] or qs[3] != ks[3]:
+        return False
+    if qs[1] != ks[1] and not (enable_gqa is True and ks[1] > 0 and qs[1] % ks[1] == 0):
+        return False
+    return (q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
+            and q.layout == torch.strided and k.layout == torch.strided
+            and v.layout == torch.strided)
+
+
 def scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -288,6 +310,16 @@ def scaled_dot_product_attention(
         NotImplementedError: for anything this drop-in does not implement (names the argument).
         RuntimeError: for inputs PyTorch rejects too (mismatched sizes, GQA without enable_gqa).
     """
+    if (attn_mask is None and not dropout_p and window is None and softcap is None
+            and alibi_slopes is None and sinks is None and causal_align == "top_left"
+            and type(is_causal) is bool and (scale is None or type(scale) is float)):
+        # Fast path for the common call (generation makes thousands per second): plain
+        # float32/bf16/f16 CPU [B, H, T, E] tensors whose shapes need no message beyond the
+        # library's own (not under autocast).
+        fast = _fast_shapes(query, key, value, enable_gqa)
+        if fast and (scale is None or math.isfinite(scale)):
+            return _ops.attention(query, key, value, None, None, None, scale, is_causal, False,
+                                  None, None)
     tensors = (("query", query), ("key", key), ("value", value))
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):

@@ -252,6 +252,7 @@ void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, 
                             {"options.mask", detail::mask_if_f32(options)},
                             {"options.alibi_slopes", options.alibi_slopes},
                             {"options.sinks", options.sinks}});
+  detail::check_bool_mask_disjoint(fn, options, {{"out", out}, {"lse", lse}});
   const Isa isa = resolve_isa(options.isa, fn);  // the one dispatch decision of this call
 
   args.q = strided(q);
@@ -302,6 +303,8 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                             {"options.mask", detail::mask_if_f32(options)},
                             {"options.alibi_slopes", options.alibi_slopes},
                             {"options.sinks", options.sinks}});
+  detail::check_bool_mask_disjoint(fn, options,
+                                   {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dsinks", dsinks}});
   const Isa isa = resolve_isa(options.isa, fn);
 
   args.q = strided(q);

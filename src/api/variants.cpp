@@ -234,6 +234,36 @@ ConstTensorView mask_if_f32(const AttentionOptions& o) {
   return o.mask.dtype == DType::f32 ? o.mask : ConstTensorView{};
 }
 
+void check_bool_mask_disjoint(const char* fn, const AttentionOptions& o,
+                              std::initializer_list<NamedView> outputs) {
+  const ConstTensorView& m = o.mask;
+  if (m.empty() || m.dtype != DType::boolean) return;
+  // [first, last] byte of a view (validated: offsets fit in int64); false when it has no element.
+  const auto bytes = [](const ConstTensorView& v, std::uintptr_t& lo, std::uintptr_t& hi) {
+    if (v.data == nullptr) return false;
+    std::int64_t last = 0;
+    for (int i = 0; i < v.rank; ++i) {
+      if (v.dim(i) == 0) return false;
+      last += (v.dim(i) - 1) * v.stride(i);
+    }
+    const auto size = static_cast<std::int64_t>(size_of(v.dtype));
+    lo = reinterpret_cast<std::uintptr_t>(v.data);
+    hi = lo + static_cast<std::uintptr_t>(last * size + size - 1);
+    return true;
+  };
+  std::uintptr_t mlo = 0, mhi = 0;
+  if (!bytes(m, mlo, mhi)) return;
+  for (const auto& [name, v] : outputs) {
+    std::uintptr_t lo = 0, hi = 0;
+    if (bytes(v, lo, hi) && lo <= mhi && mlo <= hi) {
+      fail(ErrorCode::aliasing, fn,
+           std::string("output ") + name +
+               " overlaps input options.mask in memory; outputs must not share memory with "
+               "inputs");
+    }
+  }
+}
+
 void check_dsinks(const char* fn, const AttentionOptions& o, const ConstTensorView& dsinks,
                   std::int64_t hq) {
   if (dsinks.empty()) return;

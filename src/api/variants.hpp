@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "kernels/attention_kernels.hpp"
 #include "tokenmix/attention.hpp"
 #include "tokenmix/tensor.hpp"
+#include "util/validate.hpp"
 
 namespace tokenmix::detail {
 
@@ -50,6 +52,11 @@ void prepare_variants(const char* fn, const AttentionOptions& o, kernels::Attent
 
 /// The f32 mask (an input the kernels read during the call) for the aliasing check, else empty.
 ConstTensorView mask_if_f32(const AttentionOptions& o);
+
+/// Throws ArgumentError(aliasing) if a boolean options.mask shares any byte with one of the
+/// outputs (byte ranges; the element-exact check of check_no_overlap is for f32 views).
+void check_bool_mask_disjoint(const char* fn, const AttentionOptions& o,
+                              std::initializer_list<NamedView> outputs);
 
 /// Validates dsinks: empty, or rank 1 [H_q] f32 — and then options.sinks must be set.
 void check_dsinks(const char* fn, const AttentionOptions& o, const ConstTensorView& dsinks,

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -482,6 +483,194 @@ TEST(Reference, LayerBackwardMatchesFiniteDifferences) {
     EXPECT_LT(rel_err_flat(g.d_w_k, central_differences(w.w_k, loss)), 1e-8);
     EXPECT_LT(rel_err_flat(g.d_w_v, central_differences(w.w_v, loss)), 1e-8);
     EXPECT_LT(rel_err_flat(g.d_w_o, central_differences(w.w_o, loss)), 1e-8);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Score variants (SPEC "Score variants used by real models"), by hand: one query (T_q = 1) of
+// width 1 with q = 1 and scale 1 against three keys, so z_u = k_u, and the query sits at
+// position p = T_k − 1 = 2 (bottom-right). Each variant's expected O and L are written out
+// literally from SPEC's formulas.
+
+struct TinyCase {
+  Tensor64 q{{1, 1, 1, 1}}, k{{1, 3, 1, 1}}, v{{1, 3, 1, 1}};
+  double kz[3] = {0.3, -0.8, 1.1}, vz[3] = {2.0, -1.0, 0.5};
+  TinyCase() {
+    q.at(0, 0, 0, 0) = 1.0;
+    for (int u = 0; u < 3; ++u) {
+      k.at(0, u, 0, 0) = kz[u];
+      v.at(0, u, 0, 0) = vz[u];
+    }
+  }
+  // O and L of a softmax over scores S_u for the keys in `keys`, plus an optional sink logit.
+  static std::pair<double, double> expect(const std::vector<std::pair<int, double>>& keys,
+                                          const double* values, std::optional<double> sink) {
+    double num = 0.0, den = sink ? std::exp(*sink) : 0.0;
+    for (auto [u, s] : keys) {
+      num += std::exp(s) * values[u];
+      den += std::exp(s);
+    }
+    return {keys.empty() ? 0.0 : num / den, std::log(den)};
+  }
+  void check(const ref::Options& o, std::pair<double, double> want) const {
+    ref::Options with_scale = o;
+    with_scale.scale = 1.0;
+    const auto r = ref::attention_forward(q, k, v, with_scale);
+    EXPECT_NEAR(r.out.at(0, 0, 0, 0), want.first, 1e-14 * std::max(1.0, std::fabs(want.first)));
+    if (std::isinf(want.second)) {
+      EXPECT_EQ(r.lse.at(0, 0, 0, 0), want.second);
+    } else {
+      EXPECT_NEAR(r.lse.at(0, 0, 0, 0), want.second, 1e-14 * std::max(1.0, std::fabs(want.second)));
+    }
+  }
+};
+
+TEST(ReferenceVariants, HandComputedEachVariant) {
+  const TinyCase c;
+  const double* kz = c.kz;
+  {  // plain: every key (p = 2 sees u ≤ 2)
+    c.check({}, TinyCase::expect({{0, kz[0]}, {1, kz[1]}, {2, kz[2]}}, c.vz, {}));
+  }
+  {  // soft-capping c = 0.5: S = c·tanh(z / c)
+    ref::Options o;
+    o.softcap = 0.5;
+    auto cap = [](double z) { return 0.5 * std::tanh(z / 0.5); };
+    c.check(o, TinyCase::expect({{0, cap(kz[0])}, {1, cap(kz[1])}, {2, cap(kz[2])}}, c.vz, {}));
+  }
+  {  // ALiBi m = 0.25: S = z − m·(p − u)
+    ref::Options o;
+    o.alibi_slopes = {0.25};
+    c.check(o, TinyCase::expect({{0, kz[0] - 0.5}, {1, kz[1] - 0.25}, {2, kz[2]}}, c.vz, {}));
+  }
+  {  // window W = 2: keys p − 2 < u, i.e. u ∈ {1, 2}
+    ref::Options o;
+    o.window = 2;
+    c.check(o, TinyCase::expect({{1, kz[1]}, {2, kz[2]}}, c.vz, {}));
+  }
+  {  // sinks σ = 0.7: e^σ joins the denominator (and L), no value
+    ref::Options o;
+    o.sinks = {0.7};
+    c.check(o, TinyCase::expect({{0, kz[0]}, {1, kz[1]}, {2, kz[2]}}, c.vz, 0.7));
+  }
+  {  // key length 2: u ∈ {0, 1}
+    ref::Options o;
+    o.key_lengths = {2};
+    c.check(o, TinyCase::expect({{0, kz[0]}, {1, kz[1]}}, c.vz, {}));
+  }
+  {  // boolean mask [1, 0, 1]
+    ref::Options o;
+    o.mask_bool = {1, 0, 1};
+    c.check(o, TinyCase::expect({{0, kz[0]}, {2, kz[2]}}, c.vz, {}));
+  }
+  {  // bias [0.5, −∞, −1]
+    ref::Options o;
+    o.mask_bias = {0.5, -kInf, -1.0};
+    c.check(o, TinyCase::expect({{0, kz[0] + 0.5}, {2, kz[2] - 1.0}}, c.vz, {}));
+  }
+  {  // everything: window 2, cap 2, ALiBi 0.5, sink −0.3, bias on key 1
+    ref::Options o;
+    o.window = 2;
+    o.softcap = 2.0;
+    o.alibi_slopes = {0.5};
+    o.sinks = {-0.3};
+    o.mask_bias = {9.0, 0.25, 0.0};  // key 0 is outside the window: its bias is irrelevant
+    auto cap = [](double z) { return 2.0 * std::tanh(z / 2.0); };
+    c.check(o, TinyCase::expect({{1, cap(kz[1]) - 0.5 + 0.25}, {2, cap(kz[2])}}, c.vz, -0.3));
+  }
+  {  // nothing visible: O = 0, L = −∞; with a sink O = 0, L = σ
+    ref::Options o;
+    o.mask_bool = {0, 0, 0};
+    c.check(o, {0.0, -kInf});
+    o.sinks = {1.25};
+    c.check(o, {0.0, 1.25});
+  }
+}
+
+// Varlen is a loop of independent B = 1 problems: each sequence equals its own call, with its
+// own alignment (T_q, T_k of the sequence), window and ALiBi positions.
+TEST(ReferenceVariants, VarlenEqualsSeparateCalls) {
+  std::mt19937_64 rng(12);
+  const std::vector<std::int64_t> cu_q{0, 2, 2, 6}, cu_k{0, 3, 5, 7};
+  const Tensor64 q = random64({1, 6, 2, 3}, rng), k = random64({1, 7, 1, 3}, rng),
+                 v = random64({1, 7, 1, 3}, rng), dout = random64({1, 6, 2, 3}, rng);
+  ref::Options o;
+  o.window = 2;
+  o.alibi_slopes = {0.5, 0.125};
+  o.sinks = {0.1, -0.4};
+  const auto all = ref::attention_forward_varlen(q, k, v, cu_q, cu_k, o);
+  const auto grads = ref::attention_backward_varlen(q, k, v, dout, cu_q, cu_k, o);
+  std::vector<double> dsinks(2, 0.0);
+  for (std::size_t i = 0; i + 1 < cu_q.size(); ++i) {
+    const std::int64_t q0 = cu_q[i], nq = cu_q[i + 1] - q0, k0 = cu_k[i], nk = cu_k[i + 1] - k0;
+    Tensor64 qi({1, nq, 2, 3}), ki({1, nk, 1, 3}), vi({1, nk, 1, 3}), di({1, nq, 2, 3});
+    for (std::int64_t t = 0; t < nq; ++t)
+      for (std::int64_t h = 0; h < 2; ++h)
+        for (std::int64_t e = 0; e < 3; ++e) {
+          qi.at(0, t, h, e) = q.at(0, q0 + t, h, e);
+          di.at(0, t, h, e) = dout.at(0, q0 + t, h, e);
+        }
+    for (std::int64_t u = 0; u < nk; ++u)
+      for (std::int64_t e = 0; e < 3; ++e) {
+        ki.at(0, u, 0, e) = k.at(0, k0 + u, 0, e);
+        vi.at(0, u, 0, e) = v.at(0, k0 + u, 0, e);
+      }
+    const auto part = ref::attention_forward(qi, ki, vi, o);
+    const auto pg = ref::attention_backward(qi, ki, vi, di, o);
+    for (std::int64_t t = 0; t < nq; ++t)
+      for (std::int64_t h = 0; h < 2; ++h) {
+        EXPECT_EQ(all.lse.at(0, h, q0 + t, 0), part.lse.at(0, h, t, 0));
+        for (std::int64_t e = 0; e < 3; ++e) {
+          EXPECT_EQ(all.out.at(0, q0 + t, h, e), part.out.at(0, t, h, e));
+          EXPECT_EQ(grads.dq.at(0, q0 + t, h, e), pg.dq.at(0, t, h, e));
+        }
+      }
+    for (std::int64_t u = 0; u < nk; ++u)
+      for (std::int64_t e = 0; e < 3; ++e) {
+        EXPECT_EQ(grads.dk.at(0, k0 + u, 0, e), pg.dk.at(0, u, 0, e));
+        EXPECT_EQ(grads.dv.at(0, k0 + u, 0, e), pg.dv.at(0, u, 0, e));
+      }
+    for (std::size_t h = 0; h < 2; ++h) dsinks[h] += pg.dsinks[h];
+  }
+  EXPECT_LT(rel_err_flat(grads.dsinks, dsinks), 1e-15);
+}
+
+// The oracle's backward with every variant against central differences of its own forward:
+// dQ, dK, dV (soft-capping's 1 − tanh², ALiBi and bias constant in z, the window and masks
+// selecting) and dσ = −Σ e^{σ − L} D.
+TEST(ReferenceVariants, BackwardMatchesFiniteDifferences) {
+  std::mt19937_64 rng(13);
+  for (int variant = 0; variant < 4; ++variant) {
+    SCOPED_TRACE("variant set " + std::to_string(variant));
+    const std::int64_t B = 2, Tq = 4, Tk = 5, Hq = 2, Hkv = 1, D = 3;
+    Tensor64 q = random64({B, Tq, Hq, D}, rng), k = random64({B, Tk, Hkv, D}, rng),
+             v = random64({B, Tk, Hkv, D}, rng);
+    const Tensor64 dout = random64({B, Tq, Hq, D}, rng);
+    ref::Options o;
+    o.sinks = {0.3, -1.1};
+    if (variant == 0) o.softcap = 0.8;
+    if (variant == 1) {
+      o.alibi_slopes = {0.5, 0.25};
+      o.window = 3;
+    }
+    if (variant == 2) {
+      o.causal = false;
+      o.key_lengths = {3, 5};
+      std::bernoulli_distribution coin(0.6);
+      for (std::int64_t i = 0; i < B * Hq * Tq * Tk; ++i) o.mask_bool.push_back(coin(rng));
+    }
+    if (variant == 3) {
+      o.align = ref::Align::top_left;
+      o.softcap = 3.0;
+      std::normal_distribution<double> dist;
+      for (std::int64_t i = 0; i < B * Hq * Tq * Tk; ++i)
+        o.mask_bias.push_back(i % 7 == 3 ? -kInf : dist(rng));
+    }
+    auto loss = [&] { return testkit::attention_loss(q, k, v, dout, o); };
+    const auto g = ref::attention_backward(q, k, v, dout, o);
+    EXPECT_LT(rel_err_flat(g.dq.data, central_differences(q.data, loss)), 1e-8);
+    EXPECT_LT(rel_err_flat(g.dk.data, central_differences(k.data, loss)), 1e-8);
+    EXPECT_LT(rel_err_flat(g.dv.data, central_differences(v.data, loss)), 1e-8);
+    EXPECT_LT(rel_err_flat(g.dsinks, central_differences(o.sinks, loss)), 1e-8);
   }
 }
 

@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "api/variants.hpp"
 #include "kernels/registry.hpp"
 #include "reference/reference.hpp"
 #include "test_util.hpp"
@@ -955,6 +956,90 @@ TEST(VariantCounts, WindowedCountsMatchBruteForce) {
             W * T - W * (W - 1) / 2);
   EXPECT_EQ(visible_pairs_windowed(3, 3, true, CausalAlign::bottom_right, INT64_MAX),
             visible_pairs(3, 3, true, CausalAlign::bottom_right));
+}
+
+}  // namespace
+}  // namespace tokenmix::testing
+
+namespace tokenmix::testing {
+namespace {
+
+// The API's mask normalisation (src/api/variants.cpp): a boolean mask whose rows are single
+// intervals of true keys becomes row intervals only (key ranges, no element-wise mask), over
+// the mask's own (non-broadcast) dimensions; any hole makes it a general mask, with the rows'
+// hulls still narrowing the key ranges; an all-false row is the empty interval; a broadcast key
+// dimension of a true row covers all T_k keys; an f32 mask is a bias.
+TEST(VariantNormalisation, BooleanMaskIntervalDetection) {
+  const std::int64_t B = 2, H = 3, T = 5;
+  kernels::AttentionProblem p;
+  p.batch = B;
+  p.hq = H;
+  p.tq = T;
+  p.tk = T;
+  p.threads = 2;
+  p.causal = false;  // key ranges from the mask alone
+  detail::VariantData data;
+  // Lower triangle [1, 1, T, T]: intervals [0, t + 1) per row t.
+  std::vector<std::uint8_t> tri(T * T);
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t u = 0; u < T; ++u) tri[t * T + u] = u <= t ? 1 : 0;
+  AttentionOptions o;
+  o.mask = {tri.data(), DType::boolean, 4, {1, 1, T, T}, {0, 0, T, 1}};
+  detail::prepare_variants("test", o, p, data);
+  EXPECT_EQ(p.var.mask_kind, kernels::MaskKind::none);
+  ASSERT_NE(p.var.row_begin, nullptr);
+  EXPECT_EQ(p.var.r0, 0);
+  EXPECT_EQ(p.var.r1, 0);
+  EXPECT_EQ(p.var.r2, 1);
+  for (std::int64_t t = 0; t < T; ++t) {
+    EXPECT_EQ(p.key_range(1, 2, t).begin, 0);
+    EXPECT_EQ(p.key_range(1, 2, t).end, t + 1);
+  }
+  EXPECT_EQ(data.names, "mask");
+
+  // Left padding [B, 1, 1, T] with pads {2, 0}; batch row 1 of a second mask all false.
+  std::vector<std::uint8_t> pad{0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+  o.mask = {pad.data(), DType::boolean, 4, {B, 1, 1, T}, {T, 7, 99, 1}};
+  detail::prepare_variants("test", o, p, data);
+  EXPECT_EQ(p.var.mask_kind, kernels::MaskKind::none);
+  EXPECT_EQ(p.var.r0, 1);
+  EXPECT_EQ(p.var.r1, 0);
+  EXPECT_EQ(p.var.r2, 0);
+  EXPECT_EQ(p.key_range(0, 1, 3).begin, 2);
+  EXPECT_EQ(p.key_range(1, 1, 3).begin, 0);
+  std::fill(pad.begin() + T, pad.end(), 0);
+  detail::prepare_variants("test", o, p, data);
+  EXPECT_EQ(p.var.mask_kind, kernels::MaskKind::none);
+  EXPECT_EQ(p.key_range(1, 0, 4).end, p.key_range(1, 0, 4).begin);  // empty
+
+  // A hole: general mask, with the hull as the key range.
+  pad[1] = 1;  // row 0: 0 1 1 1 1 → interval; make a hole:
+  pad[2] = 0;  // row 0: 0 1 0 1 1
+  detail::prepare_variants("test", o, p, data);
+  EXPECT_EQ(p.var.mask_kind, kernels::MaskKind::boolean);
+  EXPECT_EQ(p.var.m0, T);
+  EXPECT_EQ(p.var.m1, 0);  // size-1 dims broadcast whatever their stride
+  EXPECT_EQ(p.var.m2, 0);
+  EXPECT_EQ(p.key_range(0, 0, 0).begin, 1);
+  EXPECT_EQ(p.key_range(0, 0, 0).end, T);
+
+  // Key dimension broadcast [1, H, 1, 1]: head 1 false, others true → [0, T_k) or empty.
+  std::vector<std::uint8_t> heads{1, 0, 1};
+  o.mask = {heads.data(), DType::boolean, 4, {1, H, 1, 1}, {0, 1, 0, 0}};
+  detail::prepare_variants("test", o, p, data);
+  EXPECT_EQ(p.var.mask_kind, kernels::MaskKind::none);
+  EXPECT_EQ(p.key_range(0, 0, 2).end, T);
+  EXPECT_EQ(p.key_range(0, 1, 2).end - p.key_range(0, 1, 2).begin, 0);
+
+  // f32: a bias, no intervals.
+  std::vector<float> bias(T, 0.5f);
+  o.mask = {bias.data(), DType::f32, 4, {1, 1, 1, T}, {0, 0, 0, 1}};
+  o.window = 2;
+  detail::prepare_variants("test", o, p, data);
+  EXPECT_EQ(p.var.mask_kind, kernels::MaskKind::bias);
+  EXPECT_EQ(p.var.row_begin, nullptr);
+  EXPECT_EQ(p.var.m3, 1);
+  EXPECT_EQ(data.names, "window, mask");
 }
 
 }  // namespace

@@ -226,8 +226,10 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
 
       for (std::int64_t u0 = unit_key_begin; u0 < unit_key_end; u0 += kKeyTile) {
         const std::int64_t tile = std::min(kKeyTile, unit_key_end - u0);
-        const float* k_rows = DenseRows(args.k, b, u0, j, tile, dh, k_tile);  // [tile][dh]
-        const float* v_rows = DenseRows(args.v, b, u0, j, tile, dh, v_tile);  // [tile][dh]
+        const float* k_rows =
+            DenseRows(args.k, b, u0, j, tile, dh, k_tile, VecWiden());  // [tile][dh]
+        const float* v_rows =
+            DenseRows(args.v, b, u0, j, tile, dh, v_tile, VecWiden());  // [tile][dh]
         for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
           BlockState& bs = blocks[lb];
           if (u0 >= bs.key_end || u0 + tile <= bs.key_begin) continue;  // no lane sees the tile
@@ -389,7 +391,7 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
         PackTransposed(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, p.scale, kt, M);
         PackTransposed(args.v.row(b, u0, j), args.v.s1, args.v.s3, keys, dh, 1.0f, vt, M);
         if constexpr (kOnePass) {
-          PackRows(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, k_nat);
+          PackRows(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, k_nat, VecWiden());
           std::fill(k_nat + keys * dh, k_nat + M * dh, 0.0f);
         }
 
@@ -427,8 +429,8 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
             // Q and dO rows are read in place (packing them per chunk was slower, docs/
             // performance.md "Backward"); only a non-unit d_h stride forces a copy.
             std::int64_t ldq = 0, lddo = 0;
-            const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq);
-            const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo);
+            const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq, VecWiden());
+            const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo, VecWiden());
             GemmRows(d, rows, q_rows, ldq, 1, kt, M, dh, scores, M,
                      false);  // S = Q (scale·K)ᵀ (4.2)
             GemmRows(d, rows, do_rows, lddo, 1, vt, M, dh, dp, M, false);  // dP = dO Vᵀ

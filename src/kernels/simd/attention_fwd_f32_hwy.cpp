@@ -243,10 +243,10 @@ void AttentionFwdT(const ForwardArgs& fwd) {
         [[maybe_unused]] bool v_finite = false;  // kDp: the bf16 P̃·V product may run on this tile
         if constexpr (kDp) {
           v_finite = PackBf16Tile(args.k, args.v, b, u0, j, tile, dh, dh2, ldv, k16, vt16);
-          if (!v_finite) v_rows = DenseRows(args.v, b, u0, j, tile, dh, v_tile);
+          if (!v_finite) v_rows = DenseRows(args.v, b, u0, j, tile, dh, v_tile, VecWiden());
         } else {
-          k_rows = DenseRows(args.k, b, u0, j, tile, dh, k_tile);
-          v_rows = DenseRows(args.v, b, u0, j, tile, dh, v_tile);
+          k_rows = DenseRows(args.k, b, u0, j, tile, dh, k_tile, VecWiden());
+          v_rows = DenseRows(args.v, b, u0, j, tile, dh, v_tile, VecWiden());
         }
         for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
           BlockState& bs = blocks[lb];

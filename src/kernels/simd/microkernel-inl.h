@@ -18,6 +18,7 @@
 #endif
 
 #include <cstdint>
+#include <type_traits>
 
 #include "hwy/highway.h"
 #include "kernels/simd/work_units.hpp"
@@ -55,6 +56,23 @@ template <class D>
 HWY_INLINE hn::Vec<D> LoadB(D d, const hwy::float16_t* HWY_RESTRICT p) {
   return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::float16_t, D>(), p));
 }
+
+// Widens n contiguous bf16/f16 activation elements (kernels::bf16_t / f16_t) to fp32 with the
+// target's exact vector promotion (bf16: a shift; f16: F16C on x86, FCVTL on NEON), for the
+// kernels' packing of K, V, Q and dO rows (PackRows / DenseRows / RowsOf, work_units.hpp).
+struct VecWiden {
+  template <class T>
+  void operator()(const T* src, std::int64_t n, float* dst) const {  // a call, not inlined
+    using HT = std::conditional_t<std::is_same_v<T, bf16_t>, hwy::bfloat16_t, hwy::float16_t>;
+    const hn::ScalableTag<float> d;
+    const hn::Rebind<HT, decltype(d)> dn;
+    const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+    const HT* in = reinterpret_cast<const HT*>(src);
+    std::int64_t x = 0;
+    for (; x + N <= n; x += N) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dn, in + x)), d, dst + x);
+    for (; x < n; ++x) dst[x] = widen(src[x]);
+  }
+};
 
 template <int R, int VN = kV, class TB = float, class D>
 HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row, std::int64_t a_k,

@@ -159,19 +159,30 @@ inline void LoadColumn(const T* src, std::int64_t stride, std::int64_t cols, flo
   for (std::int64_t x = 0; x < cols; ++x) dst[x * M + lane] = factor * widen(src[x * stride]);
 }
 
+// Widens n contiguous bf16/f16 elements to fp32, one at a time (exact). The SIMD kernels pass
+// their per-target vector version (VecWiden, microkernel-inl.h) instead.
+struct ScalarWiden {
+  template <class T>
+  void operator()(const T* src, std::int64_t n, float* dst) const {
+    for (std::int64_t x = 0; x < n; ++x) dst[x] = widen(src[x]);
+  }
+};
+
 // Copies `rows` rows of a strided matrix (row stride `ld`, column stride `cs`) into a contiguous
-// fp32 [rows][cols] buffer (bf16/f16 widened exactly).
-template <class T>
+// fp32 [rows][cols] buffer (bf16/f16 widened exactly; unit-stride rows by `widen_row`).
+template <class T, class W = ScalarWiden>
 inline void PackRows(const T* src, std::int64_t ld, std::int64_t cs, std::int64_t rows,
-                     std::int64_t cols, float* dst) {
+                     std::int64_t cols, float* dst, const W& widen_row = {}) {
   for (std::int64_t r = 0; r < rows; ++r) {
     const T* row = src + r * ld;
     float* out = dst + r * cols;
-    if constexpr (std::is_same_v<T, float>) {
-      if (cs == 1) {
+    if (cs == 1) {
+      if constexpr (std::is_same_v<T, float>) {
         std::copy(row, row + cols, out);
-        continue;
+      } else {
+        widen_row(row, cols, out);
       }
+      continue;
     }
     for (std::int64_t x = 0; x < cols; ++x) out[x] = widen(row[x * cs]);
   }
@@ -192,31 +203,31 @@ inline void PackTransposed(const T* src, std::int64_t ld, std::int64_t cs, std::
 // matrix: in place when they already are (f32 only, e.g. the [B, H, T, d_h] layout), else
 // packed (bf16/f16: widened) into `scratch`. Dense rows keep a tile on few pages and cache sets
 // (in [B, T, H, d_h], rows of one head are H·d_h floats apart: one page each for H·d_h·4 ≥ 4 KiB).
-template <class T>
+template <class T, class W = ScalarWiden>
 inline const float* DenseRows(const Strided<const T*>& x, std::int64_t b, std::int64_t row0,
-                              std::int64_t head, std::int64_t rows, std::int64_t dh,
-                              float* scratch) {
+                              std::int64_t head, std::int64_t rows, std::int64_t dh, float* scratch,
+                              const W& widen_row = {}) {
   if constexpr (std::is_same_v<T, float>) {
     if (x.s3 == 1 && (x.s1 == dh || rows <= 1)) return x.row(b, row0, head);
   }
-  PackRows(x.row(b, row0, head), x.s1, x.s3, rows, dh, scratch);
+  PackRows(x.row(b, row0, head), x.s1, x.s3, rows, dh, scratch, widen_row);
   return scratch;
 }
 
 // Rows [row0, row0 + rows) of head `head` of a [B, T, H, d_h] tensor as a row-major fp32 matrix
 // the microkernel can broadcast from: in place when d_h is the unit-stride axis (f32 only), else
 // packed (widened) into `scratch` ([rows][d_h]). Sets `ld` to the row stride of the result.
-template <class T>
+template <class T, class W = ScalarWiden>
 inline const float* RowsOf(const Strided<const T*>& x, std::int64_t b, std::int64_t row0,
                            std::int64_t head, std::int64_t rows, std::int64_t dh, float* scratch,
-                           std::int64_t& ld) {
+                           std::int64_t& ld, const W& widen_row = {}) {
   if constexpr (std::is_same_v<T, float>) {
     if (x.s3 == 1) {
       ld = x.s1;
       return x.row(b, row0, head);
     }
   }
-  PackRows(x.row(b, row0, head), x.s1, x.s3, rows, dh, scratch);
+  PackRows(x.row(b, row0, head), x.s1, x.s3, rows, dh, scratch, widen_row);
   ld = dh;
   return scratch;
 }

@@ -445,6 +445,10 @@ def test_decode_reduced_precision_queries(dt, cache_dtype):
     ref = tm.attention_decode(q.astype(np.float32), cache, 0)
     tol = 2.0 ** -MANTISSA_BITS[DTYPES[dt]] * (np.abs(ref).max() + 1.0)
     assert np.abs(out.astype(np.float32) - ref).max() <= tol
+    # The same queries as a torch tensor: out a tensor of that dtype, the same bits.
+    qt = from_numpy(q)
+    out_t = tm.attention_decode(qt, cache, 0)
+    assert out_t.dtype == DTYPES[dt] and torch.equal(out_t, from_numpy(out))
 
 
 # --- dtype errors ---------------------------------------------------------------------------

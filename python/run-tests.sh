@@ -5,9 +5,10 @@
 #
 # The virtual environment is persistent, outside the work tree:
 #   ${TOKENMIX_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv}
-# so NumPy, PyTorch, pytest, scikit-build-core, nanobind and Hugging Face transformers (for
-# test_transformers.py: tiny models built from configs, nothing downloaded) come from PyPI once
-# per machine and only when missing (PyPI's Linux torch wheel is the CUDA build: ~0.5 GB plus
+# so NumPy, ml_dtypes, PyTorch, pytest, scikit-build-core, nanobind and Hugging Face
+# transformers (for test_transformers.py: tiny models built from configs, nothing downloaded)
+# come from PyPI once per machine and only when missing (PyPI's Linux torch wheel is the CUDA
+# build: ~0.5 GB plus
 # ~3 GB of nvidia-* wheels that `import torch` needs even on a CPU-only machine; PyPI carries no
 # CPU-only torch wheel). Later runs reuse it and need no network. No test is ever skipped for a
 # missing package: a package that cannot be installed fails this stage.
@@ -54,7 +55,8 @@ echo "== virtual environment: $venv ($("$py" --version))"
 # Packages, installed only when missing (module name = requirement).
 missing=()
 for spec in numpy:numpy torch:torch pytest:pytest scikit_build_core:scikit-build-core \
-            nanobind:nanobind threadpoolctl:threadpoolctl transformers:transformers; do
+            nanobind:nanobind threadpoolctl:threadpoolctl transformers:transformers \
+            ml_dtypes:ml_dtypes; do
   "$py" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
 done
 if [[ ${#missing[@]} -gt 0 ]]; then
@@ -80,3 +82,5 @@ echo "== pytest"
 
 echo "== benchmark smoke run"
 (cd /tmp && "$py" -m tokenmix.bench --seq 128 --repeats 1 --heads-q 4 --heads-kv 2 --head-dim 32)
+(cd /tmp && "$py" -m tokenmix.bench --seq 128 --repeats 1 --heads-q 4 --heads-kv 2 --head-dim 32 \
+  --dtype bf16)

@@ -1,6 +1,8 @@
 // python/src/attention.cpp — attention forward/backward (SPEC 4.2–4.5, "Backward pass"), their
 // score variants and varlen form (SPEC "Score variants used by real models") and the useful-work
-// counts ("Useful-work counts"): pairs(t), P, forward and backward FLOPs.
+// counts ("Useful-work counts"): pairs(t), P, forward and backward FLOPs. q, k, v, out, dout,
+// dq, dk, dv are float32, bfloat16 or float16, one dtype per call (SPEC "Reduced precision");
+// lse, sinks, dsinks and ALiBi slopes stay float32.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
@@ -26,8 +28,11 @@ void bind_attention(nb::module_& m) {
         constexpr const char* fn = "attention_forward";
         auto o = attention_options(fn, scale, causal, align, threads, isa);
         add_variants(o, fn, {window, softcap, alibi_slopes, sinks, mask, key_lengths});
-        auto qv = in4(q, fn, "q"), kv = in4(k, fn, "k"), vv = in4(v, fn, "v");
-        auto ov = out4(out, fn, "out");
+        auto qv = in_float(q, fn, "q", 4), kv = in_float(k, fn, "k", 4);
+        auto vv = in_float(v, fn, "v", 4);
+        auto ov = out_float(out, fn, "out", 4);
+        check_same_dtype(fn,
+                         {{"q", qv.dtype}, {"k", kv.dtype}, {"v", vv.dtype}, {"out", ov.dtype}});
         auto lv = out3_opt(lse, fn, "lse");
         nb::gil_scoped_release release;
         tmx::attention_forward(qv, kv, vv, ov, lv, o);
@@ -49,9 +54,19 @@ void bind_attention(nb::module_& m) {
         constexpr const char* fn = "attention_backward";
         auto o = attention_options(fn, scale, causal, align, threads, isa);
         add_variants(o, fn, {window, softcap, alibi_slopes, sinks, mask, key_lengths});
-        auto qv = in4(q, fn, "q"), kv = in4(k, fn, "k"), vv = in4(v, fn, "v");
-        auto ov = in4(out, fn, "out"), lv = in3(lse, fn, "lse"), dov = in4(dout, fn, "dout");
-        auto dqv = out4(dq, fn, "dq"), dkv = out4(dk, fn, "dk"), dvv = out4(dv, fn, "dv");
+        auto qv = in_float(q, fn, "q", 4), kv = in_float(k, fn, "k", 4);
+        auto vv = in_float(v, fn, "v", 4), ov = in_float(out, fn, "out", 4);
+        auto lv = in3(lse, fn, "lse"), dov = in_float(dout, fn, "dout", 4);
+        auto dqv = out_float(dq, fn, "dq", 4), dkv = out_float(dk, fn, "dk", 4);
+        auto dvv = out_float(dv, fn, "dv", 4);
+        check_same_dtype(fn, {{"q", qv.dtype},
+                              {"k", kv.dtype},
+                              {"v", vv.dtype},
+                              {"out", ov.dtype},
+                              {"dout", dov.dtype},
+                              {"dq", dqv.dtype},
+                              {"dk", dkv.dtype},
+                              {"dv", dvv.dtype}});
         auto dsv = out_typed_opt(dsinks, fn, "dsinks", 1, {tmx::DType::f32});
         nb::gil_scoped_release release;
         tmx::attention_backward(qv, kv, vv, ov, lv, dov, dqv, dkv, dvv, o, dsv);
@@ -75,10 +90,13 @@ void bind_attention(nb::module_& m) {
         using D = tmx::DType;
         auto o = attention_options(fn, scale, causal, align, threads, isa);
         add_variants(o, fn, {window, softcap, alibi_slopes, sinks, std::nullopt, std::nullopt});
-        auto qv = in3(q, fn, "q"), kv = in3(k, fn, "k"), vv = in3(v, fn, "v");
+        auto qv = in_float(q, fn, "q", 3), kv = in_float(k, fn, "k", 3);
+        auto vv = in_float(v, fn, "v", 3);
         auto cq = in_typed(cu_seqlens_q, fn, "cu_seqlens_q", 1, {D::i32, D::i64});
         auto ck = in_typed(cu_seqlens_k, fn, "cu_seqlens_k", 1, {D::i32, D::i64});
-        auto ov = out3(out, fn, "out");
+        auto ov = out_float(out, fn, "out", 3);
+        check_same_dtype(fn,
+                         {{"q", qv.dtype}, {"k", kv.dtype}, {"v", vv.dtype}, {"out", ov.dtype}});
         auto lv = out_typed_opt(lse, fn, "lse", 2, {D::f32});
         nb::gil_scoped_release release;
         tmx::attention_forward_varlen(qv, kv, vv, cq, ck, ov, lv, o);
@@ -100,12 +118,22 @@ void bind_attention(nb::module_& m) {
         using D = tmx::DType;
         auto o = attention_options(fn, scale, causal, align, threads, isa);
         add_variants(o, fn, {window, softcap, alibi_slopes, sinks, std::nullopt, std::nullopt});
-        auto qv = in3(q, fn, "q"), kv = in3(k, fn, "k"), vv = in3(v, fn, "v");
-        auto ov = in3(out, fn, "out"), dov = in3(dout, fn, "dout");
+        auto qv = in_float(q, fn, "q", 3), kv = in_float(k, fn, "k", 3);
+        auto vv = in_float(v, fn, "v", 3), ov = in_float(out, fn, "out", 3);
+        auto dov = in_float(dout, fn, "dout", 3);
         auto lv = in_typed(lse, fn, "lse", 2, {D::f32});
         auto cq = in_typed(cu_seqlens_q, fn, "cu_seqlens_q", 1, {D::i32, D::i64});
         auto ck = in_typed(cu_seqlens_k, fn, "cu_seqlens_k", 1, {D::i32, D::i64});
-        auto dqv = out3(dq, fn, "dq"), dkv = out3(dk, fn, "dk"), dvv = out3(dv, fn, "dv");
+        auto dqv = out_float(dq, fn, "dq", 3), dkv = out_float(dk, fn, "dk", 3);
+        auto dvv = out_float(dv, fn, "dv", 3);
+        check_same_dtype(fn, {{"q", qv.dtype},
+                              {"k", kv.dtype},
+                              {"v", vv.dtype},
+                              {"out", ov.dtype},
+                              {"dout", dov.dtype},
+                              {"dq", dqv.dtype},
+                              {"dk", dkv.dtype},
+                              {"dv", dvv.dtype}});
         auto dsv = out_typed_opt(dsinks, fn, "dsinks", 1, {D::f32});
         nb::gil_scoped_release release;
         tmx::attention_backward_varlen(qv, kv, vv, ov, lv, dov, cq, ck, dqv, dkv, dvv, o, dsv);

@@ -8,8 +8,10 @@
 // the documented interface.
 //
 // Conventions (the same in every bind_* function):
-//   * only native-endian float32 CPU arrays are accepted; anything else raises TypeError naming
-//     the argument and what it got (no silent conversion: a float64 input would be a hidden copy);
+//   * only native-endian float32 CPU arrays are accepted — the attention tensors may also be
+//     bfloat16 or float16, all of one call in one dtype (in_float, check_same_dtype); anything
+//     else raises TypeError naming the argument and what it got (no silent conversion: a float64
+//     input would be a hidden copy);
 //   * an array argument is taken as an `ArrayArg` (any Python object) and converted inside the
 //     function (in4, out4, in_span, ...), so a failed conversion is reported with the function,
 //     the argument and the reason — never nanobind's generic "incompatible function arguments";
@@ -100,14 +102,32 @@ void bind_errors(nb::module_& m);
 using InArray = nb::ndarray<nb::ro>;  // read-only input, any dtype (checked), any strides
 using OutArray = nb::ndarray<>;       // writable output
 
-InArray in_array(const ArrayArg& a, const char* fn, const char* name);
-OutArray out_array(const ArrayArg& a, const char* fn, const char* name);
-
 tmx::ConstTensorView in4(const ArrayArg& a, const char* fn, const char* name);
 tmx::ConstTensorView in3(const ArrayArg& a, const char* fn, const char* name);
 tmx::TensorView out4(const ArrayArg& a, const char* fn, const char* name);
 tmx::TensorView out3(const ArrayArg& a, const char* fn, const char* name);
 tmx::TensorView out3_opt(const std::optional<ArrayArg>& a, const char* fn, const char* name);
+
+/// The attention tensors (q, k, v, out, dout, dq, dk, dv; SPEC "Reduced precision"): rank
+/// `rank`, float32, bfloat16 or float16 — NumPy float16 and ml_dtypes.bfloat16 arrays (the
+/// latter through its uint16 view: NumPy exports bfloat16 neither by DLPack nor by the buffer
+/// protocol), torch.bfloat16 and torch.float16 tensors — zero-copy, strides kept. Another dtype →
+/// TypeError naming the argument and the three dtypes. One call's tensors must share the dtype:
+/// check_same_dtype.
+tmx::ConstTensorView in_float(const ArrayArg& a, const char* fn, const char* name, size_t rank);
+tmx::TensorView out_float(const ArrayArg& a, const char* fn, const char* name, size_t rank);
+
+/// An argument name and its dtype, for check_same_dtype.
+struct NamedView {
+  const char* name;
+  tmx::DType dtype;
+};
+/// TypeError "<fn>: <name> has dtype X but <first> has Y; <all names> must have one dtype ..."
+/// unless every view has the first one's dtype (mixed dtypes in one call; L stays float32 and is
+/// not listed).
+void check_same_dtype(const char* fn, std::initializer_list<NamedView> views);
+/// "float32", "bfloat16", "float16", "bool", "int32", "int64": NumPy's name of a dtype.
+const char* python_dtype_name(tmx::DType d);
 
 /// Views of the variant arguments (masks, key lengths, varlen offsets, ALiBi slopes, sinks):
 /// rank `rank` (the unused trailing axes size 1, stride 0), dtype one of `allowed` (another →

@@ -1,10 +1,13 @@
 // python/src/convert.cpp — Python arguments → tokenmix views, spans and options.
 //
 // Arrays are imported without a copy (DLPack or the buffer protocol) and checked here: CPU,
-// native-endian float32, the expected rank. An object nanobind cannot import as an array is
-// diagnosed (diagnose_array) so the error names the function, the argument and the reason:
-// a non-native byte order ('>f4') is a TypeError like any other dtype, a byte stride that is not
-// a multiple of the element size an ArgumentError (tokenmix views address whole elements).
+// native-endian float32 (the attention tensors: float32, bfloat16 or float16), the expected rank.
+// A NumPy array of ml_dtypes.bfloat16 is imported as its uint16 view (NumPy exports that dtype
+// neither through DLPack nor through the buffer protocol): same memory, same strides. An object
+// nanobind cannot import as an array is diagnosed (diagnose_array) so the error names the function,
+// the argument and the reason: a non-native byte order ('>f4') is a TypeError like any other dtype,
+// a byte stride that is not a multiple of the element size an ArgumentError (tokenmix views address
+// whole elements).
 #include <bit>
 #include <climits>
 #include <optional>
@@ -51,6 +54,11 @@ std::string array_shape(const Array& a) {
   return shape_string(shape, rank);
 }
 
+// What the attention tensors may be (the message of a wrong dtype).
+constexpr const char* kFloatingExpected =
+    "expected float32, bfloat16 (ml_dtypes.bfloat16 / torch.bfloat16) or float16 (no implicit "
+    "conversion is made)";
+
 // The NumPy dtype string of native float32: '<f4' on little-endian machines.
 constexpr const char* kNativeF32 = std::endian::native == std::endian::little ? "<f4" : ">f4";
 
@@ -59,8 +67,21 @@ std::string py_str(nb::handle h) {
 }
 
 // Why `obj` could not be imported as an array (nanobind's importer only says "no"). Raises.
+// Which dtypes an argument may have, for the messages of diagnose_array and check_array.
+enum class Accept {
+  f32,       // float32 only (every float array but the attention tensors)
+  floating,  // float32, bfloat16 or float16 (q, k, v, out, dout, dq, dk, dv)
+  any,       // checked later against a list (in_typed: masks, offsets, ...)
+};
+
+// NumPy's float16, or an ml_dtypes.bfloat16 dtype object.
+bool numpy_half(nb::handle dtype) {
+  const std::string name = py_str(dtype.attr("name"));
+  return name == "float16" || name == "bfloat16";
+}
+
 [[noreturn]] void diagnose_array(nb::handle obj, const std::string& what, bool writable,
-                                 bool f32_only) {
+                                 Accept accept) {
   const std::string type_name = nb::type_name(obj.type()).c_str();
   if (obj.is_none()) type_error(what + " must be a numpy.ndarray or a torch.Tensor; got None");
   // NumPy arrays (and look-alikes): dtype byte order, byte strides, writability.
@@ -83,10 +104,14 @@ std::string py_str(nb::handle h) {
                            "numpy.ascontiguousarray first");
       }
     }
-    if (f32_only && py_str(dtype.attr("char")) != "f") {
+    const bool f32 = py_str(dtype.attr("char")) == "f";
+    if (accept == Accept::f32 && !f32) {
       type_error(what + " has dtype " + py_str(dtype) +
                  "; tokenmix computes in float32 only (convert with .astype(numpy.float32); no "
                  "implicit conversion is made)");
+    }
+    if (accept == Accept::floating && !f32 && !numpy_half(dtype)) {
+      type_error(what + " has dtype " + py_str(dtype) + "; " + kFloatingExpected);
     }
     if (writable && !nb::cast<bool>(obj.attr("flags").attr("writeable"))) {
       value_error(what + " is read-only; outputs must be writable");
@@ -105,15 +130,52 @@ std::string py_str(nb::handle h) {
              type_name);
 }
 
-// Checks device, dtype (float32) and rank; `what` is "fn: name".
+// An imported array. A NumPy ml_dtypes.bfloat16 array arrives as its uint16 view (`bf16_bits`).
 template <class Array>
-void check_array(const Array& a, const std::string& what, size_t rank) {
+struct Imported {
+  Array array;
+  bool bf16_bits = false;
+};
+
+constexpr nb::dlpack::dtype kF16{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+constexpr nb::dlpack::dtype kBF16{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+
+// The tokenmix dtype of an imported array, if it is one the library takes.
+template <class Array>
+std::optional<tmx::DType> library_dtype(const Imported<Array>& im) {
+  const nb::dlpack::dtype dt = im.array.dtype();
+  if (im.bf16_bits) return tmx::DType::bf16;  // always a uint16 view (import_array)
+  if (dt == nb::dtype<float>()) return tmx::DType::f32;
+  if (dt == kBF16) return tmx::DType::bf16;
+  if (dt == kF16) return tmx::DType::f16;
+  if (dt == nb::dtype<bool>()) return tmx::DType::boolean;
+  if (dt == nb::dtype<std::int32_t>()) return tmx::DType::i32;
+  if (dt == nb::dtype<std::int64_t>()) return tmx::DType::i64;
+  return std::nullopt;
+}
+
+template <class Array>
+std::string imported_dtype_name(const Imported<Array>& im) {
+  return im.bf16_bits ? "bfloat16" : dtype_name(im.array.dtype());
+}
+
+// Checks device, dtype (float32; with Accept::floating also bfloat16 and float16) and rank;
+// `what` is "fn: name". Returns the dtype.
+template <class Array>
+tmx::DType check_array(const Imported<Array>& im, const std::string& what, size_t rank,
+                       Accept accept) {
+  const Array& a = im.array;
   if (a.device_type() != nb::device::cpu::value) {
     type_error(what + " must be a CPU array/tensor; got device type " +
                std::to_string(a.device_type()) + " (move it with .cpu() first)");
   }
-  if (a.dtype() != nb::dtype<float>()) {
-    type_error(what + " has dtype " + dtype_name(a.dtype()) +
+  const auto dt = library_dtype(im);
+  if (accept == Accept::floating) {
+    if (!dt || (*dt != tmx::DType::f32 && *dt != tmx::DType::bf16 && *dt != tmx::DType::f16)) {
+      type_error(what + " has dtype " + imported_dtype_name(im) + "; " + kFloatingExpected);
+    }
+  } else if (dt != tmx::DType::f32) {
+    type_error(what + " has dtype " + imported_dtype_name(im) +
                "; tokenmix computes in float32 only (convert with .astype(numpy.float32) or "
                ".float(); no implicit conversion is made)");
   }
@@ -121,48 +183,49 @@ void check_array(const Array& a, const std::string& what, size_t rank) {
     value_error(what + " must have " + std::to_string(rank) + " dimensions; got " +
                 std::to_string(a.ndim()) + " (shape " + array_shape(a) + ")");
   }
+  return *dt;
+}
+
+// A NumPy array of ml_dtypes.bfloat16 (a native 2-byte bfloat16): its uint16 view, else None.
+nb::object bf16_bits_view(nb::handle obj) {
+  if (!nb::hasattr(obj, "dtype") || !nb::hasattr(obj, "view")) return nb::none();
+  nb::object dtype = obj.attr("dtype");
+  if (!nb::hasattr(dtype, "name") || py_str(dtype.attr("name")) != "bfloat16" ||
+      !nb::hasattr(dtype, "type") || !nb::hasattr(dtype.attr("type"), "__module__") ||
+      py_str(dtype.attr("type").attr("__module__")).rfind("ml_dtypes", 0) != 0 ||
+      nb::cast<std::int64_t>(dtype.attr("itemsize")) != 2) {
+    return nb::none();
+  }
+  try {
+    return obj.attr("view")(nb::module_::import_("numpy").attr("uint16"));
+  } catch (const nb::python_error&) {
+    return nb::none();  // diagnose_array says why
+  }
 }
 
 template <class Array>
-Array import_array(const ArrayArg& a, const char* fn, const char* name, bool writable,
-                   bool f32_only = true) {
-  Array array;
+Imported<Array> import_array(const ArrayArg& a, const char* fn, const char* name, bool writable,
+                             Accept accept) {
+  Imported<Array> im;
   // No implicit conversion: a converted array would be a hidden copy (and, for outputs, lost).
-  if (!nb::try_cast(a.obj, array, false)) {
-    diagnose_array(a.obj, std::string(fn) + ": " + name, writable, f32_only);
+  if (nb::try_cast(a.obj, im.array, false)) return im;
+  // ml_dtypes.bfloat16: the same memory seen as uint16 (zero-copy, strides and writability
+  // kept; the view holds the array alive for the call).
+  if (nb::object bits = bf16_bits_view(a.obj); !bits.is_none()) {
+    if (nb::try_cast(bits, im.array, false) && im.array.dtype() == nb::dtype<std::uint16_t>()) {
+      im.bf16_bits = true;
+      return im;
+    }
   }
-  return array;
-}
-
-// The tokenmix dtype of an imported array, if it is one the library takes.
-std::optional<tmx::DType> library_dtype(nb::dlpack::dtype dt) {
-  if (dt == nb::dtype<float>()) return tmx::DType::f32;
-  if (dt == nb::dtype<bool>()) return tmx::DType::boolean;
-  if (dt == nb::dtype<std::int32_t>()) return tmx::DType::i32;
-  if (dt == nb::dtype<std::int64_t>()) return tmx::DType::i64;
-  return std::nullopt;
-}
-
-const char* python_dtype_name(tmx::DType d) {
-  switch (d) {
-    case tmx::DType::f32:
-      return "float32";
-    case tmx::DType::boolean:
-      return "bool";
-    case tmx::DType::i32:
-      return "int32";
-    case tmx::DType::i64:
-      return "int64";
-    default:
-      return tmx::to_string(d);
-  }
+  diagnose_array(a.obj, std::string(fn) + ": " + name, writable, accept);
 }
 
 // A view of rank `rank` (1 ≤ rank ≤ 4) whose dtype is one of `allowed` (device and rank checked
 // as for the float32 views; the unused trailing axes get size 1 and stride 0).
 template <class View, class Array>
-View make_typed_view(Array a, const char* fn, const char* name, size_t rank,
+View make_typed_view(const Imported<Array>& im, const char* fn, const char* name, size_t rank,
                      std::initializer_list<tmx::DType> allowed) {
+  const Array& a = im.array;
   const std::string what = std::string(fn) + ": " + name;
   std::string names;
   size_t i = 0;
@@ -175,11 +238,11 @@ View make_typed_view(Array a, const char* fn, const char* name, size_t rank,
     type_error(what + " must be a CPU array/tensor; got device type " +
                std::to_string(a.device_type()) + " (move it with .cpu() first)");
   }
-  const auto dt = library_dtype(a.dtype());
+  const auto dt = library_dtype(im);
   bool ok = false;
   for (tmx::DType d : allowed) ok = ok || (dt && *dt == d);
   if (!ok) {
-    type_error(what + " has dtype " + dtype_name(a.dtype()) + "; expected " + names +
+    type_error(what + " has dtype " + imported_dtype_name(im) + "; expected " + names +
                " (no implicit conversion is made)");
   }
   if (a.ndim() != rank) {
@@ -188,7 +251,7 @@ View make_typed_view(Array a, const char* fn, const char* name, size_t rank,
                 array_shape(a) + ")");
   }
   View v;
-  v.data = a.data();
+  v.data = const_cast<Array&>(a).data();
   v.dtype = *dt;
   v.rank = static_cast<int>(rank);
   for (size_t j = 0; j < 4; ++j) {
@@ -198,13 +261,14 @@ View make_typed_view(Array a, const char* fn, const char* name, size_t rank,
   return v;
 }
 
-// `a` by value (a reference-counted handle): nanobind 2's const data() is a const pointer.
+// `im` by value (a reference-counted handle): nanobind 2's const data() is a const pointer.
 template <class View, class Array>
-View make_view(Array a, const char* fn, const char* name, size_t rank) {
-  check_array(a, std::string(fn) + ": " + name, rank);
+View make_view(Imported<Array> im, const char* fn, const char* name, size_t rank, Accept accept) {
+  const tmx::DType dtype = check_array(im, std::string(fn) + ": " + name, rank, accept);
+  Array& a = im.array;
   View v;
   v.data = a.data();
-  v.dtype = tmx::DType::f32;
+  v.dtype = dtype;
   v.rank = static_cast<int>(rank);
   for (size_t i = 0; i < rank; ++i) {
     v.shape[i] = static_cast<std::int64_t>(a.shape(i));
@@ -228,8 +292,9 @@ bool c_contiguous(const Array& a) {
 }
 
 template <class T, class Array>
-SpanArg<T> make_span(Array a, const char* fn, const char* name, size_t rank) {
-  check_array(a, std::string(fn) + ": " + name, rank);
+SpanArg<T> make_span(Imported<Array> im, const char* fn, const char* name, size_t rank) {
+  check_array(im, std::string(fn) + ": " + name, rank, Accept::f32);
+  Array& a = im.array;
   if (!c_contiguous(a)) value_error(std::string(fn) + ": " + name + " must be C-contiguous");
   SpanArg<T> s;
   s.data = {static_cast<T*>(a.data()), a.size()};
@@ -241,34 +306,77 @@ SpanArg<T> make_span(Array a, const char* fn, const char* name, size_t rank) {
 
 }  // namespace
 
-InArray in_array(const ArrayArg& a, const char* fn, const char* name) {
-  return import_array<InArray>(a, fn, name, false);
-}
-OutArray out_array(const ArrayArg& a, const char* fn, const char* name) {
-  return import_array<OutArray>(a, fn, name, true);
-}
-
 tmx::ConstTensorView in4(const ArrayArg& a, const char* fn, const char* name) {
-  return make_view<tmx::ConstTensorView>(in_array(a, fn, name), fn, name, 4);
+  return make_view<tmx::ConstTensorView>(import_array<InArray>(a, fn, name, false, Accept::f32), fn,
+                                         name, 4, Accept::f32);
 }
 tmx::ConstTensorView in3(const ArrayArg& a, const char* fn, const char* name) {
-  return make_view<tmx::ConstTensorView>(in_array(a, fn, name), fn, name, 3);
+  return make_view<tmx::ConstTensorView>(import_array<InArray>(a, fn, name, false, Accept::f32), fn,
+                                         name, 3, Accept::f32);
 }
 tmx::TensorView out4(const ArrayArg& a, const char* fn, const char* name) {
-  return make_view<tmx::TensorView>(out_array(a, fn, name), fn, name, 4);
+  return make_view<tmx::TensorView>(import_array<OutArray>(a, fn, name, true, Accept::f32), fn,
+                                    name, 4, Accept::f32);
 }
 tmx::TensorView out3(const ArrayArg& a, const char* fn, const char* name) {
-  return make_view<tmx::TensorView>(out_array(a, fn, name), fn, name, 3);
+  return make_view<tmx::TensorView>(import_array<OutArray>(a, fn, name, true, Accept::f32), fn,
+                                    name, 3, Accept::f32);
 }
 tmx::TensorView out3_opt(const std::optional<ArrayArg>& a, const char* fn, const char* name) {
   if (!a) return {};
   return out3(*a, fn, name);
 }
 
+tmx::ConstTensorView in_float(const ArrayArg& a, const char* fn, const char* name, size_t rank) {
+  return make_view<tmx::ConstTensorView>(
+      import_array<InArray>(a, fn, name, false, Accept::floating), fn, name, rank,
+      Accept::floating);
+}
+tmx::TensorView out_float(const ArrayArg& a, const char* fn, const char* name, size_t rank) {
+  return make_view<tmx::TensorView>(import_array<OutArray>(a, fn, name, true, Accept::floating), fn,
+                                    name, rank, Accept::floating);
+}
+
+const char* python_dtype_name(tmx::DType d) {
+  switch (d) {
+    case tmx::DType::f32:
+      return "float32";
+    case tmx::DType::bf16:
+      return "bfloat16";
+    case tmx::DType::f16:
+      return "float16";
+    case tmx::DType::boolean:
+      return "bool";
+    case tmx::DType::i32:
+      return "int32";
+    case tmx::DType::i64:
+      return "int64";
+  }
+  return tmx::to_string(d);
+}
+
+void check_same_dtype(const char* fn, std::initializer_list<NamedView> views) {
+  std::string names;  // "q, k, v and out"
+  size_t i = 0;
+  for (const NamedView& nv : views) {
+    names += (i == 0 ? "" : (i + 1 == views.size() ? " and " : ", ")) + std::string(nv.name);
+    ++i;
+  }
+  const NamedView& first = *views.begin();
+  for (const NamedView& nv : views) {
+    if (nv.dtype != first.dtype) {
+      type_error(std::string(fn) + ": " + nv.name + " has dtype " + python_dtype_name(nv.dtype) +
+                 " but " + first.name + " has " + python_dtype_name(first.dtype) + "; " + names +
+                 " must have one dtype (float32, bfloat16 or float16; no implicit conversion is "
+                 "made)");
+    }
+  }
+}
+
 tmx::ConstTensorView in_typed(const ArrayArg& a, const char* fn, const char* name, size_t rank,
                               std::initializer_list<tmx::DType> allowed) {
-  return make_typed_view<tmx::ConstTensorView>(import_array<InArray>(a, fn, name, false, false), fn,
-                                               name, rank, allowed);
+  return make_typed_view<tmx::ConstTensorView>(
+      import_array<InArray>(a, fn, name, false, Accept::any), fn, name, rank, allowed);
 }
 tmx::ConstTensorView in_typed_opt(const std::optional<ArrayArg>& a, const char* fn,
                                   const char* name, size_t rank,
@@ -279,15 +387,16 @@ tmx::ConstTensorView in_typed_opt(const std::optional<ArrayArg>& a, const char* 
 tmx::TensorView out_typed_opt(const std::optional<ArrayArg>& a, const char* fn, const char* name,
                               size_t rank, std::initializer_list<tmx::DType> allowed) {
   if (!a) return {};
-  return make_typed_view<tmx::TensorView>(import_array<OutArray>(*a, fn, name, true, false), fn,
-                                          name, rank, allowed);
+  return make_typed_view<tmx::TensorView>(import_array<OutArray>(*a, fn, name, true, Accept::any),
+                                          fn, name, rank, allowed);
 }
 
 SpanArg<const float> in_span(const ArrayArg& a, const char* fn, const char* name, size_t rank) {
-  return make_span<const float>(in_array(a, fn, name), fn, name, rank);
+  return make_span<const float>(import_array<InArray>(a, fn, name, false, Accept::f32), fn, name,
+                                rank);
 }
 SpanArg<float> out_span(const ArrayArg& a, const char* fn, const char* name, size_t rank) {
-  return make_span<float>(out_array(a, fn, name), fn, name, rank);
+  return make_span<float>(import_array<OutArray>(a, fn, name, true, Accept::f32), fn, name, rank);
 }
 
 std::string shape_string(const std::int64_t* shape, size_t rank) {

@@ -146,8 +146,10 @@ void bind_kv_cache(nb::module_& m) {
         o.softcap = variants.softcap;
         o.alibi_slopes = variants.alibi_slopes;
         o.sinks = variants.sinks;
-        auto qv = in4(q, fn, "q");
-        auto ov = out4(out, fn, "out");
+        // q and out: float32, bfloat16 or float16 (one dtype) on a cache of any dtype.
+        auto qv = in_float(q, fn, "q", 4);
+        auto ov = out_float(out, fn, "out", 4);
+        check_same_dtype(fn, {{"q", qv.dtype}, {"out", ov.dtype}});
         auto lv = out3_opt(lse, fn, "lse");
         nb::gil_scoped_release release;
         std::lock_guard<std::mutex> lock(cache.mutex);

@@ -160,11 +160,20 @@ def test_threads_of_other_integer_types_and_non_integers():
 
 def test_other_numpy_dtypes_name_the_dtype():
     q = rand(*Q)
-    for dtype in (object, np.complex64, np.int32, "<f2"):
+    # The attention tensors may be float32, bfloat16 or float16 (SPEC "Reduced precision").
+    for dtype in (object, np.complex64, np.int32, np.float64):
         with pytest.raises(TypeError, match=r"^attention_forward: k has dtype "
-                                            rf"{re.escape(str(np.dtype(dtype)))}; tokenmix "
-                                            r"computes in float32 only"):
+                                            rf"{re.escape(str(np.dtype(dtype)))}; expected "
+                                            r"float32, bfloat16 .* or float16"):
             tm.attention_forward(q, q.astype(dtype), q)
+    # float16 is one of them, but not mixed with float32 q.
+    with pytest.raises(TypeError, match=r"^attention_forward: k has dtype float16 but q has "
+                                        r"float32; q, k, v and out must have one dtype"):
+        tm.attention_forward(q, q.astype("<f2"), q)
+    # Other functions stay float32 only.
+    with pytest.raises(TypeError, match=r"^rope_forward: x has dtype float16; tokenmix computes "
+                                        r"in float32 only"):
+        tm.rope_forward(q.astype("<f2"))
 
 
 def test_extension_called_directly_names_function_and_argument():

@@ -20,28 +20,23 @@ def test_bench_prints_each_case_with_ceiling_and_agreement(capsys):
         assert float(diff) < 1e-5  # |O_torch - O_tokenmix| on unit-normal inputs
 
 
-def test_bench_ring_runs_two_processes_and_reports_efficiency_bytes_memory(capsys):
-    # Tiny shape: the run, the parsing and the byte count, not the figures (T = 64, N = 2).
-    assert bench.main(["--ring", "2", "--seq", "64", "--repeats", "1", "--ring-warmup", "0",
-                       "--heads-q", "4", "--heads-kv", "2", "--head-dim", "16",
-                       "--ring-timeout", "120"]) == 0
-    out = capsys.readouterr().out
-    assert "ring attention: 2 gloo processes" in out and "layout zigzag" in out
-    rows = re.findall(r"T=\s*64 (fwd\+bwd|fwd)\s+1 process\s+([0-9.]+) ms\s+2 processes\s+"
-                      r"([0-9.]+) ms.*efficiency ([0-9.]+)\s+sent/rank (\d+) B \([0-9.]+ MiB\)\s+"
-                      r"peak RSS/process (\d+) -> (\d+) MiB.*10 Gbit/s ([0-9.]+), "
-                      r"100 Gbit/s ([0-9.]+)", out)
-    assert [r[0] for r in rows] == ["fwd", "fwd+bwd"], out
-    for row in rows:
-        assert all(float(x) > 0.0 for x in row[1:]), row
-    # One K/V chunk of H_kv = 2 heads, 32 positions, d_h = 16, float32: 8192 bytes. Forward: one
-    # step's chunk; forward+backward: that, one K/V chunk and two dK/dV accumulators more.
-    assert [int(r[4]) for r in rows] == [8192, 4 * 8192]
-
-
-def test_bench_ring_rejects_a_length_the_layout_cannot_split(capsys):
-    assert bench.main(["--ring", "4", "--seq", "100"]) == 2  # zig-zag needs T divisible by 8
-    assert "needs T divisible by 8; got T=100" in capsys.readouterr().err
+def test_bench_reduced_precision_side_by_side(capsys):
+    """--dtype bf16 / f16: both sides in that dtype, a GEMM ceiling in that dtype, and the two
+    sides' outputs agree to a few units of the dtype's rounding (unit-normal inputs, |O| < 4)."""
+    for dtype, name, bound in (("bf16", "bfloat16", 5e-2), ("f16", "float16", 8e-3)):
+        assert bench.main(["--seq", "64", "--repeats", "1", "--heads-q", "4", "--heads-kv", "2",
+                           "--head-dim", "16", "--threads", "1", "--dtype", dtype]) == 0
+        out = capsys.readouterr().out
+        assert f"causal, {name}, layout" in out
+        ceiling = re.search(rf"{dtype} GEMM ceiling \(torch\.mm {dtype} 2048\^3, 1 thread\(s\), "
+                            r"best of 10\): ([0-9.]+) GFLOP/s", out)
+        assert ceiling and float(ceiling.group(1)) > 0.0
+        cases = re.findall(r"T=\s*(\d+) (fwd\+bwd|fwd)\s.*speedup ([0-9.]+)x.*"
+                           r"max\|diff\| ([0-9.e+-]+)", out)
+        assert sorted((int(t), m) for t, m, _, _ in cases) == [(64, "fwd"), (64, "fwd+bwd")]
+        for _, _, speedup, diff in cases:
+            assert float(speedup) > 0.0
+            assert float(diff) < bound, (dtype, diff)
 
 
 def test_bench_variants_passthrough(capsys):

@@ -344,7 +344,7 @@ def test_double_backward_raises():
             q.detach())
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float64])  # bf16/f16 are supported (test_bf16.py)
 def test_other_dtypes_raise_a_tokenmix_error(dtype):
     q, k, v = (t.detach().to(dtype) for t in _inputs())
     with pytest.raises(tokenmix.UnsupportedError, match="dtype"):
@@ -352,9 +352,37 @@ def test_other_dtypes_raise_a_tokenmix_error(dtype):
     with pytest.raises(tokenmix.UnsupportedError, match="dtype"):
         torch.compile(lambda q, k, v: tmt.scaled_dot_product_attention(q, k, v,
                                                                        enable_gqa=True))(q, k, v)
+    # Mixed dtypes are refused too (bf16 query, float32 key/value), traced or not.
+    q16 = q.to(torch.bfloat16)
+    k32, v32 = k.float(), v.float()
+    with pytest.raises(tokenmix.UnsupportedError, match="dtype"):
+        tmt.scaled_dot_product_attention(q16, k32, v32, enable_gqa=True)
+    with pytest.raises(tokenmix.UnsupportedError, match="dtype"):
+        torch.compile(lambda q, k, v: tmt.scaled_dot_product_attention(q, k, v,
+                                                                       enable_gqa=True))(
+            q16, k32, v32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compile_fullgraph_reduced_precision(dtype):
+    """bf16/f16 through the registered operators (fake implementations: out and the gradients
+    in q's dtype, lse and dsinks float32): compiled equals eager, bit for bit."""
+    torch._dynamo.reset()
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in _inputs())
+    sinks = torch.randn(4, requires_grad=True)
+    compiled = torch.compile(_sdpa_variants, fullgraph=True)
+    out = compiled(q, k, v, sinks)
+    ref = _sdpa_variants(q, k, v, sinks)
+    assert out.dtype == ref.dtype == dtype and torch.equal(out, ref)
+    dout = torch.randn_like(out)
+    g = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    r = torch.autograd.grad(ref, (q, k, v, sinks), dout)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), g, r):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert g[0].dtype == dtype and g[3].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float64])  # bf16/f16 run (test_bf16.py)
 def test_operators_refuse_other_dtypes(dtype):
     q, k, v = (t.detach().to(dtype) for t in _inputs())
     with pytest.raises(tokenmix.UnsupportedError, match=f"q has dtype {dtype}"):
@@ -368,9 +396,15 @@ def test_operators_refuse_other_dtypes(dtype):
                            None)
     # Under tracing the fake implementation raises it (dynamo reports it inside its own
     # Unsupported error under fullgraph=True).
-    with pytest.raises(Exception, match="q has dtype .* only torch.float32 is supported"):
+    with pytest.raises(Exception, match="q has dtype .* only torch.float32, torch.bfloat16 "
+                                        "and torch.float16 are supported"):
         torch.compile(lambda q: OPS.attention_forward(q, q, q, None, None, None, None, True,
                                                       False, None, None)[0], fullgraph=True)(q)
+    # Mixed dtypes (bf16 q, float32 k/v) are refused by the operators too.
+    with pytest.raises(tokenmix.UnsupportedError, match="k has dtype torch.float32 but q has "
+                                                        "torch.bfloat16"):
+        OPS.varlen_forward(vq.bfloat16(), vk, vv, cu_q, cu_k, None, None, None, True, True, None,
+                           None)
 
 
 def test_operator_refuses_gradients_it_cannot_compute():

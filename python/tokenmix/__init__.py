@@ -19,9 +19,13 @@ out    [B, T_q, H_q, d_h]         O_h = softmax(s·Q_h K_jᵀ + M) V_j (4.2–4.
 lse    [B, H_q, T_q]              row log-sum-exp L_t (4.4); always [B, H, T]
 ====== ========================== =============================================
 
-Dtype policy: only native-endian float32 is computed. Any other dtype (float64, a big-endian
-``'>f4'``, ...) raises ``TypeError`` naming the argument — no silent conversion (it would be a
-hidden copy and a silent precision change). Errors from the C++ library raise
+Dtype policy: native-endian float32 is computed; the attention functions (forward, backward,
+varlen, decode) also take bfloat16 (``ml_dtypes.bfloat16`` arrays, ``torch.bfloat16``) and
+float16 (``numpy.float16``, ``torch.float16``) for q, k, v, out, dout, dq, dk, dv — all of one
+call in one dtype, outputs allocated in it, lse always float32; products accumulate in float32
+and the results are rounded once (SPEC "Reduced precision"). Any other dtype (float64, a
+big-endian ``'>f4'``, ...) or a mix raises ``TypeError`` naming the argument — no silent
+conversion (it would be a hidden copy and a silent precision change). Errors from the C++ library raise
 :class:`ArgumentError` (a ``ValueError``), :class:`UnsupportedError` (a
 ``NotImplementedError``) or :class:`ResourceError` (a ``MemoryError``: kernel scratch that
 cannot be allocated) with the library's message and an attribute ``code``

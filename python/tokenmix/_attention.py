@@ -63,10 +63,13 @@ def attention_forward(
         O_h = A V_j                 (4.5)   L_t = log Σ_u exp(S_tu + M_tu)
 
     Args:
-        q: [B, T_q, H_q, d_h] float32 (``layout="bhtd"``: [B, H_q, T_q, d_h]); any strides.
-        k, v: [B, T_k, H_kv, d_h] float32 (or [B, H_kv, T_k, d_h]).
-        out: optional output in q's layout and shape, written in place.
-        lse: optional row log-sum-exp output [B, H_q, T_q], written in place.
+        q: [B, T_q, H_q, d_h] float32, bfloat16 (``ml_dtypes.bfloat16`` / ``torch.bfloat16``)
+            or float16 (``layout="bhtd"``: [B, H_q, T_q, d_h]); any strides.
+        k, v: [B, T_k, H_kv, d_h] in q's dtype (or [B, H_kv, T_k, d_h]).
+        out: optional output in q's layout, shape and dtype, written in place (allocated in
+            q's dtype when not given; SPEC "Reduced precision": products accumulate in float32,
+            O is rounded to the dtype once).
+        lse: optional row log-sum-exp output [B, H_q, T_q], float32 for every dtype.
         scale: s of (4.2); ``None`` = 1/sqrt(d_h).
         causal: apply the causal mask M (4.3).
         align: ``"bottom_right"`` (default: query t is at absolute position t + T_k − T_q, as
@@ -93,7 +96,7 @@ def attention_forward(
     B, T_q, H_q, _ = q4.shape
     out = new_empty(q, tuple(q.shape)) if out is None else as_output(fn, "out", out)
     if lse is None and return_lse:
-        lse = new_empty(q, (B, H_q, T_q))
+        lse = new_empty(q, (B, H_q, T_q), float32=True)
     elif lse is not None:
         lse = as_output(fn, "lse", lse)
     _C.attention_forward(
@@ -155,7 +158,8 @@ def attention_backward(
     A is recomputed from q, k and the saved lse (no T×T buffer).
 
     Args:
-        q, k, v, out: as given to / returned by the forward (same layout, options).
+        q, k, v, out: as given to / returned by the forward (same layout, options, dtype;
+            dout, dq, dk, dv in that dtype too).
         lse: [B, H_q, T_q] from the forward (``return_lse=True``).
         dout: gradient of the loss w.r.t. out, out's shape (any strides, also stride 0).
         dq, dk, dv: optional outputs in the shapes of q, k, v (overwritten, not accumulated).
@@ -193,7 +197,7 @@ def _dsinks_output(fn: str, like: Any, sinks: Any, dsinks: Any) -> Any:
         return as_output(fn, "dsinks", dsinks)
     if sinks is None:
         return None
-    return new_empty(like, (int(sinks.shape[0]),) if sinks.ndim >= 1 else (0,))
+    return new_empty(like, (int(sinks.shape[0]),) if sinks.ndim >= 1 else (0,), float32=True)
 
 
 def attention_forward_varlen(
@@ -224,8 +228,8 @@ def attention_forward_varlen(
     sequence.
 
     Args:
-        q: [total_q, H_q, d_h] float32, any strides.
-        k, v: [total_k, H_kv, d_h] float32.
+        q: [total_q, H_q, d_h] float32, bfloat16 or float16, any strides.
+        k, v: [total_k, H_kv, d_h] in q's dtype (out too; lse float32).
         cu_seqlens_q, cu_seqlens_k: [n + 1] int32 or int64 (or lists of ints): 0 first,
             non-decreasing, ending at total_q / total_k (ArgumentError naming the index
             otherwise).
@@ -246,7 +250,7 @@ def attention_forward_varlen(
         if q.ndim != 3:
             raise ValueError(f"{fn}: q must have 3 dimensions [total_q, H_q, d_h]; got shape "
                              f"{tuple(q.shape)}")
-        lse = new_empty(q, (q.shape[1], q.shape[0]))
+        lse = new_empty(q, (q.shape[1], q.shape[0]), float32=True)
     elif lse is not None:
         lse = as_output(fn, "lse", lse)
     _C.attention_forward_varlen(

@@ -3,7 +3,9 @@ without copies, allocating outputs from the library of an input, and the two lay
 ``"bthd"`` ([B, T, H, d_h], the default) and ``"bhtd"`` ([B, H, T, d_h], PyTorch's SDPA layout),
 which are views of each other (axes 1 and 2 swapped).
 
-Dtypes and strides are checked by the native extension (python/src/convert.cpp), which names the
+Attention outputs are allocated in the inputs' dtype (float32, float16 or ml_dtypes.bfloat16 /
+torch.bfloat16), the log-sum-exp always in float32. Dtypes and strides are checked by the native
+extension (python/src/convert.cpp), which names the
 function and the argument in its errors.
 """
 
@@ -19,6 +21,8 @@ __all__ = [
 ]
 
 LAYOUTS = ("bthd", "bhtd")
+# NumPy's float16 and ml_dtypes.bfloat16: the reduced-precision attention dtypes.
+HALF_DTYPE_NAMES = ("float16", "bfloat16")
 
 
 def is_torch(x: Any) -> bool:
@@ -44,13 +48,20 @@ def as_output(fn: str, name: str, x: Any) -> Any:
     return x
 
 
-def new_empty(like: Any, shape: Tuple[int, ...]) -> Any:
-    """A float32 array of `shape` from the library of `like` (torch or NumPy)."""
+def new_empty(like: Any, shape: Tuple[int, ...], float32: bool = False) -> Any:
+    """An array of `shape` from the library of `like` (torch or NumPy), in like's dtype when that
+    is bfloat16 or float16 (an attention output: SPEC "Reduced precision") unless `float32`
+    (the log-sum-exp, d(sinks)), else float32."""
     if is_torch(like):
         import torch
 
-        return torch.empty(shape, dtype=torch.float32)
-    return np.empty(shape, dtype=np.float32)
+        half = (torch.bfloat16, torch.float16)
+        dtype = like.dtype if not float32 and like.dtype in half else torch.float32
+        return torch.empty(shape, dtype=dtype)
+    dtype = getattr(like, "dtype", None)
+    if float32 or dtype is None or dtype.itemsize != 2 or dtype.name not in HALF_DTYPE_NAMES:
+        dtype = np.float32
+    return np.empty(shape, dtype=dtype)
 
 
 def swap12(x: Any) -> Any:

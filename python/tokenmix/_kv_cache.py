@@ -36,7 +36,8 @@ def attention_decode(
     u ≤ L_b − T_new + t (``"bottom_right"`` causal mask, SPEC 4.3); GQA as in 4.8.
 
     Args:
-        q: [B', T_new, H_q, d_h] float32 (``layout="bhtd"``: [B', H_q, T_new, d_h]); batch row b
+        q: [B', T_new, H_q, d_h] float32, bfloat16 or float16 on a cache of any dtype; out in
+            q's dtype, lse float32 (``layout="bhtd"``: [B', H_q, T_new, d_h]); batch row b
             is cache sequence ``first_seq + b``.
         cache: a :class:`KVCache` with H_kv dividing H_q and the same d_h.
         out, lse: optional outputs ([B', T_new, H_q, d_h] in q's layout; [B', H_q, T_new]).
@@ -55,7 +56,7 @@ def attention_decode(
     B, T_new, H_q, _ = q4.shape
     out = new_empty(q, tuple(q.shape)) if out is None else as_output(fn, "out", out)
     if lse is None and return_lse:
-        lse = new_empty(q, (B, H_q, T_new))
+        lse = new_empty(q, (B, H_q, T_new), float32=True)
     elif lse is not None:
         lse = as_output(fn, "lse", lse)
     _C.attention_decode(

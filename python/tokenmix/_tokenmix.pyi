@@ -3,7 +3,10 @@ area — attention.cpp, ops.cpp, kv_cache.cpp, layer.cpp, runtime.cpp, errors.cp
 
 Use the ``tokenmix`` package: its functions allocate outputs, handle layouts and call these.
 Arrays are native-endian float32 NumPy arrays or CPU torch tensors ("Array"), passed without
-copying, any non-negative strides that are whole elements. Attention tensors are logical
+copying, any non-negative strides that are whole elements; the attention tensors (q, k, v, out,
+dout, dq, dk, dv of attention_forward/backward, their varlen forms and attention_decode) may
+also be bfloat16 (ml_dtypes.bfloat16, torch.bfloat16) or float16, one dtype per call (else
+TypeError); lse stays float32. Attention tensors are logical
 [B, T, H, d_h]; log-sum-exp [B, H, T]. Errors name the function and the argument: another dtype
 (also '>f4') or device → TypeError; a byte stride not a multiple of 4, ``threads`` outside
 [0, 2**31 − 1] or a library error → ArgumentError (``code``); kernel scratch that cannot be

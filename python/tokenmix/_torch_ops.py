@@ -1,7 +1,9 @@
 """tokenmix's attention as registered PyTorch operators: ``torch.ops.tokenmix.*``.
 
-Four ``torch.library.custom_op`` operators (float32 CPU tensors; the maths is SPEC 4.2–4.5, the
-backward pass and the score variants of SPEC "Score variants used by real models"):
+Four ``torch.library.custom_op`` operators (float32, bfloat16 or float16 CPU tensors — q, k, v,
+out and the gradients in one dtype, lse, sinks and dsinks float32, SPEC "Reduced precision";
+the maths is SPEC 4.2–4.5, the backward pass and the score variants of SPEC "Score variants used
+by real models"):
 
 ``tokenmix::attention_forward(q, k, v, attn_mask, alibi_slopes, sinks, scale, is_causal,
 bottom_right, window, softcap) -> (out, lse)``
@@ -47,6 +49,7 @@ strides kept), which is cheaper than torch's Python-level ``__dlpack__``.
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+import ml_dtypes
 import torch
 from torch import Tensor
 
@@ -74,16 +77,25 @@ def _np(t: Tensor) -> Any:
     """The NumPy view of a CPU tensor (no copy, strides kept, stride-0 broadcasts included).
     The extension takes tensors through DLPack too, but torch's ``__dlpack__`` is Python code
     that costs several microseconds per tensor; ``.numpy()`` is a C call."""
-    return (t.detach() if t.requires_grad else t).numpy()
+    t = t.detach() if t.requires_grad else t
+    if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: the same bits as ml_dtypes.bfloat16
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
 
 
 def _check(op: str, **tensors: Tensor) -> None:
-    """float32 CPU tensors only (bf16/fp16 are not computed yet): tokenmix.UnsupportedError."""
+    """float32, bfloat16 or float16 CPU tensors, all of one dtype (SPEC "Reduced precision"):
+    else tokenmix.UnsupportedError."""
+    first = next(iter(tensors.items()))
     for name, t in tensors.items():
-        if t.dtype != torch.float32:
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise _typed(_C.UnsupportedError, "unsupported",
-                         f"tokenmix::{op}: {name} has dtype {t.dtype}; only torch.float32 is "
-                         "supported")
+                         f"tokenmix::{op}: {name} has dtype {t.dtype}; only torch.float32, "
+                         "torch.bfloat16 and torch.float16 are supported")
+        if t.dtype != first[1].dtype:
+            raise _typed(_C.UnsupportedError, "unsupported",
+                         f"tokenmix::{op}: {name} has dtype {t.dtype} but {first[0]} has "
+                         f"{first[1].dtype}; {', '.join(tensors)} must have one dtype")
         if t.device.type not in ("cpu", "meta"):
             raise _typed(_C.UnsupportedError, "unsupported",
                          f"tokenmix::{op}: {name} is on device '{t.device}'; tokenmix runs on "
@@ -114,21 +126,21 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                   softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
     _check("attention_forward", q=q, k=k, v=v)
     B, H, L, E = q.shape
-    out_bthd = torch.empty((B, L, H, E), dtype=torch.float32)
-    lse = torch.empty((B, H, L), dtype=torch.float32)
+    out_bthd = torch.empty((B, L, H, E), dtype=q.dtype)  # q's dtype (SPEC "Reduced precision")
+    lse = torch.empty((B, H, L), dtype=torch.float32)  # float32 for every dtype
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
     if attn_mask is not None:
         kw["mask"] = _np(attn_mask)
     _C.attention_forward(_np(q.transpose(1, 2)), _np(k.transpose(1, 2)), _np(v.transpose(1, 2)),
-                         out_bthd.numpy(), lse.numpy(), scale, is_causal, _ALIGN[bottom_right],
+                         _np(out_bthd), lse.numpy(), scale, is_causal, _ALIGN[bottom_right],
                          torch.get_num_threads(), "auto", **kw)
     return out_bthd.transpose(1, 2), lse
 
 
 def _grad_like(x: Tensor) -> Tensor:
-    """An output for the gradient of x, with x's strides when those are dense (so a gradient
-    flowing back through a transposed view needs no copy)."""
-    return torch.empty_like(x, dtype=torch.float32)
+    """An output for the gradient of x, in x's dtype and with x's strides when those are dense
+    (so a gradient flowing back through a transposed view needs no copy)."""
+    return torch.empty_like(x)
 
 
 def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -137,8 +149,8 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    bottom_right: bool, window: Optional[int],
                    softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     _check("attention_backward", q=q, k=k, v=v)
-    if dout.dtype != torch.float32:
-        dout = dout.float()
+    if dout.dtype != q.dtype:
+        dout = dout.to(q.dtype)
     dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
     dsinks = torch.empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
@@ -158,10 +170,10 @@ def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                          bottom_right: bool, window: Optional[int],
                          softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
     _check("varlen_forward", q=q, k=k, v=v)
-    out = torch.empty(q.shape, dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=q.dtype)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     _C.attention_forward_varlen(_np(q), _np(k), _np(v), _np(cu_seqlens_q), _np(cu_seqlens_k),
-                                out.numpy(), lse.numpy(), scale, is_causal, _ALIGN[bottom_right],
+                                _np(out), lse.numpy(), scale, is_causal, _ALIGN[bottom_right],
                                 torch.get_num_threads(), "auto",
                                 **_variant_kwargs(alibi_slopes, sinks, window, softcap))
     return out, lse
@@ -174,8 +186,8 @@ def _varlen_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                           window: Optional[int],
                           softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     _check("varlen_backward", q=q, k=k, v=v)
-    if dout.dtype != torch.float32:
-        dout = dout.float()
+    if dout.dtype != q.dtype:
+        dout = dout.to(q.dtype)
     dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
     dsinks = torch.empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
@@ -206,7 +218,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tenso
 def _(q, k, v, attn_mask, alibi_slopes, sinks, scale, is_causal, bottom_right, window, softcap):
     _check("attention_forward", q=q, k=k, v=v)
     B, H, L, E = q.shape
-    return q.new_empty((B, L, H, E)).transpose(1, 2), q.new_empty((B, H, L))
+    return (q.new_empty((B, L, H, E)).transpose(1, 2),
+            q.new_empty((B, H, L), dtype=torch.float32))
 
 
 @torch.library.custom_op("tokenmix::attention_backward", mutates_args=())
@@ -224,7 +237,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
 def _(dout, q, k, v, out, lse, attn_mask, alibi_slopes, sinks, scale, is_causal, bottom_right,
       window, softcap):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            q.new_empty((0 if sinks is None else sinks.shape[0],)))
+            q.new_empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32))
 
 
 @torch.library.custom_op("tokenmix::varlen_forward", mutates_args=())
@@ -241,7 +254,7 @@ def varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scale, is_causal, bottom_right,
       window, softcap):
     _check("varlen_forward", q=q, k=k, v=v)
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]))
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("tokenmix::varlen_backward", mutates_args=())
@@ -260,7 +273,7 @@ def varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scale, is_causal,
       bottom_right, window, softcap):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            q.new_empty((0 if sinks is None else sinks.shape[0],)))
+            q.new_empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,11 +2,14 @@
 
     python -m tokenmix.bench                       # T = 512, 2048, 8192; forward and fwd+bwd
     python -m tokenmix.bench --seq 2048 --repeats 7 --threads 2 --markdown
+    python -m tokenmix.bench --dtype bf16          # both sides in bfloat16 (or f16: float16)
     python -m tokenmix.bench --model      # a Llama-shaped model in transformers (_bench_model)
     python -m tokenmix.bench --overhead   # the cost of one tiny call (generation's shapes)
 
 Shapes (SPEC "Names and shapes"): B=1, H_q=32, H_kv=8, d_h=128 by default (grouped-query,
-g = 4), causal, float32, PyTorch's layout [B, H, T, d_h]. Both sides get the same tensors and
+g = 4), causal, float32 (``--dtype bf16`` / ``f16``: both sides in bfloat16 / float16, the
+inputs rounded once from the same float32 draws), PyTorch's layout [B, H, T, d_h]. Both sides get
+the same tensors and
 the same thread count (``torch.set_num_threads``; tokenmix's drop-in uses
 ``torch.get_num_threads()``). PyTorch runs ``F.scaled_dot_product_attention(..., is_causal=True,
 enable_gqa=True)``; ``--torch-expanded`` also times PyTorch on K/V repeated to H_q heads
@@ -26,7 +29,11 @@ processes on the machine change the figures. The fp32 GEMM ceiling of the same r
 sgemm through NumPy's ``matmul`` on 2048 x 2048 matrices, limited to the same threads with
 threadpoolctl, best of 10) is printed too, and each side's FLOP/s as a fraction of it. (PyTorch's
 own ``torch.mm`` is not used: on the AMD machine of docs/performance.md it moved between 98 and
-173 GFLOP/s within one run, OpenBLAS between 193 and 204.)
+173 GFLOP/s within one run, OpenBLAS between 193 and 204.) With ``--dtype bf16`` / ``f16`` the
+ceiling is a GEMM in that dtype instead: ``torch.mm`` on 2048 x 2048 bfloat16 / float16
+matrices (oneDNN where PyTorch's CPU build uses it for the dtype), same threads, best of 10; its
+line names it. The forward agreement ``max|diff|`` is between the two sides' outputs in the
+dtype, so at bfloat16 it is of the order of the dtype's rounding (2^-8 relative), not 1e-6.
 
 Score variants (SPEC "Score variants used by real models"): ``--window W``, ``--softcap C``,
 ``--alibi`` (the standard slopes 2^(−8(h+1)/H_q)) and ``--sinks V`` (one sink logit for every
@@ -121,9 +128,9 @@ def torch_variant(T: int, H_q: int, H_kv: int, kw: Dict[str, object]) -> Callabl
         s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
         if cap is not None:
             s = cap * torch.tanh(s / cap)
-        s = s + bias
+        s = s + bias.to(s.dtype)  # (--dtype bf16/f16: the eager model computes in the dtype)
         if sinks is not None:
-            col = sinks[None, :, None, None].expand(s.shape[0], -1, s.shape[2], 1)
+            col = sinks[None, :, None, None].expand(s.shape[0], -1, s.shape[2], 1).to(s.dtype)
             p = torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1]
         else:
             p = torch.softmax(s, dim=-1)
@@ -168,14 +175,29 @@ def gemm_ceiling_gflops(threads: int, repeats: int = 10, n: int = 2048) -> float
     return 2.0 * n ** 3 / best / 1e9
 
 
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def gemm_ceiling_torch_gflops(dtype: torch.dtype, repeats: int = 10, n: int = 2048) -> float:
+    """GEMM rate of ``torch.mm`` in ``dtype`` (bfloat16 / float16) on torch's threads: best
+    GFLOP/s of ``repeats`` — the reduced-precision ceiling (module docstring)."""
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randn(n, n, generator=gen).to(dtype)
+    b = torch.randn(n, n, generator=gen).to(dtype)
+    torch.mm(a, b)  # warm-up
+    best = min(_time(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2.0 * n ** 3 / best / 1e9
+
+
 def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
     """Times one (T, mode) case; mode is "fwd" or "fwd+bwd"."""
     B, Hq, Hkv, D = args.batch, args.heads_q, args.heads_kv, args.head_dim
+    dtype = DTYPES[args.dtype]
     gen = torch.Generator().manual_seed(1234 + T)
-    q = torch.randn(B, Hq, T, D, generator=gen)
-    k = torch.randn(B, Hkv, T, D, generator=gen)
-    v = torch.randn(B, Hkv, T, D, generator=gen)
-    g = torch.randn(B, Hq, T, D, generator=gen)
+    q = torch.randn(B, Hq, T, D, generator=gen).to(dtype)
+    k = torch.randn(B, Hkv, T, D, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, T, D, generator=gen).to(dtype)
+    g = torch.randn(B, Hq, T, D, generator=gen).to(dtype)
     gqa = Hq != Hkv
 
     extras = variant_kwargs(args, Hq)
@@ -216,7 +238,7 @@ def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
     calls = {name: make(*spec) for name, spec in sides.items()}
     # Agreement check (forward) so a fast wrong answer cannot pass unnoticed.
     with torch.no_grad():
-        err = (torch_gqa(q, k, v) - ours(q, k, v)).abs().max().item()
+        err = (torch_gqa(q, k, v).float() - ours(q, k, v).float()).abs().max().item()
     for call in calls.values():  # warm-up
         call()
     times: Dict[str, List[float]] = {name: [] for name in calls}
@@ -472,6 +494,8 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None,
                    help="timed rounds per case (median reported; default 5, with --ring 3)")
     p.add_argument("--mode", choices=["fwd", "fwd+bwd", "both"], default="both")
+    p.add_argument("--dtype", choices=list(DTYPES), default="f32",
+                   help="dtype of q, k, v (and out, gradients) on both sides")
     p.add_argument("--torch-expanded", action="store_true",
                    help="also time PyTorch on K/V expanded to H_q heads; compare with the faster")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
@@ -525,9 +549,11 @@ def main(argv: List[str] | None = None) -> int:
 
     print(f"CPU: {_cpu_model()} ({os.cpu_count()} logical CPUs)")
     print(f"torch {torch.__version__}, tokenmix {tokenmix.__version__} (kernel path "
-          f"{tokenmix.resolve_isa()}), Python {platform.python_version()}")
+          f"{tokenmix.resolve_isa()}), Python {platform.python_version()}, torch CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}")
     print(f"threads: {threads} (both sides); B={args.batch} H_q={args.heads_q} "
-          f"H_kv={args.heads_kv} d_h={args.head_dim}, causal, float32, layout [B,H,T,d_h]; "
+          f"H_kv={args.heads_kv} d_h={args.head_dim}, causal, "
+          f"{str(DTYPES[args.dtype]).replace('torch.', '')}, layout [B,H,T,d_h]; "
           f"median of {args.repeats} rounds")
     variants = [f"window={args.window}" if args.window is not None else "",
                 f"softcap={args.softcap:g}" if args.softcap is not None else "",
@@ -540,9 +566,14 @@ def main(argv: List[str] | None = None) -> int:
               + ")")
     print(f"load average before: {_loadavg()}")
     sys.stdout.flush()
-    ceiling = gemm_ceiling_gflops(threads)
-    print(f"fp32 GEMM ceiling (OpenBLAS sgemm via numpy.matmul 2048^3, {threads} thread(s), "
-          f"best of 10): {ceiling:.1f} GFLOP/s")
+    if args.dtype == "f32":
+        ceiling = gemm_ceiling_gflops(threads)
+        print(f"fp32 GEMM ceiling (OpenBLAS sgemm via numpy.matmul 2048^3, {threads} thread(s), "
+              f"best of 10): {ceiling:.1f} GFLOP/s")
+    else:
+        ceiling = gemm_ceiling_torch_gflops(DTYPES[args.dtype])
+        print(f"{args.dtype} GEMM ceiling (torch.mm {args.dtype} 2048^3, {threads} thread(s), "
+              f"best of 10): {ceiling:.1f} GFLOP/s")
     sys.stdout.flush()
 
     rows = []

@@ -1,4 +1,5 @@
-"""A differentiable drop-in for ``torch.nn.functional.scaled_dot_product_attention`` (CPU, fp32),
+"""A differentiable drop-in for ``torch.nn.functional.scaled_dot_product_attention`` (CPU; fp32,
+bf16, fp16),
 and ``varlen_attention``, the packed variable-length form of FlashAttention's
 ``flash_attn_varlen_func``.
 
@@ -36,13 +37,25 @@ Keyword-only extras beyond PyTorch's signature (SPEC "Score variants used by rea
 gradient, so one with ``requires_grad`` raises), ``sinks`` ([H_q] float32 tensor of per-head sink
 logits, gpt-oss; ``requires_grad`` is honoured: its gradient comes from tokenmix's backward).
 
-Supported: float32 CPU tensors, any number of batch dimensions (equal for q, k, v), grouped
-query attention with ``enable_gqa=True`` (H_q a multiple of H_kv; as in PyTorch, H_q ≠ H_kv
-without it is an error), ``scale``, ``is_causal``, ``attn_mask``. Everything else raises
-``tokenmix.UnsupportedError`` (a ``NotImplementedError``) naming the argument: ``dropout_p >
-0``, a non-CPU device, a dtype other than float32, a value head width different from the
-query's, batch dimensions that need broadcasting. Double backward raises
-``tokenmix.UnsupportedError``.
+Dtypes (SPEC "Reduced precision"): query, key and value are float32, bfloat16 or float16, all
+three alike (mixed dtypes raise tokenmix.UnsupportedError, a NotImplementedError and so the
+RuntimeError PyTorch raises); the output and the gradients come in that dtype. Products
+accumulate in float32, softmax statistics and L are float32, and O, dQ, dK, dV are rounded to
+the dtype once, at the end. Under ``torch.autocast("cpu")`` the inputs are cast as PyTorch's CPU
+autocast casts them for its SDPA (a "lower precision" op: floating-point inputs other than
+float64 to the autocast dtype, bfloat16 by default; float32 leaves get float32 gradients through
+the cast); a float ``attn_mask`` is not cast. ``attn_mask`` may be bool, float32 or the query's
+dtype (as in PyTorch; a bfloat16/float16 bias is widened to float32 exactly, a copy of the mask).
+``sinks`` and ``alibi_slopes`` are float32 (bfloat16/float16 ones are widened exactly; the
+sinks' gradient flows back through the widening).
+
+Supported: float32, bfloat16 and float16 CPU tensors, any number of batch dimensions (equal for
+q, k, v), grouped query attention with ``enable_gqa=True`` (H_q a multiple of H_kv; as in
+PyTorch, H_q ≠ H_kv without it is an error), ``scale``, ``is_causal``, ``attn_mask``. Everything
+else raises ``tokenmix.UnsupportedError`` (a ``NotImplementedError``) naming the argument:
+``dropout_p > 0``, a non-CPU device, a dtype other than float32, bfloat16 and float16, a value
+head width different from the query's, batch dimensions that need broadcasting. Double backward
+raises ``tokenmix.UnsupportedError``.
 
 Threads: the kernels use ``torch.get_num_threads()`` threads, so ``torch.set_num_threads``
 controls both libraries.
@@ -79,6 +92,41 @@ def _as_bhtd(x: torch.Tensor) -> torch.Tensor:
 def _unsupported(what: str, fn: str = _FN) -> NotImplementedError:
     """tokenmix.UnsupportedError (a NotImplementedError) naming the entry point."""
     return _typed(_C.UnsupportedError, "unsupported", f"{fn}: {what}")
+
+
+# The dtypes of q, k, v (and out, the gradients): SPEC "Reduced precision".
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _autocast(tensors: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, ...]:
+    """Under ``torch.autocast("cpu")``, what PyTorch's CPU autocast does for
+    scaled_dot_product_attention (a "lower precision" op): floating-point inputs other than
+    float64 are cast to the autocast dtype (bfloat16 by default, or float16). The cast is an
+    autograd op, so float32 leaves get float32 gradients. A float attn_mask is not cast (it
+    stays float32, which the kernels take with any q dtype, as PyTorch does)."""
+    if not torch.is_autocast_enabled("cpu"):
+        return tensors
+    dtype = torch.get_autocast_dtype("cpu")
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype not in (torch.float64, dtype)
+                 else t for t in tensors)
+
+
+def _check_dtypes(fn: str, tensors: Tuple[Tuple[str, torch.Tensor], ...]) -> None:
+    """q, k, v in float32, bfloat16 or float16, all in one dtype (as PyTorch requires; the
+    error is tokenmix.UnsupportedError, a NotImplementedError and so a RuntimeError, PyTorch's
+    type for it)."""
+    for name, t in tensors:
+        if t.dtype not in _DTYPES:
+            raise _typed(_C.UnsupportedError, "unsupported",
+                         f"{fn}: {name} has dtype {t.dtype}; only torch.float32, torch.bfloat16 "
+                         "and torch.float16 are supported")
+    (n0, t0) = tensors[0]
+    for name, t in tensors[1:]:
+        if t.dtype != t0.dtype:
+            raise _typed(_C.UnsupportedError, "unsupported",
+                         f"{fn}: {name} has dtype {t.dtype} but {n0} has {t0.dtype}; "
+                         f"{', '.join(n for n, _ in tensors)} must have one dtype (as in "
+                         "PyTorch; no implicit conversion is made)")
 
 
 def _typed(kind: Any, code: str, msg: str) -> Exception:
@@ -126,8 +174,11 @@ def _check_variants(fn: str, H_q: int, window: Any, softcap: Any, alibi_slopes: 
         if t.device.type != "cpu":
             raise _unsupported(f"{name} is on device '{t.device}'; tokenmix runs on the CPU only",
                                fn)
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.float()  # exact; an autograd op, so a bf16 sinks parameter gets its gradient
         if t.dtype != torch.float32:
-            raise _unsupported(f"{name} has dtype {t.dtype}; only torch.float32 is supported", fn)
+            raise _unsupported(f"{name} has dtype {t.dtype}; only torch.float32 (or bfloat16 / "
+                               "float16, widened exactly) is supported", fn)
         if tuple(t.shape) != (H_q,):
             raise _typed(_C.ArgumentError, "shape_mismatch",
                          f"{fn}: {name} must have shape ({H_q},) (one per query head); got "
@@ -146,10 +197,10 @@ def _mask_view(attn_mask: torch.Tensor, query: torch.Tensor, S: int) -> torch.Te
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"{_FN}: attn_mask must be a torch.Tensor or None; got "
                         f"{type(attn_mask).__name__}")
-    if attn_mask.dtype != torch.bool and attn_mask.dtype != torch.float32:
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
         raise RuntimeError(
-            f"{_FN}: attn_mask must be bool or float32 (query's dtype), as in PyTorch; got "
-            f"{attn_mask.dtype}"
+            f"{_FN}: attn_mask must be bool or float32, or query's dtype ({query.dtype}), as in "
+            f"PyTorch; got {attn_mask.dtype}"
         )
     if attn_mask.device.type != "cpu":
         raise _unsupported(f"attn_mask is on device '{attn_mask.device}'; tokenmix runs on the "
@@ -172,6 +223,10 @@ def _mask_view(attn_mask: torch.Tensor, query: torch.Tensor, S: int) -> torch.Te
     if not ok:
         raise RuntimeError(f"{_FN}: attn_mask of shape {tuple(attn_mask.shape)} does not "
                            f"broadcast to {target} (query's [..., H_q, L] and key's S)")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != torch.float32:
+        # A bias in query's bfloat16/float16 dtype: widened to float32 (exact; a copy of the
+        # mask), the kernels' bias dtype for every q dtype.
+        attn_mask = attn_mask.float()
     m = attn_mask[(None,) * (len(target) - attn_mask.dim())] if attn_mask.dim() < len(target) \
         else attn_mask
     # m has query's rank; bring it to rank 4 as _as_bhtd does for the query.
@@ -188,12 +243,14 @@ def _mask_view(attn_mask: torch.Tensor, query: torch.Tensor, S: int) -> torch.Te
 
 
 def _fast_shapes(q: Any, k: Any, v: Any, enable_gqa: bool) -> bool:
-    """True when q, k, v are plain strided float32 CPU tensors [B, H, T, E] that the general
-    path would accept as they are (same B and E, K and V alike, GQA only with enable_gqa)."""
-    f32 = torch.float32
+    """True when q, k, v are plain strided CPU tensors [B, H, T, E] of one dtype (float32,
+    bfloat16 or float16) that the general path would accept as they are (same B and E, K and V
+    alike, GQA only with enable_gqa), and autocast is off (it may cast them)."""
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return False
-    if q.dtype != f32 or k.dtype != f32 or v.dtype != f32:
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if torch.is_autocast_enabled("cpu"):
         return False
     qs, ks, vs = q.shape, k.shape, v.shape
     if len(qs) != 4 or len(ks) != 4 or ks != vs or qs[0] != ks[0] or qs[3] != ks[3]:
@@ -221,10 +278,11 @@ def scaled_dot_product_attention(
     sinks: Optional[torch.Tensor] = None,
     causal_align: str = "top_left",
 ) -> torch.Tensor:
-    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on CPU float32.
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on CPU float32,
+    bfloat16 and float16 (also under ``torch.autocast("cpu")``; module docstring).
 
     Args:
-        query: [..., H_q, L, E] float32 CPU tensor (any strides).
+        query: [..., H_q, L, E] float32, bfloat16 or float16 CPU tensor (any strides).
         key: [..., H_kv, S, E].
         value: [..., H_kv, S, E] (value head width must equal E).
         attn_mask: None, or a bool (True = may attend) or float32 (added to the scores) tensor
@@ -246,7 +304,7 @@ def scaled_dot_product_attention(
             (query i at position i + S − L: chunked prefill on a KV cache).
 
     Returns:
-        [..., H_q, L, E] float32, differentiable w.r.t. query, key, value and sinks.
+        [..., H_q, L, E] in query's dtype, differentiable w.r.t. query, key, value and sinks.
 
     Raises:
         NotImplementedError: for anything this drop-in does not implement (names the argument).
@@ -255,8 +313,9 @@ def scaled_dot_product_attention(
     if (attn_mask is None and not dropout_p and window is None and softcap is None
             and alibi_slopes is None and sinks is None and causal_align == "top_left"
             and type(is_causal) is bool and (scale is None or type(scale) is float)):
-        # Fast path for the common call (generation makes thousands per second): plain float32
-        # CPU [B, H, T, E] tensors whose shapes need no message beyond the library's own.
+        # Fast path for the common call (generation makes thousands per second): plain
+        # float32/bf16/f16 CPU [B, H, T, E] tensors whose shapes need no message beyond the
+        # library's own (not under autocast).
         fast = _fast_shapes(query, key, value, enable_gqa)
         if fast and (scale is None or math.isfinite(scale)):
             return _ops.attention(query, key, value, None, None, None, scale, is_causal, False,
@@ -272,11 +331,12 @@ def scaled_dot_product_attention(
         )
     if dropout_p != 0.0:
         raise _unsupported(f"dropout_p={dropout_p} is not supported (only dropout_p=0.0)")
+    query, key, value = _autocast((query, key, value))
+    tensors = (("query", query), ("key", key), ("value", value))
+    _check_dtypes(_FN, tensors)
     for name, t in tensors:
         if t.device.type != "cpu":
             raise _unsupported(f"{name} is on device '{t.device}'; tokenmix runs on the CPU only")
-        if t.dtype != torch.float32:
-            raise _unsupported(f"{name} has dtype {t.dtype}; only torch.float32 is supported")
         if t.layout != torch.strided:
             raise _unsupported(f"{name} has layout {t.layout}; only strided tensors are supported")
         if t.dim() < 2:
@@ -374,8 +434,9 @@ def varlen_attention(
     ``flash_attn_varlen_func`` (SPEC "Score variants": varlen); differentiable.
 
     Args:
-        q: [total_q, H_q, d_h] float32 CPU tensor; k, v: [total_k, H_kv, d_h] (H_q a multiple
-            of H_kv: GQA, SPEC 4.8).
+        q: [total_q, H_q, d_h] float32, bfloat16 or float16 CPU tensor (autocast as for
+            :func:`scaled_dot_product_attention`); k, v: [total_k, H_kv, d_h] in q's dtype (H_q
+            a multiple of H_kv: GQA, SPEC 4.8).
         cu_seqlens_q, cu_seqlens_k: [n + 1] int32/int64 CPU tensors: sequence i owns query rows
             [cu_q[i], cu_q[i+1]) and keys [cu_k[i], cu_k[i+1]); 0 first, non-decreasing, ending
             at total_q / total_k (tokenmix.ArgumentError naming the index otherwise).
@@ -388,17 +449,18 @@ def varlen_attention(
             :func:`scaled_dot_product_attention`; positions are per sequence.
 
     Returns:
-        [total_q, H_q, d_h] float32, differentiable w.r.t. q, k, v and sinks.
+        [total_q, H_q, d_h] in q's dtype, differentiable w.r.t. q, k, v and sinks.
     """
     fn = _FN_VARLEN
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor; got {type(t).__name__}")
+    q, k, v = _autocast((q, k, v))
+    _check_dtypes(fn, (("q", q), ("k", k), ("v", v)))
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if t.device.type != "cpu":
             raise _unsupported(f"{name} is on device '{t.device}'; tokenmix runs on the CPU only",
                                fn)
-        if t.dtype != torch.float32:
-            raise _unsupported(f"{name} has dtype {t.dtype}; only torch.float32 is supported", fn)
         if t.dim() != 3:
             raise _typed(_C.ArgumentError, "shape_mismatch",
                          f"{fn}: {name} must have 3 dimensions [total, H, d_h]; got shape "

@@ -28,8 +28,13 @@ models"):
 * ``softcap`` (Gemma 2's ``attn_logit_softcapping``), ``scaling``, grouped-query attention
   (H_q a multiple of H_kv, no repeat), sinks (gpt-oss ``s_aux=module.sinks``, with gradient).
 
+Dtypes: float32, bfloat16 (transformers' default for most models) and float16 (SPEC "Reduced
+precision"); the output has the query's dtype; bfloat16/float16 sinks and additive masks are
+widened exactly to float32.
+
 No silent fallback to PyTorch: dropout in training, ``output_attentions``, a position bias, a
-non-float32 dtype or a non-CPU tensor raise :class:`tokenmix.UnsupportedError` naming what.
+dtype other than those three (or mixed) or a non-CPU tensor raise
+:class:`tokenmix.UnsupportedError` naming what.
 """
 
 from typing import Any, Optional, Tuple
@@ -60,9 +65,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention-function signature: query ``[B, H_q, L, E]``, key/value
     ``[B, H_kv, S, E]``; returns ``([B, L, H_q, E] contiguous, None)``."""
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.dtype != torch.float32:
-            raise _unsupported(f"{name} has dtype {t.dtype}; tokenmix computes float32 only "
-                               "(load the model with torch_dtype=torch.float32)")
+        # float32, bfloat16 or float16, one dtype (SPEC "Reduced precision"); out in that dtype
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise _unsupported(f"{name} has dtype {t.dtype}; tokenmix computes in float32, "
+                               "bfloat16 or float16")
+        if t.dtype != query.dtype:
+            raise _unsupported(f"{name} has dtype {t.dtype} but query has {query.dtype}; query, "
+                               "key and value must have one dtype")
         if t.device.type != "cpu":
             raise _unsupported(f"{name} is on device '{t.device}'; tokenmix runs on the CPU only")
     if dropout:
@@ -77,6 +86,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise _unsupported(f"value head width {value.shape[-1]} differs from the query's "
                            f"{query.shape[-1]}")
     sinks = s_aux if s_aux is not None else kwargs.get("sinks")
+    if sinks is not None and sinks.dtype in (torch.bfloat16, torch.float16):
+        sinks = sinks.float()  # a bf16 model's sinks: widened exactly, the gradient flows back
     if sinks is not None and (sinks.dtype != torch.float32 or sinks.dim() != 1):
         raise _unsupported(f"sinks must be a float32 [H_q] tensor; got {sinks.dtype} "
                            f"{tuple(sinks.shape)}")
@@ -104,8 +115,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                "[B, 1, L, S] mask of transformers' mask interface")
         if mask.shape[-1] > S:  # a mask sized for a longer cache (as eager, keep the first S)
             mask = mask[..., :S]
+        if mask.dtype == query.dtype and mask.dtype in (torch.bfloat16, torch.float16):
+            mask = mask.float()  # an additive mask in the model's dtype: widened exactly
         if mask.dtype != torch.bool and mask.dtype != torch.float32:
-            raise _unsupported(f"attention_mask of dtype {mask.dtype}; expected bool or float32")
+            raise _unsupported(f"attention_mask of dtype {mask.dtype}; expected bool, float32 "
+                               "or the query's dtype")
         # The mask carries causality, padding, window and cache length: no causal flag.
         out = _ops.attention(query, key, value, mask, None, sinks, scaling, False, True, None,
                              softcap)

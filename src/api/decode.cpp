@@ -77,8 +77,8 @@ void check_head_vector(const char* fn, const char* name, const ConstTensorView& 
 struct Plan {
   kernels::DecodeArgs a;
   kernels::NamedKernel<kernels::DecodeKernel> named;
-  DType act = DType::f32;  // the dtype of q and out (SPEC "Reduced precision")
   bool empty = false;      // no query row: nothing to compute
+  DType act = DType::f32;  // the dtype of q and out (SPEC "Reduced precision")
   int team = 1;
   kernels::ScratchLayout worker_layout, partials_layout;
   kernels::Slot<float> merge_slot, acc_slot, m_slot, l_slot, alibi_slot, sinks_slot;
@@ -301,9 +301,9 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   a.table_width = Access::table_width(cache);
   a.lengths = Access::lengths(cache, layer) + o.first_seq;
   a.q = strided(q);
+  const DType act = plan.act;
   // bf16/f16 queries: widened once into a contiguous fp32 [B, T_new, H_q, d_h] copy (a few rows:
   // the kernels then read fp32 queries whatever the cache's dtype); O is rounded on store.
-  const DType act = plan.act;
   std::vector<float> q_wide;
   if (act != DType::f32) {
     q_wide.resize(static_cast<std::size_t>(a.batch * a.tnew * a.hq * a.dh));

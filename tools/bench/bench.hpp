@@ -133,8 +133,9 @@ double bf16_gemm_ceiling_gflops(int threads, std::string& kind, int repeats = 10
 /// `tokenmix bench forward|backward` and benchmarks/ (Google Benchmark) both time this one.
 class AttentionRun {
  public:
-  /// `dtype`: f32, or bf16 / f16 (the inputs are drawn in fp32 and rounded to it; the error
-  /// slice compares with the oracle on the rounded values).
+  /// `variants`: the score variants of every call. `dtype`: f32, or bf16 / f16 (the inputs
+  /// are drawn in fp32 and rounded to it; the error slice compares with the oracle on the
+  /// rounded values).
   AttentionRun(const testkit::AttentionShape& shape, bool backward, Isa isa, int threads,
                const BenchVariants& variants = {}, DType dtype = DType::f32);
   void forward();  ///< attention_forward: O and L (what backward starts from)

@@ -1,8 +1,8 @@
 // tools/cli/cmd_bench.cpp — `tokenmix bench forward|backward|decode`: our kernels next to the
 // machine's ceilings measured in the same run (tools/bench): fp32 GEMM (OpenBLAS sgemm) for
 // forward/backward (a bf16 GEMM through oneDNN with --dtype bf16), streaming read bandwidth for
-// decode. --window, --softcap, --alibi and --sinks time a score variant (SPEC "Score variants used
-// by real models"); the JSON records them.
+// decode. --window, --softcap, --alibi and --sinks time a score variant (SPEC "Score variants
+// used by real models"); the JSON records them.
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <string>
@@ -74,26 +74,25 @@ Command add_bench_command(CLI::App& parent) {
                       "Score variants (every case; recorded in the JSON; useful FLOPs count only "
                       "the pairs a window leaves visible)");
 
-  return {app, [app, o]() {
-            bench::BenchConfig cfg = o->config;
-            cfg.op = o->op;
-            cfg.causal = !o->no_causal;
-            cfg.align = parse_causal_align(o->align, "--align");
-            cfg.variants = variants_from_flags(*app, o->variants);
-            cfg.dtype = o->dtype == "f32"    ? DType::f32
-                        : o->dtype == "bf16" ? DType::bf16
-                                             : DType::f16;
-            cfg.isas.clear();
-            for (const std::string& name : o->isas) cfg.isas.push_back(parse_isa(name, "--isa"));
-            cfg.cache_dtypes.clear();
-            for (const std::string& name : o->cache_dtypes) {
-              cfg.cache_dtypes.push_back(name == "f32"    ? DType::f32
-                                         : name == "bf16" ? DType::bf16
-                                                          : DType::f16);
-            }
-            bench::run(cfg, std::cout);
-            return kExitOk;
-          }};
+  return {
+      app, [app, o]() {
+        bench::BenchConfig cfg = o->config;
+        cfg.op = o->op;
+        cfg.causal = !o->no_causal;
+        cfg.align = parse_causal_align(o->align, "--align");
+        cfg.variants = variants_from_flags(*app, o->variants);
+        cfg.isas.clear();
+        for (const std::string& name : o->isas) cfg.isas.push_back(parse_isa(name, "--isa"));
+        cfg.dtype = o->dtype == "f32" ? DType::f32 : o->dtype == "bf16" ? DType::bf16 : DType::f16;
+        cfg.cache_dtypes.clear();
+        for (const std::string& name : o->cache_dtypes) {
+          cfg.cache_dtypes.push_back(name == "f32"    ? DType::f32
+                                     : name == "bf16" ? DType::bf16
+                                                      : DType::f16);
+        }
+        bench::run(cfg, std::cout);
+        return kExitOk;
+      }};
 }
 
 }  // namespace tokenmix::cli

@@ -32,24 +32,50 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return (ours.double() - ref.double()).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def reference64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float]):
-    """float64 causal attention with PyTorch ops (SPEC 4.2–4.5, 4.8), for the yardstick."""
+def reference64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
+                window: Optional[int] = None):
+    """float64 causal attention with PyTorch ops (SPEC 4.2–4.5, 4.8; a sliding window per SPEC
+    "Score variants": key u visible to row t iff t − W < u ≤ t), for the yardstick. Works on
+    float64 leaves with requires_grad too (the gradients' yardstick)."""
     g = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(g, dim=1)
     v = v.double().repeat_interleave(g, dim=1)
     s = scale if scale is not None else 1.0 / q.shape[-1] ** 0.5
     S = q.double() @ k.transpose(-1, -2) * s
     T = q.shape[2]
-    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    t = torch.arange(T).unsqueeze(1)
+    u = torch.arange(T).unsqueeze(0)
+    mask = u <= t
+    if window is not None:
+        mask &= u > t - window
     return torch.softmax(S.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+def visible_chunk_pairs(rank: int, world: int, T: int, layout: str,
+                        window: Optional[int]) -> int:
+    """How many (query chunk of this rank, key chunk of any rank) pairs hold at least one
+    visible (t, u), by brute force over positions: the kernel calls a windowed ring makes."""
+    n = 2 * world if layout == "zigzag" else world
+    c = T // n
+    mine = (rank, n - 1 - rank) if layout == "zigzag" else (rank,)
+    count = 0
+    for a in mine:
+        for b in range(n):
+            if any(t - window < u <= t for t in range(a * c, (a + 1) * c)
+                   for u in range(b * c, (b + 1) * c)):
+                count += 1
+    return count
 
 
 def equivalence(rank: int, world: int, *, B: int, H_q: int, H_kv: int, T: int, E: int,
                 layout: str, scale: Optional[float] = None, strided: bool = False,
-                seed: int = 0, group: Any = None) -> Dict[str, Any]:
+                seed: int = 0, group: Any = None, window: Optional[int] = None,
+                dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
     """Ring attention on this rank's shards vs single-process tokenmix on the full tensors:
     output and the gradients of q, k, v, gathered back in order. ``rank`` and ``world`` are
-    this process's rank in ``group`` and its size (default: the world)."""
+    this process's rank in ``group`` and its size (default: the world). With a bf16/f16
+    ``dtype`` the inputs are rounded to it and both the ring and the single process are also
+    compared with float64 attention (output and gradients) on the rounded inputs."""
     gen = torch.Generator().manual_seed(seed)
     if strided:  # [B, T, H, E] projections seen as [B, H, T, E]: non-contiguous inputs
         q = torch.randn(B, T, H_q, E, generator=gen).transpose(1, 2)
@@ -60,11 +86,13 @@ def equivalence(rank: int, world: int, *, B: int, H_q: int, H_kv: int, T: int, E
         k = torch.randn(B, H_kv, T, E, generator=gen)
         v = torch.randn(B, H_kv, T, E, generator=gen)
     g = torch.randn(B, H_q, T, E, generator=gen)
+    q, k, v, g = (x.to(dtype) for x in (q, k, v, g))
     gqa = H_q != H_kv
     kw = dict(rank=rank, world_size=world, layout=layout, dim=2)
     ql, kl, vl = (tmd.shard(x, **kw).detach().requires_grad_() for x in (q, k, v))
     tmd.reset_comm_stats()
-    out_l = tmd.ring_attention(ql, kl, vl, group, layout=layout, scale=scale, enable_gqa=gqa)
+    out_l = tmd.ring_attention(ql, kl, vl, group, layout=layout, scale=scale, enable_gqa=gqa,
+                               window=window)
     fwd_stats = tmd.comm_stats()
     out_l.backward(tmd.shard(g, **kw))
     stats = tmd.comm_stats()
@@ -73,17 +101,29 @@ def equivalence(rank: int, world: int, *, B: int, H_q: int, H_kv: int, T: int, E
     dq, dk, dv = (tmd.gather(x.grad, group=group, **kw) for x in (ql, kl, vl))
 
     qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    ref = tm_sdpa(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=gqa)
+    ref = tm_sdpa(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=gqa, window=window)
     ref.backward(g)
-    with torch.no_grad():
-        ref64 = reference64(q, k, v, scale)
-    message = 2 * B * H_kv * (T // world) * E * 4  # one K/V chunk: H_kv heads only
-    return {
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref64 = reference64(q64, k64, v64, scale, window)
+    ref64.backward(g.double())
+    size = torch.tensor([], dtype=dtype).element_size()
+    message = 2 * B * H_kv * (T // world) * E * size  # one K/V chunk: H_kv heads only
+    acc = 2 * B * H_kv * (T // world) * E * 4  # one dK/dV accumulator: summed in float32
+    extra = {}
+    if dtype != torch.float32:  # ring and single process vs float64
+        for name, ours, single, exact in (("out", out, ref, ref64), ("dq", dq, qr.grad, q64.grad),
+                                          ("dk", dk, kr.grad, k64.grad),
+                                          ("dv", dv, vr.grad, v64.grad)):
+            extra[name + "_ring_vs_float64"] = rel_err(ours, exact)
+            extra[name + "_single_vs_float64"] = rel_err(single, exact)
+        extra["dtypes"] = [str(x.dtype) for x in (out_l, ql.grad, kl.grad, vl.grad)]
+    chunks = None if window is None else visible_chunk_pairs(rank, world, T, layout, window)
+    return {**extra, "visible_chunk_pairs": chunks,
         "out": rel_err(out, ref), "dq": rel_err(dq, qr.grad), "dk": rel_err(dk, kr.grad),
         "dv": rel_err(dv, vr.grad), "out_vs_float64": rel_err(out, ref64),
         "fwd_bytes": fwd_stats["bytes_sent"], "fwd_bytes_expected": (world - 1) * message,
         "bwd_bytes": stats["bytes_sent"] - fwd_stats["bytes_sent"],
-        "bwd_bytes_expected": (2 * world - 1) * message,
+        "bwd_bytes_expected": (world - 1) * message + world * acc,
         "fwd_chunks": fwd_stats["chunks_forward"], "bwd_chunks": stats["chunks_backward"],
         "same_output_shape": list(out_l.shape) == [B, H_q, T // world, E],
     }
@@ -120,6 +160,24 @@ def scenarios(rank: int, world: int) -> List[Any]:
         # Chunks longer than a kernel tile, odd head width.
         ("zigzag_long", lambda: equivalence(rank, P, B=1, H_q=2, H_kv=1, T=2 * P * 45, E=20,
                                             layout="zigzag", seed=1)),
+        # Sliding windows (SPEC "Score variants"): smaller than a chunk (chunk pairs cut by the
+        # window, most skipped) and spanning several chunks (whole, cut and skipped pairs).
+        ("zigzag_window_small", lambda: equivalence(rank, P, B=1, H_q=4, H_kv=2, T=2 * P * 13,
+                                                    E=16, layout="zigzag", window=5, seed=4)),
+        ("contiguous_window_small", lambda: equivalence(rank, P, B=2, H_q=2, H_kv=2, T=P * 17,
+                                                        E=8, layout="contiguous", window=7,
+                                                        seed=5, strided=True)),
+        ("zigzag_window_wide", lambda: equivalence(rank, P, B=1, H_q=2, H_kv=2, T=2 * P * 9,
+                                                   E=16, layout="zigzag", window=23, seed=6)),
+        ("contiguous_window_wide", lambda: equivalence(rank, P, B=1, H_q=4, H_kv=1, T=P * 11,
+                                                       E=24, layout="contiguous", window=26,
+                                                       seed=7)),
+        # bfloat16 / float16 (SPEC "Reduced precision"): compared with float64 below.
+        ("zigzag_bf16", lambda: equivalence(rank, P, B=1, H_q=4, H_kv=2, T=2 * P * 24, E=32,
+                                            layout="zigzag", dtype=torch.bfloat16, seed=8)),
+        ("contiguous_f16_window", lambda: equivalence(rank, P, B=1, H_q=2, H_kv=2, T=P * 30,
+                                                      E=16, layout="contiguous", window=37,
+                                                      dtype=torch.float16, seed=9)),
     ]
 
     def mismatched_shapes():
@@ -133,8 +191,15 @@ def scenarios(rank: int, world: int) -> List[Any]:
         return tmd.ring_attention(*tensors(1, 2, 2, 6, 8),
                                   layout="contiguous" if rank == 0 else "zigzag")
 
-    def window():
-        return tmd.ring_attention(*tensors(1, 2, 2, 6, 8), window=4)
+    def window_zero():
+        return tmd.ring_attention(*tensors(1, 2, 2, 6, 8), window=0)
+
+    def mismatched_window():
+        return tmd.ring_attention(*tensors(1, 2, 2, 6, 8), window=4 if rank == 0 else None)
+
+    def mixed_dtypes():
+        q, k, v = tensors(1, 2, 2, 6, 8)
+        return tmd.ring_attention(q.bfloat16(), k, v)
 
     def float64_on_last_rank():
         return tmd.ring_attention(
@@ -161,7 +226,9 @@ def scenarios(rank: int, world: int) -> List[Any]:
         ("err_mismatched_shapes", lambda: expect_error(mismatched_shapes)),
         ("err_odd_local_length", lambda: expect_error(odd_local_length)),
         ("err_mismatched_layout", lambda: expect_error(mismatched_layout)),
-        ("err_window", lambda: expect_error(window)),
+        ("err_window_zero", lambda: expect_error(window_zero)),
+        ("err_mismatched_window", lambda: expect_error(mismatched_window)),
+        ("err_mixed_dtypes", lambda: expect_error(mixed_dtypes)),
         ("err_float64_on_last_rank", lambda: expect_error(float64_on_last_rank)),
         ("err_gqa_without_flag", lambda: expect_error(gqa_without_flag)),
         ("err_mismatched_requires_grad", lambda: expect_error(mismatched_requires_grad)),
@@ -188,13 +255,15 @@ def group_of_one(rank: int, world: int) -> Dict[str, Any]:
     qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
     ref = tm_sdpa(qr, kr, vr, is_causal=True, enable_gqa=True)
     ref.backward(torch.ones_like(ref))
-    window = expect_error(lambda: tmd.ring_attention(q, k, v, mine, enable_gqa=True, window=3))
+    qw, kw, vw = (x.detach().clone() for x in (q, k, v))
+    out_w = tmd.ring_attention(qw, kw, vw, mine, enable_gqa=True, window=3)
+    ref_w = tm_sdpa(qw, kw, vw, is_causal=True, enable_gqa=True, window=3)
     odd = expect_error(lambda: tmd.ring_attention(*tensors(1, 2, 2, 5, 8), mine))
     return {
         "out_equal": bool(torch.equal(out, ref)),
         "grads_equal": all(bool(torch.equal(a.grad, b.grad)) for a, b in
                            ((q, qr), (k, kr), (v, vr))),
-        "window": window, "odd": odd,
+        "window_equal": bool(torch.equal(out_w, ref_w)), "odd": odd,
     }
 
 

@@ -23,13 +23,19 @@ Layouts (how the T positions are split; ``shard`` and ``gather`` implement them)
 - ``"contiguous"``: rank r holds chunk r of P (T divisible by P). Rank r computes r + 1 chunks
   and rank 0 only one, so the causal work is unbalanced (rank P − 1 does ~2× the average).
 
-Tensors use PyTorch's SDPA layout ``[B, H, T_local, d_h]`` (any strides), float32 on the CPU,
-like :func:`tokenmix.torch.scaled_dot_product_attention`. Grouped-query attention
+Tensors use PyTorch's SDPA layout ``[B, H, T_local, d_h]`` (any strides) on the CPU, float32,
+bfloat16 or float16 (one dtype), like :func:`tokenmix.torch.scaled_dot_product_attention`; with
+bf16/f16 the K/V chunks travel in that dtype, each block's kernel takes and gives that dtype
+(L stays float32), the partial (O, L) are merged in float32 and O is cast once at the end;
+dQ and the travelling dK/dV accumulators are summed in float32 and the gradients returned in the
+input dtype. A sliding ``window`` (SPEC "Score variants") is applied on absolute positions:
+chunk pairs wholly outside it are skipped, pairs it cuts get a boolean mask. Grouped-query attention
 (``enable_gqa=True``): only the H_kv key/value heads travel. The kernels use
 ``torch.get_num_threads()`` threads, as in :mod:`tokenmix.torch`.
 
 Errors: every rank checks its own arguments, then the ranks exchange what they found and the
-signature of the call (shapes, layout, scale, GQA, whether a gradient will be needed) with one
+signature of the call (shapes, layout, scale, GQA, whether a gradient will be needed, dtype,
+window) with one
 ``all_gather_object``, *before* any K/V moves; a problem on any rank raises the same error on
 every rank (:class:`tokenmix.ArgumentError` or :class:`tokenmix.UnsupportedError`, naming the
 rank and what it had) instead of a hang. A group of one rank runs the local kernel. Calls that
@@ -59,6 +65,7 @@ _RING = "tokenmix.distributed.ring_attention"
 _SHARD = "tokenmix.distributed.shard"
 _GATHER = "tokenmix.distributed.gather"
 _LAYOUTS = ("zigzag", "contiguous")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TAG_KV = 17  # message tags: K/V chunks and dK/dV accumulators travel at the same time
 _TAG_DKV = 18
 
@@ -312,61 +319,130 @@ def _blocks(layout: str, me: int, src: int, T_l: int) -> Optional[Tuple[slice, s
     return (full, slice(0, half)) if src < me else (slice(half, T_l), full)
 
 
+# A kernel call on one (query rows, key rows) block of the local arrays: rows, keys, causal (the
+# block is a diagonal one: the same positions on both sides, top-left causal mask), window (the
+# kernel's window option, on diagonal blocks only), mask (bool [1, 1, rows, keys], or None).
+_Job = Tuple[slice, slice, bool, Optional[int], Optional[torch.Tensor]]
+
+
+def _pieces(layout: str, rank: int, size: int, T_l: int) -> List[Tuple[int, int, int]]:
+    """(local start, length, global position of the first row) of each chunk ``rank`` holds."""
+    n = len(_chunks_of(layout, rank, size))
+    c = T_l // n
+    return [(j * c, c, idx * c) for j, idx in enumerate(_chunks_of(layout, rank, size))]
+
+
+def _jobs(layout: str, me: int, src: int, size: int, T_l: int,
+          window: Optional[int]) -> List[_Job]:
+    """The blocks this rank computes when it holds the K/V of rank ``src`` (src = me: its own).
+
+    Without a window: the whole local causal block (src = me) or :func:`_blocks`. With a sliding
+    window W (SPEC "Score variants": key u visible to row t iff t − W < u ≤ t, absolute
+    positions): every (query chunk, key chunk) pair on its own; a diagonal pair uses the kernel's
+    causal mask and window option; a key chunk wholly after the query chunk, or wholly more than
+    W − 1 positions before it, is skipped; otherwise the rows with no visible key and the keys
+    that no row sees are trimmed off (so every row computed has a finite L), and a boolean mask
+    is passed only when the window cuts the trimmed block (its rows are intervals: full speed).
+    At src = me the diagonal blocks come first and cover every row once.
+    """
+    if window is None:
+        if src == me:
+            full = slice(0, T_l)
+            return [(full, full, True, None, None)]
+        blk = _blocks(layout, me, src, T_l)
+        return [] if blk is None else [(blk[0], blk[1], False, None, None)]
+    jobs: List[_Job] = []
+    if src == me:
+        jobs = [(slice(a, a + n), slice(a, a + n), True, window, None)
+                for a, n, _ in _pieces(layout, me, size, T_l)]
+    for a, n, gq in _pieces(layout, me, size, T_l):
+        for b, m, gk in _pieces(layout, src, size, T_l):
+            if src == me and a == b:
+                continue  # the diagonal block, above
+            if gk >= gq + n:
+                continue  # keys after every query: the causal mask hides them all
+            # Pieces are disjoint, so gk + m ≤ gq: every key is ≤ every query position.
+            t1 = min(gq + n, gk + m - 1 + window)  # rows t < gk + m − 1 + W see a key
+            u0 = max(gk, gq - window + 1)  # keys u > gq − W are seen by some row
+            if t1 <= gq or u0 >= gk + m:
+                continue  # the whole key chunk is older than the window of every row
+            rows = slice(a, a + t1 - gq)
+            keys = slice(b + u0 - gk, b + m)
+            mask = None
+            if u0 <= t1 - 1 - window:  # the last row does not see the first key: cut
+                t = torch.arange(gq, t1).unsqueeze(1)
+                u = torch.arange(u0, gk + m).unsqueeze(0)
+                mask = (u > t - window)[None, None]  # u ≤ t holds everywhere here
+            jobs.append((rows, keys, False, None, mask))
+    return jobs
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring,
-                layout: str, scale: Optional[float]) -> torch.Tensor:
+                layout: str, scale: Optional[float], window: Optional[int]) -> torch.Tensor:
         q, k, v = q.detach(), k.detach(), v.detach()
         B, H_q, T_l, E = q.shape
+        dtype = q.dtype  # float32, bfloat16 or float16: the kernels' inputs and partial outputs
         threads = torch.get_num_threads()
+        # (O, L) are merged in float32 (SPEC "Merging partial results"); O is cast at the end.
         out = torch.empty((B, H_q, T_l, E), dtype=torch.float32)
         lse = torch.empty((B, H_q, T_l), dtype=torch.float32)
         kv = torch.stack((k, v))  # [2, B, H_kv, T_l, E]: one message per step, H_kv heads only
         spare = torch.empty_like(kv)
-        part_o = torch.empty_like(out)
+        part_o = torch.empty((B, H_q, T_l, E), dtype=dtype)
+        part_f = part_o if dtype == torch.float32 else torch.empty_like(out)
         part_l = torch.empty_like(lse)
         for step in range(ring.size):
             src = (ring.me - step) % ring.size
             reqs = []
             if step + 1 < ring.size:  # the next chunk travels while this one is computed
                 reqs = [ring.send(kv, _TAG_KV), ring.recv(spare, _TAG_KV)]
-            if step == 0:
-                # Own chunk(s): the causal mask on the local rows is exact in both layouts (the
-                # zig-zag pair (r, 2P−1−r) is in increasing order; T_q = T_k so the alignment is
-                # immaterial). SPEC 4.3.
-                _C.attention_forward(_bthd(q), _bthd(k), _bthd(v), _bthd(out), lse, scale, True,
-                                     "top_left", threads, "auto")
-                _STATS["chunks_forward"] += 1
-            else:
-                blk = _blocks(layout, ring.me, src, T_l)
-                if blk is not None:
-                    rows, keys = blk
-                    qo, po, pl = q[:, :, rows], part_o[:, :, rows], part_l[:, :, rows]
-                    _C.attention_forward(_bthd(qo), _bthd(kv[0][:, :, keys]),
-                                         _bthd(kv[1][:, :, keys]), _bthd(po), pl, scale, False,
-                                         "top_left", threads, "auto")
+            for rows, keys, causal, win, mask in _jobs(layout, ring.me, src, ring.size, T_l,
+                                                       window):
+                # Own chunk(s), step 0: the causal mask (and window) on the local rows is exact
+                # in both layouts (the zig-zag pair (r, 2P−1−r) is in increasing order; T_q = T_k
+                # so the alignment is immaterial), SPEC 4.3; these blocks cover every row once
+                # and write (out, lse) directly. Other blocks are merged into them.
+                direct = causal
+                po = (out if direct and dtype == torch.float32 else part_o)[:, :, rows]
+                pl = (lse if direct else part_l)[:, :, rows]
+                _C.attention_forward(_bthd(q[:, :, rows]), _bthd(kv[0][:, :, keys]),
+                                     _bthd(kv[1][:, :, keys]), _bthd(po), pl, scale, causal,
+                                     "top_left", threads, "auto", window=win, mask=mask)
+                oo, ol = out[:, :, rows], lse[:, :, rows]
+                if direct:
+                    if dtype != torch.float32:
+                        oo.copy_(po)
+                else:
+                    pf = part_f[:, :, rows]
+                    if pf is not po:
+                        pf.copy_(po)
                     # SPEC "Merging partial results", in place into (out, lse).
-                    oo, ol = out[:, :, rows], lse[:, :, rows]
-                    _C.merge_partials(_bthd(oo), ol, _bthd(po), pl, _bthd(oo), ol)
-                    _STATS["chunks_forward"] += 1
+                    _C.merge_partials(_bthd(oo), ol, _bthd(pf), pl, _bthd(oo), ol)
+                _STATS["chunks_forward"] += 1
             for req in reqs:
                 req.wait()
             kv, spare = spare, kv
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.layout, ctx.scale = ring, layout, scale
-        return out
+        out_t = out if dtype == torch.float32 else out.to(dtype)
+        ctx.save_for_backward(q, k, v, out_t, lse)
+        ctx.ring, ctx.layout, ctx.scale, ctx.window = ring, layout, scale, window
+        return out_t
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        ring, layout, scale = ctx.ring, ctx.layout, ctx.scale
-        if grad_out.dtype != torch.float32 or grad_out.device.type != "cpu":
-            grad_out = grad_out.to(device="cpu", dtype=torch.float32)
+        ring, layout, scale, window = ctx.ring, ctx.layout, ctx.scale, ctx.window
+        dtype = q.dtype
+        if grad_out.dtype != dtype or grad_out.device.type != "cpu":
+            grad_out = grad_out.to(device="cpu", dtype=dtype)
         B, H_q, T_l, E = q.shape
         threads = torch.get_num_threads()
-        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dq_part = torch.empty_like(dq)
+        # Per-block gradients come in the input dtype; dQ and the travelling dK/dV accumulators
+        # are summed in float32 and cast at the end.
+        dq = torch.zeros((B, H_q, T_l, E), dtype=torch.float32)
+        dq_part = torch.empty((B, H_q, T_l, E), dtype=dtype)
         kv = torch.stack((k, v))
         spare = torch.empty_like(kv)
         acc_in: Optional[torch.Tensor] = None  # dK/dV accumulator of the chunk held, received
@@ -378,41 +454,35 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < ring.size:
                 reqs = [ring.send(kv, _TAG_KV), ring.recv(spare, _TAG_KV)]
             # This rank's contribution to dK/dV of chunk src, and to its own dQ. The global O and
-            # L (saved by the forward) make each chunk's backward exact on its own: A = e^{S−L},
+            # L (saved by the forward) make each block's backward exact on its own: A = e^{S−L},
             # D = ⟨dO, O⟩ (SPEC "Backward pass").
+            jobs = _jobs(layout, ring.me, src, ring.size, T_l, window)
             contrib: Optional[torch.Tensor] = None
-            if step == 0:
-                contrib = torch.empty_like(kv)
-                _C.attention_backward(_bthd(q), _bthd(k), _bthd(v), _bthd(out), lse,
-                                      _bthd(grad_out), _bthd(dq), _bthd(contrib[0]),
-                                      _bthd(contrib[1]), scale, True, "top_left", threads,
-                                      "auto")
+            if jobs or step == 0:
+                # Keys outside every block get no gradient from this rank.
+                contrib = torch.zeros(kv.shape, dtype=torch.float32)
+            part = torch.empty_like(kv)
+            for rows, keys, causal, win, mask in jobs:
+                _C.attention_backward(
+                    _bthd(q[:, :, rows]), _bthd(kv[0][:, :, keys]), _bthd(kv[1][:, :, keys]),
+                    _bthd(out[:, :, rows]), lse[:, :, rows], _bthd(grad_out[:, :, rows]),
+                    _bthd(dq_part[:, :, rows]), _bthd(part[0][:, :, keys]),
+                    _bthd(part[1][:, :, keys]), scale, causal, "top_left", threads, "auto",
+                    window=win, mask=mask)
+                dq[:, :, rows] += dq_part[:, :, rows]
+                contrib[:, :, :, keys] += part[:, :, :, keys]  # type: ignore[index]
                 _STATS["chunks_backward"] += 1
-            else:
-                blk = _blocks(layout, ring.me, src, T_l)
-                if blk is not None:
-                    rows, keys = blk
-                    # Keys outside the block get no gradient from this rank.
-                    contrib = torch.empty_like(kv) if keys.stop - keys.start == T_l \
-                        else torch.zeros_like(kv)
-                    _C.attention_backward(
-                        _bthd(q[:, :, rows]), _bthd(kv[0][:, :, keys]), _bthd(kv[1][:, :, keys]),
-                        _bthd(out[:, :, rows]), lse[:, :, rows], _bthd(grad_out[:, :, rows]),
-                        _bthd(dq_part[:, :, rows]), _bthd(contrib[0][:, :, keys]),
-                        _bthd(contrib[1][:, :, keys]), scale, False, "top_left", threads, "auto")
-                    dq[:, :, rows] += dq_part[:, :, rows]
-                    _STATS["chunks_backward"] += 1
             # The accumulator of chunk src arrived from the previous rank while we computed.
             if acc_req is not None:
                 acc_req.wait()
                 if contrib is not None:
                     acc_in += contrib
                 contrib = acc_in
-            assert contrib is not None  # step 0 always computes
+            assert contrib is not None  # step 0 always has an accumulator
             if sending is not None:  # posted a step ago; its receiver has been waiting for it
                 sending[0].wait()
             sending = (ring.send(contrib, _TAG_DKV), contrib)
-            acc_in = torch.empty_like(kv)
+            acc_in = torch.empty_like(contrib)
             acc_req = ring.recv(acc_in, _TAG_DKV)
             for req in reqs:
                 req.wait()
@@ -420,8 +490,8 @@ class _RingAttention(torch.autograd.Function):
         # After P hops this rank's own chunk's accumulator comes home.
         acc_req.wait()
         sending[0].wait()
-        dk, dv = acc_in[0], acc_in[1]
-        return dq, dk, dv, None, None, None
+        dk, dv = acc_in[0].to(dtype), acc_in[1].to(dtype)
+        return dq.to(dtype), dk, dv, None, None, None, None
 
 
 def _local_problem(q: Any, k: Any, v: Any, layout: Any, scale: Any, window: Any,
@@ -436,16 +506,22 @@ def _local_problem(q: Any, k: Any, v: Any, layout: Any, scale: Any, window: Any,
         return ("argument", f"layout must be 'zigzag' or 'contiguous'; got {layout!r}",
                 "invalid_argument")
     if window is not None:
-        return ("unsupported", f"window={window!r} is not supported yet (sliding-window "
-                "attention is not in tokenmix.torch's drop-in on this version); pass "
-                "window=None", "unsupported")
+        if isinstance(window, bool) or not isinstance(window, int):
+            return ("argument", f"window must be an int or None; got {type(window).__name__}",
+                    "invalid_argument")
+        if window < 1:
+            return ("argument", f"window must be >= 1 (the last W positions up to the query's "
+                    f"own, SPEC \"Score variants\"); got {window}", "invalid_argument")
     for name, t in tensors:
         if t.device.type != "cpu":
             return ("unsupported", f"{name} is on device '{t.device}'; tokenmix runs on the CPU "
                     "only", "unsupported")
-        if t.dtype != torch.float32:
-            return ("unsupported", f"{name} has dtype {t.dtype}; only torch.float32 is "
-                    "supported", "unsupported")
+        if t.dtype not in _DTYPES:
+            return ("unsupported", f"{name} has dtype {t.dtype}; only torch.float32, "
+                    "torch.bfloat16 and torch.float16 are supported", "unsupported")
+        if t.dtype != q.dtype:
+            return ("argument", f"q, k and v must have the same dtype; q has {q.dtype} and "
+                    f"{name} {t.dtype}", "invalid_argument")
         if t.layout != torch.strided:
             return ("unsupported", f"{name} has layout {t.layout}; only strided tensors are "
                     "supported", "unsupported")
@@ -492,27 +568,29 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
     """Causal self-attention over a sequence sharded along T across the ranks of ``group``.
 
     Args:
-        q: [B, H_q, T_local, d_h] float32 CPU tensor: this rank's queries, in ``layout`` (as
-            :func:`shard` cuts them; T = world_size · T_local).
+        q: [B, H_q, T_local, d_h] float32, bfloat16 or float16 CPU tensor: this rank's
+            queries, in ``layout`` (as :func:`shard` cuts them; T = world_size · T_local).
         k, v: [B, H_kv, T_local, d_h]: this rank's keys and values (same positions as q).
         group: a ``torch.distributed`` process group (default: the world). A group of one rank
             runs :func:`tokenmix.torch.scaled_dot_product_attention` locally.
         layout: ``"zigzag"`` (chunks r and 2P − 1 − r of 2P; T_local even) or
             ``"contiguous"`` (chunk r of P); the same on every rank.
         scale: s of SPEC (4.2); ``None`` = 1/sqrt(d_h).
-        window: sliding window — not supported yet (raises tokenmix.UnsupportedError unless
-            None).
+        window: sliding window W ≥ 1 (SPEC "Score variants": key u is visible to row t iff
+            t − W < u ≤ t, absolute positions in the whole sequence); ``None`` = off. Chunk
+            pairs wholly outside the window are skipped; a pair the window cuts gets a boolean
+            mask.
         enable_gqa: allow H_q ≠ H_kv (H_q a multiple of H_kv; SPEC 4.8).
 
     Returns:
-        [B, H_q, T_local, d_h] float32: this rank's rows of causal attention over all T
+        [B, H_q, T_local, d_h] in q's dtype: this rank's rows of causal attention over all T
         positions; differentiable w.r.t. q, k and v (the backward pass is a collective: run it
         on every rank).
 
     Raises:
         tokenmix.ArgumentError / tokenmix.UnsupportedError: on every rank, when any rank's
             arguments are invalid or the ranks disagree (shapes, dtype, layout, scale, GQA,
-            whether gradients are needed); torch.distributed not initialized.
+            whether gradients are needed, dtype, window); torch.distributed not initialized.
     """
     size, me = _group_size_rank(_RING, group)
     problem = _local_problem(q, k, v, layout, scale, window, enable_gqa)
@@ -524,16 +602,18 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
         from .torch import scaled_dot_product_attention
 
         return scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                            enable_gqa=enable_gqa)
+                                            enable_gqa=enable_gqa, window=window)
     if problem is None:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         sig: Tuple[Any, ...] = (tuple(q.shape), tuple(k.shape), layout,
-                                None if scale is None else float(scale), needs_grad)
+                                None if scale is None else float(scale), needs_grad,
+                                str(q.dtype), window)
     else:
-        sig = (None,) * 5  # the problem itself is reported
+        sig = (None,) * 7  # the problem itself is reported
     _exchange(_RING, group, size, problem, sig,
               ("q's shape [B, H_q, T_local, d_h]", "k/v's shape [B, H_kv, T_local, d_h]",
-               "layout", "scale", "whether gradients are needed (requires_grad)"))
+               "layout", "scale", "whether gradients are needed (requires_grad)", "the dtype",
+               "window"))
     ring = _Ring(group, size, me)
     return _RingAttention.apply(q, k, v, ring, layout,
-                                None if scale is None else float(scale))
+                                None if scale is None else float(scale), window)

@@ -5,7 +5,9 @@ N = 2 and N = 4 gloo processes on 127.0.0.1 (one thread each) run python/tests/
 _distributed_worker.py: every scenario there once per world, results as JSON; the assertions are
 here. Output and the gradients of q, k, v, gathered back in sequence order, must equal
 single-process tokenmix attention on the full tensors (relative error max|Δ| / max|ref| ≤ 1e-5,
-fp32), for both layouts, MHA/GQA/MQA, T not a power of two, strided inputs; bad use must raise
+fp32), for both layouts, MHA/GQA/MQA, T not a power of two, strided inputs, sliding windows
+smaller than a chunk and spanning several; bf16/f16 against float64 with a bound justified by
+their rounding (test_ring_reduced_precision); bad use must raise
 the same tokenmix error on every rank. Bounded in time: the process group's timeout is 120 s,
 every world must finish within WORLD_TIMEOUT_S, and the processes are killed otherwise.
 """

@@ -93,7 +93,8 @@ class Input {
     static const int t[] = {0, 1, 2, 3, 1, 0, -1, std::numeric_limits<int>::min()};
     return t[byte() % 8];
   }
-  Isa isa() { return static_cast<Isa>(byte() % 6); }  // 4 and 5 are not valid enumerators
+  // 0–5 are the enumerators (4 neon, 5 avx512_bf16: CPU-dependent, may fail or run); 6 is not
+  Isa isa() { return static_cast<Isa>(byte() % 7); }
 
  private:
   const std::uint8_t* p_;
@@ -138,7 +139,9 @@ Decoded decode_view(Input& in, Arenas& arenas, int rank, std::array<i64, 4> want
     if (in.flag())
       v.rank = in.byte() % 6;  // 5 is beyond the shape array
     else
-      v.dtype = static_cast<DType>(1 + in.byte() % 3);  // bf16, f16 or an invalid value
+      // a dtype no attention view takes (bool, i32, i64, or not an enumerator): bf16/f16 are
+      // valid when every activation view has them, which this per-view decoding cannot predict
+      v.dtype = static_cast<DType>(3 + in.byte() % 4);
   }
   for (int i = 0; i < 4; ++i) v.shape[i] = (i < rank && in.byte() < 232) ? want[i] : in.size();
   if (v.rank != rank || v.dtype != DType::f32) d.must_fail = true;
@@ -255,7 +258,7 @@ AttentionOptions decode_attention_options(Input& in, bool& must_fail) {
   o.threads = in.threads();
   if (o.threads < 0) must_fail = true;
   o.isa = in.isa();
-  if (static_cast<int>(o.isa) > 3) must_fail = true;
+  if (static_cast<int>(o.isa) > 5) must_fail = true;  // not an enumerator
   return o;
 }
 
@@ -450,7 +453,7 @@ void fuzz_kv_cache(Input& in) {
         }
         o.threads = in.threads();
         o.isa = in.isa();
-        if (o.threads < 0 || static_cast<int>(o.isa) > 3) fail = true;
+        if (o.threads < 0 || static_cast<int>(o.isa) > 5) fail = true;
         if (vs.skip && !fail) break;
         expect_contract(fail, [&] { attention_decode(q, *cache, layer, out, lse, o); });
         break;

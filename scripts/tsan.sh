@@ -30,7 +30,9 @@ cmake --build "$dir" --parallel "$jobs" --target tokenmix_tests || exit 1
 # The kernel tests that run OpenMP teams: flash forward/backward on every path, GQA/causality,
 # merge, decode and the KV cache. (Layer tests spend their time in OpenBLAS, which is not
 # instrumented.)
-filter=${TOKENMIX_TSAN_FILTER:-'*Flash*:*Attention*:*Gqa*:*GQA*:*Decode*:*KVCache*:*Merge*:*VariantKernels.Sink*:*VariantKernels.NaN*'}
+# The oracle-heavy decode and table tests are left out (their time is the float64 oracle; the
+# decode kernel's threading is exercised by the other Decode tests): the CI stays under 40 min.
+filter=${TOKENMIX_TSAN_FILTER:-'*Flash*:*Attention*:*Gqa*:*GQA*:*Decode*:*KVCache*:*Merge*:*VariantKernels.Sink*:*VariantKernels.NaN*-*VariantsMatchFloat64Reference*:*MatchesFloat64ReferenceAllDtypesAndCaches*:*RollingCacheMatchesOracle*:*AttentionVsReference*'}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 export OMP_TOOL_LIBRARIES=$archer
 

@@ -63,11 +63,17 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // The reader validates sizes against the input before allocating: a float32 array cannot hold
   // more elements than the input has bytes / 4 (float64 files shrink on conversion).
   if (static_cast<std::size_t>(array.size()) * sizeof(float) > size) std::abort();
+  // The element count is the product of the dimensions; a zero anywhere makes it 0 even when the
+  // other dimensions' partial product would overflow (the shape (2^41, 15, 461444, 0) is valid).
   std::int64_t count = 1;
+  bool has_zero = false, overflowed = false;
   for (std::int64_t d : array.shape) {
     if (d < 0) std::abort();
-    count *= d;
+    has_zero = has_zero || d == 0;
+    if (!overflowed) overflowed = __builtin_mul_overflow(count, d, &count);
   }
+  if (has_zero) count = 0;
+  else if (overflowed) std::abort();  // a non-empty array this large cannot fit in the input
   if (count != array.size()) std::abort();
 
   const std::vector<unsigned char> encoded = io::encode_npy(array.shape, array.data);

@@ -290,11 +290,13 @@ def _ring_child(spec: Dict[str, Any]) -> Dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     world, rank = spec["world"], spec["rank"]
-    rss_start = _rss_kib()
     if world > 1:
         dist.init_process_group(
             "gloo", init_method=f"tcp://{spec['addr']}:{spec['port']}", rank=rank,
             world_size=world, timeout=datetime.timedelta(seconds=spec["timeout"]))
+        dist.barrier()
+    # After the process group is up: its own buffers and threads do not grow with T.
+    rss_start = _rss_kib()
     B, Hq, Hkv, D, T = spec["batch"], spec["heads_q"], spec["heads_kv"], spec["head_dim"], \
         spec["seq"]
     T_l = T // world
@@ -341,6 +343,7 @@ def _ring_child(spec: Dict[str, Any]) -> Dict[str, Any]:
         stats = tmd.comm_stats()
         result["modes"][mode] = {
             "median_s": statistics.median(times), "times_s": times,
+            "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
             "bytes_sent": stats["bytes_sent"] // spec["repeats"],
             "messages_sent": stats["messages_sent"] // spec["repeats"],
         }
@@ -401,9 +404,9 @@ def ring_main(args: argparse.Namespace) -> int:
     Reported per (T, pass): both median times (a round's time is its slowest rank's), the
     speedup and the parallel efficiency E = t_1 / (N · t_N), the bytes each rank sent per call
     (K/V chunks; in the backward also the dK/dV accumulators), and the peak resident memory per
-    process (``getrusage`` ru_maxrss; "above start" subtracts the RSS after ``import torch``,
-    which is what falls ∝ 1/N). Then, from these figures, the expected efficiency on a network of
-    10 and 100 Gbit/s (docs/design.md, "Context parallelism"): each of the N steps takes
+    process (``getrusage`` ru_maxrss at the end of each pass; "above start" subtracts the RSS
+    after ``import torch`` and the process group's set-up, which is what falls ∝ 1/N). Then,
+    from these figures, the expected efficiency on a network of 10 and 100 Gbit/s (docs/design.md, "Context parallelism"): each of the N steps takes
     max(t_N / N, bytes per step · 8 / bandwidth) when the transfer overlaps the compute, so
     E(bw) = t_1 / (N · Σ max(...)).
     """
@@ -435,11 +438,13 @@ def ring_main(args: argparse.Namespace) -> int:
         single = _run_world(spec, 1)[0]
         ranks = _run_world(spec, N)
         mib = 1024.0
-        peak1 = single["peak_rss_kib"] / mib
-        peak1_above = (single["peak_rss_kib"] - single["rss_start_kib"]) / mib
-        peakN = max(r["peak_rss_kib"] for r in ranks) / mib
-        peakN_above = max(r["peak_rss_kib"] - r["rss_start_kib"] for r in ranks) / mib
         for mode in modes:
+            # Peak RSS up to the end of this mode (fwd runs first, so fwd+bwd's includes it).
+            peak1 = single["modes"][mode]["peak_rss_kib"] / mib
+            peak1_above = (single["modes"][mode]["peak_rss_kib"] - single["rss_start_kib"]) / mib
+            peakN = max(r["modes"][mode]["peak_rss_kib"] for r in ranks) / mib
+            peakN_above = max(r["modes"][mode]["peak_rss_kib"] - r["rss_start_kib"]
+                              for r in ranks) / mib
             t1 = single["modes"][mode]["median_s"]
             tN = ranks[0]["modes"][mode]["median_s"]  # every rank holds the same (max) figure
             sent = max(r["modes"][mode]["bytes_sent"] for r in ranks)

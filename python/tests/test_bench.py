@@ -61,3 +61,23 @@ def test_bench_variants_passthrough(capsys):
             assert e.code == 2
         else:
             raise AssertionError(bad)
+
+
+def test_bench_ring_reports_efficiency_bytes_and_memory(capsys):
+    """--ring 2 (SPEC "Context parallelism"): two gloo processes against one, on a tiny shape.
+    Each pass reports both times, the efficiency t_1 / (N t_N), the K/V bytes each rank sent and
+    the peak RSS per process; the markdown table has one row per pass."""
+    T, Hkv, D = 64, 1, 16
+    assert bench.main(["--ring", "2", "--seq", str(T), "--heads-q", "2", "--heads-kv", str(Hkv),
+                       "--head-dim", str(D), "--repeats", "1", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"T=\s*(\d+) (fwd\+bwd|fwd)\s+1 process\s+([0-9.]+) ms\s+2 processes\s+"
+                      r"([0-9.]+) ms.*efficiency ([0-9.]+)\s+sent/rank (\d+) B.*"
+                      r"above start (-?\d+) -> (-?\d+) MiB", out)
+    assert [(int(t), m) for t, m, *_ in rows] == [(T, "fwd"), (T, "fwd+bwd")], out
+    kv_bytes = 2 * Hkv * (T // 2) * D * 4  # one [2, B, H_kv, T_local, E] float32 chunk
+    for _, mode, t1, t2, eff, sent, _, _ in rows:
+        assert float(t1) > 0 and float(t2) > 0 and float(eff) > 0
+        # P = 2: one K/V hop forward; the backward adds its hop and two dK/dV hops (float32).
+        assert int(sent) == (kv_bytes if mode == "fwd" else 4 * kv_bytes), (mode, sent)
+    assert out.count("| 64 | fwd") == 2  # "fwd" and "fwd+bwd" rows of the table

@@ -29,7 +29,9 @@
 // chunks no row/key of the unit sees are skipped, tiles crossing a range end are masked by a
 // select) and the same element-wise pass (variants-inl.h: cap, ALiBi, general mask); then
 // P = e^{S − L} with the forward's L (which holds the sink's e^{σ_h}), dS = P ⊙ (dP − D), and
-// with soft-capping dz = dS ⊙ (1 − tanh²(z / c)) before dQ = s·dz K and dK = s·dzᵀ Q.
+// with soft-capping dz = dS ⊙ (1 − tanh²(z / c)) before dQ = s·dz K and dK = s·dzᵀ Q (the
+// score products then use s / c in place of s, ScoreScale, as the forward's: the pass starts
+// from z / c).
 // dσ_h is not computed here: the API forms it from L, O and dO.
 // Highway's per-target re-inclusion: these includes must follow foreach_target.h, in order.
 // clang-format off

@@ -22,8 +22,9 @@
 // mask). A lane block visits only the key tiles some lane sees — from the least begin to the
 // greatest end, so a sliding window costs O(W) keys per row — and masks only the tiles that
 // cross an end of some lane's interval (a select: keys outside take no part). Soft-capping, ALiBi
-// and a general mask are one element-wise pass over Sᵀ (variants-inl.h), only when present;
-// sinks start each lane's online softmax at m = σ_h, l = 1 (so L = log(e^{σ_h} + Σ e^S)).
+// and a general mask are one element-wise pass over Sᵀ (variants-inl.h), only when present
+// (with soft-capping, scale·Q is (s / c)·Q, so the pass starts from z / c: ScoreScale); sinks
+// start each lane's online softmax at m = σ_h, l = 1 (so L = log(e^{σ_h} + Σ e^S)).
 //
 // exp: Highway's contrib Exp, max error 1 ULP on float32, returns exactly 0 below its range
 // (so e^{−∞} = 0 and masked keys contribute exactly nothing); through ExpNaN, so a NaN score

@@ -7,12 +7,12 @@
 // P(0) = Q(0) = 1. The coefficients are a relative-error minimax fit of tanh(x)/x on
 // t = x² ∈ [0, 9.1²] (Lawson-weighted linearised least squares in float64), rounded to fp32 one
 // at a time, highest degree first, refitting the others after each (fit error 2.7e-8 relative
-// with the rounded coefficients). fp32 tanh is 1 for |x| > 9.011, and the clamped value rounds
-// to exactly 1, so ±∞ → ±1. The positive coefficients make both Horner sums free of
-// cancellation. Measured over every fp32 in [0, 10] (odd: exact symmetry, so [−10, 10]): at
-// most 5.3 ULP from tanh rounded from float64 (AVX-512, AVX2), the largest errors near
-// |x| ≈ 8.5 where the result may exceed 1 by 2 ULP; tests/unit/test_softcap_tanh.cpp asserts
-// the bound on every path.
+// with the rounded coefficients; tools/fit/fit_softcap_tanh.py reproduces them). fp32 tanh is 1 for
+// |x| > 9.011, and the clamped value rounds to exactly 1, so ±∞ → ±1. The positive coefficients
+// make both Horner sums free of cancellation. Measured over every fp32 in [0, 10] (odd: exact
+// symmetry, so [−10, 10]): at most 5.28 ULP from tanh in float64 (AVX-512, AVX2), the largest
+// errors near |x| ≈ 8.5 where the result may exceed 1 by 2 ULP; tests/unit/test_softcap_tanh.cpp
+// asserts the bound on every path.
 //
 // The quotient: the hardware reciprocal estimate r of Q (AVX-512 14 bits; AVX2 12, NEON 8 bits,
 // refined by 1 or 2 Newton steps r ← r·(2 − Q·r)), then one Newton step on the quotient itself,

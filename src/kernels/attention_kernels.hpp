@@ -299,5 +299,9 @@ extern const ForwardKernel attention_fwd_f32_neon;
 extern const BackwardKernel attention_bwd_f32_neon;
 extern const DecodeKernel attention_decode_f32_neon, attention_decode_bf16_neon,
     attention_decode_f16_neon;
+// Test hook: the SIMD kernels' soft-capping tanh (simd/tanh-inl.h), y[i] = tanh(x[i]), i < n,
+// per target (null where not built), for tests/unit/test_softcap_tanh.cpp.
+using TanhKernel = void (*)(const float* x, float* y, std::int64_t n);
+extern const TanhKernel softcap_tanh_avx2, softcap_tanh_avx512, softcap_tanh_neon;
 
 }  // namespace tokenmix::kernels

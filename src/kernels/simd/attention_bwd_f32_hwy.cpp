@@ -29,7 +29,9 @@
 // chunks no row/key of the unit sees are skipped, tiles crossing a range end are masked by a
 // select) and the same element-wise pass (variants-inl.h: cap, ALiBi, general mask); then
 // P = e^{S − L} with the forward's L (which holds the sink's e^{σ_h}), dS = P ⊙ (dP − D), and
-// with soft-capping dz = dS ⊙ (1 − tanh²(z / c)) before dQ = s·dz K and dK = s·dzᵀ Q.
+// with soft-capping dz = dS ⊙ (1 − tanh²(z / c)) before dQ = s·dz K and dK = s·dzᵀ Q (the
+// score products then use s / c in place of s, ScoreScale, as the forward's: the pass starts
+// from z / c).
 // dσ_h is not computed here: the API forms it from L, O and dO.
 // Highway's per-target re-inclusion: these includes must follow foreach_target.h, in order.
 // clang-format off
@@ -108,6 +110,7 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
   } block_slots[kBlocksPerUnit];
   const ScoreVariants& var = p.var;
   const bool elementwise = var.elementwise(), capped = var.softcap > 0.0f;
+  const float score_scale = ScoreScale(p);  // s, or s / c with soft-capping (variants-inl.h)
   const bool keep_mask = var.mask_kind == MaskKind::boolean;
   for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
     BlockSlots& bs = block_slots[lb];
@@ -195,7 +198,7 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
             const T* o = args.out.row(b, t, h);
             float dsum = 0.0f;  // D_t = ⟨dO_t, O_t⟩
             for (std::int64_t x = 0; x < dh; ++x) {
-              bs.qt[x * M + i] = p.scale * widen(q[x * args.q.s3]);
+              bs.qt[x * M + i] = score_scale * widen(q[x * args.q.s3]);
               bs.dot[x * M + i] = widen(dout[x * args.dout.s3]);
               dsum += widen(dout[x * args.dout.s3]) * widen(o[x * args.out.s3]);
             }
@@ -337,6 +340,7 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
   const auto dqt_slot = scratch_layout.add<float>(dq_floats);
   const ScoreVariants& var = p.var;
   const bool elementwise = var.elementwise(), capped = var.softcap > 0.0f;
+  const float score_scale = ScoreScale(p);  // s, or s / c with soft-capping (variants-inl.h)
   const bool keep_mask = var.mask_kind == MaskKind::boolean;
   const auto dcap_slot = sl.add<float>(capped ? kQueryChunk * M : 0);     // ∂S/∂z [chunk][M]
   const auto keep_slot = sl.add<float>(keep_mask ? kQueryChunk * M : 0);  // boolean mask
@@ -388,7 +392,7 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
       for (std::int64_t kb = kb_first; kb < kb_end; ++kb) {
         const std::int64_t u0 = kb * M, keys = std::min(M, p.tk - u0);
         std::fill(kt, kt + 4 * dh * M, 0.0f);  // zero padding lanes (keys ≥ T_k) and accumulators
-        PackTransposed(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, p.scale, kt, M);
+        PackTransposed(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, score_scale, kt, M);
         PackTransposed(args.v.row(b, u0, j), args.v.s1, args.v.s3, keys, dh, 1.0f, vt, M);
         if constexpr (kOnePass) {
           PackRows(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, k_nat, VecWiden());

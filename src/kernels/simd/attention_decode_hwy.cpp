@@ -14,7 +14,7 @@
 // Keys are lanes in the first product and features in the second — the cache stores K tiles
 // transposed and V row-major for exactly this, so nothing is repacked per step. Between them,
 // the score variants (SPEC "Score variants used by real models") on the S tile — soft-capping
-// S = c·tanh(S / c) (Highway's contrib Tanh) and ALiBi S += m_h (u − p) — then the online softmax
+// S = c·tanh(S / c) (tanh-inl.h) and ALiBi S += m_h (u − p) — then the online softmax
 // per row (4.4): mask keys outside [visible_begin(r), visible_end(r)) to −∞ (4.3 and the sliding
 // window), m' = max(m, max S), P = e^{S − m'}, l ← l e^{m − m'} + Σ P, Õ ← Õ e^{m − m'} (only
 // when m grows). With a window, tiles before the first row's window start are not read.
@@ -29,6 +29,7 @@
 #include "hwy/contrib/math/math-inl.h"
 #include "kernels/simd/microkernel-inl.h"
 #include "kernels/simd/nonfinite-inl.h"
+#include "kernels/simd/tanh-inl.h"
 // clang-format on
 
 #include <omp.h>
@@ -127,7 +128,7 @@ void DecodeUnits(const DecodeArgs& a) {
         if (capped) {  // cap(z) = c·tanh(z / c)
           for (std::int64_t i = 0; i < kKeyTile; i += N) {
             const VF z = hn::Load(d, score + i);
-            hn::Store(hn::Mul(cap, hn::Tanh(d, hn::Mul(z, inv_cap))), d, score + i);
+            hn::Store(hn::Mul(cap, TanhRational(d, hn::Mul(z, inv_cap))), d, score + i);
           }
         }
         if (a.var.alibi != nullptr) {  // S += m_h (u − p), u − p = u0 + i − (end − 1)

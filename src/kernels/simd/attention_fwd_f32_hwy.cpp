@@ -22,8 +22,9 @@
 // mask). A lane block visits only the key tiles some lane sees — from the least begin to the
 // greatest end, so a sliding window costs O(W) keys per row — and masks only the tiles that
 // cross an end of some lane's interval (a select: keys outside take no part). Soft-capping, ALiBi
-// and a general mask are one element-wise pass over Sᵀ (variants-inl.h), only when present;
-// sinks start each lane's online softmax at m = σ_h, l = 1 (so L = log(e^{σ_h} + Σ e^S)).
+// and a general mask are one element-wise pass over Sᵀ (variants-inl.h), only when present
+// (with soft-capping, scale·Q is (s / c)·Q, so the pass starts from z / c: ScoreScale); sinks
+// start each lane's online softmax at m = σ_h, l = 1 (so L = log(e^{σ_h} + Σ e^S)).
 //
 // exp: Highway's contrib Exp, max error 1 ULP on float32, returns exactly 0 below its range
 // (so e^{−∞} = 0 and masked keys contribute exactly nothing); through ExpNaN, so a NaN score
@@ -124,6 +125,7 @@ void AttentionFwdT(const ForwardArgs& fwd) {
   } block_slots[kBlocksPerUnit];
   const ScoreVariants& var = p.var;
   const bool elementwise = var.elementwise();
+  const float score_scale = ScoreScale(p);  // s, or s / c with soft-capping (variants-inl.h)
   const bool keep_mask = var.mask_kind == MaskKind::boolean;
   for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
     BlockSlots& bs = block_slots[lb];
@@ -193,7 +195,7 @@ void AttentionFwdT(const ForwardArgs& fwd) {
         const bool has_rows = SetUpLanes(
             p, layout, bs, static_cast<std::int32_t>(p.tk),
             [&](std::int64_t i, std::int64_t h, std::int64_t t, KeyRange) HWY_ATTR {
-              LoadColumn(args.q.row(bs.blk.b, t, h), args.q.s3, dh, p.scale, bs.qt, M, i);
+              LoadColumn(args.q.row(bs.blk.b, t, h), args.q.s3, dh, score_scale, bs.qt, M, i);
               if constexpr (kDp) {
                 const T* q = args.q.row(bs.blk.b, t, h);
                 for (std::int64_t x = 0; x < dh2; ++x)
@@ -258,7 +260,7 @@ void AttentionFwdT(const ForwardArgs& fwd) {
           // Sᵀ[u][i] = Σ_x K[k0+u][x] · (scale·Q)[i][x]          (4.2)
           if constexpr (kDp) {
             dpbf16::GemmRows(nt, k16 + ua * dh2, dh2, bs.qp, dh2 / 2, st, M, false, nullptr,
-                             p.scale);
+                             score_scale);
           } else {
             GemmRows(d, nt, k_rows + ua * dh, dh, 1, bs.qt, M, dh, st, M, false);
           }
@@ -361,6 +363,19 @@ void AttentionFwdBf16(const ForwardArgs& args) {
 void AttentionFwdF16(const ForwardArgs& args) {
   AttentionFwdT<f16_t>(args);
 }
+// Test hook (tests/unit/test_softcap_tanh.cpp): y[i] = the soft-capping tanh of x[i], i < n.
+void SoftcapTanh(const float* x, float* y, std::int64_t n) {
+  const hn::ScalableTag<float> d;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+  std::int64_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(TanhRational(d, hn::LoadU(d, x + i)), d, y + i);
+  if (i < n) {  // the tail through a zero-padded vector
+    HWY_ALIGN float buf[hn::MaxLanes(d)] = {};
+    std::copy(x + i, x + n, buf);
+    hn::Store(TanhRational(d, hn::Load(d, buf)), d, buf);
+    std::copy(buf, buf + (n - i), y + i);
+  }
+}
 #if HWY_TARGET == HWY_AVX3
 void AttentionFwdDpBf16(const ForwardArgs& args) {  // path avx512_bf16
   AttentionFwdT<bf16_t, true>(args);
@@ -382,6 +397,9 @@ const ForwardKernel attention_fwd_bf16_neon = TOKENMIX_SIMD_NEON(AttentionFwdBf1
 const ForwardKernel attention_fwd_f16_avx512 = TOKENMIX_SIMD_AVX512(AttentionFwdF16);
 const ForwardKernel attention_fwd_f16_avx2 = TOKENMIX_SIMD_AVX2(AttentionFwdF16);
 const ForwardKernel attention_fwd_f16_neon = TOKENMIX_SIMD_NEON(AttentionFwdF16);
+const TanhKernel softcap_tanh_avx512 = TOKENMIX_SIMD_AVX512(SoftcapTanh);
+const TanhKernel softcap_tanh_avx2 = TOKENMIX_SIMD_AVX2(SoftcapTanh);
+const TanhKernel softcap_tanh_neon = TOKENMIX_SIMD_NEON(SoftcapTanh);
 // AVX512-BF16 products (dpbf16.hpp) inside the AVX-512 kernel: x86-64 builds only.
 #if (HWY_TARGETS & HWY_AVX3) && TOKENMIX_HAVE_DPBF16
 const ForwardKernel attention_fwd_bf16_avx512bf16 = &N_AVX3::AttentionFwdDpBf16;

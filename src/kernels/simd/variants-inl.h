@@ -8,7 +8,8 @@
 //   * query lanes (forward, backward dQ pass): tile Sᵀ[key u][lane i], per-lane slope, position
 //     and mask offset, one key per tile row;
 //   * key lanes (backward dK/dV pass): tile S[row r][lane i], one query row per tile row.
-// cap(z) = c·tanh(z / c) with TanhNoDivide (Expm1-based; a few ULP, ±∞ → ±c, NaN → NaN);
+// cap(z) = c·tanh(z / c) with TanhRational (tanh-inl.h: rational, a few ULP, ±∞ → ±c, NaN →
+// NaN) on the tile of z / c (the kernels scale q·k by s / c, ScoreScale);
 // ALiBi −m_h·(p(t) − u) as one FMA on the exact integer distance. With `dcap` the pass also
 // stores ∂S/∂z = 1 − tanh²(z / c) for the backward's chain rule; with `keep` (boolean masks) it
 // stores 1 where the mask lets the key in and 0 where it does not, so later selects (dS, and the
@@ -27,40 +28,30 @@
 #include <cstdint>
 #include <limits>
 
-#include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 #include "kernels/attention_kernels.hpp"
+#include "kernels/simd/tanh-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace tokenmix::kernels::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// tanh(x) = sign(x) · y / (y + 2) with y = e^{2|x|} − 1 (Highway's Expm1: accurate near 0), and
-// 1 for |x| > 18.7 (where fp32 tanh is 1). The same formula as Highway's Tanh, without its vector
-// division (one divide per 16 scores issues every ~10 cycles and dominated soft-capping's cost):
-// the reciprocal of y + 2 ≥ 2 is the hardware estimate refined by two Newton steps
-// r ← r·(2 − (y + 2)·r) (8 → 16 → 32 bits even from NEON's estimate; AVX2 12, AVX-512 14 bits),
-// so the result stays within a few ULP of tanh. NaN → NaN, ±∞ → ±1.
-template <class D, class V = hn::Vec<D>>
-HWY_INLINE V TanhNoDivide(D d, V x) {
-  const V one = hn::Set(d, 1.0f), two = hn::Set(d, 2.0f);
-  const V sign = hn::And(hn::SignBit(d), x);
-  const V abs_x = hn::AndNot(hn::SignBit(d), x);
-  const V y = hn::Expm1(d, hn::Mul(abs_x, two));
-  const V den = hn::Add(y, two);
-  V r = hn::ApproximateReciprocal(den);
-  r = hn::Mul(r, hn::NegMulAdd(den, r, two));
-  r = hn::Mul(r, hn::NegMulAdd(den, r, two));
-  const V t = hn::IfThenElse(hn::Gt(abs_x, hn::Set(d, 18.714973875f)), one, hn::Mul(y, r));
-  return hn::Or(t, sign);
+// The factor the kernels apply to q·k before the element-wise pass: s, or s / c with
+// soft-capping, so the tile holds z / c and the pass skips a multiply per score (the backward's
+// gradients keep s: dQ = s·dz K, dK = s·dzᵀ Q with dz the gradient with respect to z = s·q·k).
+inline float ScoreScale(const AttentionProblem& p) {
+  return p.var.softcap > 0.0f
+             ? static_cast<float>(static_cast<double>(p.scale) / static_cast<double>(p.var.softcap))
+             : p.scale;
 }
 
-// cap(z) and ALiBi on one vector: z → c·tanh(z/c) − slope·dist (each term only when on);
-// *dcap ← 1 − tanh²(z/c) when dcap is non-null and capping is on.
+// cap(z) and ALiBi on one vector: → c·tanh(z/c) − slope·dist (each term only when on); with
+// capping the vector holds z / c on entry (ScoreScale), else z. *dcap ← 1 − tanh²(z/c) when
+// dcap is non-null and capping is on.
 template <class D, class V = hn::Vec<D>>
-HWY_INLINE V CapAlibi(D d, V z, bool cap, V c, V inv_c, bool alibi, V slope, V dist, V* dcap) {
+HWY_INLINE V CapAlibi(D d, V z, bool cap, V c, bool alibi, V slope, V dist, V* dcap) {
   if (cap) {
-    const V th = TanhNoDivide(d, hn::Mul(z, inv_c));
+    const V th = TanhRational(d, z);
     if (dcap != nullptr) *dcap = hn::NegMulAdd(th, th, hn::Set(d, 1.0f));
     z = hn::Mul(c, th);
   }
@@ -83,7 +74,7 @@ HWY_NOINLINE void ElementwiseQueryLanes(D d, const ScoreVariants& var, float* HW
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   const bool cap = var.softcap > 0.0f, alibi = var.alibi != nullptr;
   if (cap || alibi) {
-    const V c = hn::Set(d, var.softcap), inv_c = hn::Set(d, cap ? 1.0f / var.softcap : 0.0f);
+    const V c = hn::Set(d, var.softcap);
     for (std::int64_t u = 0; u < nt; ++u) {
       const auto key = hn::Set(di, static_cast<std::int32_t>(key0 + u));
       for (std::int64_t i = 0; i < M; i += N) {
@@ -92,7 +83,7 @@ HWY_NOINLINE void ElementwiseQueryLanes(D d, const ScoreVariants& var, float* HW
           slope_v = hn::Load(d, slope + i);
           dist = hn::ConvertTo(d, hn::Sub(hn::Load(di, pos + i), key));
         }
-        const V s = CapAlibi(d, hn::Load(d, st + u * M + i), cap, c, inv_c, alibi, slope_v, dist,
+        const V s = CapAlibi(d, hn::Load(d, st + u * M + i), cap, c, alibi, slope_v, dist,
                              dcap != nullptr ? &dc : nullptr);
         hn::Store(s, d, st + u * M + i);
         if (cap && dcap != nullptr) hn::Store(dc, d, dcap + u * M + i);
@@ -134,7 +125,7 @@ HWY_INLINE void ElementwiseKeyLanes(D d, const AttentionProblem& p, float* HWY_R
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   const bool cap = var.softcap > 0.0f, alibi = var.alibi != nullptr;
   if (cap || alibi) {
-    const V c = hn::Set(d, var.softcap), inv_c = hn::Set(d, cap ? 1.0f / var.softcap : 0.0f);
+    const V c = hn::Set(d, var.softcap);
     const V slope = hn::Set(d, alibi ? var.alibi[h] : 0.0f);
     const std::int32_t rel = static_cast<std::int32_t>(p.position(t) - key0);  // p(t) − key0
     for (std::int64_t i = 0; i < M; i += N) {
@@ -143,7 +134,7 @@ HWY_INLINE void ElementwiseKeyLanes(D d, const AttentionProblem& p, float* HWY_R
         dist = hn::ConvertTo(
             d, hn::Sub(hn::Set(di, rel - static_cast<std::int32_t>(i)), hn::Iota(di, 0)));
       }
-      const V x = CapAlibi(d, hn::Load(d, s + i), cap, c, inv_c, alibi, slope, dist,
+      const V x = CapAlibi(d, hn::Load(d, s + i), cap, c, alibi, slope, dist,
                            dcap != nullptr ? &dc : nullptr);
       hn::Store(x, d, s + i);
       if (cap && dcap != nullptr) hn::Store(dc, d, dcap + i);

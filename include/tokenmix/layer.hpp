@@ -98,7 +98,9 @@ class CausalSelfAttention {
   /// token t of sequence b = cache.length(b, layer) + t), appends K and V to layer `layer` of the
   /// cache and writes O for the new tokens, attending to everything cached with the bottom-right
   /// causal mask (SPEC 4.3) and the configured score variants. u and out are [batch, seq, d]. A
-  /// prefill into empty sequences runs attention_forward on the fresh fp32 K/V; otherwise
+  /// prefill into empty sequences runs attention_forward on the fresh fp32 K/V (not on a quantized
+  /// int8 / fp8_e4m3 cache: there every prefill appends, then attention_decode reads x̂ from the
+  /// cache, and a NaN or ±∞ in K or V is an ArgumentError); otherwise
   /// attention_decode reads the cache (on a rolling cache in pieces of at most
   /// retained_positions() − window + 1 tokens, append then decode, so every query's keys are
   /// still held). Prefill of P tokens followed by S step() calls gives forward() over P + S

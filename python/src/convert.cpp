@@ -351,6 +351,9 @@ const char* python_dtype_name(tmx::DType d) {
       return "int32";
     case tmx::DType::i64:
       return "int64";
+    case tmx::DType::int8:  // KV-cache element types only, never an array's dtype
+    case tmx::DType::fp8_e4m3:
+      break;
   }
   return tmx::to_string(d);
 }

@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "hwy/highway.h"
+#include "kernels/kv_element.hpp"
 #include "kernels/simd/work_units.hpp"
 
 HWY_BEFORE_NAMESPACE();
@@ -55,6 +56,26 @@ HWY_INLINE hn::Vec<D> LoadB(D d, const hwy::bfloat16_t* HWY_RESTRICT p) {
 template <class D>
 HWY_INLINE hn::Vec<D> LoadB(D d, const hwy::float16_t* HWY_RESTRICT p) {
   return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::float16_t, D>(), p));
+}
+
+// Quantized KV-cache elements (SPEC "Quantized KV cache"), the stored q before its row's scale,
+// exactly: int8 → i32 → f32; fp8 E4M3 (s eeee mmm) placed in f16 bits (s 0eeee mmm 0000000), which
+// is the same value × 2^−8 for normal and subnormal E4M3 alike, widened exactly (F16C / FCVTL) and
+// multiplied by 2^8 (exact).
+template <class D>
+HWY_INLINE hn::Vec<D> LoadB(D d, const std::int8_t* HWY_RESTRICT p) {
+  const hn::RebindToSigned<D> di;
+  return hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(hn::Rebind<std::int8_t, D>(), p)));
+}
+template <class D>
+HWY_INLINE hn::Vec<D> LoadB(D d, const fp8_e4m3_t* HWY_RESTRICT p) {
+  const hn::Rebind<std::uint16_t, D> d16;
+  const auto b = hn::PromoteTo(
+      d16, hn::LoadU(hn::Rebind<std::uint8_t, D>(), reinterpret_cast<const std::uint8_t*>(p)));
+  const auto h = hn::Or(hn::ShiftLeft<8>(hn::And(b, hn::Set(d16, 0x80))),
+                        hn::ShiftLeft<7>(hn::And(b, hn::Set(d16, 0x7f))));
+  return hn::Mul(hn::PromoteTo(d, hn::BitCast(hn::Rebind<hwy::float16_t, D>(), h)),
+                 hn::Set(d, 256.0f));
 }
 
 // Widens n contiguous bf16/f16 activation elements (kernels::bf16_t / f16_t) to fp32 with the

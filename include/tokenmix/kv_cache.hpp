@@ -58,6 +58,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "tokenmix/attention.hpp"
@@ -188,6 +189,10 @@ class KVCache {
   std::vector<std::uint8_t> active_;     // [B]
   std::vector<std::int32_t> free_list_;  // free physical blocks (paged), popped from the back
 };
+
+/// The KV-cache element type named `text`: f32, bf16, f16, int8 or fp8_e4m3 (ArgumentError
+/// naming `what` otherwise).
+DType parse_cache_dtype(const std::string& text, const char* what = "cache_dtype");
 
 /// Options of attention_decode. Decoding is always causal, bottom-right aligned (SPEC 4.3):
 /// query t of sequence b (length L_b) is at position p = L_b − T_new + t. The score variants

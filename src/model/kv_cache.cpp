@@ -28,6 +28,14 @@ std::string str(std::int64_t x) {
 
 }  // namespace
 
+DType parse_cache_dtype(const std::string& text, const char* what) {
+  for (DType d : {DType::f32, DType::bf16, DType::f16, DType::int8, DType::fp8_e4m3}) {
+    if (text == to_string(d)) return d;
+  }
+  fail(ErrorCode::invalid_argument, "parse_cache_dtype",
+       std::string(what) + " must be f32, bf16, f16, int8 or fp8_e4m3; got '" + text + "'");
+}
+
 KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
   constexpr const char* fn = "KVCache";
   const std::pair<const char*, std::int64_t> sizes[] = {{"config.layers", c.layers},

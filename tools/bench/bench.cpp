@@ -428,7 +428,7 @@ std::string to_json(const BenchResult& r) {
      << r.variants.json();
   if (r.op == "decode") {
     os << ", \"cache_dtype\": \"" << r.cache_dtype << "\", \"gbps\": " << r.gbps
-       << ", \"ceiling_gbps\": " << r.ceiling_gbps;
+       << ", \"ceiling_gbps\": " << r.ceiling_gbps << ", \"tokens_per_s\": " << r.tokens_per_s;
   }
   os << ", \"cpu\": \"" << cpu_features().model << "\"}";
   return os.str();
@@ -593,12 +593,14 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     res.variants = cfg.variants;
     res.ceiling_gbps = median(ceiling);
     res.ratio = res.gbps / res.ceiling_gbps;
+    res.tokens_per_s = static_cast<double>(B * Tn) / res.seconds;
     res.extra_bytes = peak_ok && peak >= 0 && rss_before >= 0
                           ? std::max<std::int64_t>(0, peak - rss_before) * 1024
                           : -1;
 
     // Error: sequence 0, the g query heads of KV head 0, against the float64 oracle on the
-    // values as stored (fp32 rounded to the cache dtype).
+    // values as stored (fp32 rounded to the cache dtype; int8 / fp8: each row quantized as the
+    // cache does and dequantized in float64, SPEC "Quantized KV cache").
     const Tensor64 q64 = testkit::slice64(q, 1, Tn, Hq, D, 0, Tn, 0, g);
     Tensor64 k64({1, c.tk, 1, D}), v64({1, c.tk, 1, D});
     auto rounded = [&](float x) {  // as the cache stores it (round to nearest even), widened
@@ -606,12 +608,27 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
       kernels::store_element(c.dtype, &slot, 0, x);
       return static_cast<double>(kernels::load_element(c.dtype, &slot, 0));
     };
-    for (std::int64_t t = 0; t < c.tk; ++t)
-      for (std::int64_t x = 0; x < D; ++x) {
-        const std::size_t src = static_cast<std::size_t>(((t % kFill) * Hkv) * D + x);
-        k64.at(0, t, 0, x) = rounded(kv_k[src]);
-        v64.at(0, t, 0, x) = rounded(kv_v[src]);
+    const bool quantized = kernels::is_quantized(c.dtype);
+    const auto format =
+        c.dtype == DType::int8 ? reference::KVQuant::int8 : reference::KVQuant::fp8_e4m3;
+    std::vector<std::byte> qk(static_cast<std::size_t>(D)), qv(qk.size());
+    for (std::int64_t t = 0; t < c.tk; ++t) {
+      const std::size_t row = static_cast<std::size_t>(((t % kFill) * Hkv) * D);
+      if (quantized) {
+        const float dk = kernels::quantize_row(c.dtype, &kv_k[row], 1, D, qk.data(), 1);
+        const float dv = kernels::quantize_row(c.dtype, &kv_v[row], 1, D, qv.data(), 1);
+        for (std::int64_t x = 0; x < D; ++x) {
+          const auto i = static_cast<std::size_t>(x);
+          k64.at(0, t, 0, x) = reference::dequantize(format, static_cast<std::uint8_t>(qk[i]), dk);
+          v64.at(0, t, 0, x) = reference::dequantize(format, static_cast<std::uint8_t>(qv[i]), dv);
+        }
+        continue;
       }
+      for (std::int64_t x = 0; x < D; ++x) {
+        k64.at(0, t, 0, x) = rounded(kv_k[row + static_cast<std::size_t>(x)]);
+        v64.at(0, t, 0, x) = rounded(kv_v[row + static_cast<std::size_t>(x)]);
+      }
+    }
     reference::Options ro;
     reference_variants(ro, cfg.variants, alibi, sinks, 0, g);
     const auto ref = reference::attention_forward(q64, k64, v64, ro);

@@ -99,7 +99,8 @@ struct BenchResult {
   double gbps = 0.0;        ///< K/V bytes read per second (SPEC "decode bytes") / 1e9
   double ceiling_gbps =
       0.0;  ///< streaming read bandwidth (StreamRead), median of passes interleaved with the steps
-  BenchVariants variants;  ///< the case's score variants (to_json writes them)
+  double tokens_per_s = 0.0;  ///< decode: B · T_new / seconds, tokens generated per second
+  BenchVariants variants;     ///< the case's score variants (to_json writes them)
 };
 
 /// The fp32 GEMM ceiling of forward and backward: C = A B, n = 2048, through OpenBLAS, on seeded

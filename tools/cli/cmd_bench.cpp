@@ -58,9 +58,11 @@ Command add_bench_command(CLI::App& parent) {
                   "decode: cached positions T_k per sequence, one case each (comma-separated)")
       ->delimiter(',')
       ->capture_default_str();
-  app->add_option("--cache-dtype", o->cache_dtypes, "decode: KV-cache element types f32, bf16, f16")
+  app->add_option("--cache-dtype", o->cache_dtypes,
+                  "decode: KV-cache element types f32, bf16, f16, int8, fp8_e4m3 (int8/fp8: "
+                  "quantized per row; bytes count elements plus scales)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+      ->check(CLI::IsMember({"f32", "bf16", "f16", "int8", "fp8_e4m3"}))
       ->capture_default_str();
   app->add_option("--dtype", o->dtype,
                   "Activation dtype: f32, bf16 or f16 (forward/backward: q, k, v, out and the "
@@ -86,9 +88,7 @@ Command add_bench_command(CLI::App& parent) {
         cfg.dtype = o->dtype == "f32" ? DType::f32 : o->dtype == "bf16" ? DType::bf16 : DType::f16;
         cfg.cache_dtypes.clear();
         for (const std::string& name : o->cache_dtypes) {
-          cfg.cache_dtypes.push_back(name == "f32"    ? DType::f32
-                                     : name == "bf16" ? DType::bf16
-                                                      : DType::f16);
+          cfg.cache_dtypes.push_back(parse_cache_dtype(name, "--cache-dtype"));
         }
         bench::run(cfg, std::cout);
         return kExitOk;

@@ -61,7 +61,8 @@ std::array<KernelSet, 5> make_sets() {
        "per-lane "
        "key ranges (tiles outside every range skipped, sliding window O(W) per row), one "
        "vectorised element-wise pass (softcap, ALiBi, masks) and sinks in the online softmax; "
-       "decode over the cache's 64-key tiles with bf16/f16 widened in registers; bf16/f16 "
+       "decode over the cache's 64-key tiles with bf16/f16/int8/fp8 widened in registers (int8 "
+       "and fp8 row scales folded into the scores and probabilities); bf16/f16 "
        "activations widened to fp32 where Q, K, V tiles are packed (fp32 products), outputs "
        "rounded once on store",
        /*score_variants=*/true},

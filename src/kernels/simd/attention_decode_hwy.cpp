@@ -68,7 +68,10 @@ void DecodeUnits(const DecodeArgs& a) {
   // after Q Kᵀ over the stored q (S_u = δ_u · Σ_x (s·q_r)[x] q_u[x]), and V's multiply P before
   // P V (Õ += Σ_u (P_u δ_u) q_u, l from the unscaled P): attention over x̂ = q · δ at fp32
   // rounding level; the elements are widened in registers (LoadB) and never stored as fp32.
+  // LoadB returns q · kLoadBUnit (2^−8 for fp8): the scales are multiplied by 1 / kLoadBUnit
+  // (exact, a power of two), and the scalar tail reads q · kLoadBUnit too.
   constexpr bool kQuant = std::is_same_v<TB, std::int8_t> || std::is_same_v<TB, fp8_e4m3_t>;
+  constexpr float kUnit = kLoadBUnit<TB>;
   const hn::ScalableTag<float> d;
   const hn::RebindToSigned<decltype(d)> di;
   using VF = hn::Vec<decltype(d)>;
@@ -126,10 +129,12 @@ void DecodeUnits(const DecodeArgs& a) {
       }
       if constexpr (kQuant) {  // S_u ← δ_u · S_u (the K tile's row scales follow it)
         const float* ks = reinterpret_cast<const float*>(kt + a.layout.tile_elems());
-        for (std::int64_t r = 0; r < nrows; ++r)
-          for (std::int64_t i = 0; i < kKeyTile; i += N)
-            hn::Store(hn::Mul(hn::Load(d, st + r * kKeyTile + i), hn::LoadU(d, ks + i)), d,
-                      st + r * kKeyTile + i);
+        const VF unit = hn::Set(d, 1.0f / kUnit);
+        for (std::int64_t i = 0; i < kKeyTile; i += N) {
+          const VF delta = hn::Mul(hn::LoadU(d, ks + i), unit);
+          for (std::int64_t r = 0; r < nrows; ++r)
+            hn::Store(hn::Mul(hn::Load(d, st + r * kKeyTile + i), delta), d, st + r * kKeyTile + i);
+        }
       }
 
       // Score variants, mask (4.3, window) and online softmax (4.4), row by row.
@@ -200,10 +205,12 @@ void DecodeUnits(const DecodeArgs& a) {
       // part: 0 · NaN = NaN).
       if constexpr (kQuant) {  // P_u ← P_u · δ_u (the V tile's row scales follow it; l is done)
         const float* vs = reinterpret_cast<const float*>(vt + a.layout.tile_elems());
-        for (std::int64_t r = 0; r < nrows; ++r)
-          for (std::int64_t i = 0; i < kKeyTile; i += N)
-            hn::Store(hn::Mul(hn::Load(d, st + r * kKeyTile + i), hn::LoadU(d, vs + i)), d,
-                      st + r * kKeyTile + i);
+        const VF unit = hn::Set(d, 1.0f / kUnit);
+        for (std::int64_t i = 0; i < kKeyTile; i += N) {
+          const VF delta = hn::Mul(hn::LoadU(d, vs + i), unit);
+          for (std::int64_t r = 0; r < nrows; ++r)
+            hn::Store(hn::Mul(hn::Load(d, st + r * kKeyTile + i), delta), d, st + r * kKeyTile + i);
+        }
       }
       // A quantized V is finite (non-finite rows are refused on append): no scan.
       bool v_bad = false;
@@ -251,7 +258,7 @@ void DecodeUnits(const DecodeArgs& a) {
                u < std::min(nt, a.visible_end(b, t0 + r / g) - u0); ++u) {
             const float p = st[r * kKeyTile + u];
             for (std::int64_t x = x0; x < dh; ++x)
-              acc[r * dh + x] += p * load_element(a.dtype, vt, u * dh + x);
+              acc[r * dh + x] += p * (load_element(a.dtype, vt, u * dh + x) * kUnit);
           }
       }
     }

@@ -183,7 +183,11 @@ tokenmix_cli_test(bench_decode_variants_json
 tokenmix_cli_test(bench_decode_quantized_json
                   ARGS bench decode --cache-tokens 256 --cache-dtype int8,fp8_e4m3 --hq 4 --hkv 2
                        --dh 16 --repeats 1 --json TIMEOUT 600
-                  STDOUT "\"cache_dtype\": \"int8\", \"gbps\": [0-9.e+-]+, \"ceiling_gbps\": [0-9.e+-]+, \"tokens_per_s\": [0-9.e+-]+.*\"cache_dtype\": \"fp8_e4m3\"")
+                  STDOUT "\"cache_dtype\": \"int8\", \"gbps\": [0-9.e+-]+, \"ceiling_gbps\": [0-9.e+-]+, \"tokens_per_s\": [0-9.e+-]+, \"err_vs_unquantized\": [0-9.e+-]+, \"kv_outlier\": 1.*\"cache_dtype\": \"fp8_e4m3\"")
+tokenmix_cli_test(bench_decode_outlier_json
+                  ARGS bench decode --cache-tokens 128 --cache-dtype int8 --hq 2 --hkv 1 --dh 16
+                       --repeats 1 --json --kv-outlier 30 TIMEOUT 600
+                  STDOUT "\"cache_dtype\": \"int8\".*\"kv_outlier\": 30")
 tokenmix_cli_test(bench_plain_json_has_no_variants
                   ARGS bench backward --tq 32 --hq 2 --hkv 1 --dh 8 --repeats 1 --json TIMEOUT 600
                   STDOUT "\"window\": null, \"softcap\": null, \"alibi\": false, \"sinks\": null")
@@ -306,6 +310,8 @@ tokenmix_cli_error(error_bad_cache_dtype "--cache-dtype: int4 not in"
                    ARGS run --seq 8 --cache-dtype int4)
 tokenmix_cli_error(error_bench_bad_cache_dtype "--cache-dtype: fp8 not in"
                    ARGS bench decode --cache-dtype fp8)
+tokenmix_cli_error(error_bench_bad_kv_outlier "--kv-outlier must be a finite number > 0; got -1"
+                   ARGS bench decode --cache-tokens 64 --kv-outlier -1)
 # Score-variant flags: bad values, sinks of the wrong length, file mode only, --dsinks needs them.
 tokenmix_cli_error(error_window_zero "--window: Value 0 not in range"
                    ARGS run ${_cli_qkv_a} --out ${_cli_e} --window 0)

@@ -428,7 +428,9 @@ std::string to_json(const BenchResult& r) {
      << r.variants.json();
   if (r.op == "decode") {
     os << ", \"cache_dtype\": \"" << r.cache_dtype << "\", \"gbps\": " << r.gbps
-       << ", \"ceiling_gbps\": " << r.ceiling_gbps << ", \"tokens_per_s\": " << r.tokens_per_s;
+       << ", \"ceiling_gbps\": " << r.ceiling_gbps << ", \"tokens_per_s\": " << r.tokens_per_s
+       << ", \"err_vs_unquantized\": " << r.err_vs_unquantized
+       << ", \"kv_outlier\": " << r.kv_outlier;
   }
   os << ", \"cpu\": \"" << cpu_features().model << "\"}";
   return os.str();
@@ -474,6 +476,11 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   if (cfg.tnew < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --tnew must be >= 1");
   if (cfg.hq % cfg.hkv != 0)
     throw ArgumentError(ErrorCode::invalid_argument, "bench: --hkv must divide --hq");
+  if (!(std::isfinite(cfg.kv_outlier) && cfg.kv_outlier > 0.0)) {
+    throw ArgumentError(
+        ErrorCode::invalid_argument,
+        "bench: --kv-outlier must be a finite number > 0; got " + std::to_string(cfg.kv_outlier));
+  }
   struct DecodeCase {
     std::int64_t tk;
     DType dtype;
@@ -501,8 +508,12 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   std::vector<BenchResult> results;
   std::optional<StreamRead> stream;     // 1 GiB, allocated once
   constexpr std::int64_t kFill = 4096;  // positions appended per call while filling the cache
-  const std::vector<float> kv_k = random_normal(static_cast<std::size_t>(B * kFill * Hkv * D), 21),
-                           kv_v = random_normal(kv_k.size(), 22);
+  std::vector<float> kv_k = random_normal(static_cast<std::size_t>(B * kFill * Hkv * D), 21),
+                     kv_v = random_normal(kv_k.size(), 22);
+  for (std::size_t i = 0; i < kv_k.size(); i += static_cast<std::size_t>(D)) {  // channel 0
+    kv_k[i] = static_cast<float>(kv_k[i] * cfg.kv_outlier);
+    kv_v[i] = static_cast<float>(kv_v[i] * cfg.kv_outlier);
+  }
   std::vector<float> q = random_normal(static_cast<std::size_t>(B * Tn * Hq * D), 23);
   std::vector<float> o(q.size()), lse(static_cast<std::size_t>(B * Hq * Tn));
   // --dtype bf16/f16: the queries and outputs in that dtype (q keeps the rounded values).
@@ -634,6 +645,17 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     const auto ref = reference::attention_forward(q64, k64, v64, ro);
     res.max_rel_err =
         testkit::rel_err(testkit::slice64(o, 1, Tn, Hq, D, 0, Tn, 0, g).data, ref.out.data);
+    // The same against the unrounded K/V: what the cache's dtype costs.
+    for (std::int64_t t = 0; t < c.tk; ++t)
+      for (std::int64_t x = 0; x < D; ++x) {
+        const std::size_t src = static_cast<std::size_t>(((t % kFill) * Hkv) * D + x);
+        k64.at(0, t, 0, x) = kv_k[src];
+        v64.at(0, t, 0, x) = kv_v[src];
+      }
+    const auto exact = reference::attention_forward(q64, k64, v64, ro);
+    res.err_vs_unquantized =
+        testkit::rel_err(testkit::slice64(o, 1, Tn, Hq, D, 0, Tn, 0, g).data, exact.out.data);
+    res.kv_outlier = cfg.kv_outlier;
     results.push_back(res);
     print_result(out, res, cfg.json);
     out.flush();

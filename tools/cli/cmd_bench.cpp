@@ -72,6 +72,11 @@ Command add_bench_command(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--tnew", o->config.tnew, "decode: new query positions per sequence (T_new)")
       ->capture_default_str();
+  app->add_option("--kv-outlier", o->config.kv_outlier,
+                  "decode: multiply K and V channel 0 of every head by this (an outlier channel; "
+                  "1 = none); the JSON's err_vs_unquantized is the error against the unrounded "
+                  "K/V")
+      ->capture_default_str();
   add_variant_options(app, o->variants,
                       "Score variants (every case; recorded in the JSON; useful FLOPs count only "
                       "the pairs a window leaves visible)");

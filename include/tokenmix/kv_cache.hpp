@@ -7,6 +7,14 @@
 // SPEC 4.8's figure, 2 · n · B · T_max · H_kv · d_h · sizeof(element) (kv_cache_bytes in
 // layer.hpp), plus the block tables and lengths (memory_bytes() reports the total).
 //
+// Quantized caches (dtype int8 or fp8_e4m3, SPEC "Reduced precision → Quantized KV cache"): each
+// K or V row of one (position, KV head) is stored as d_h one-byte elements q and one fp32 scale
+// δ = max|x| / 127 (int8: q = round(x / δ) ∈ [−127, 127], ties to even) or max|x| / 448 (fp8
+// E4M3: x / δ rounded to the nearest E4M3 value); δ = 0 stores zeros. Attention reads x̂ = q · δ.
+// Each tile's 64 scales follow it in storage (K tile, K scales, V tile, V scales), so storage is
+// 2 · n · B · T_max · H_kv · (d_h + 4) bytes. Rows holding NaN or ±∞ are rejected on append (no
+// finite scale represents them): ArgumentError, nothing of the batch appended.
+//
 // Storage is in blocks of `block_tokens` positions. A block holds, per layer and KV head, tiles
 // of 64 positions, a K tile and then its V tile, alternating:
 //   K tile [d_h][64]   (the 64 keys of a feature are contiguous SIMD lanes)
@@ -50,6 +58,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "tokenmix/attention.hpp"
@@ -64,7 +73,8 @@ struct KVCacheConfig {
   std::int64_t heads_kv = 0;  ///< H_kv
   std::int64_t head_dim = 0;  ///< d_h
   std::int64_t capacity = 0;  ///< T_max: most positions one sequence may hold
-  DType dtype = DType::f32;   ///< element type of K and V in the cache
+  /// Element type of K and V in the cache: f32, bf16, f16, or quantized int8 / fp8_e4m3.
+  DType dtype = DType::f32;
   /// 0 = contiguous (one block of T_max rounded up to 64 per sequence). Otherwise paged: block
   /// size in positions, a positive multiple of KVCache::kKeyTile (64).
   std::int64_t block_tokens = 0;
@@ -116,7 +126,8 @@ class KVCache {
   /// k, v are f32 [B', T_new, H_kv, d_h] views (any strides), already RoPE-rotated. Position
   /// length(seq, layer) + t receives k[b, t]. Throws (cache unchanged) on: bad layer or sequence
   /// range, released sequence, head count or width mismatch, non-f32 view, positions past
-  /// capacity or overflowing, too few free blocks in the pool.
+  /// capacity or overflowing, too few free blocks in the pool; on a quantized cache (int8,
+  /// fp8_e4m3) also on any NaN or ±∞ element of k or v.
   void append(std::int64_t layer, std::int64_t first_seq, ConstTensorView k, ConstTensorView v);
 
   /// Rewinds sequence `seq` to at most `new_length` positions in every layer (speculative
@@ -136,7 +147,8 @@ class KVCache {
 
   /// Bytes of K/V storage (SPEC 4.8): contiguous 2 · n · B · T · H_kv · d_h · sizeof(element)
   /// with T = T_max rounded up to 64 (= kv_cache_bytes(n, B, T, …)); paged the same with
-  /// B · T replaced by pool_blocks · block_tokens.
+  /// B · T replaced by pool_blocks · block_tokens. Quantized caches: d_h · sizeof(element)
+  /// becomes d_h + 4 (one-byte elements plus each row's fp32 scale).
   std::uint64_t storage_bytes() const noexcept {
     return static_cast<std::uint64_t>(storage_.size());
   }
@@ -151,6 +163,7 @@ class KVCache {
 
   void check_seq(const char* fn, std::int64_t seq) const;
   void check_layer(const char* fn, std::int64_t layer) const;
+  void check_finite_rows(const char* fn, const ConstTensorView& k, const ConstTensorView& v) const;
   std::int64_t blocks_needed(std::int64_t tokens) const noexcept;
   std::int64_t max_length(std::int64_t seq) const noexcept;
   void shrink(std::int64_t seq, std::int64_t new_length);
@@ -176,6 +189,10 @@ class KVCache {
   std::vector<std::uint8_t> active_;     // [B]
   std::vector<std::int32_t> free_list_;  // free physical blocks (paged), popped from the back
 };
+
+/// The KV-cache element type named `text`: f32, bf16, f16, int8 or fp8_e4m3 (ArgumentError
+/// naming `what` otherwise).
+DType parse_cache_dtype(const std::string& text, const char* what = "cache_dtype");
 
 /// Options of attention_decode. Decoding is always causal, bottom-right aligned (SPEC 4.3):
 /// query t of sequence b (length L_b) is at position p = L_b − T_new + t. The score variants
@@ -216,7 +233,8 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
                       TensorView lse = {}, const DecodeOptions& options = {});
 
 /// Bytes of K and V one attention_decode call reads (SPEC "Useful-work counts", decode bytes):
-/// 2 · Σ_b n_b · H_kv · d_h · sizeof(element) over the sequences of the call, with n_b the keys
+/// 2 · Σ_b n_b · H_kv · d_h · sizeof(element) over the sequences of the call (quantized caches:
+/// 2 · Σ_b n_b · H_kv · (d_h + 4), elements plus each row's fp32 scale), with n_b the keys
 /// of sequence b the call's T_new queries can see: L_b − first_position(b) without a window
 /// (window = 0), min of that and window + T_new − 1 with one.
 std::uint64_t decode_bytes(const KVCache& cache, std::int64_t layer, std::int64_t first_seq,

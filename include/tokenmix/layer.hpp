@@ -50,7 +50,9 @@ struct LayerGradients {
 };
 
 /// KV-cache bytes (SPEC 4.8): 2 · n_layers · B · T · H_kv · d_h · sizeof(element).
-/// Throws ArgumentError(overflow) if the product does not fit in 64 bits.
+/// Throws ArgumentError(overflow) if the product does not fit in 64 bits. For a quantized
+/// int8 / fp8_e4m3 cache (one byte per element plus an fp32 scale per row) pass head_dim + 4 and
+/// element_bytes 1 (what KVCache::storage_bytes holds).
 std::uint64_t kv_cache_bytes(std::int64_t n_layers, std::int64_t batch, std::int64_t tokens,
                              std::int64_t heads_kv, std::int64_t head_dim,
                              std::size_t element_bytes);
@@ -98,7 +100,9 @@ class CausalSelfAttention {
   /// token t of sequence b = cache.length(b, layer) + t), appends K and V to layer `layer` of the
   /// cache and writes O for the new tokens, attending to everything cached with the bottom-right
   /// causal mask (SPEC 4.3) and the configured score variants. u and out are [batch, seq, d]. A
-  /// prefill into empty sequences runs attention_forward on the fresh fp32 K/V; otherwise
+  /// prefill into empty sequences runs attention_forward on the fresh fp32 K/V (not on a quantized
+  /// int8 / fp8_e4m3 cache: there every prefill appends, then attention_decode reads x̂ from the
+  /// cache, and a NaN or ±∞ in K or V is an ArgumentError); otherwise
   /// attention_decode reads the cache (on a rolling cache in pieces of at most
   /// retained_positions() − window + 1 tokens, append then decode, so every query's keys are
   /// still held). Prefill of P tokens followed by S step() calls gives forward() over P + S

@@ -20,8 +20,19 @@ namespace tokenmix {
 /// Element type of a view. Attention tensors (q, k, v, out and their gradients) are f32, bf16 or
 /// f16, one dtype per call (row log-sum-exp stays f32; SPEC "Reduced precision"); bf16/f16 are
 /// also KV-cache storage; boolean (one byte, nonzero = true) and the integer types describe
-/// masks, key lengths and varlen offsets.
-enum class DType : std::uint8_t { f32 = 0, bf16 = 1, f16 = 2, boolean = 3, i32 = 4, i64 = 5 };
+/// masks, key lengths and varlen offsets. int8 and fp8_e4m3 are KV-cache element types only
+/// (KVCacheConfig::dtype: quantized per (token, KV head) row with an fp32 scale, SPEC "Reduced
+/// precision → Quantized KV cache"); no tensor view of the API takes them.
+enum class DType : std::uint8_t {
+  f32 = 0,
+  bf16 = 1,
+  f16 = 2,
+  boolean = 3,
+  i32 = 4,
+  i64 = 5,
+  int8 = 6,
+  fp8_e4m3 = 7
+};
 
 const char* to_string(DType dtype) noexcept;
 std::size_t size_of(DType dtype) noexcept;

@@ -268,8 +268,11 @@ std::uint64_t decode_bytes(const KVCache& cache, std::int64_t layer, std::int64_
     if (window > 0) n = std::min(n, window > INT64_MAX - tnew ? INT64_MAX : window + tnew - 1);
     tokens += static_cast<std::uint64_t>(n);
   }
-  // 2 · Σ_b n_b · H_kv · d_h · sizeof  (SPEC "Useful-work counts", decode bytes)
-  return 2 * tokens * static_cast<std::uint64_t>(c.heads_kv * c.head_dim) * size_of(c.dtype);
+  // 2 · Σ_b n_b · H_kv · d_h · sizeof  (SPEC "Useful-work counts", decode bytes); a quantized
+  // cache's rows also read their fp32 scale (SPEC "Quantized KV cache": elements plus scales).
+  const std::uint64_t row_bytes = static_cast<std::uint64_t>(c.head_dim) * size_of(c.dtype) +
+                                  (kernels::is_quantized(c.dtype) ? sizeof(float) : 0);
+  return 2 * tokens * static_cast<std::uint64_t>(c.heads_kv) * row_bytes;
 }
 
 namespace detail {
@@ -296,7 +299,7 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   kernels::DecodeArgs& a = plan.a;
   a.layout = Access::layout(cache);
   a.k_layer = Access::layer(cache, layer);  // K tiles from here, V tiles one tile later
-  a.v_layer = Access::layer(cache, layer) + a.layout.tile_elems() * size_of(a.dtype);
+  a.v_layer = Access::layer(cache, layer) + a.layout.tile_span() * size_of(a.dtype);
   a.table = Access::table(cache, o.first_seq);
   a.table_width = Access::table_width(cache);
   a.lengths = Access::lengths(cache, layer) + o.first_seq;

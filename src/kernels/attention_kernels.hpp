@@ -202,7 +202,7 @@ struct DecodeArgs {
   DType dtype = DType::f32;
   KVTileLayout layout;            // where K and V elements live (kv_tile_layout.hpp)
   const void* k_layer = nullptr;  // the layer's first element (K tiles are addressed from it)
-  const void* v_layer = nullptr;  // = k_layer + layout.tile_elems() (V tiles addressed from it)
+  const void* v_layer = nullptr;  // = k_layer + layout.tile_span() (V tiles addressed from it)
   const std::int32_t* table = nullptr;  // [batch][table_width] physical blocks of the sequences
   std::int64_t table_width = 0;
   const std::int64_t* lengths = nullptr;  // [batch] cached positions of each sequence (this layer)
@@ -274,6 +274,8 @@ void attention_bwd_f16_portable(const BackwardArgs& args);
 void attention_decode_f32_portable(const DecodeArgs& args);
 void attention_decode_bf16_portable(const DecodeArgs& args);
 void attention_decode_f16_portable(const DecodeArgs& args);
+void attention_decode_int8_portable(const DecodeArgs& args);
+void attention_decode_fp8_e4m3_portable(const DecodeArgs& args);
 
 // SIMD (src/kernels/simd/, Highway): the per-target instantiations, one constant per target
 // (x86: AVX2, AVX-512; AArch64: NEON); null where this build has no code for the target (the
@@ -289,16 +291,16 @@ extern const BackwardKernel attention_bwd_bf16_avx2, attention_bwd_f16_avx2,
     attention_bwd_bf16_avx512, attention_bwd_f16_avx512, attention_bwd_bf16_neon,
     attention_bwd_f16_neon;
 extern const DecodeKernel attention_decode_f32_avx2, attention_decode_bf16_avx2,
-    attention_decode_f16_avx2;
+    attention_decode_f16_avx2, attention_decode_int8_avx2, attention_decode_fp8_e4m3_avx2;
 extern const DecodeKernel attention_decode_f32_avx512, attention_decode_bf16_avx512,
-    attention_decode_f16_avx512;
+    attention_decode_f16_avx512, attention_decode_int8_avx512, attention_decode_fp8_e4m3_avx512;
 // Path avx512_bf16: the AVX-512 forward with vdpbf16ps products for bf16 (simd/dpbf16.hpp);
 // null in builds without the AVX512-BF16 translation unit (non-x86).
 extern const ForwardKernel attention_fwd_bf16_avx512bf16;
 extern const ForwardKernel attention_fwd_f32_neon;
 extern const BackwardKernel attention_bwd_f32_neon;
 extern const DecodeKernel attention_decode_f32_neon, attention_decode_bf16_neon,
-    attention_decode_f16_neon;
+    attention_decode_f16_neon, attention_decode_int8_neon, attention_decode_fp8_e4m3_neon;
 // Test hook: the SIMD kernels' soft-capping tanh (simd/tanh-inl.h), y[i] = tanh(x[i]), i < n,
 // per target (null where not built), for tests/unit/test_softcap_tanh.cpp.
 using TanhKernel = void (*)(const float* x, float* y, std::int64_t n);

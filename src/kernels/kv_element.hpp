@@ -2,9 +2,14 @@
 // fp32 → bf16 / f16 with round-to-nearest-even on write, exact widening back to fp32 on read.
 // NaN stays NaN (quiet), ±∞ stays ±∞, values beyond the format's range round to ±∞. The same
 // conversions widen bf16/f16 attention activations on pack and round O, dQ, dK, dV on store.
+// The quantized cache types (int8, fp8 E4M3) are written a whole (token, KV head) row at a time
+// with its fp32 scale (quantize_row, SPEC "Reduced precision → Quantized KV cache").
 #pragma once
 
+#include <algorithm>
 #include <bit>
+#include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -55,6 +60,70 @@ inline float f16_to_f32(std::uint16_t h) {
   }
   return std::bit_cast<float>(sign | ((e + 112u) << 23) | (m << 13));
 }
+
+/// The KV-cache element types quantized per row with an fp32 scale δ (x̂ = q · δ).
+inline constexpr bool is_quantized(DType dtype) {
+  return dtype == DType::int8 || dtype == DType::fp8_e4m3;
+}
+/// Largest stored magnitude: δ = max|x| / quant_max (SPEC): 127 (int8), 448 (fp8 E4M3).
+inline constexpr float quant_max(DType dtype) {
+  return dtype == DType::int8 ? 127.0f : 448.0f;
+}
+
+/// fp8 E4M3 ("E4M3FN": sign, 4 exponent bits with bias 7, 3 mantissa bits, no infinities, the
+/// largest finite value 448; 0x7f / 0xff are NaN and are never stored) → fp32, exact:
+/// 2^(e−7)·(1 + m/8) for e ≥ 1, m·2^−9 for e = 0.
+inline float e4m3_to_f32(std::uint8_t b) {
+  const std::uint32_t e = (b >> 3) & 0xfu, m = b & 7u;
+  const float v = e == 0 ? static_cast<float>(m) * 0x1.0p-9f
+                         : std::bit_cast<float>(((e + 120u) << 23) | (m << 20));
+  return (b & 0x80u) != 0 ? -v : v;
+}
+
+/// fp32 → the nearest fp8 E4M3 value (ties to even); |y| ≥ 448 saturates to ±448 (the caller
+/// passes |y| ≤ 448: x / δ with δ = max|x| / 448). y must not be NaN.
+inline std::uint8_t f32_to_e4m3(float y) {
+  const std::uint32_t x = std::bit_cast<std::uint32_t>(y);
+  const std::uint32_t sign = (x >> 24) & 0x80u, ax = x & 0x7fffffffu;
+  if (ax >= 0x43e00000u) return static_cast<std::uint8_t>(sign | 0x7eu);  // ≥ 448
+  if (ax >= 0x3c800000u) {  // ≥ 2^−6, normal: rebias the exponent (127 → 7), round 20 bits RNE
+    const std::uint32_t r = ax - (120u << 23);
+    return static_cast<std::uint8_t>(sign | ((r + 0x7ffffu + ((r >> 20) & 1u)) >> 20));
+  }
+  // Subnormal: k · 2^−9 with k = |y| · 2^9 rounded to nearest even (exact product; k = 8 is the
+  // smallest normal, 0x08, so the carry is the right encoding).
+  const std::uint32_t k =
+      static_cast<std::uint32_t>(std::nearbyint(std::bit_cast<float>(ax) * 512.0f));
+  return static_cast<std::uint8_t>(sign | k);
+}
+
+/// Quantizes one (token, KV head) row of n finite fp32 values x[i · x_stride] (SPEC "Reduced
+/// precision → Quantized KV cache"): δ = max|x| / quant_max(dtype) (fp32 division); element i is
+/// round(x_i / δ) ∈ [−127, 127] (int8, ties to even) or x_i / δ rounded to the nearest E4M3
+/// value (fp8), stored as one byte at out[i · out_stride]; δ = 0 stores zeros. Returns δ.
+inline float quantize_row(DType dtype, const float* x, std::int64_t x_stride, std::int64_t n,
+                          std::byte* out, std::int64_t out_stride) {
+  float amax = 0.0f;
+  for (std::int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i * x_stride]));
+  const float lim = quant_max(dtype), delta = amax / lim;
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::uint8_t q = 0;
+    if (delta != 0.0f) {
+      const float y = std::clamp(x[i * x_stride] / delta, -lim, lim);
+      q = dtype == DType::int8
+              ? static_cast<std::uint8_t>(static_cast<std::int8_t>(std::nearbyint(y)))
+              : f32_to_e4m3(y);
+    }
+    out[i * out_stride] = static_cast<std::byte>(q);
+  }
+  return delta;
+}
+
+/// The fp8 E4M3 cache element (its bits), a distinct type for the kernels templated on the cache
+/// element type.
+struct fp8_e4m3_t {
+  std::uint8_t bits;
+};
 
 /// The 16-bit activation element types of the attention kernels (SPEC "Reduced precision"):
 /// distinct types over the stored bits, so a kernel templated on its element type tells them
@@ -110,11 +179,14 @@ inline void store_element(DType dtype, void* base, std::int64_t i, float x) {
     case DType::boolean:  // not a cache element type (KVCacheConfig validation)
     case DType::i32:
     case DType::i64:
+    case DType::int8:  // quantized: written a row at a time with its scale (quantize_row)
+    case DType::fp8_e4m3:
       return;
   }
 }
 
-/// Element `i` of a `dtype` array, widened to fp32 (exact).
+/// Element `i` of a `dtype` array, widened to fp32 (exact); for int8 / fp8_e4m3 the stored
+/// element q before its row's scale (x̂ = q · δ).
 inline float load_element(DType dtype, const void* base, std::int64_t i) {
   switch (dtype) {
     case DType::f32:
@@ -123,6 +195,10 @@ inline float load_element(DType dtype, const void* base, std::int64_t i) {
       return bf16_to_f32(static_cast<const std::uint16_t*>(base)[i]);
     case DType::f16:
       return f16_to_f32(static_cast<const std::uint16_t*>(base)[i]);
+    case DType::int8:
+      return static_cast<float>(static_cast<const std::int8_t*>(base)[i]);
+    case DType::fp8_e4m3:
+      return e4m3_to_f32(static_cast<const std::uint8_t*>(base)[i]);
     case DType::boolean:  // not a cache element type (KVCacheConfig validation)
     case DType::i32:
     case DType::i64:

@@ -15,8 +15,9 @@ namespace {
 constexpr std::int64_t kInt32LaneKeys = (std::int64_t{1} << 31) - 2;
 constexpr std::int64_t kAnyKeys = INT64_MAX;
 
-// Column order = DType values: f32, bf16, f16. Forward/backward bf16/f16 columns: the fp32
-// kernels with operands widened on pack and outputs rounded on store (SPEC "Reduced precision").
+// Column order = DType values: f32, bf16, f16 (decode: then int8, fp8_e4m3, cache_column).
+// Forward/backward bf16/f16 columns: the fp32 kernels with operands widened on pack and outputs
+// rounded on store (SPEC "Reduced precision").
 std::array<KernelSet, 5> make_sets() {
   return {{
       {Isa::portable,
@@ -29,7 +30,9 @@ std::array<KernelSet, 5> make_sets() {
         {"attention_bwd_f16_portable", &attention_bwd_f16_portable}},
        {{"attention_decode_f32_portable", &attention_decode_f32_portable},
         {"attention_decode_bf16_portable", &attention_decode_bf16_portable},
-        {"attention_decode_f16_portable", &attention_decode_f16_portable}},
+        {"attention_decode_f16_portable", &attention_decode_f16_portable},
+        {"attention_decode_int8_portable", &attention_decode_int8_portable},
+        {"attention_decode_fp8_e4m3_portable", &attention_decode_fp8_e4m3_portable}},
        kAnyKeys,
        "plain C++, exact fp32: two-pass softmax per query row, O(T_k*d_h) scratch per worker, "
        "OpenMP over (batch, head, 64-row block); decode widens each 64-key cache tile to fp32 "
@@ -47,7 +50,9 @@ std::array<KernelSet, 5> make_sets() {
         {"attention_bwd_f16_avx2", attention_bwd_f16_avx2}},
        {{"attention_decode_f32_avx2", attention_decode_f32_avx2},
         {"attention_decode_bf16_avx2", attention_decode_bf16_avx2},
-        {"attention_decode_f16_avx2", attention_decode_f16_avx2}},
+        {"attention_decode_f16_avx2", attention_decode_f16_avx2},
+        {"attention_decode_int8_avx2", attention_decode_int8_avx2},
+        {"attention_decode_fp8_e4m3_avx2", attention_decode_fp8_e4m3_avx2}},
        kInt32LaneKeys,
        "Highway AVX2+FMA (8 lanes, 3x3 microkernel): fused flash forward with the GQA heads "
        "stacked in SIMD lanes, online softmax over 64-key tiles, causal tile skipping; flash "
@@ -56,7 +61,8 @@ std::array<KernelSet, 5> make_sets() {
        "per-lane "
        "key ranges (tiles outside every range skipped, sliding window O(W) per row), one "
        "vectorised element-wise pass (softcap, ALiBi, masks) and sinks in the online softmax; "
-       "decode over the cache's 64-key tiles with bf16/f16 widened in registers; bf16/f16 "
+       "decode over the cache's 64-key tiles with bf16/f16/int8/fp8 widened in registers (int8 "
+       "and fp8 row scales folded into the scores and probabilities); bf16/f16 "
        "activations widened to fp32 where Q, K, V tiles are packed (fp32 products), outputs "
        "rounded once on store",
        /*score_variants=*/true},
@@ -70,7 +76,9 @@ std::array<KernelSet, 5> make_sets() {
         {"attention_bwd_f16_avx512", attention_bwd_f16_avx512}},
        {{"attention_decode_f32_avx512", attention_decode_f32_avx512},
         {"attention_decode_bf16_avx512", attention_decode_bf16_avx512},
-        {"attention_decode_f16_avx512", attention_decode_f16_avx512}},
+        {"attention_decode_f16_avx512", attention_decode_f16_avx512},
+        {"attention_decode_int8_avx512", attention_decode_int8_avx512},
+        {"attention_decode_fp8_e4m3_avx512", attention_decode_fp8_e4m3_avx512}},
        kInt32LaneKeys,
        "Highway AVX-512 (16 lanes, 6x4 microkernel): the same flash forward, backward and "
        "decode kernels as avx2 with 64 query rows per lane block",
@@ -85,7 +93,9 @@ std::array<KernelSet, 5> make_sets() {
         {"attention_bwd_f16_neon", attention_bwd_f16_neon}},
        {{"attention_decode_f32_neon", attention_decode_f32_neon},
         {"attention_decode_bf16_neon", attention_decode_bf16_neon},
-        {"attention_decode_f16_neon", attention_decode_f16_neon}},
+        {"attention_decode_f16_neon", attention_decode_f16_neon},
+        {"attention_decode_int8_neon", attention_decode_int8_neon},
+        {"attention_decode_fp8_e4m3_neon", attention_decode_fp8_e4m3_neon}},
        kInt32LaneKeys,
        "Highway NEON, AArch64 Advanced SIMD (4 lanes, 6x4 microkernel): the same flash forward, "
        "backward and decode kernels as avx2 with 16 query rows per lane block; bf16/f16 caches "
@@ -101,7 +111,9 @@ std::array<KernelSet, 5> make_sets() {
         {"attention_bwd_f16_avx512", attention_bwd_f16_avx512}},
        {{"attention_decode_f32_avx512", attention_decode_f32_avx512},
         {"attention_decode_bf16_avx512", attention_decode_bf16_avx512},
-        {"attention_decode_f16_avx512", attention_decode_f16_avx512}},
+        {"attention_decode_f16_avx512", attention_decode_f16_avx512},
+        {"attention_decode_int8_avx512", attention_decode_int8_avx512},
+        {"attention_decode_fp8_e4m3_avx512", attention_decode_fp8_e4m3_avx512}},
        kInt32LaneKeys,
        "avx512 plus AVX512-BF16: the bf16 forward's Q K^T and P V products on vdpbf16ps (bf16 "
        "pairs, fp32 accumulation; P rounded to bf16 before P V, intrinsics in their own "
@@ -167,7 +179,10 @@ NamedKernel<BackwardKernel> select_backward(const char* entry, Isa isa, DType dt
 }
 
 NamedKernel<DecodeKernel> select_decode(const char* entry, Isa isa, DType cache_dtype) {
-  return pick(kernel_set(isa).decode, entry, "decode", isa, cache_dtype);
+  const int i = cache_column(cache_dtype);
+  const NamedKernel<DecodeKernel>* column = kernel_set(isa).decode;
+  if (i < 0 || column[i].fn == nullptr) missing(entry, "decode", isa, cache_dtype);
+  return column[i];
 }
 
 }  // namespace tokenmix::kernels

@@ -26,6 +26,23 @@
 namespace tokenmix::kernels {
 
 inline constexpr int kDTypeCount = 3;  // DType::f32, bf16, f16 (index = the enum's value)
+/// Decode columns: the KV-cache element types f32, bf16, f16, int8, fp8_e4m3 (cache_column).
+inline constexpr int kCacheDTypeCount = 5;
+/// The decode column of a cache dtype (f32 0, bf16 1, f16 2, int8 3, fp8_e4m3 4); −1 if none.
+inline constexpr int cache_column(DType dtype) {
+  switch (dtype) {
+    case DType::f32:
+    case DType::bf16:
+    case DType::f16:
+      return static_cast<int>(dtype);
+    case DType::int8:
+      return 3;
+    case DType::fp8_e4m3:
+      return 4;
+    default:
+      return -1;
+  }
+}
 
 template <class Fn>
 struct NamedKernel {
@@ -35,11 +52,11 @@ struct NamedKernel {
 
 struct KernelSet {
   Isa isa = Isa::portable;
-  bool (*runs_on)(const CpuFeatures&) = nullptr;      // the CPU/OS features the path needs
-  NamedKernel<ForwardKernel> forward[kDTypeCount];    // by activation dtype
-  NamedKernel<BackwardKernel> backward[kDTypeCount];  // by activation dtype
-  NamedKernel<DecodeKernel> decode[kDTypeCount];      // by KV-cache dtype
-  std::int64_t max_keys = 0;                          // forward/backward serve T_k ≤ max_keys
+  bool (*runs_on)(const CpuFeatures&) = nullptr;       // the CPU/OS features the path needs
+  NamedKernel<ForwardKernel> forward[kDTypeCount];     // by activation dtype
+  NamedKernel<BackwardKernel> backward[kDTypeCount];   // by activation dtype
+  NamedKernel<DecodeKernel> decode[kCacheDTypeCount];  // by KV-cache dtype (cache_column)
+  std::int64_t max_keys = 0;                           // forward/backward serve T_k ≤ max_keys
   const char* description = "";
   /// The forward and backward kernels honour AttentionProblem::var (ScoreVariants: window,
   /// softcap, ALiBi, sinks, masks, key lengths). A call using a variant on a set without it

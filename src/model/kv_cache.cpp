@@ -4,7 +4,9 @@
 #include "tokenmix/kv_cache.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "kernels/kv_element.hpp"
@@ -26,6 +28,14 @@ std::string str(std::int64_t x) {
 
 }  // namespace
 
+DType parse_cache_dtype(const std::string& text, const char* what) {
+  for (DType d : {DType::f32, DType::bf16, DType::f16, DType::int8, DType::fp8_e4m3}) {
+    if (text == to_string(d)) return d;
+  }
+  fail(ErrorCode::invalid_argument, "parse_cache_dtype",
+       std::string(what) + " must be f32, bf16, f16, int8 or fp8_e4m3; got '" + text + "'");
+}
+
 KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
   constexpr const char* fn = "KVCache";
   const std::pair<const char*, std::int64_t> sizes[] = {{"config.layers", c.layers},
@@ -37,9 +47,11 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
     if (x < 1)
       fail(ErrorCode::invalid_argument, fn, std::string(name) + " must be >= 1; got " + str(x));
   }
-  if (c.dtype != DType::f32 && c.dtype != DType::bf16 && c.dtype != DType::f16) {
+  if (c.dtype != DType::f32 && c.dtype != DType::bf16 && c.dtype != DType::f16 &&
+      !kernels::is_quantized(c.dtype)) {
     fail(ErrorCode::invalid_argument, fn,
-         "config.dtype must be f32, bf16 or f16; got the value " + str(static_cast<int>(c.dtype)));
+         "config.dtype must be f32, bf16, f16, int8 or fp8_e4m3; got the value " +
+             str(static_cast<int>(c.dtype)));
   }
   if (c.block_tokens < 0 || c.block_tokens % kKeyTile != 0) {
     fail(ErrorCode::invalid_argument, fn,
@@ -86,9 +98,15 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
   if (pool_blocks_ > INT32_MAX) fail(ErrorCode::overflow, fn, "the pool exceeds 2^31 - 1 blocks");
   table_width_ = blocks_needed(ring_ != 0 ? ring_ : c.capacity);
   // Storage = SPEC 4.8's figure with B · T = pool_blocks · block_tokens (kv_cache_bytes checks
-  // overflow).
+  // overflow). A quantized cache's row of d_h one-byte elements also has its fp32 scale: d_h + 4
+  // bytes per row (SPEC "Quantized KV cache"; KVTileLayout).
+  const bool quantized = kernels::is_quantized(c.dtype);
+  if (quantized && c.head_dim > INT64_MAX - 4)
+    fail(ErrorCode::overflow, fn, "config.head_dim is too large; got " + str(c.head_dim));
   const std::uint64_t bytes =
-      kv_cache_bytes(c.layers, pool_blocks_, block_tokens_, c.heads_kv, c.head_dim, elem_);
+      quantized
+          ? kv_cache_bytes(c.layers, pool_blocks_, block_tokens_, c.heads_kv, c.head_dim + 4, 1)
+          : kv_cache_bytes(c.layers, pool_blocks_, block_tokens_, c.heads_kv, c.head_dim, elem_);
   checked_mul(c.batch, table_width_, fn, "block table size");
   storage_.assign(static_cast<std::size_t>(bytes), std::byte{0});
   detail::back_with_huge_pages(storage_.data(), storage_.size());  // swept by every decode step
@@ -211,6 +229,30 @@ void KVCache::check_growth(const char* fn, std::int64_t layer, std::int64_t firs
   }
 }
 
+// Quantized caches: every row of k and v must be finite (no finite scale δ represents NaN or
+// ±∞, SPEC "Quantized KV cache"); checked before anything is written.
+void KVCache::check_finite_rows(const char* fn, const ConstTensorView& k,
+                                const ConstTensorView& v) const {
+  const std::pair<const char*, const ConstTensorView*> views[] = {{"k", &k}, {"v", &v}};
+  for (auto [name, view] : views) {
+    const auto* p = static_cast<const float*>(view->data);
+    for (std::int64_t b = 0; b < view->dim(0); ++b)
+      for (std::int64_t t = 0; t < view->dim(1); ++t)
+        for (std::int64_t h = 0; h < view->dim(2); ++h)
+          for (std::int64_t x = 0; x < view->dim(3); ++x) {
+            const float e = p[b * view->strides[0] + t * view->strides[1] + h * view->strides[2] +
+                              x * view->strides[3]];
+            if (!std::isfinite(e)) {
+              fail(ErrorCode::invalid_argument, fn,
+                   std::string(name) + "[" + str(b) + ", " + str(t) + ", " + str(h) + ", " +
+                       str(x) + "] is " + std::to_string(e) + "; a " + to_string(config_.dtype) +
+                       " cache stores finite rows only (no finite scale represents NaN or "
+                       "inf); nothing was appended");
+            }
+          }
+  }
+}
+
 void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView k,
                      ConstTensorView v) {
   constexpr const char* fn = "KVCache::append";
@@ -232,6 +274,8 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
                       ("k.shape[" + str(axis) + "]").c_str());
   }
   check_growth(fn, layer, first_seq, seqs, tnew);
+  const bool quantized = kernels::is_quantized(config_.dtype);
+  if (quantized) check_finite_rows(fn, k, v);
   std::vector<std::int64_t> ring_blocks;  // rolling and paged: blocks one sequence still needs
   ring_blocks.reserve(static_cast<std::size_t>(table_width_));  // before anything is written
   if (tnew == 0 || seqs == 0) return;
@@ -272,6 +316,17 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
         const std::int64_t kt = tiles.k_tile(blk, h, off), vt = tiles.v_tile(blk, h, off);
         const float* krow = kp + bi * k.strides[0] + t * k.strides[1] + h * k.strides[2];
         const float* vrow = vp + bi * v.strides[0] + t * v.strides[1] + h * v.strides[2];
+        if (quantized) {  // one byte per element (offsets = bytes), the row's δ in the scales
+          const std::int64_t lane = off % kKeyTile;
+          const float dk =
+              kernels::quantize_row(config_.dtype, krow, k.strides[3], D,
+                                    layer_data + kt + tiles.key_in_tile(off, 0), kKeyTile);
+          const float dv = kernels::quantize_row(config_.dtype, vrow, v.strides[3], D,
+                                                 layer_data + vt + tiles.value_in_tile(off, 0), 1);
+          std::memcpy(layer_data + tiles.scales_of(kt) + lane * 4, &dk, sizeof dk);
+          std::memcpy(layer_data + tiles.scales_of(vt) + lane * 4, &dv, sizeof dv);
+          continue;
+        }
         for (std::int64_t x = 0; x < D; ++x) {
           kernels::store_element(config_.dtype, layer_data, kt + tiles.key_in_tile(off, x),
                                  krow[x * k.strides[3]]);
@@ -312,6 +367,11 @@ void KVCache::shrink(std::int64_t seq, std::int64_t new_length) {
         }
         std::fill_n(layer_data + static_cast<std::size_t>(vt + tiles.value_in_tile(off, 0)) * elem_,
                     static_cast<std::size_t>(D) * elem_, std::byte{0});
+        if (tiles.scale_elems != 0) {  // quantized: the rows' scales (one-byte elements)
+          const std::int64_t lane = off % kKeyTile * 4;
+          std::fill_n(layer_data + tiles.scales_of(kt) + lane, 4, std::byte{0});
+          std::fill_n(layer_data + tiles.scales_of(vt) + lane, 4, std::byte{0});
+        }
       }
     }
     len = std::min(len, new_length);

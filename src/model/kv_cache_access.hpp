@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "kernels/kv_element.hpp"
 #include "kernels/kv_tile_layout.hpp"
 #include "tokenmix/kv_cache.hpp"
 
@@ -15,7 +16,8 @@ static_assert(KVCache::kKeyTile == kernels::KVTileLayout::kKeyTile,
 
 struct KVCacheAccess {
   static kernels::KVTileLayout layout(const KVCache& x) {
-    return {x.config_.heads_kv, x.config_.head_dim, x.block_tokens_, x.pool_blocks_};
+    return {x.config_.heads_kv, x.config_.head_dim, x.block_tokens_, x.pool_blocks_,
+            kernels::is_quantized(x.config_.dtype) ? kernels::KVTileLayout::kScaleBytes : 0};
   }
   static const std::byte* layer(const KVCache& x, std::int64_t layer) {
     return x.storage_.data() + static_cast<std::size_t>(layer * layout(x).layer_elems()) * x.elem_;
@@ -32,6 +34,11 @@ struct KVCacheAccess {
   static void check_growth(const KVCache& x, const char* fn, std::int64_t layer,
                            std::int64_t first_seq, std::int64_t seqs, std::int64_t tnew) {
     x.check_growth(fn, layer, first_seq, seqs, tnew);
+  }
+  /// Quantized caches: throws what KVCache::append (named `fn`) would for a NaN or ±∞ in k or v.
+  static void check_finite_rows(const KVCache& x, const char* fn, const ConstTensorView& k,
+                                const ConstTensorView& v) {
+    x.check_finite_rows(fn, k, v);
   }
   /// Rolling cache: slots per sequence R (position p lives in slot p mod R); 0 otherwise.
   static std::int64_t ring(const KVCache& x) { return x.ring_; }

@@ -458,6 +458,13 @@ void CausalSelfAttention::prefill(std::span<const float> u, std::int64_t batch, 
     }
   }
   const auto yv = TensorView::bthd(y.data(), batch, seq, c.heads_q, c.head_dim);
+  if (kernels::is_quantized(kc.dtype)) {
+    // A quantized cache (SPEC "Quantized KV cache"): attention reads x̂ from the cache even for a
+    // fresh prefill (append, then attention_decode over the cache: no fp32 shortcut), and rows of
+    // K or V holding NaN or ±∞, which it cannot store, are refused before anything is appended.
+    fresh = false;
+    detail::KVCacheAccess::check_finite_rows(cache, fn, kv, vv);
+  }
   if (fresh) {
     // Attention on the fresh fp32 K/V first (4.2–4.5), so nothing after the append can fail.
     attention_forward(qv, kv, vv, yv, {}, ao);

@@ -660,4 +660,21 @@ LayerGrads layer_backward(const LayerWeights& w, const std::vector<double>& u, s
   return g;
 }
 
+double e4m3_value(std::uint8_t bits) {
+  const int e = (bits >> 3) & 0xf, m = bits & 7;
+  if (e == 15 && m == 7) return std::numeric_limits<double>::quiet_NaN();
+  const double mag = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7);
+  return (bits & 0x80) != 0 ? -mag : mag;
+}
+
+double dequantize(KVQuant format, std::uint8_t stored, float delta) {
+  const double q = format == KVQuant::int8 ? static_cast<double>(static_cast<std::int8_t>(stored))
+                                           : e4m3_value(stored);
+  return q * static_cast<double>(delta);
+}
+
+double quant_max(KVQuant format) {
+  return format == KVQuant::int8 ? 127.0 : 448.0;
+}
+
 }  // namespace tokenmix::reference

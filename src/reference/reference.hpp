@@ -93,6 +93,17 @@ double logsumexp(const std::vector<double>& z);
 /// Explicit J = diag(a) − a aᵀ, n×n row-major (4.6).
 std::vector<double> softmax_jacobian(const std::vector<double>& a);
 
+/// SPEC "Reduced precision → Quantized KV cache": the formats of a quantized KV-cache element.
+enum class KVQuant { int8, fp8_e4m3 };
+/// The fp8 E4M3 value of a byte, from the format's definition (sign, 4 exponent bits with bias
+/// 7, 3 mantissa bits; e ≥ 1: 2^(e−7)·(1 + m/8), e = 0: 2^(−6)·m/8; 0x7f and 0xff are NaN).
+double e4m3_value(std::uint8_t bits);
+/// x̂ = q · δ in float64 of one stored element (int8: the signed byte; fp8_e4m3: e4m3_value)
+/// with its row's scale δ.
+double dequantize(KVQuant format, std::uint8_t stored, float delta);
+/// Largest magnitude of the format: 127 (int8), 448 (fp8_e4m3); δ = max|x| / it (SPEC).
+double quant_max(KVQuant format);
+
 enum class RopePairing { rotate_half, interleaved };
 /// Rotates x [B, T, H, d_h] (copy) by position offset + t; inverse=true rotates by −angle.
 Tensor64 rope(const Tensor64& x, RopePairing pairing, double base, std::int64_t offset,

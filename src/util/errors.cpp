@@ -42,6 +42,10 @@ const char* to_string(DType dtype) noexcept {
       return "i32";
     case DType::i64:
       return "i64";
+    case DType::int8:
+      return "int8";
+    case DType::fp8_e4m3:
+      return "fp8_e4m3";
   }
   return "unknown";
 }
@@ -59,6 +63,9 @@ std::size_t size_of(DType dtype) noexcept {
       return 4;
     case DType::i64:
       return 8;
+    case DType::int8:
+    case DType::fp8_e4m3:
+      return 1;
   }
   return 0;
 }

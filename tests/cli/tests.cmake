@@ -83,6 +83,14 @@ tokenmix_cli_test(run_small ARGS run --seq 64 --seed 7
                   STDOUT "forward +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+.*backward +[0-9.]+.*check +[0-9.]+.*dU, all heads.*dW_Q, 8 rows.*max +[0-9.e+-]+ +\\(bound [0-9.e+-]+: PASS\\).*GQA \\(H_kv = 8\\) +8192 B +4096 B.*MHA \\(H_kv = 32\\) +32768 B +16384 B"
                   STDERR "tokenmix: forward.*tokenmix: backward.*tokenmix: check" TIMEOUT 600)
 
+# The decode phase on quantized caches: the error against the unquantized computation, reported
+# and bounded; the cache table counts one byte per element plus each row's fp32 scale.
+foreach(_dt int8 fp8_e4m3)
+  tokenmix_cli_test(run_small_cache_${_dt} ARGS run --seq 32 --seed 7 --decode-steps 4 --cache-dtype ${_dt}
+                    STDOUT "decode: 4 steps on a ${_dt} cache vs forward \\(unquantized\\) +[0-9.e+-]+ +\\(bound [0-9.e+-]+: PASS\\).*GQA \\(H_kv = 8\\) +8192 B +4096 B +2112 B.*decode-phase cache: ${_dt}"
+                    TIMEOUT 600)
+endforeach()
+
 # --- .npy mode ---------------------------------------------------------------------------------
 # Inputs: set a (B=2, T=33, H_q=4, H_kv=2, d_h=16), set b (B=1, T_q=5, T_k=12, H_q=4, H_kv=1,
 # d_h=8), and malformed files. Built once by fixture tests.
@@ -171,6 +179,15 @@ tokenmix_cli_test(bench_decode_variants_json
                   ARGS bench decode --cache-tokens 256 --cache-dtype f32 --hq 4 --hkv 2 --dh 16 --repeats 1
                        --json --window 64 --sinks 0,1,2,3 TIMEOUT 600
                   STDOUT "\"op\": \"decode\".*\"window\": 64, \"softcap\": null, \"alibi\": false, \"sinks\": \\[0, 1, 2, 3\\]")
+# Quantized caches (int8, fp8 E4M3): the same decode keys plus tokens_per_s; bytes count scales.
+tokenmix_cli_test(bench_decode_quantized_json
+                  ARGS bench decode --cache-tokens 256 --cache-dtype int8,fp8_e4m3 --hq 4 --hkv 2
+                       --dh 16 --repeats 1 --json TIMEOUT 600
+                  STDOUT "\"cache_dtype\": \"int8\", \"gbps\": [0-9.e+-]+, \"ceiling_gbps\": [0-9.e+-]+, \"tokens_per_s\": [0-9.e+-]+, \"err_vs_unquantized\": [0-9.e+-]+, \"kv_outlier\": 1.*\"cache_dtype\": \"fp8_e4m3\"")
+tokenmix_cli_test(bench_decode_outlier_json
+                  ARGS bench decode --cache-tokens 128 --cache-dtype int8 --hq 2 --hkv 1 --dh 16
+                       --repeats 1 --json --kv-outlier 30 TIMEOUT 600
+                  STDOUT "\"cache_dtype\": \"int8\".*\"kv_outlier\": 30")
 tokenmix_cli_test(bench_plain_json_has_no_variants
                   ARGS bench backward --tq 32 --hq 2 --hkv 1 --dh 8 --repeats 1 --json TIMEOUT 600
                   STDOUT "\"window\": null, \"softcap\": null, \"alibi\": false, \"sinks\": null")
@@ -289,6 +306,12 @@ tokenmix_cli_error(error_seq_in_file_mode "--seq applies only to the built-in la
 tokenmix_cli_error(error_scale_without_files "--scale applies only to file mode"
                    ARGS run --scale 0.5)
 tokenmix_cli_error(error_bad_seq "--seq" ARGS run --seq 0)
+tokenmix_cli_error(error_bad_cache_dtype "--cache-dtype: int4 not in"
+                   ARGS run --seq 8 --cache-dtype int4)
+tokenmix_cli_error(error_bench_bad_cache_dtype "--cache-dtype: fp8 not in"
+                   ARGS bench decode --cache-dtype fp8)
+tokenmix_cli_error(error_bench_bad_kv_outlier "--kv-outlier must be a finite number > 0; got -1"
+                   ARGS bench decode --cache-tokens 64 --kv-outlier -1)
 # Score-variant flags: bad values, sinks of the wrong length, file mode only, --dsinks needs them.
 tokenmix_cli_error(error_window_zero "--window: Value 0 not in range"
                    ARGS run ${_cli_qkv_a} --out ${_cli_e} --window 0)

@@ -203,7 +203,7 @@ TEST_P(Decode, PagedBitwiseEqualsContiguous) {
   Filled f = make_kv({1300, 777, 64}, 2, 48, rng);
   StridedTensor q(3, 3, 8, 48, Layout::bthd);
   q.fill_random(rng);
-  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16, DType::int8, DType::fp8_e4m3}) {
     KVCache contiguous({1, 3, 2, 48, 1400, dtype, 0, 0}), paged({1, 3, 2, 48, 1400, dtype, 64, 40});
     fill_cache(contiguous, 0, f);
     fill_cache(paged, 0, f);

@@ -201,6 +201,17 @@ TEST(Dispatch, RegistryHasOneEntryPerPathWithKernelsNamedAfterIt) {
       // A compiled path has a decode kernel for every cache dtype; an uncompiled one none.
       EXPECT_EQ(s.decode[i].fn != nullptr, s.compiled());
     }
+    // The quantized cache columns (SPEC "Quantized KV cache"): a decode kernel on every path.
+    const std::pair<DType, const char*> quant[] = {{DType::int8, "int8"},
+                                                   {DType::fp8_e4m3, "fp8_e4m3"}};
+    for (auto [dt, name] : quant) {
+      const int i = kernels::cache_column(dt);
+      ASSERT_GE(i, kernels::kDTypeCount);
+      ASSERT_LT(i, kernels::kCacheDTypeCount);
+      ASSERT_NE(s.decode[i].name, nullptr);
+      EXPECT_EQ(s.decode[i].name, std::string("attention_decode_") + name + suffix);
+      EXPECT_EQ(s.decode[i].fn != nullptr, s.compiled());
+    }
     EXPECT_EQ(s.backward[0].fn != nullptr, s.compiled());  // f32 forward and backward together
     // Forward/backward of bf16/f16 activations (SPEC "Reduced precision") on every compiled path.
     for (int i = 1; i < kernels::kDTypeCount; ++i) {
@@ -235,6 +246,15 @@ TEST(Dispatch, SelectionFollowsTheTableAndTheExplicitKeyCountRule) {
     EXPECT_EQ(kernels::select_backward("t", isa, DType::f32, 100).fn, s.backward[0].fn);
     EXPECT_EQ(kernels::select_decode("t", isa, DType::bf16).fn, s.decode[1].fn);
     EXPECT_STREQ(kernels::select_decode("t", isa, DType::f16).name, s.decode[2].name);
+    EXPECT_EQ(kernels::select_decode("t", isa, DType::int8).fn, s.decode[3].fn);
+    EXPECT_STREQ(kernels::select_decode("t", isa, DType::fp8_e4m3).name, s.decode[4].name);
+    try {  // not a cache dtype: UnsupportedError naming the path and the dtype
+      kernels::select_decode("t", isa, DType::i32);
+      ADD_FAILURE() << "select_decode accepted i32";
+    } catch (const UnsupportedError& e) {
+      EXPECT_NE(std::string(e.what()).find("no decode kernel for dtype i32"), std::string::npos)
+          << e.what();
+    }
     // T_k beyond what a set indexes (int32 lanes for SIMD) runs the portable kernel.
     if (s.max_keys < INT64_MAX) {
       EXPECT_STREQ(kernels::select_forward("t", isa, DType::f32, s.max_keys).name,

@@ -13,6 +13,11 @@
 //     relative. Both effects add: bound 2·u_e, i.e. bf16 ≤ 2^-8 ≈ 3.9e-3, f16 ≤ 2^-11 ≈ 4.9e-4
 //     (measured: ≤ 1.2e-3 and ≤ 2.0e-4). The fresh prefill rows use fp32 K/V and are as exact as
 //     the fp32 case; the bound is set by the rows that read the rounded cache.
+//   int8 / fp8 E4M3 cache (SPEC "Quantized KV cache"; every prefill reads the cache): an element
+//     is off by ≤ δ/2 = max|x|/254 (int8), i.e. ≲ 2^-7 of a typical |x| for N(0,1) rows of 16
+//     (max|x| ≈ 2–2.5 σ), or by ≤ 2^-4 relative (E4M3's half ulp, 3 mantissa bits). With the same
+//     two effects as above: int8 ≤ 2^-6 ≈ 1.6e-2, fp8 ≤ 2^-4 ≈ 6.3e-2 (measured: ≤ 7.6e-3 and
+//     ≤ 3.3e-2 on every path).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -225,8 +230,12 @@ double prefill_steps_vs_forward(DType dtype, std::int64_t block, LayerCase lc, I
 class KVCacheLayer : public PerIsaTest {};
 
 TEST_P(KVCacheLayer, PrefillThenStepsEqualsFullForward) {
-  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
-    const double bound = dtype == DType::f32 ? 1e-5 : dtype == DType::bf16 ? 0x1.0p-8 : 0x1.0p-11;
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16, DType::int8, DType::fp8_e4m3}) {
+    const double bound = dtype == DType::f32    ? 1e-5
+                         : dtype == DType::bf16 ? 0x1.0p-8
+                         : dtype == DType::f16  ? 0x1.0p-11
+                         : dtype == DType::int8 ? 0x1.0p-6
+                                                : 0x1.0p-4;
     for (std::int64_t block : {0, 64})
       for (LayerCase lc : {LayerCase{4, 4}, LayerCase{8, 2}, LayerCase{8, 1}, LayerCase{32, 1}}) {
         SCOPED_TRACE(std::string(to_string(dtype)) + " block=" + std::to_string(block) +

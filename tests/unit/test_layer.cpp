@@ -394,8 +394,13 @@ TEST_P(LayerVariantsIsa, PrefillAndStepsMatchFloat64) {
     for (float& x : u[b]) x = dist(rng);
     ref[b] = layer_oracle(layer, u[b], P[b] + chunk + steps, vl.oracle);
   }
-  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
-    const double bound = dtype == DType::f32 ? 1e-4 : dtype == DType::bf16 ? 0x1.0p-8 : 0x1.0p-11;
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16, DType::int8, DType::fp8_e4m3}) {
+    // int8 / fp8: the quantization's error (test_kv_cache.cpp's bounds and reasoning).
+    const double bound = dtype == DType::f32    ? 1e-4
+                         : dtype == DType::bf16 ? 0x1.0p-8
+                         : dtype == DType::f16  ? 0x1.0p-11
+                         : dtype == DType::int8 ? 0x1.0p-6
+                                                : 0x1.0p-4;
     for (std::int64_t block : {0, 64})
       for (std::int64_t rolling : {0, 40}) {
         SCOPED_TRACE(std::string(to_string(dtype)) + " block=" + std::to_string(block) +
@@ -458,8 +463,12 @@ TEST_P(LayerVariantsIsa, PrefillAndStepsEqualForwardWithTheSameVariants) {
     full[b].assign(u[b].size(), kPoison);
     layer.forward(u[b], 1, T, full[b]);
   }
-  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
-    const double bound = dtype == DType::f32 ? 1e-5 : dtype == DType::bf16 ? 0x1.0p-8 : 0x1.0p-11;
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16, DType::int8, DType::fp8_e4m3}) {
+    const double bound = dtype == DType::f32    ? 1e-5
+                         : dtype == DType::bf16 ? 0x1.0p-8
+                         : dtype == DType::f16  ? 0x1.0p-11
+                         : dtype == DType::int8 ? 0x1.0p-6
+                                                : 0x1.0p-4;
     for (std::int64_t block : {0, 64})
       for (std::int64_t rolling : {0, 40}) {
         SCOPED_TRACE(std::string(to_string(dtype)) + " block=" + std::to_string(block) +

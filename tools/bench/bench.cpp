@@ -428,7 +428,9 @@ std::string to_json(const BenchResult& r) {
      << r.variants.json();
   if (r.op == "decode") {
     os << ", \"cache_dtype\": \"" << r.cache_dtype << "\", \"gbps\": " << r.gbps
-       << ", \"ceiling_gbps\": " << r.ceiling_gbps;
+       << ", \"ceiling_gbps\": " << r.ceiling_gbps << ", \"tokens_per_s\": " << r.tokens_per_s
+       << ", \"err_vs_unquantized\": " << r.err_vs_unquantized
+       << ", \"kv_outlier\": " << r.kv_outlier;
   }
   os << ", \"cpu\": \"" << cpu_features().model << "\"}";
   return os.str();
@@ -474,6 +476,11 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   if (cfg.tnew < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --tnew must be >= 1");
   if (cfg.hq % cfg.hkv != 0)
     throw ArgumentError(ErrorCode::invalid_argument, "bench: --hkv must divide --hq");
+  if (!(std::isfinite(cfg.kv_outlier) && cfg.kv_outlier > 0.0)) {
+    throw ArgumentError(
+        ErrorCode::invalid_argument,
+        "bench: --kv-outlier must be a finite number > 0; got " + std::to_string(cfg.kv_outlier));
+  }
   struct DecodeCase {
     std::int64_t tk;
     DType dtype;
@@ -501,8 +508,12 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   std::vector<BenchResult> results;
   std::optional<StreamRead> stream;     // 1 GiB, allocated once
   constexpr std::int64_t kFill = 4096;  // positions appended per call while filling the cache
-  const std::vector<float> kv_k = random_normal(static_cast<std::size_t>(B * kFill * Hkv * D), 21),
-                           kv_v = random_normal(kv_k.size(), 22);
+  std::vector<float> kv_k = random_normal(static_cast<std::size_t>(B * kFill * Hkv * D), 21),
+                     kv_v = random_normal(kv_k.size(), 22);
+  for (std::size_t i = 0; i < kv_k.size(); i += static_cast<std::size_t>(D)) {  // channel 0
+    kv_k[i] = static_cast<float>(kv_k[i] * cfg.kv_outlier);
+    kv_v[i] = static_cast<float>(kv_v[i] * cfg.kv_outlier);
+  }
   std::vector<float> q = random_normal(static_cast<std::size_t>(B * Tn * Hq * D), 23);
   std::vector<float> o(q.size()), lse(static_cast<std::size_t>(B * Hq * Tn));
   // --dtype bf16/f16: the queries and outputs in that dtype (q keeps the rounded values).
@@ -593,12 +604,14 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     res.variants = cfg.variants;
     res.ceiling_gbps = median(ceiling);
     res.ratio = res.gbps / res.ceiling_gbps;
+    res.tokens_per_s = static_cast<double>(B * Tn) / res.seconds;
     res.extra_bytes = peak_ok && peak >= 0 && rss_before >= 0
                           ? std::max<std::int64_t>(0, peak - rss_before) * 1024
                           : -1;
 
     // Error: sequence 0, the g query heads of KV head 0, against the float64 oracle on the
-    // values as stored (fp32 rounded to the cache dtype).
+    // values as stored (fp32 rounded to the cache dtype; int8 / fp8: each row quantized as the
+    // cache does and dequantized in float64, SPEC "Quantized KV cache").
     const Tensor64 q64 = testkit::slice64(q, 1, Tn, Hq, D, 0, Tn, 0, g);
     Tensor64 k64({1, c.tk, 1, D}), v64({1, c.tk, 1, D});
     auto rounded = [&](float x) {  // as the cache stores it (round to nearest even), widened
@@ -606,17 +619,43 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
       kernels::store_element(c.dtype, &slot, 0, x);
       return static_cast<double>(kernels::load_element(c.dtype, &slot, 0));
     };
-    for (std::int64_t t = 0; t < c.tk; ++t)
-      for (std::int64_t x = 0; x < D; ++x) {
-        const std::size_t src = static_cast<std::size_t>(((t % kFill) * Hkv) * D + x);
-        k64.at(0, t, 0, x) = rounded(kv_k[src]);
-        v64.at(0, t, 0, x) = rounded(kv_v[src]);
+    const bool quantized = kernels::is_quantized(c.dtype);
+    const auto format =
+        c.dtype == DType::int8 ? reference::KVQuant::int8 : reference::KVQuant::fp8_e4m3;
+    std::vector<std::byte> qk(static_cast<std::size_t>(D)), qv(qk.size());
+    for (std::int64_t t = 0; t < c.tk; ++t) {
+      const std::size_t row = static_cast<std::size_t>(((t % kFill) * Hkv) * D);
+      if (quantized) {
+        const float dk = kernels::quantize_row(c.dtype, &kv_k[row], 1, D, qk.data(), 1);
+        const float dv = kernels::quantize_row(c.dtype, &kv_v[row], 1, D, qv.data(), 1);
+        for (std::int64_t x = 0; x < D; ++x) {
+          const auto i = static_cast<std::size_t>(x);
+          k64.at(0, t, 0, x) = reference::dequantize(format, static_cast<std::uint8_t>(qk[i]), dk);
+          v64.at(0, t, 0, x) = reference::dequantize(format, static_cast<std::uint8_t>(qv[i]), dv);
+        }
+        continue;
       }
+      for (std::int64_t x = 0; x < D; ++x) {
+        k64.at(0, t, 0, x) = rounded(kv_k[row + static_cast<std::size_t>(x)]);
+        v64.at(0, t, 0, x) = rounded(kv_v[row + static_cast<std::size_t>(x)]);
+      }
+    }
     reference::Options ro;
     reference_variants(ro, cfg.variants, alibi, sinks, 0, g);
     const auto ref = reference::attention_forward(q64, k64, v64, ro);
     res.max_rel_err =
         testkit::rel_err(testkit::slice64(o, 1, Tn, Hq, D, 0, Tn, 0, g).data, ref.out.data);
+    // The same against the unrounded K/V: what the cache's dtype costs.
+    for (std::int64_t t = 0; t < c.tk; ++t)
+      for (std::int64_t x = 0; x < D; ++x) {
+        const std::size_t src = static_cast<std::size_t>(((t % kFill) * Hkv) * D + x);
+        k64.at(0, t, 0, x) = kv_k[src];
+        v64.at(0, t, 0, x) = kv_v[src];
+      }
+    const auto exact = reference::attention_forward(q64, k64, v64, ro);
+    res.err_vs_unquantized =
+        testkit::rel_err(testkit::slice64(o, 1, Tn, Hq, D, 0, Tn, 0, g).data, exact.out.data);
+    res.kv_outlier = cfg.kv_outlier;
     results.push_back(res);
     print_result(out, res, cfg.json);
     out.flush();

@@ -74,7 +74,10 @@ struct BenchConfig {
   std::vector<std::int64_t> cache_tokens = {4096, 32768,
                                             131072};  ///< T_k: cached positions per sequence
   std::vector<DType> cache_dtypes = {DType::f32, DType::bf16, DType::f16};
-  std::int64_t tnew = 1;   ///< new queries per sequence (T_new; > 1: speculative)
+  std::int64_t tnew = 1;  ///< new queries per sequence (T_new; > 1: speculative)
+  /// decode: K and V channel 0 of every head multiplied by this (an outlier channel, SPEC
+  /// "Quantized KV cache"); 1 = N(0, 1) everywhere. Finite and > 0.
+  double kv_outlier = 1.0;
   BenchVariants variants;  ///< score variants of every case (forward, backward and decode)
 };
 
@@ -99,7 +102,12 @@ struct BenchResult {
   double gbps = 0.0;        ///< K/V bytes read per second (SPEC "decode bytes") / 1e9
   double ceiling_gbps =
       0.0;  ///< streaming read bandwidth (StreamRead), median of passes interleaved with the steps
-  BenchVariants variants;  ///< the case's score variants (to_json writes them)
+  double tokens_per_s = 0.0;  ///< decode: B · T_new / seconds, tokens generated per second
+  /// decode: max_rel_err against the float64 oracle over the *unrounded* fp32 K/V (the cache
+  /// dtype's rounding or quantization error, SPEC "Quantized KV cache": reported, not hidden)
+  double err_vs_unquantized = 0.0;
+  double kv_outlier = 1.0;  ///< decode: BenchConfig::kv_outlier of the case
+  BenchVariants variants;   ///< the case's score variants (to_json writes them)
 };
 
 /// The fp32 GEMM ceiling of forward and backward: C = A B, n = 2048, through OpenBLAS, on seeded

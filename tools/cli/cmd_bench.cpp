@@ -58,9 +58,11 @@ Command add_bench_command(CLI::App& parent) {
                   "decode: cached positions T_k per sequence, one case each (comma-separated)")
       ->delimiter(',')
       ->capture_default_str();
-  app->add_option("--cache-dtype", o->cache_dtypes, "decode: KV-cache element types f32, bf16, f16")
+  app->add_option("--cache-dtype", o->cache_dtypes,
+                  "decode: KV-cache element types f32, bf16, f16, int8, fp8_e4m3 (int8/fp8: "
+                  "quantized per row; bytes count elements plus scales)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+      ->check(CLI::IsMember({"f32", "bf16", "f16", "int8", "fp8_e4m3"}))
       ->capture_default_str();
   app->add_option("--dtype", o->dtype,
                   "Activation dtype: f32, bf16 or f16 (forward/backward: q, k, v, out and the "
@@ -69,6 +71,11 @@ Command add_bench_command(CLI::App& parent) {
       ->check(CLI::IsMember({"f32", "bf16", "f16"}))
       ->capture_default_str();
   app->add_option("--tnew", o->config.tnew, "decode: new query positions per sequence (T_new)")
+      ->capture_default_str();
+  app->add_option("--kv-outlier", o->config.kv_outlier,
+                  "decode: multiply K and V channel 0 of every head by this (an outlier channel; "
+                  "1 = none); the JSON's err_vs_unquantized is the error against the unrounded "
+                  "K/V")
       ->capture_default_str();
   add_variant_options(app, o->variants,
                       "Score variants (every case; recorded in the JSON; useful FLOPs count only "
@@ -86,9 +93,7 @@ Command add_bench_command(CLI::App& parent) {
         cfg.dtype = o->dtype == "f32" ? DType::f32 : o->dtype == "bf16" ? DType::bf16 : DType::f16;
         cfg.cache_dtypes.clear();
         for (const std::string& name : o->cache_dtypes) {
-          cfg.cache_dtypes.push_back(name == "f32"    ? DType::f32
-                                     : name == "bf16" ? DType::bf16
-                                                      : DType::f16);
+          cfg.cache_dtypes.push_back(parse_cache_dtype(name, "--cache-dtype"));
         }
         bench::run(cfg, std::cout);
         return kExitOk;

@@ -71,9 +71,7 @@ int run_command(CLI::App& sub, RunArgs& a) {
                   "built-in layer run is checked against a plain causal float64 layer");
     a.layer.threads = a.threads;
     a.layer.isa = isa;
-    a.layer.cache_dtype = a.cache_dtype == "f32"   ? DType::f32
-                          : a.cache_dtype == "f16" ? DType::f16
-                                                   : DType::bf16;
+    a.layer.cache_dtype = parse_cache_dtype(a.cache_dtype, "--cache-dtype");
     return run_layer(a.layer);
   }
 
@@ -142,9 +140,10 @@ Command add_run_command(CLI::App& parent) {
       ->capture_default_str()
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 16));
   sub->add_option("--cache-dtype", a.cache_dtype,
-                  "KV-cache element type of the decode phase: f32, bf16, f16")
+                  "KV-cache element type of the decode phase: f32, bf16, f16, int8, fp8_e4m3 "
+                  "(int8/fp8: quantized per row, the error vs forward is the quantization's)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"f32", "bf16", "f16"}));
+      ->check(CLI::IsMember({"f32", "bf16", "f16", "int8", "fp8_e4m3"}));
 
   auto* files = "Files (.npy, float32 or float64, C order)";
   sub->add_option("--q", a.files.q, "Queries [B, T_q, H_q, d_h]")->group(files);

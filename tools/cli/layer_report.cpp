@@ -86,13 +86,16 @@ int report(const LayerRunOptions& o, const LayerRunResult& r) {
   }
   bool pass = worst <= kErrorBound;
   if (S > 0) {
-    const double bound = o.cache_dtype == DType::f32 ? kErrorBound : kDecodeBoundLowPrecision;
+    const double bound = decode_bound(o.cache_dtype);
     const bool ok = decode_err <= bound;
-    std::printf("  %-56s %12.2e  (bound %.0e: %s)\n",
-                ("decode: " + std::to_string(S) + " steps on a " + to_string(o.cache_dtype) +
-                 " cache vs forward")
-                    .c_str(),
-                decode_err, bound, ok ? "PASS" : "FAIL");
+    // vs forward = vs the unquantized (fp32) K/V: for an int8 / fp8 cache, its quantization error.
+    std::printf(
+        "  %-56s %12.2e  (bound %.0e: %s)\n",
+        ("decode: " + std::to_string(S) + " steps on a " + to_string(o.cache_dtype) +
+         " cache vs forward" +
+         (o.cache_dtype == DType::int8 || o.cache_dtype == DType::fp8_e4m3 ? " (unquantized)" : ""))
+            .c_str(),
+        decode_err, bound, ok ? "PASS" : "FAIL");
     pass = pass && ok;
   }
   std::printf("  %-56s %12.2e  (bound %.0e: %s)\n", "max", worst, kErrorBound,
@@ -102,13 +105,16 @@ int report(const LayerRunOptions& o, const LayerRunResult& r) {
   std::printf("\n");
 
   // KV cache (SPEC 4.8): 2 · n · B · T · H_kv · d_h · sizeof(element), here n = B = T = 1.
+  // int8 / fp8: one byte per element plus each row's fp32 scale (SPEC "Quantized KV cache").
   std::printf("KV cache of this layer per token (SPEC 4.8: 2 * H_kv * d_h * sizeof(element))\n");
-  std::printf("  %-22s %12s %12s %18s\n", "", "fp32", "bf16/fp16", "fp32, B*T tokens");
+  std::printf("  %-22s %12s %12s %12s %18s\n", "", "fp32", "bf16/fp16", "int8/fp8+sc",
+              "fp32, B*T tokens");
   for (const auto& [name, hkv] : {std::pair<const char*, std::int64_t>{"GQA (H_kv = 8)", kHeadsKv},
                                   {"MHA (H_kv = 32)", kHeadsQ}}) {
-    std::printf("  %-22s %10llu B %10llu B %18s\n", name,
+    std::printf("  %-22s %10llu B %10llu B %10llu B %18s\n", name,
                 static_cast<unsigned long long>(kv_cache_bytes(1, 1, 1, hkv, kHeadDim, 4)),
                 static_cast<unsigned long long>(kv_cache_bytes(1, 1, 1, hkv, kHeadDim, 2)),
+                static_cast<unsigned long long>(kv_cache_bytes(1, 1, 1, hkv, kHeadDim + 4, 1)),
                 human_bytes(kv_cache_bytes(1, B, T, hkv, kHeadDim, 4)).c_str());
   }
   std::printf("  GQA holds %lldx less than MHA for the same layer\n",

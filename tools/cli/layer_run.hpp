@@ -29,6 +29,20 @@ inline constexpr std::int64_t kFullCheckMaxT = 256;
 /// both the scores and the values; 2·2^-9 ≈ 4e-3 (tests/unit/test_kv_cache.cpp uses the same).
 /// With an fp32 cache the bound is kErrorBound.
 inline constexpr double kDecodeBoundLowPrecision = 4e-3;
+/// Bounds for decode-vs-forward with a quantized cache (SPEC "Quantized KV cache"; the error
+/// against the unquantized computation, reported): int8 rounds each element to within
+/// max|x|/254 of its row, and a row of d_h = 128 N(0, σ²) values has max|x| ≈ 3σ: ≈ 2^-6.4 σ;
+/// fp8 E4M3 to within 2^-4 relative (3 mantissa bits). Twice that (scores and values), as for
+/// bf16/f16: 2^-5 and 2^-3 (measured here: ≈ 9e-3 and ≈ 3.5e-2 for T = 32 … 256).
+inline constexpr double kDecodeBoundInt8 = 0x1.0p-5;
+inline constexpr double kDecodeBoundFp8 = 0x1.0p-3;
+/// The decode-vs-forward bound of a cache dtype.
+inline constexpr double decode_bound(DType cache_dtype) {
+  return cache_dtype == DType::f32        ? kErrorBound
+         : cache_dtype == DType::int8     ? kDecodeBoundInt8
+         : cache_dtype == DType::fp8_e4m3 ? kDecodeBoundFp8
+                                          : kDecodeBoundLowPrecision;
+}
 
 /// One line of the check table: what was compared and its rel_err (testkit).
 struct CheckRow {

@@ -1,6 +1,7 @@
 // src/kernels/portable/attention_decode_portable.cpp — decode attention over a KVCache in plain
 // C++ (every CPU; the baseline the SIMD kernel is tested against), one function per cache element
-// type: attention_decode_<f32|bf16|f16>_portable. Unit contract: DecodeArgs in
+// type: attention_decode_<f32|bf16|f16|int8|fp8_e4m3>_portable. Quantized caches are widened to
+// x̂ = q · δ (fp32) with each row's scale as the tile is widened. Unit contract: DecodeArgs in
 // attention_kernels.hpp.
 //
 // Per unit (sequence b, KV head j, query block, key chunk [k0, k1)) and key tile of 64 keys:
@@ -15,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "kernels/attention_kernels.hpp"
@@ -68,8 +70,21 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
       const std::int64_t tile = a.tile_offset(b, j, u0) * static_cast<std::int64_t>(esz);
       const auto* kt = static_cast<const std::byte*>(a.k_layer) + tile;  // K tile [d_h][64]
       const auto* vt = static_cast<const std::byte*>(a.v_layer) + tile;  // V tile [64][d_h]
-      for (std::int64_t i = 0; i < dh * kKeyTile; ++i) kf[i] = load_element(kDType, kt, i);
-      for (std::int64_t i = 0; i < nt * dh; ++i) vf[i] = load_element(kDType, vt, i);
+      if constexpr (is_quantized(kDType)) {
+        // x̂ = q · δ (SPEC "Quantized KV cache"): each row's fp32 scale follows its tile.
+        float ks[kKeyTile], vs[kKeyTile];
+        std::memcpy(ks, kt + a.layout.tile_elems(), sizeof ks);
+        std::memcpy(vs, vt + a.layout.tile_elems(), sizeof vs);
+        for (std::int64_t x = 0; x < dh; ++x)
+          for (std::int64_t u = 0; u < kKeyTile; ++u)
+            kf[x * kKeyTile + u] = load_element(kDType, kt, x * kKeyTile + u) * ks[u];
+        for (std::int64_t u = 0; u < nt; ++u)
+          for (std::int64_t x = 0; x < dh; ++x)
+            vf[u * dh + x] = load_element(kDType, vt, u * dh + x) * vs[u];
+      } else {
+        for (std::int64_t i = 0; i < dh * kKeyTile; ++i) kf[i] = load_element(kDType, kt, i);
+        for (std::int64_t i = 0; i < nt * dh; ++i) vf[i] = load_element(kDType, vt, i);
+      }
       for (std::int64_t r = 0; r < nrows; ++r) {
         const std::int64_t t = t0 + r / g, h = j * g + r % g;
         const std::int64_t end = a.visible_end(b, t), begin = a.visible_begin(b, t);
@@ -118,6 +133,12 @@ void attention_decode_bf16_portable(const DecodeArgs& a) {
 }
 void attention_decode_f16_portable(const DecodeArgs& a) {
   DecodeUnitsPortable<DType::f16>(a);
+}
+void attention_decode_int8_portable(const DecodeArgs& a) {
+  DecodeUnitsPortable<DType::int8>(a);
+}
+void attention_decode_fp8_e4m3_portable(const DecodeArgs& a) {
+  DecodeUnitsPortable<DType::fp8_e4m3>(a);
 }
 
 }  // namespace tokenmix::kernels

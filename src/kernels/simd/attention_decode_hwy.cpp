@@ -1,8 +1,8 @@
 // src/kernels/simd/attention_decode_hwy.cpp — decode attention over a KVCache, SIMD (Highway),
 // compiled once per target (x86: AVX-512 = AVX3, AVX2+FMA; AArch64: NEON) and exported per
-// target and cache element type as attention_decode_<f32|bf16|f16>_<avx512|avx2|neon> (the
-// registry picks one). Unit
-// contract: DecodeArgs in attention_kernels.hpp; chunks are merged by src/api/decode.cpp.
+// target and cache element type as attention_decode_<f32|bf16|f16|int8|fp8_e4m3>_<avx512|avx2|neon>
+// (the registry picks one). Unit contract: DecodeArgs in attention_kernels.hpp; chunks are merged
+// by src/api/decode.cpp.
 //
 // A unit is (sequence b, KV head j, query block, chunk of ≤ 1024 keys). Its rows are all g query
 // heads of group j × the block's query positions (r = t_local · g + h_local), so each K/V tile is
@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kv_element.hpp"
@@ -64,6 +65,14 @@ static_assert(kDecodeKeyTile % (kVD * static_cast<std::int64_t>(HWY_LANES(float)
 
 template <class TB>
 void DecodeUnits(const DecodeArgs& a) {
+  // Quantized caches (SPEC "Quantized KV cache"): K's row scales δ_u multiply the score lanes
+  // after Q Kᵀ over the stored q (S_u = δ_u · Σ_x (s·q_r)[x] q_u[x]), and V's multiply P before
+  // P V (Õ += Σ_u (P_u δ_u) q_u, l from the unscaled P): attention over x̂ = q · δ at fp32
+  // rounding level; the elements are widened in registers (LoadB) and never stored as fp32.
+  // LoadB returns q · kLoadBUnit (2^−8 for fp8): the scales are multiplied by 1 / kLoadBUnit
+  // (exact, a power of two), and the scalar tail reads q · kLoadBUnit too.
+  constexpr bool kQuant = std::is_same_v<TB, std::int8_t> || std::is_same_v<TB, fp8_e4m3_t>;
+  constexpr float kUnit = kLoadBUnit<TB>;
   const hn::ScalableTag<float> d;
   const hn::RebindToSigned<decltype(d)> di;
   using VF = hn::Vec<decltype(d)>;
@@ -118,6 +127,15 @@ void DecodeUnits(const DecodeArgs& a) {
       // S = (scale·Q) Kᵀ over the whole 64-key tile (lanes past the data are masked below)  (4.2)
       for (std::int64_t c0 = 0; c0 < kKeyTile; c0 += W) {
         GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false);
+      }
+      if constexpr (kQuant) {  // S_u ← δ_u · S_u (the K tile's row scales follow it)
+        const float* ks = reinterpret_cast<const float*>(kt + a.layout.tile_elems());
+        const VF unit = hn::Set(d, 1.0f / kUnit);
+        for (std::int64_t i = 0; i < kKeyTile; i += N) {
+          const VF delta = hn::Mul(hn::LoadU(d, ks + i), unit);
+          for (std::int64_t r = 0; r < nrows; ++r)
+            hn::Store(hn::Mul(hn::Load(d, st + r * kKeyTile + i), delta), d, st + r * kKeyTile + i);
+        }
       }
 
       // Score variants, mask (4.3, window) and online softmax (4.4), row by row.
@@ -186,13 +204,23 @@ void DecodeUnits(const DecodeArgs& a) {
       // Keys before kfull_begin and from kfull on are not seen by every row; if their V rows are
       // not finite, each row's product covers its own visible keys only (a masked key takes no
       // part: 0 · NaN = NaN).
+      if constexpr (kQuant) {  // P_u ← P_u · δ_u (the V tile's row scales follow it; l is done)
+        const float* vs = reinterpret_cast<const float*>(vt + a.layout.tile_elems());
+        const VF unit = hn::Set(d, 1.0f / kUnit);
+        for (std::int64_t i = 0; i < kKeyTile; i += N) {
+          const VF delta = hn::Mul(hn::LoadU(d, vs + i), unit);
+          for (std::int64_t r = 0; r < nrows; ++r)
+            hn::Store(hn::Mul(hn::Load(d, st + r * kKeyTile + i), delta), d, st + r * kKeyTile + i);
+        }
+      }
+      // A quantized V is finite (non-finite rows are refused on append): no scan.
       bool v_bad = false;
       const std::int64_t first_partial = std::clamp<std::int64_t>(kfull - u0, 0, nt);
       const std::int64_t last_partial = std::clamp<std::int64_t>(kfull_begin - u0, 0, nt);
-      for (std::int64_t i = 0; i < last_partial * dh && !v_bad; ++i) {
+      for (std::int64_t i = 0; i < last_partial * dh && !v_bad && !kQuant; ++i) {
         v_bad = !std::isfinite(load_element(a.dtype, vt, i));
       }
-      for (std::int64_t i = first_partial * dh; i < nt * dh && !v_bad; ++i) {
+      for (std::int64_t i = first_partial * dh; i < nt * dh && !v_bad && !kQuant; ++i) {
         v_bad = !std::isfinite(load_element(a.dtype, vt, i));
       }
       for (std::int64_t k0 = 0; k0 < nt; k0 += kSub) {
@@ -231,7 +259,7 @@ void DecodeUnits(const DecodeArgs& a) {
                u < std::min(nt, a.visible_end(b, t0 + r / g) - u0); ++u) {
             const float p = st[r * kKeyTile + u];
             for (std::int64_t x = x0; x < dh; ++x)
-              acc[r * dh + x] += p * load_element(a.dtype, vt, u * dh + x);
+              acc[r * dh + x] += p * (load_element(a.dtype, vt, u * dh + x) * kUnit);
           }
       }
     }
@@ -250,12 +278,18 @@ using hwy::float16_t;
 const DecodeKernel attention_decode_f32_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<float>);
 const DecodeKernel attention_decode_bf16_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<bfloat16_t>);
 const DecodeKernel attention_decode_f16_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<float16_t>);
+const DecodeKernel attention_decode_int8_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<std::int8_t>);
+const DecodeKernel attention_decode_fp8_e4m3_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<fp8_e4m3_t>);
 const DecodeKernel attention_decode_f32_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<float>);
 const DecodeKernel attention_decode_bf16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<bfloat16_t>);
 const DecodeKernel attention_decode_f16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<float16_t>);
+const DecodeKernel attention_decode_int8_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<std::int8_t>);
+const DecodeKernel attention_decode_fp8_e4m3_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<fp8_e4m3_t>);
 const DecodeKernel attention_decode_f32_neon = TOKENMIX_SIMD_NEON(DecodeUnits<float>);
 const DecodeKernel attention_decode_bf16_neon = TOKENMIX_SIMD_NEON(DecodeUnits<bfloat16_t>);
 const DecodeKernel attention_decode_f16_neon = TOKENMIX_SIMD_NEON(DecodeUnits<float16_t>);
+const DecodeKernel attention_decode_int8_neon = TOKENMIX_SIMD_NEON(DecodeUnits<std::int8_t>);
+const DecodeKernel attention_decode_fp8_e4m3_neon = TOKENMIX_SIMD_NEON(DecodeUnits<fp8_e4m3_t>);
 
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

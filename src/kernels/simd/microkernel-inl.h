@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "hwy/highway.h"
+#include "kernels/kv_element.hpp"
 #include "kernels/simd/work_units.hpp"
 
 HWY_BEFORE_NAMESPACE();
@@ -56,6 +57,29 @@ template <class D>
 HWY_INLINE hn::Vec<D> LoadB(D d, const hwy::float16_t* HWY_RESTRICT p) {
   return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::float16_t, D>(), p));
 }
+
+// Quantized KV-cache elements (SPEC "Quantized KV cache"), the stored q before its row's scale,
+// exactly: int8 → i32 → f32 (the value q); fp8 E4M3 (s eeee mmm) placed in f16 bits
+// (s 0eeee mmm 0000000: the byte sign-extended to 16 bits, shifted left by 7, bit 14 cleared),
+// which is the E4M3 value × 2^−8 for normal and subnormal codes alike, widened exactly (F16C /
+// FCVTL). The fp8 LoadB thus returns q · 2^−8: the decode kernel folds 2^8 into the row scales
+// (fp8_unit_scale).
+template <class D>
+HWY_INLINE hn::Vec<D> LoadB(D d, const std::int8_t* HWY_RESTRICT p) {
+  const hn::RebindToSigned<D> di;
+  return hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(hn::Rebind<std::int8_t, D>(), p)));
+}
+template <class D>
+HWY_INLINE hn::Vec<D> LoadB(D d, const fp8_e4m3_t* HWY_RESTRICT p) {
+  const hn::Rebind<std::int16_t, D> d16;
+  const auto b = hn::PromoteTo(  // sign copies in bits 7–15
+      d16, hn::LoadU(hn::Rebind<std::int8_t, D>(), reinterpret_cast<const std::int8_t*>(p)));
+  const auto h = hn::And(hn::ShiftLeft<7>(b), hn::Set(d16, static_cast<std::int16_t>(0xbf80)));
+  return hn::PromoteTo(d, hn::BitCast(hn::Rebind<hwy::float16_t, D>(), h));
+}
+/// What LoadB returns is the stored q times this: 2^−8 for fp8 E4M3, 1 otherwise.
+template <class TB>
+inline constexpr float kLoadBUnit = std::is_same_v<TB, fp8_e4m3_t> ? 0x1.0p-8f : 1.0f;
 
 // Widens n contiguous bf16/f16 activation elements (kernels::bf16_t / f16_t) to fp32 with the
 // target's exact vector promotion (bf16: a shift; f16: F16C on x86, FCVTL on NEON), for the

@@ -1,0 +1,130 @@
+"""Quantized KV caches, "int8" and "fp8_e4m3" (SPEC "Reduced precision → Quantized KV cache"),
+through the Python API.
+
+The oracle is independent of the library: each K/V row of one (token, KV head) is quantized in
+NumPy exactly as SPEC says — δ = max|x| / 127 (int8, q = round(x / δ) to nearest even) or
+max|x| / 448 (fp8 E4M3, x / δ rounded to the nearest E4M3 value by ml_dtypes.float8_e4m3fn),
+δ and x / δ in float32 as the cache forms them — then x̂ = q · δ in float64, and attention over
+x̂ is computed in float64. tokenmix must match it at float32 rounding level (rel. err ≤ 2e-5,
+the bound of the C++ decode tests).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tokenmix as tm
+
+QUANT = ["int8", "fp8_e4m3"]
+
+
+def dequantized(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x̂ (float64) of float32 rows x[..., d_h], quantized per row as SPEC says."""
+    x = x.astype(np.float32)
+    lim = np.float32(127.0 if dtype == "int8" else 448.0)
+    delta = (np.abs(x).max(axis=-1, keepdims=True) / lim).astype(np.float32)
+    safe = np.where(delta == 0, np.float32(1), delta)
+    y = np.clip((x / safe).astype(np.float32), -lim, lim)
+    if dtype == "int8":
+        q = np.rint(y).astype(np.float64)
+    else:
+        q = y.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return np.where(delta == 0, 0.0, q * delta.astype(np.float64))
+
+
+def decode_oracle(q, k, v, lengths):
+    """float64 attention of q [B, T_new, H_q, D] against k, v [B, T, H_kv, D] (first lengths[b]
+    positions), bottom-right causal (SPEC 4.3), GQA (4.8)."""
+    B, T_new, H_q, D = q.shape
+    g = H_q // k.shape[2]
+    out = np.zeros((B, T_new, H_q, D))
+    for b in range(B):
+        L = lengths[b]
+        for t in range(T_new):
+            p = L - T_new + t
+            for h in range(H_q):
+                s = k[b, : p + 1, h // g] @ q[b, t, h].astype(np.float64) / np.sqrt(D)
+                a = np.exp(s - s.max())
+                out[b, t, h] = (a / a.sum()) @ v[b, : p + 1, h // g]
+    return out
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("block_tokens", [0, 64])
+@pytest.mark.parametrize("isa", ["portable", "auto"])
+def test_decode_matches_float64_oracle_over_dequantized_cache(dtype, block_tokens, isa):
+    rng = np.random.default_rng(15)
+    B, H_q, H_kv, D, T_new = 2, 8, 2, 40, 2
+    lengths = [130, 65]
+    k = rng.standard_normal((B, 130, H_kv, D)).astype(np.float32)
+    v = rng.standard_normal((B, 130, H_kv, D)).astype(np.float32)
+    v[:, :, :, 3] *= 30  # an outlier channel (δ of every V row set by it)
+    cache = tm.KVCache(1, B, H_kv, D, 200, dtype=dtype, block_tokens=block_tokens)
+    assert cache.dtype == dtype
+    for b, L in enumerate(lengths):
+        cache.append(0, np.ascontiguousarray(k[b : b + 1, :L]), np.ascontiguousarray(v[b : b + 1, :L]),
+                     first_seq=b)
+    q = rng.standard_normal((B, T_new, H_q, D)).astype(np.float32)
+    out = tm.attention_decode(q, cache, 0, isa=isa)
+    ref = decode_oracle(q, dequantized(k, dtype), dequantized(v, dtype), lengths)
+    assert np.abs(out - ref).max() / np.abs(ref).max() <= 2e-5
+    # The error against the unquantized cache is the quantization's (reported, not hidden; an
+    # outlier channel in K would make it much larger: its δ coarsens every other channel).
+    exact = decode_oracle(q, k.astype(np.float64), v.astype(np.float64), lengths)
+    err = np.abs(out - exact).max() / np.abs(exact).max()
+    assert 0 < err < (2.0**-5 if dtype == "int8" else 2.0**-2)
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+def test_memory_counts_elements_plus_scales(dtype):
+    cache = tm.KVCache(2, 3, 8, 128, 256, dtype=dtype)  # d_h = 128: the issue's shape
+    assert cache.storage_bytes == tm.kv_cache_bytes(2, 3, 256, 8, 128 + 4, 1)
+    bf16 = tm.KVCache(2, 3, 8, 128, 256, dtype="bf16")
+    assert cache.memory_bytes / bf16.memory_bytes <= 0.53
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+def test_non_finite_rows_are_refused_and_nothing_is_appended(dtype):
+    rng = np.random.default_rng(2)
+    cache = tm.KVCache(1, 2, 2, 16, 64, dtype=dtype)
+    k = rng.standard_normal((2, 5, 2, 16)).astype(np.float32)
+    cache.append(0, k, k)
+    q = rng.standard_normal((2, 1, 4, 16)).astype(np.float32)
+    before = tm.attention_decode(q, cache, 0)
+    for bad in (np.nan, np.inf, -np.inf):
+        kb = k.copy()
+        kb[1, 4, 1, 7] = bad
+        with pytest.raises(tm.ArgumentError, match=r"v\[1, 4, 1, 7\] is .*finite rows only"):
+            cache.append(0, k, kb)
+        assert cache.length(0) == 5 and cache.length(1) == 5
+        assert np.array_equal(tm.attention_decode(q, cache, 0), before)
+
+
+def test_quantized_cache_argument_errors():
+    with pytest.raises(ValueError, match=r"dtype must be 'f32', 'bf16', 'f16', 'int8' or "
+                                         r"'fp8_e4m3'; got 'int4'"):
+        tm.KVCache(1, 1, 2, 16, 64, dtype="int4")
+    cache = tm.KVCache(1, 1, 2, 16, 64, dtype="int8")
+    with pytest.raises(tm.ArgumentError, match=r"new_length must be in \[0, 0\]"):
+        cache.truncate(0, -1)
+    with pytest.raises(tm.ArgumentError, match=r"d_h"):
+        cache.append(0, np.zeros((1, 2, 2, 8), np.float32), np.zeros((1, 2, 2, 8), np.float32))
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+def test_layer_prefill_and_steps_on_a_quantized_cache(dtype):
+    d, H_q, H_kv, D, P, S = 32, 4, 2, 8, 6, 3
+    layer = tm.CausalSelfAttention(d, H_q, H_kv, D, rope="rotate_half", seed=3)
+    u = np.random.default_rng(4).standard_normal((2, P + S, d)).astype(np.float32)
+    full = layer.forward(u)
+    cache = tm.KVCache(layers=1, batch=2, heads_kv=H_kv, head_dim=D, capacity=64, dtype=dtype)
+    outs = [layer.prefill(np.ascontiguousarray(u[:, :P]), cache, 0)]
+    for s in range(S):
+        outs.append(layer.step(np.ascontiguousarray(u[:, P + s]), cache, 0)[:, None])
+    got = np.concatenate(outs, 1)
+    assert cache.length(0) == P + S
+    err = np.abs(got - full).max() / np.abs(full).max()
+    # Even the prefill reads the quantized cache (no float32 shortcut): not exact, but close.
+    assert 0 < err <= (2.0**-5 if dtype == "int8" else 2.0**-2)

@@ -1,0 +1,578 @@
+// tests/unit/test_kv_quant.cpp — the quantized KV cache (int8, fp8 E4M3; SPEC "Reduced precision
+// → Quantized KV cache"): element formats, quantization on append exactly as SPEC says, the
+// layout (scales next to their tile), memory, every cache operation, every error path (typed
+// error, cache unchanged byte for byte), and attention_decode on every ISA path against the
+// float64 oracle over the dequantized values x̂ = q · δ read back from the cache.
+//
+// Decode bound: the oracle runs on exactly the values the cache holds (reference::dequantize of
+// the stored q and δ), so the kernels are held to the fp32-accumulation bound of test_decode.cpp,
+// rel_err ≤ 2e-5 (dot products of length d_h and L-term weighted sums in fp32, u = 6e-8, exp
+// 1 ULP, one merge per 1024-key chunk; forming q·δ or folding δ into the score or the probability
+// adds one rounding per term). A scale applied to the wrong key, or a tile or merge bug, gives
+// errors ≥ 1e-3.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "api/decode_internal.hpp"
+#include "kernels/kv_element.hpp"
+#include "model/kv_cache_access.hpp"
+#include "test_util.hpp"
+
+namespace tokenmix::testing {
+namespace {
+
+using Access = detail::KVCacheAccess;
+constexpr double kBound = 2e-5;
+constexpr DType kQuantTypes[] = {DType::int8, DType::fp8_e4m3};
+
+reference::KVQuant format_of(DType dt) {
+  return dt == DType::int8 ? reference::KVQuant::int8 : reference::KVQuant::fp8_e4m3;
+}
+
+// ---- element formats ----
+
+TEST(KVQuantElements, E4M3DecodeMatchesTheFormatDefinition) {
+  for (int b = 0; b < 256; ++b) {
+    const auto bits = static_cast<std::uint8_t>(b);
+    if ((b & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(reference::e4m3_value(bits)));
+      continue;
+    }
+    ASSERT_EQ(static_cast<double>(kernels::e4m3_to_f32(bits)), reference::e4m3_value(bits)) << b;
+    ASSERT_EQ(kernels::f32_to_e4m3(kernels::e4m3_to_f32(bits)), bits) << b;  // exact round trip
+  }
+  EXPECT_EQ(reference::e4m3_value(0x7e), 448.0);
+  EXPECT_EQ(reference::e4m3_value(0x01), std::ldexp(1.0, -9));  // smallest subnormal
+  EXPECT_EQ(reference::e4m3_value(0x08), std::ldexp(1.0, -6));  // smallest normal
+}
+
+// Ties to even; the saturation at 448 (x / δ may exceed 448 by an fp32 rounding).
+TEST(KVQuantElements, E4M3RoundsToNearestEven) {
+  EXPECT_EQ(kernels::f32_to_e4m3(448.0f), 0x7e);
+  EXPECT_EQ(kernels::f32_to_e4m3(448.01f), 0x7e);
+  EXPECT_EQ(kernels::f32_to_e4m3(-1000.0f), 0xfe);
+  EXPECT_EQ(kernels::f32_to_e4m3(0x1.0p-10f), 0x00);          // tie between 0 and 2^-9 → 0
+  EXPECT_EQ(kernels::f32_to_e4m3(3 * 0x1.0p-10f), 0x02);      // tie between 1 and 2 (·2^-9) → 2
+  EXPECT_EQ(kernels::f32_to_e4m3(1.0f + 1.0f / 16), 0x38);    // tie 1 | 1.125 → 1 (even)
+  EXPECT_EQ(kernels::f32_to_e4m3(1.0f + 3.0f / 16), 0x3a);    // tie 1.125 | 1.25 → 1.25
+  EXPECT_EQ(kernels::f32_to_e4m3(15.5f * 0x1.0p-10f), 0x08);  // 7.75·2^-9 → carries to 2^-6
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<double> expo(-12.0, 8.81), sign(-1.0, 1.0);
+  for (int i = 0; i < 20000; ++i) {
+    const float y = static_cast<float>(std::copysign(std::exp2(expo(rng)), sign(rng)));
+    const std::uint8_t c = kernels::f32_to_e4m3(y);
+    const double got = std::fabs(y - reference::e4m3_value(c));
+    for (int o = 0; o < 256; ++o) {
+      if ((o & 0x7f) == 0x7f) continue;
+      const double other = std::fabs(y - reference::e4m3_value(static_cast<std::uint8_t>(o)));
+      ASSERT_LE(got, other) << "y=" << y << " code " << int(c) << " vs " << o;
+      if (other == got && o != c && reference::e4m3_value(static_cast<std::uint8_t>(o)) != 0.0)
+        ASSERT_EQ(c & 1, 0) << "tie not to even: y=" << y;
+    }
+  }
+}
+
+// ---- reading the cache back ----
+
+struct StoredRow {
+  std::vector<std::uint8_t> q;
+  float delta = 0.0f;
+};
+
+// The stored elements and scale of the K (value = false) or V row of (layer, seq, pos, head),
+// located through the layout the writer and the kernels use.
+StoredRow stored_row(const KVCache& c, std::int64_t layer, std::int64_t seq, std::int64_t pos,
+                     std::int64_t head, bool value) {
+  const kernels::KVTileLayout L = Access::layout(c);
+  const std::int64_t ring = Access::ring(c), s = ring != 0 ? pos % ring : pos;
+  const std::int64_t blk = Access::table(c, seq)[s / L.block_tokens], off = s % L.block_tokens;
+  const std::int64_t tile = value ? L.v_tile(blk, head, off) : L.k_tile(blk, head, off);
+  const std::byte* base = Access::layer(c, layer);
+  StoredRow row;
+  for (std::int64_t x = 0; x < L.head_dim; ++x) {
+    const std::int64_t at = tile + (value ? L.value_in_tile(off, x) : L.key_in_tile(off, x));
+    row.q.push_back(static_cast<std::uint8_t>(base[at]));
+  }
+  std::memcpy(&row.delta, base + L.scales_of(tile) + off % L.kKeyTile * 4, 4);
+  return row;
+}
+
+std::vector<double> dequantized_row(const KVCache& c, std::int64_t layer, std::int64_t seq,
+                                    std::int64_t pos, std::int64_t head, bool value) {
+  const StoredRow r = stored_row(c, layer, seq, pos, head, value);
+  std::vector<double> x;
+  for (std::uint8_t q : r.q)
+    x.push_back(reference::dequantize(format_of(c.config().dtype), q, r.delta));
+  return x;
+}
+
+// Checks one stored row against SPEC for the fp32 input row x: δ = max|x| / 127 (or 448) in
+// fp32, each element the nearest representable q to x / δ (int8: |x/δ − q| ≤ 1/2; fp8: no E4M3
+// value nearer), δ = 0 → zeros.
+void expect_quantized_per_spec(DType dt, const float* x, std::int64_t n, const StoredRow& r) {
+  float amax = 0.0f;
+  for (std::int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float lim = dt == DType::int8 ? 127.0f : 448.0f;
+  ASSERT_EQ(r.delta, amax / lim);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::uint8_t q = r.q[static_cast<std::size_t>(i)];
+    if (r.delta == 0.0f) {
+      ASSERT_EQ(reference::dequantize(format_of(dt), q, r.delta), 0.0);
+      continue;
+    }
+    const double y = static_cast<double>(x[i]) / static_cast<double>(r.delta);
+    const double slack = 1e-6 * std::fabs(y) + 1e-12;  // x / δ is formed in fp32
+    if (dt == DType::int8) {
+      const int qi = static_cast<std::int8_t>(q);
+      ASSERT_GE(qi, -127);
+      ASSERT_LE(std::fabs(y - qi), 0.5 + slack) << "x=" << x[i] << " delta=" << r.delta;
+    } else {
+      const double got = std::fabs(y - reference::e4m3_value(q));
+      for (int o = 0; o < 256; ++o) {
+        if ((o & 0x7f) == 0x7f) continue;
+        ASSERT_LE(got, std::fabs(y - reference::e4m3_value(static_cast<std::uint8_t>(o))) + slack)
+            << "x=" << x[i] << " code " << int(q) << " vs " << o;
+      }
+    }
+  }
+}
+
+// Rows with N(0,1) values, outlier channels ×30, an all-zero row, a single nonzero and tiny values.
+std::vector<float> test_rows(std::int64_t rows, std::int64_t dh, std::mt19937_64& rng) {
+  std::normal_distribution<float> dist;
+  std::vector<float> x(static_cast<std::size_t>(rows * dh));
+  for (float& e : x) e = dist(rng);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float* row = x.data() + r * dh;
+    switch (r % 6) {
+      case 1:
+        row[r % dh] *= 30.0f;  // outlier channel
+        break;
+      case 2:
+        std::fill(row, row + dh, 0.0f);
+        break;
+      case 3:
+        std::fill(row, row + dh, 0.0f);
+        row[dh / 2] = -3.5f;
+        break;
+      case 4:
+        for (std::int64_t i = 0; i < dh; ++i) row[i] *= 1e-30f;
+        break;
+      default:
+        break;
+    }
+  }
+  return x;
+}
+
+TEST(KVQuant, AppendQuantizesEachRowPerSpec) {
+  std::mt19937_64 rng(1);
+  const std::int64_t H = 3, D = 20, T = 150;
+  const auto k = test_rows(T * H, D, rng), v = test_rows(T * H, D, rng);
+  for (DType dt : kQuantTypes)
+    for (std::int64_t block : {0, 64})
+      for (std::int64_t window : {0, 70}) {
+        SCOPED_TRACE(std::string(to_string(dt)) + " block=" + std::to_string(block) +
+                     " window=" + std::to_string(window));
+        KVCache c({2, 2, H, D, 1000, dt, block, 0, window});
+        // In pieces of 1, 37, 112 positions: offsets inside tiles, blocks and (rolling) the ring.
+        std::int64_t done = 0;
+        for (std::int64_t n : {1, 37, 112}) {
+          const auto kv = ConstTensorView::bthd(k.data() + done * H * D, 1, n, H, D);
+          const auto vv = ConstTensorView::bthd(v.data() + done * H * D, 1, n, H, D);
+          c.append(1, 1, kv, vv);
+          done += n;
+        }
+        ASSERT_EQ(c.length(1, 1), T);
+        for (std::int64_t p = c.first_position(1, 1); p < T; ++p)
+          for (std::int64_t h = 0; h < H; ++h) {
+            expect_quantized_per_spec(dt, k.data() + (p * H + h) * D, D,
+                                      stored_row(c, 1, 1, p, h, false));
+            expect_quantized_per_spec(dt, v.data() + (p * H + h) * D, D,
+                                      stored_row(c, 1, 1, p, h, true));
+          }
+      }
+}
+
+TEST(KVQuant, MemoryCountsElementsPlusScales) {
+  for (DType dt : kQuantTypes) {
+    KVCache c({4, 3, 8, 64, 256, dt, 0, 0});
+    EXPECT_EQ(c.storage_bytes(), kv_cache_bytes(4, 3, 256, 8, 64 + 4, 1));
+    EXPECT_GE(c.memory_bytes(), c.storage_bytes());
+    EXPECT_LE(c.memory_bytes() - c.storage_bytes(), 1024u);
+    KVCache paged({2, 4, 2, 64, 1000, dt, 128, 10});
+    EXPECT_EQ(paged.storage_bytes(), kv_cache_bytes(2, 10, 128, 2, 64 + 4, 1));
+    // The issue's shape (H_kv = 8, d_h = 128): ≤ 0.53 of a bf16 cache's bytes (any T, a multiple
+    // of 64: both are proportional to it).
+    KVCache q({1, 1, 8, 128, 4096, dt, 0, 0}), bf({1, 1, 8, 128, 4096, DType::bf16, 0, 0});
+    EXPECT_LE(static_cast<double>(q.memory_bytes()) / static_cast<double>(bf.memory_bytes()), 0.53);
+    // Decode bytes: elements plus scales of the rows read (SPEC "Quantized KV cache").
+    std::vector<float> kv(100 * 8 * 128, 0.5f);
+    q.append(0, 0, ConstTensorView::bthd(kv.data(), 1, 100, 8, 128),
+             ConstTensorView::bthd(kv.data(), 1, 100, 8, 128));
+    EXPECT_EQ(decode_bytes(q, 0, 0, 1), 2u * 100 * 8 * (128 + 4));
+    EXPECT_EQ(decode_bytes(q, 0, 0, 1, 10, 1), 2u * 10 * 8 * (128 + 4));
+  }
+  KVCache q({1, 1, 2, 16, 64, DType::int8, 0, 0});
+  EXPECT_STREQ(to_string(DType::int8), "int8");
+  EXPECT_STREQ(to_string(DType::fp8_e4m3), "fp8_e4m3");
+  EXPECT_EQ(size_of(DType::int8), 1u);
+  EXPECT_EQ(size_of(DType::fp8_e4m3), 1u);
+}
+
+// Truncate / release / reset zero the dropped rows' elements and scales: the storage equals that
+// of a cache that never held them; paged blocks return to the pool.
+TEST(KVQuant, TruncateReleaseResetLikeNeverAppended) {
+  std::mt19937_64 rng(4);
+  const auto real = test_rows(200 * 2, 16, rng), draft = test_rows(200 * 2, 16, rng);
+  const auto put = [](KVCache& c, std::int64_t l, std::int64_t s, const std::vector<float>& x,
+                      std::int64_t t0, std::int64_t n) {
+    const auto view = ConstTensorView::bthd(x.data() + t0 * 2 * 16, 1, n, 2, 16);
+    c.append(l, s, view, view);
+  };
+  for (DType dt : kQuantTypes)
+    for (std::int64_t block : {0, 64})
+      for (std::int64_t window : {0, 100}) {
+        SCOPED_TRACE(std::string(to_string(dt)) + " block=" + std::to_string(block) +
+                     " window=" + std::to_string(window));
+        KVCache a({2, 2, 2, 16, 200, dt, block, 0, window});
+        KVCache b({2, 2, 2, 16, 200, dt, block, 0, window});
+        for (KVCache* c : {&a, &b})
+          for (std::int64_t l = 0; l < 2; ++l) {
+            put(*c, l, 0, real, 0, 60);
+            put(*c, l, 1, real, 0, 10);
+          }
+        for (std::int64_t l = 0; l < 2; ++l) put(a, l, 0, draft, 60, 7);  // crosses a tile edge
+        a.truncate(0, 60);
+        for (KVCache* c : {&a, &b})
+          for (std::int64_t l = 0; l < 2; ++l) put(*c, l, 0, real, 60, 5);
+        EXPECT_EQ(a.length(0, 1), 65);
+        EXPECT_EQ(a.free_blocks(), b.free_blocks());
+        if (block == 0) {
+          EXPECT_EQ(0, std::memcmp(a.raw_storage().data(), b.raw_storage().data(),
+                                   a.raw_storage().size()));
+        }
+        for (std::int64_t p = 0; p < 65; ++p)
+          for (bool value : {false, true}) {
+            const StoredRow ra = stored_row(a, 1, 0, p, 1, value),
+                            rb = stored_row(b, 1, 0, p, 1, value);
+            ASSERT_EQ(ra.q, rb.q);
+            ASSERT_EQ(ra.delta, rb.delta);
+          }
+        a.release(1);
+        EXPECT_FALSE(a.active(1));
+        a.reset();
+        EXPECT_TRUE(a.active(1));
+        EXPECT_EQ(a.length(0, 1), 0);
+        for (std::byte x : a.raw_storage()) ASSERT_EQ(x, std::byte{0});
+      }
+}
+
+// ---- errors: typed, the argument named, the cache unchanged byte for byte ----
+
+struct Snapshot {
+  std::vector<std::byte> bytes;
+  std::vector<std::int64_t> lengths;
+  std::int64_t free_blocks;
+  explicit Snapshot(const KVCache& c)
+      : bytes(c.raw_storage().begin(), c.raw_storage().end()), free_blocks(c.free_blocks()) {
+    for (std::int64_t l = 0; l < c.config().layers; ++l)
+      for (std::int64_t b = 0; b < c.config().batch; ++b) {
+        lengths.push_back(c.length(b, l));
+        lengths.push_back(c.first_position(b, l));
+      }
+  }
+  bool operator==(const Snapshot&) const = default;
+};
+
+template <class Err, class F>
+void expect_rejected(const KVCache& c, F&& f, ErrorCode code, const std::string& needle) {
+  const Snapshot before(c);
+  try {
+    f();
+    ADD_FAILURE() << "no error thrown; expected one mentioning '" << needle << "'";
+  } catch (const Err& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(Snapshot(c) == before) << "cache changed by a failing call (" << needle << ")";
+}
+
+TEST(KVQuantErrors, NonFiniteRowsAreRefusedAndNothingIsAppended) {
+  std::mt19937_64 rng(5);
+  const std::int64_t H = 2, D = 16, T = 70;
+  for (DType dt : kQuantTypes)
+    for (std::int64_t block : {0, 64}) {
+      KVCache c({1, 3, H, D, 200, dt, block, 0});
+      const auto base = test_rows(3 * T * H, D, rng);
+      c.append(0, 0, ConstTensorView::bthd(base.data(), 1, 10, H, D),
+               ConstTensorView::bthd(base.data(), 1, 10, H, D));
+      const float bad_values[] = {std::numeric_limits<float>::quiet_NaN(), INFINITY, -INFINITY};
+      for (float bad : bad_values)
+        for (bool in_v : {false, true})
+          for (std::int64_t at : {std::int64_t{0}, 3 * T * H * D - 1, T * H * D + 5}) {
+            std::vector<float> k = base, v = base;
+            (in_v ? v : k)[static_cast<std::size_t>(at)] = bad;
+            expect_rejected<ArgumentError>(
+                c,
+                [&] {
+                  c.append(0, 0, ConstTensorView::bthd(k.data(), 3, T, H, D),
+                           ConstTensorView::bthd(v.data(), 3, T, H, D));
+                },
+                ErrorCode::invalid_argument, in_v ? "KVCache::append: v[" : "KVCache::append: k[");
+          }
+      // Wrong dtype or width of the rows.
+      std::vector<float> ok = base;
+      ConstTensorView bf = ConstTensorView::bthd(ok.data(), 1, 4, H, D);
+      bf.dtype = DType::bf16;
+      expect_rejected<UnsupportedError>(
+          c, [&] { c.append(0, 0, bf, bf); }, ErrorCode::unsupported, "k has dtype bf16");
+      const auto narrow = ConstTensorView::bthd(ok.data(), 1, 4, H, D - 1);
+      expect_rejected<ArgumentError>(
+          c, [&] { c.append(0, 0, narrow, narrow); }, ErrorCode::shape_mismatch, "d_h");
+      // Truncating below zero (or beyond the length).
+      expect_rejected<ArgumentError>(
+          c, [&] { c.truncate(0, -1); }, ErrorCode::invalid_argument,
+          "new_length must be in [0, 10]");
+      expect_rejected<ArgumentError>(
+          c, [&] { c.truncate(0, 11); }, ErrorCode::invalid_argument, "new_length");
+    }
+}
+
+TEST(KVQuantErrors, BadConfigDtypeNamesTheCacheTypes) {
+  for (DType dt : {DType::i32, DType::boolean, static_cast<DType>(42)}) {
+    try {
+      KVCache c({1, 1, 1, 16, 64, dt, 0, 0});
+      ADD_FAILURE() << "accepted dtype " << static_cast<int>(dt);
+    } catch (const ArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find("f32, bf16, f16, int8 or fp8_e4m3"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+// The layer refuses K/V rows a quantized cache cannot store before anything is appended (also
+// when a rolling cache appends in several pieces).
+TEST(KVQuantErrors, LayerPrefillWithNonFiniteKVLeavesCacheUnchanged) {
+  LayerConfig cfg;
+  cfg.d_model = 32;
+  cfg.heads_q = 4;
+  cfg.heads_kv = 2;
+  cfg.head_dim = 8;
+  cfg.attention.window = 20;
+  CausalSelfAttention layer(cfg);
+  layer.init_random(3);
+  std::mt19937_64 rng(6);
+  std::normal_distribution<float> dist;
+  for (DType dt : kQuantTypes)
+    for (std::int64_t window : {0, 20}) {
+      KVCache c({1, 1, 2, 8, 400, dt, 0, 0, window});
+      std::vector<float> u(150 * 32), out(u.size());
+      for (float& x : u) x = dist(rng);
+      layer.prefill(std::span(u).first(10 * 32), 1, 10, c, 0, std::span(out).first(10 * 32));
+      // The 141st token: in the second piece of 109 on the rolling cache (R = 128, W = 20).
+      u[140 * 32 + 3] = std::numeric_limits<float>::quiet_NaN();
+      expect_rejected<ArgumentError>(
+          c, [&] { layer.prefill(u, 1, 150, c, 0, out); }, ErrorCode::invalid_argument,
+          "CausalSelfAttention::prefill: k[");
+    }
+}
+
+// ---- decode against the float64 oracle over the dequantized cache ----
+
+struct QuantCase {
+  std::vector<std::int64_t> lengths;
+  std::int64_t tnew, hq, hkv, dh;
+};
+
+std::vector<QuantCase> quant_cases() {
+  std::vector<QuantCase> cases;
+  for (std::int64_t L : {1, 63, 64, 65, 1023, 1025, 2100})
+    cases.push_back({{L, L / 2 + 1}, 1, 8, 2, 64});
+  cases.push_back({{1025, 130}, 3, 8, 2, 64});
+  for (std::int64_t g : {1, 4, 8}) cases.push_back({{700, 65}, 2, 2 * g, 2, 32});
+  cases.push_back({{300, 129}, 3, 4, 1, 40});
+  cases.push_back({{200, 64}, 4, 6, 3, 7});
+  cases.push_back({{2, 1}, 4, 4, 2, 16});  // T_new > L: leading rows see no key
+  return cases;
+}
+
+// Fills sequences b of `layer` with lengths[b] rows of N(0,1) (outlier channels ×30 in every
+// sixth row), appended in pieces (offsets across tiles and blocks), sequences interleaved.
+void fill(KVCache& c, std::int64_t layer, const std::vector<std::int64_t>& lengths,
+          std::mt19937_64& rng) {
+  const std::int64_t H = c.config().heads_kv, D = c.config().head_dim;
+  const std::int64_t pieces[] = {1, 37, 200, 5, 900, 64};
+  std::vector<std::int64_t> done(lengths.size(), 0);
+  for (int round = 0;; ++round) {
+    bool any = false;
+    for (std::size_t b = 0; b < lengths.size(); ++b) {
+      const std::int64_t n = std::min(pieces[round % 6], lengths[b] - done[b]);
+      if (n <= 0) continue;
+      any = true;
+      const auto k = test_rows(n * H, D, rng), v = test_rows(n * H, D, rng);
+      c.append(layer, static_cast<std::int64_t>(b), ConstTensorView::bthd(k.data(), 1, n, H, D),
+               ConstTensorView::bthd(v.data(), 1, n, H, D));
+      done[b] += n;
+    }
+    if (!any) break;
+  }
+}
+
+// The oracle for sequence b: q [1, T_new, H_q, d_h] against the x̂ the cache holds (positions
+// before first_position are not held: zeros, and must be outside the window).
+reference::ForwardResult oracle(const StridedTensor& q, std::int64_t b, const KVCache& c,
+                                std::int64_t layer, const reference::Options& o = {}) {
+  const std::int64_t L = c.length(b, layer), tnew = q.view.shape[1], hq = q.view.shape[2];
+  const std::int64_t H = c.config().heads_kv, D = c.config().head_dim;
+  Tensor64 q64({1, tnew, hq, D}), k64({1, L, H, D}), v64({1, L, H, D});
+  for (std::int64_t t = 0; t < tnew; ++t)
+    for (std::int64_t h = 0; h < hq; ++h)
+      for (std::int64_t x = 0; x < D; ++x) q64.at(0, t, h, x) = q.at(b, t, h, x);
+  for (std::int64_t p = c.first_position(b, layer); p < L; ++p)
+    for (std::int64_t h = 0; h < H; ++h) {
+      const auto kr = dequantized_row(c, layer, b, p, h, false);
+      const auto vr = dequantized_row(c, layer, b, p, h, true);
+      for (std::int64_t x = 0; x < D; ++x) {
+        k64.at(0, p, h, x) = kr[static_cast<std::size_t>(x)];
+        v64.at(0, p, h, x) = vr[static_cast<std::size_t>(x)];
+      }
+    }
+  return reference::attention_forward(q64, k64, v64, o);
+}
+
+// out / lse of a decode call against the per-sequence oracle: max-norm relative error of O and
+// of L (|ΔL| / max(1, |L|)); rows that see no key must give L = −∞ (−∞ + σ with sinks: σ).
+void expect_matches(const StridedTensor& out, const std::vector<float>& lse, std::int64_t B,
+                    std::int64_t tnew, std::int64_t hq, std::int64_t dh,
+                    const std::vector<reference::ForwardResult>& refs) {
+  for (std::int64_t b = 0; b < B; ++b) {
+    const auto& ref = refs[static_cast<std::size_t>(b)];
+    double diff = 0.0, mx = 0.0, lse_diff = 0.0;
+    for (std::int64_t t = 0; t < tnew; ++t)
+      for (std::int64_t h = 0; h < hq; ++h) {
+        for (std::int64_t x = 0; x < dh; ++x) {
+          const double got = out.at(b, t, h, x), r = ref.out.at(0, t, h, x);
+          diff = std::max(diff, std::isnan(got) ? INFINITY : std::fabs(got - r));
+          mx = std::max(mx, std::fabs(r));
+        }
+        const double rl = ref.lse.at(0, h, t, 0);
+        const float gl = lse[static_cast<std::size_t>((b * hq + h) * tnew + t)];
+        if (std::isinf(rl)) {
+          ASSERT_TRUE(std::isinf(gl) && gl < 0) << "b=" << b << " t=" << t << " h=" << h;
+        } else {
+          lse_diff = std::max(lse_diff, std::isnan(gl)
+                                            ? INFINITY
+                                            : std::fabs(gl - rl) / std::max(1.0, std::fabs(rl)));
+        }
+      }
+    EXPECT_LE(diff / std::max(mx, 1e-30), kBound) << "sequence " << b;
+    EXPECT_LE(lse_diff, kBound) << "sequence " << b;
+  }
+}
+
+class KVQuantDecode : public PerIsaTest {};
+
+TEST_P(KVQuantDecode, MatchesFloat64OracleOverDequantizedCache) {
+  std::mt19937_64 rng(2024);
+  for (const QuantCase& qc : quant_cases())
+    for (DType dt : kQuantTypes)
+      for (std::int64_t block : {0, 128}) {
+        SCOPED_TRACE("L0=" + std::to_string(qc.lengths[0]) +
+                     " L1=" + std::to_string(qc.lengths[1]) + " T_new=" + std::to_string(qc.tnew) +
+                     " H_q=" + std::to_string(qc.hq) + " H_kv=" + std::to_string(qc.hkv) +
+                     " d_h=" + std::to_string(qc.dh) + " dtype=" + to_string(dt) +
+                     " block=" + std::to_string(block));
+        const std::int64_t B = static_cast<std::int64_t>(qc.lengths.size());
+        KVCache cache({2, B, qc.hkv, qc.dh, 2200, dt, block, 0});
+        fill(cache, 1, qc.lengths, rng);
+        StridedTensor q(B, qc.tnew, qc.hq, qc.dh, Layout::strided);
+        q.fill_random(rng);
+        std::vector<reference::ForwardResult> refs;
+        for (std::int64_t b = 0; b < B; ++b) refs.push_back(oracle(q, b, cache, 1));
+        StridedTensor out(B, qc.tnew, qc.hq, qc.dh, Layout::bthd);  // poisoned (NaN)
+        std::vector<float> lse(static_cast<std::size_t>(B * qc.hq * qc.tnew), kPoison);
+        DecodeOptions o;
+        o.isa = GetParam();
+        attention_decode(q.view, cache, 1, out.view, TensorView::bht(lse.data(), B, qc.hq, qc.tnew),
+                         o);
+        expect_matches(out, lse, B, qc.tnew, qc.hq, qc.dh, refs);
+      }
+}
+
+// Window, soft-capping, ALiBi and sinks on a quantized cache (the kernels apply them to the
+// dequantized scores exactly as for the other dtypes), and a rolling cache.
+TEST_P(KVQuantDecode, VariantsAndRollingCacheMatchOracle) {
+  std::mt19937_64 rng(77);
+  const std::int64_t hq = 8, hkv = 2, dh = 40, tnew = 3;
+  std::vector<float> slopes, sinks;
+  for (std::int64_t h = 0; h < hq; ++h) {
+    slopes.push_back(0.01f * static_cast<float>(h + 1));
+    sinks.push_back(0.3f * static_cast<float>(h) - 1.0f);
+  }
+  for (DType dt : kQuantTypes)
+    for (std::int64_t rolling : {0, 1}) {
+      SCOPED_TRACE(std::string(to_string(dt)) + (rolling ? " rolling" : " full"));
+      const std::int64_t W = 300;
+      KVCache cache({1, 2, hkv, dh, 3000, dt, rolling ? 64 : 0, 0, rolling ? W : 0});
+      fill(cache, 0, {1500, 700}, rng);
+      StridedTensor q(2, tnew, hq, dh, Layout::bhtd);
+      q.fill_random(rng);
+      DecodeOptions o;
+      o.isa = GetParam();
+      o.window = W;
+      o.softcap = 5.0;
+      o.alibi_slopes = ConstTensorView{slopes.data(), DType::f32, 1, {hq, 1, 1, 1}, {1, 0, 0, 0}};
+      o.sinks = ConstTensorView{sinks.data(), DType::f32, 1, {hq, 1, 1, 1}, {1, 0, 0, 0}};
+      reference::Options ro;
+      ro.window = W;
+      ro.softcap = 5.0;
+      ro.alibi_slopes.assign(slopes.begin(), slopes.end());
+      ro.sinks.assign(sinks.begin(), sinks.end());
+      std::vector<reference::ForwardResult> refs;
+      for (std::int64_t b = 0; b < 2; ++b) refs.push_back(oracle(q, b, cache, 0, ro));
+      StridedTensor out(2, tnew, hq, dh, Layout::strided);
+      std::vector<float> lse(static_cast<std::size_t>(2 * hq * tnew), kPoison);
+      attention_decode(q.view, cache, 0, out.view, TensorView::bht(lse.data(), 2, hq, tnew), o);
+      expect_matches(out, lse, 2, tnew, hq, dh, refs);
+    }
+}
+
+// The chunk split and merge order do not depend on the thread count: bitwise identical results.
+TEST_P(KVQuantDecode, BitwiseIdenticalAcrossThreadCounts) {
+  std::mt19937_64 rng(7);
+  for (DType dt : kQuantTypes) {
+    KVCache cache({1, 2, 1, 64, 4500, dt, 0, 0});
+    fill(cache, 0, {4500, 1500}, rng);
+    StridedTensor q(2, 2, 8, 64, Layout::bthd);
+    q.fill_random(rng);
+    std::vector<std::vector<float>> outs, lses;
+    for (int threads : {1, 2, 3, 5}) {
+      StridedTensor out(2, 2, 8, 64, Layout::bthd);
+      std::vector<float> lse(2 * 8 * 2, kPoison);
+      DecodeOptions o;
+      o.isa = GetParam();
+      o.threads = threads;
+      attention_decode(q.view, cache, 0, out.view, TensorView::bht(lse.data(), 2, 8, 2), o);
+      outs.push_back(out.storage);
+      lses.push_back(lse);
+    }
+    for (std::size_t i = 1; i < outs.size(); ++i) {
+      EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[i].data(), outs[0].size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(lses[0].data(), lses[i].data(), lses[0].size() * sizeof(float)));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, KVQuantDecode, AllIsas(), IsaName);
+
+}  // namespace
+}  // namespace tokenmix::testing

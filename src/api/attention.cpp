@@ -70,9 +70,9 @@ kernels::AttentionProblem make_problem(const char* fn, const ConstTensorView& q,
   p.causal = o.causal;
   p.align = o.align;
   // A tiny call (generation's shapes) runs on the calling thread (kernel_skeleton.hpp).
-  p.threads = kernels::threads_for_work(o.threads == 0 ? default_threads() : o.threads,
-                                        static_cast<double>(p.batch) * p.hq * p.tq *
-                                            static_cast<double>(p.tk) * p.dh);
+  p.threads = kernels::threads_for_work(
+      o.threads == 0 ? default_threads() : o.threads,
+      static_cast<double>(p.batch) * p.hq * p.tq * static_cast<double>(p.tk) * p.dh);
   if (detail::uses_variants(o)) detail::prepare_variants(fn, o, p, data);
   return p;
 }

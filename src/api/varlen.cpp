@@ -128,9 +128,9 @@ void make_varlen(const char* fn, const ConstTensorView& q, const ConstTensorView
   p.align = o.align;
   // A tiny call runs on the calling thread (kernel_skeleton.hpp; total_q · total_k bounds the
   // pairs of all sequences).
-  p.threads = kernels::threads_for_work(o.threads == 0 ? default_threads() : o.threads,
-                                        static_cast<double>(w.total_q) * p.hq *
-                                            static_cast<double>(w.total_k) * p.dh);
+  p.threads = kernels::threads_for_work(
+      o.threads == 0 ? default_threads() : o.threads,
+      static_cast<double>(w.total_q) * p.hq * static_cast<double>(w.total_k) * p.dh);
   if (!o.mask.empty()) {
     throw UnsupportedError(std::string(fn) +
                            ": options.mask is not supported by the varlen entry points (each "

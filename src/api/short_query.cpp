@@ -70,7 +70,7 @@ void pack_tile(const kernels::In& k, const kernels::In& v, std::int64_t b, std::
     const E* row = kp + b * k.s0 + (u0 + u) * k.s1 + j * k.s2;
     for (std::int64_t x = 0; x < dh; ++x) kt[x * kTile + u] = row[x * k.s3];
   }
-  if (n < kTile) {
+  if (n < kTile) {  // S is computed over the whole tile (masked past n): no stale NaNs there
     for (std::int64_t x = 0; x < dh; ++x) std::fill(kt + x * kTile + n, kt + (x + 1) * kTile, E{});
   }
   for (std::int64_t u = 0; u < n; ++u) {
@@ -82,7 +82,7 @@ void pack_tile(const kernels::In& k, const kernels::In& v, std::int64_t b, std::
       for (std::int64_t x = 0; x < dh; ++x) out[x] = row[x * v.s3];
     }
   }
-  std::fill(vt + n * dh, vt + kTile * dh, E{});
+  // V rows past n are never read (the P·V product and the non-finite check stop at n keys).
 }
 
 // The calling thread's scratch of this path, reused across calls (no allocation once warm).

@@ -646,6 +646,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     slopes that require grad are refused there)."""
     options = (scale, is_causal, bottom_right, window, softcap)
     if plain_eager(q, k, v, sinks):
+        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                             or (sinks is not None and sinks.requires_grad))):
+            # Nothing to differentiate (inference, generation): no autograd node at all.
+            return _forward_impl(q, k, v, attn_mask, alibi_slopes, sinks, *options)[0]
         return _EagerAttention.apply(q, k, v, sinks, attn_mask, alibi_slopes, options)
     return _Attention.apply(q, k, v, sinks, attn_mask, alibi_slopes, options)[0]
 

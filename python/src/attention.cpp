@@ -127,11 +127,13 @@ void bind_attention(nb::module_& m) {
 
   // The plain eager calls of tokenmix._torch_ops without score variants (generation makes
   // thousands a second): every tensor as (data_ptr(), dtype code, shape, stride()) of a live CPU
-  // tensor the caller holds, q/k/v/out/dout/dq/dk/dv in PyTorch's [B, H, T, E] order, lse
-  // [B, H, T] float32 (lse_ptr 0: none). Internal (underscore): the pointers are trusted, so only
-  // tokenmix._torch_ops calls these, after checking the tensors are strided CPU tensors; the
-  // library validates shapes, dtypes and overlaps as for attention_forward/attention_backward.
-  // The saving over those is the Python side: no NumPy views, no transposed tensors.
+  // tensor the caller holds, q/k/v/dout/dq/dk/dv (and the backward's out) in PyTorch's
+  // [B, H, T, E] order, the forward's out as its [B, T, H, E] tensor, lse [B, H, T] float32
+  // (lse_ptr 0: none); strides always the tensors' own stride(). Internal (underscore): the
+  // pointers are trusted, so only tokenmix._torch_ops calls these, after checking the tensors are
+  // strided CPU tensors; the library validates shapes, dtypes and overlaps as for
+  // attention_forward/attention_backward. The saving over those is the Python side: no NumPy views,
+  // no transposed tensors.
   m.def("_attention_forward_ptr",
         [](std::uintptr_t q, int q_dt, const Dims& q_shape, const Dims& q_strides, std::uintptr_t k,
            int k_dt, const Dims& k_shape, const Dims& k_strides, std::uintptr_t v, int v_dt,
@@ -142,7 +144,10 @@ void bind_attention(nb::module_& m) {
           const auto qv = torch_view(fn, "q", q, q_dt, q_shape, q_strides);
           const auto kv = torch_view(fn, "k", k, k_dt, k_shape, k_strides);
           const auto vv = torch_view(fn, "v", v, v_dt, v_shape, v_strides);
-          const auto ov = torch_view(fn, "out", out, q_dt, q_shape, out_strides);
+          // out is [B, T, H, E] itself (the tensor the caller allocated): its strides as they are.
+          const auto ov =
+              torch_view(fn, "out", out, q_dt, q_shape,
+                         {out_strides[0], out_strides[2], out_strides[1], out_strides[3]});
           const auto lv = lse == 0 ? tmx::TensorView{} : lse_view(lse, q_shape, lse_strides);
           const auto o = torch_options(scale, causal, bottom_right, threads);
           nb::gil_scoped_release release;

@@ -153,8 +153,8 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
         _C._attention_forward_ptr(q.data_ptr(), _CODE[q.dtype], q.shape, q.stride(),
                                   k.data_ptr(), _CODE[k.dtype], k.shape, k.stride(),
                                   v.data_ptr(), _CODE[v.dtype], v.shape, v.stride(),
-                                  out_bthd.data_ptr(), (L * H * E, E, H * E, 1), lse.data_ptr(),
-                                  (H * L, L, 1), scale, is_causal, bottom_right,
+                                  out_bthd.data_ptr(), out_bthd.stride(), lse.data_ptr(),
+                                  lse.stride(), scale, is_causal, bottom_right,
                                   torch.get_num_threads())
         return out_bthd.transpose(1, 2), lse
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)

@@ -24,7 +24,9 @@
 // bottom-right: top-left puts that query at 0). Soft-capping, ALiBi (−m_h (p(t) − u)) and the
 // window are the decode kernels' own, sinks the merge's. Explicit masks, key lengths and the
 // cases above that the decode layout cannot express run the forward kernel
-// (short_query_applies); so does the opt-in avx512_bf16 path for bf16 (vdpbf16ps products).
+// (short_query_applies); so do calls whose packed K/V would exceed kMaxPackBytes (64 MiB: the
+// copy must not double a large cache's memory) and the opt-in avx512_bf16 path for bf16
+// (vdpbf16ps products).
 #include "api/short_query.hpp"
 
 #include <omp.h>
@@ -50,6 +52,7 @@ namespace {
 constexpr std::int64_t kTile = kernels::kDecodeKeyTile;  // keys per packed tile (64)
 constexpr std::int64_t kChunkKeys = 256;                 // keys per split: fixed, see top
 constexpr std::int64_t kMaxRows = 128;                   // g · query positions per unit
+constexpr double kMaxPackBytes = 64.0 * 1024 * 1024;     // packed K/V per call, at most
 
 // L of the decode layout (see top).
 std::int64_t sequence_length(const kernels::AttentionProblem& p) {
@@ -145,7 +148,12 @@ bool short_query_applies(const kernels::AttentionProblem& p, Isa isa, DType dtyp
   if (isa == Isa::avx512_bf16 && dtype == DType::bf16) return false;  // opted into vdpbf16ps
   // The block table holds int32 block numbers (B · tiles of them).
   const std::int64_t tiles = (sequence_length(p) + kTile - 1) / kTile;
-  return tiles <= INT32_MAX / p.batch;
+  if (tiles > INT32_MAX / p.batch) return false;
+  // The packed copy of K and V stays bounded (the thread keeps its scratch for the next call).
+  const double packed = static_cast<double>(p.batch) * static_cast<double>(p.hkv) *
+                        static_cast<double>(tiles - first_tile(p)) * 2.0 * kTile *
+                        static_cast<double>(p.dh) * static_cast<double>(size_of(dtype));
+  return packed <= kMaxPackBytes;
 }
 
 void short_query_forward(const kernels::ForwardArgs& args, Isa isa, const TensorView& out,

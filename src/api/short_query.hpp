@@ -14,8 +14,9 @@ namespace tokenmix::detail {
 inline constexpr std::int64_t kShortQuery = 16;
 
 /// True when attention_forward's validated problem `p` (dtype, resolved path `isa`) runs on the
-/// split-KV path: 1 ≤ T_q ≤ kShortQuery, T_k ≥ 1, no explicit mask or key lengths, and an
-/// alignment the decode layout expresses (short_query.cpp). Depends on the shape and options
+/// split-KV path: 1 ≤ T_q ≤ kShortQuery, T_k ≥ 1, no explicit mask or key lengths, an
+/// alignment the decode layout expresses and a packed K/V copy of at most 64 MiB
+/// (short_query.cpp). Depends on the shape and options
 /// only, never on the thread count.
 bool short_query_applies(const kernels::AttentionProblem& p, Isa isa, DType dtype);
 

@@ -152,6 +152,13 @@ TEST(ShortQueryPath, AppliesToShortBlocksWithoutMasks) {
   EXPECT_FALSE(detail::short_query_applies(p, Isa::avx512_bf16, DType::bf16));  // opt-in dpbf16
   p.threads = 64;
   EXPECT_TRUE(detail::short_query_applies(p, Isa::avx2, DType::f32));
+  p.align = CausalAlign::bottom_right;
+  p.tk = 65536;  // 32 MiB of f32 K/V tiles per KV head: 2 heads fit in the 64 MiB pack, 8 not
+  EXPECT_TRUE(detail::short_query_applies(p, Isa::avx2, DType::f32));
+  p.hkv = 8;
+  EXPECT_FALSE(detail::short_query_applies(p, Isa::avx2, DType::f32));
+  p.var.window = 4096;  // only the tiles from the first window start are packed
+  EXPECT_TRUE(detail::short_query_applies(p, Isa::avx2, DType::f32));
 }
 
 TEST_P(ShortQuery, MatchesFloat64OracleAcrossTileAndChunkEdges) {

@@ -3,6 +3,7 @@
 // backward (bench::AttentionRun: the bench's inputs, call and useful-FLOP count) on the bench's
 // default shapes (bench::BenchConfig: B = 1, H_q = 32, H_kv = 8, d_h = 128, causal, T_q = T_k
 // in its default list), with useful GFLOP/s as a counter.
+// BM_SmallCall times the tiny per-call shapes of generation (issue 18).
 //   tokenmix_benchmarks --benchmark_filter=Forward --benchmark_repetitions=5
 #include <benchmark/benchmark.h>
 
@@ -65,6 +66,30 @@ void bench_args(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_Forward)->Apply(bench_args);
 BENCHMARK(BM_Backward)->Apply(bench_args);
+
+// Per-call time of generation's tiny calls (the shapes of `python -m tokenmix.bench --overhead`,
+// the library call alone): T_q, T_k, H_q, H_kv (B = 1, d_h = 64), causal (top-left), backward.
+void BM_SmallCall(benchmark::State& state) {
+  const tokenmix::testkit::AttentionShape shape{1,
+                                                state.range(0),
+                                                state.range(1),
+                                                state.range(2),
+                                                state.range(3),
+                                                64,
+                                                state.range(4) != 0,
+                                                tokenmix::CausalAlign::top_left};
+  AttentionRun run(shape, state.range(5) != 0, tokenmix::Isa::automatic, /*threads=*/0);
+  run.forward();
+  for (auto _ : state) run.call();
+}
+BENCHMARK(BM_SmallCall)
+    ->ArgNames({"Tq", "Tk", "Hq", "Hkv", "causal", "bwd"})
+    ->Args({8, 8, 4, 4, 1, 0})
+    ->Args({8, 8, 4, 4, 1, 1})
+    ->Args({1, 128, 8, 2, 0, 0})
+    ->Args({1, 1024, 8, 2, 0, 0})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 
 }  // namespace
 

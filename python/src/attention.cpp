@@ -3,9 +3,12 @@
 // counts ("Useful-work counts"): pairs(t), P, forward and backward FLOPs. q, k, v, out, dout,
 // dq, dk, dv are float32, bfloat16 or float16, one dtype per call (SPEC "Reduced precision");
 // lse, sinks, dsinks and ALiBi slopes stay float32.
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include <array>
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -14,6 +17,51 @@
 namespace tokenmix_py {
 
 using namespace nb::literals;
+
+namespace {
+
+using Dims = std::array<std::int64_t, 4>;
+
+// A view of a live PyTorch CPU tensor given by data_ptr(), a dtype code (tokenmix::DType: 0 f32,
+// 1 bf16, 2 f16), its shape and strides in PyTorch's [B, H, T, E] order: the [B, T, H, E] view
+// swaps axes 1 and 2 (no copy, no transpose object).
+tmx::TensorView torch_view(const char* fn, const char* name, std::uintptr_t ptr, int dtype,
+                           const Dims& shape, const Dims& strides) {
+  if (dtype < 0 || dtype > 2) {
+    throw tmx::ArgumentError(tmx::ErrorCode::invalid_argument,
+                             std::string(fn) + ": " + name +
+                                 " must be float32, bfloat16 or "
+                                 "float16 (dtype code 0, 1 or 2); got code " +
+                                 std::to_string(dtype));
+  }
+  return {reinterpret_cast<void*>(ptr),
+          static_cast<tmx::DType>(dtype),
+          4,
+          {shape[0], shape[2], shape[1], shape[3]},
+          {strides[0], strides[2], strides[1], strides[3]}};
+}
+
+// lse [B, H, T] float32 at `ptr` with strides `s`.
+tmx::TensorView lse_view(std::uintptr_t ptr, const Dims& shape,
+                         const std::array<std::int64_t, 3>& s) {
+  return {reinterpret_cast<void*>(ptr),
+          tmx::DType::f32,
+          3,
+          {shape[0], shape[1], shape[2], 1},
+          {s[0], s[1], s[2], 0}};
+}
+
+tmx::AttentionOptions torch_options(std::optional<double> scale, bool causal, bool bottom_right,
+                                    int threads) {
+  tmx::AttentionOptions o;
+  o.scale = scale;
+  o.causal = causal;
+  o.align = bottom_right ? tmx::CausalAlign::bottom_right : tmx::CausalAlign::top_left;
+  o.threads = threads;
+  return o;
+}
+
+}  // namespace
 
 void bind_attention(nb::module_& m) {
   // The score variants (window, softcap, ALiBi, sinks, mask, key_lengths; SPEC "Score variants
@@ -76,6 +124,57 @@ void bind_attention(nb::module_& m) {
       "softcap"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(),
       "sinks"_a.none() = nb::none(), "mask"_a.none() = nb::none(),
       "key_lengths"_a.none() = nb::none(), "dsinks"_a.none() = nb::none());
+
+  // The plain eager calls of tokenmix._torch_ops without score variants (generation makes
+  // thousands a second): every tensor as (data_ptr(), dtype code, shape, stride()) of a live CPU
+  // tensor the caller holds, q/k/v/dout/dq/dk/dv (and the backward's out) in PyTorch's
+  // [B, H, T, E] order, the forward's out as its [B, T, H, E] tensor, lse [B, H, T] float32
+  // (lse_ptr 0: none); strides always the tensors' own stride(). Internal (underscore): the
+  // pointers are trusted, so only tokenmix._torch_ops calls these, after checking the tensors are
+  // strided CPU tensors; the library validates shapes, dtypes and overlaps as for
+  // attention_forward/attention_backward. The saving over those is the Python side: no NumPy views,
+  // no transposed tensors.
+  m.def("_attention_forward_ptr",
+        [](std::uintptr_t q, int q_dt, const Dims& q_shape, const Dims& q_strides, std::uintptr_t k,
+           int k_dt, const Dims& k_shape, const Dims& k_strides, std::uintptr_t v, int v_dt,
+           const Dims& v_shape, const Dims& v_strides, std::uintptr_t out, const Dims& out_strides,
+           std::uintptr_t lse, const std::array<std::int64_t, 3>& lse_strides,
+           std::optional<double> scale, bool causal, bool bottom_right, int threads) {
+          constexpr const char* fn = "attention_forward";
+          const auto qv = torch_view(fn, "q", q, q_dt, q_shape, q_strides);
+          const auto kv = torch_view(fn, "k", k, k_dt, k_shape, k_strides);
+          const auto vv = torch_view(fn, "v", v, v_dt, v_shape, v_strides);
+          // out is [B, T, H, E] itself (the tensor the caller allocated): its strides as they are.
+          const auto ov =
+              torch_view(fn, "out", out, q_dt, q_shape,
+                         {out_strides[0], out_strides[2], out_strides[1], out_strides[3]});
+          const auto lv = lse == 0 ? tmx::TensorView{} : lse_view(lse, q_shape, lse_strides);
+          const auto o = torch_options(scale, causal, bottom_right, threads);
+          nb::gil_scoped_release release;
+          tmx::attention_forward(qv, kv, vv, ov, lv, o);
+        });
+  m.def("_attention_backward_ptr",
+        [](std::uintptr_t q, int dt, const Dims& q_shape, const Dims& q_strides, std::uintptr_t k,
+           const Dims& k_shape, const Dims& k_strides, std::uintptr_t v, const Dims& v_shape,
+           const Dims& v_strides, std::uintptr_t out, const Dims& out_strides, std::uintptr_t lse,
+           const std::array<std::int64_t, 3>& lse_strides, std::uintptr_t dout,
+           const Dims& dout_strides, std::uintptr_t dq, const Dims& dq_strides, std::uintptr_t dk,
+           const Dims& dk_strides, std::uintptr_t dv, const Dims& dv_strides,
+           std::optional<double> scale, bool causal, bool bottom_right, int threads) {
+          constexpr const char* fn = "attention_backward";
+          const auto qv = torch_view(fn, "q", q, dt, q_shape, q_strides);
+          const auto kv = torch_view(fn, "k", k, dt, k_shape, k_strides);
+          const auto vv = torch_view(fn, "v", v, dt, v_shape, v_strides);
+          const auto ov = torch_view(fn, "out", out, dt, q_shape, out_strides);
+          const auto lv = lse_view(lse, q_shape, lse_strides);
+          const auto dov = torch_view(fn, "dout", dout, dt, q_shape, dout_strides);
+          const auto dqv = torch_view(fn, "dq", dq, dt, q_shape, dq_strides);
+          const auto dkv = torch_view(fn, "dk", dk, dt, k_shape, dk_strides);
+          const auto dvv = torch_view(fn, "dv", dv, dt, k_shape, dv_strides);
+          const auto o = torch_options(scale, causal, bottom_right, threads);
+          nb::gil_scoped_release release;
+          tmx::attention_backward(qv, kv, vv, ov, lv, dov, dqv, dkv, dvv, o, tmx::TensorView{});
+        });
 
   // Varlen (packed) batches: q [total_q, H_q, d_h], k/v [total_k, H_kv, d_h], cu_seqlens rank 1
   // int32/int64, lse [H_q, total_q]. No mask or key_lengths (the offsets are the padding).

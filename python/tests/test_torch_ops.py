@@ -426,3 +426,71 @@ def test_plain_eager_detection():
     with torch._subclasses.fake_tensor.FakeTensorMode():
         seen.append(_torch_ops.plain_eager(torch.empty(2)))
     assert seen == [False, False, False]
+
+
+# ---------------------------------------------------------------------------------------------
+# The pointer route of plain eager calls without score variants (_C._attention_*_ptr)
+
+
+def _numpy_route_forward(q, k, v, causal, bottom_right):
+    """The NumPy-view route (what calls with score variants take), for comparison."""
+    B, H, L, E = q.shape
+    out = torch.empty((B, L, H, E), dtype=q.dtype)
+    lse = torch.empty((B, H, L), dtype=torch.float32)
+    t = lambda x: _torch_ops._np(x.transpose(1, 2))  # noqa: E731
+    _torch_ops._C.attention_forward(t(q), t(k), t(v), _torch_ops._np(out), lse.numpy(), None,
+                                    causal, ("top_left", "bottom_right")[bottom_right], 1, "auto")
+    return out.transpose(1, 2), lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L,S,bottom_right", [(1, 300, True), (8, 8, False), (5, 70, True),
+                                              (20, 20, False)])
+def test_pointer_route_matches_numpy_route_bitwise(dtype, L, S, bottom_right):
+    """Strided views (sliced from larger tensors), GQA, T_q on both sides of the short-query
+    limit: the pointer route gives the NumPy route's bits, forward and backward."""
+    g = torch.Generator().manual_seed(18)
+    big = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    q = big(2, 4, L + 3, 12)[:, :, 2:L + 2, 1:9]  # strides of a larger tensor
+    k = big(2, 2, S, 8)
+    v = big(2, 8, S, 8)[:, ::4]  # every 4th head
+    out, lse = _torch_ops._forward_impl(q, k, v, None, None, None, None, True, bottom_right,
+                                        None, None)
+    ref_out, ref_lse = _numpy_route_forward(q, k, v, True, bottom_right)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    dout = big(2, 4, L, 8)
+    got = _torch_ops._backward_impl(dout, q, k, v, out, lse, None, None, None, None, True,
+                                    bottom_right, None, None)
+    t = lambda x: _torch_ops._np(x.transpose(1, 2))  # noqa: E731
+    want = [torch.empty_like(x) for x in (q, k, v)]
+    _torch_ops._C.attention_backward(t(q), t(k), t(v), t(out), _torch_ops._np(lse), t(dout),
+                                     *[t(x) for x in want], None, True,
+                                     ("top_left", "bottom_right")[bottom_right], 1, "auto")
+    for a, b in zip(got[:3], want):
+        assert torch.equal(a, b)
+
+
+def test_pointer_route_refuses_an_unknown_dtype_code():
+    q = torch.randn(1, 1, 2, 4)
+    lse = torch.empty(1, 1, 2)
+    out = torch.empty(1, 2, 1, 4)
+    args = [q.data_ptr(), 0, q.shape, q.stride()] * 3 + [out.data_ptr(), out.stride(),
+                                                          lse.data_ptr(), lse.stride(), None,
+                                                          True, False, 1]
+    args[5] = 7  # k's dtype code
+    with pytest.raises(tokenmix.ArgumentError, match="attention_forward: k must be float32"):
+        _torch_ops._C._attention_forward_ptr(*args)
+
+
+def test_calls_without_gradients_build_no_autograd_node():
+    """Inference calls (no_grad, or no input requiring grad) skip the autograd Function and give
+    the same bits as a call that builds the graph."""
+    q, k, v = _inputs(L=1, S=40)
+    with_graph = tmt.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert with_graph.grad_fn is not None
+    with torch.no_grad():
+        plain = tmt.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert plain.grad_fn is None and torch.equal(plain, with_graph.detach())
+    detached = tmt.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(),
+                                                enable_gqa=True)
+    assert detached.grad_fn is None and torch.equal(detached, plain)

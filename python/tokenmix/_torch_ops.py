@@ -83,6 +83,25 @@ def _np(t: Tensor) -> Any:
     return t.numpy()
 
 
+# tokenmix::DType codes of the activation dtypes (_C._attention_*_ptr).
+_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor) -> None:
+    """_check(op, q=q, k=k, v=v) with the common case (one supported dtype, CPU) decided in a few
+    attribute reads; anything else gets _check's messages."""
+    dt = q.dtype
+    if not (dt in _CODE and k.dtype == dt and v.dtype == dt and q.is_cpu and k.is_cpu
+            and v.is_cpu):
+        _check(op, q=q, k=k, v=v)
+
+
+def _no_variants(attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                 sinks: Optional[Tensor], window: Optional[int], softcap: Optional[float]) -> bool:
+    return (attn_mask is None and alibi_slopes is None and sinks is None and window is None
+            and softcap is None)
+
+
 def _check(op: str, **tensors: Tensor) -> None:
     """float32, bfloat16 or float16 CPU tensors, all of one dtype (SPEC "Reduced precision"):
     else tokenmix.UnsupportedError."""
@@ -124,10 +143,20 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                   alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: Optional[float],
                   is_causal: bool, bottom_right: bool, window: Optional[int],
                   softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
-    _check("attention_forward", q=q, k=k, v=v)
+    _check_qkv("attention_forward", q, k, v)
     B, H, L, E = q.shape
     out_bthd = torch.empty((B, L, H, E), dtype=q.dtype)  # q's dtype (SPEC "Reduced precision")
     lse = torch.empty((B, H, L), dtype=torch.float32)  # float32 for every dtype
+    if _no_variants(attn_mask, alibi_slopes, sinks, window, softcap):
+        # The common call (generation's): the tensors' pointers, shapes and strides, no NumPy
+        # views or transposed tensors (each costs microseconds; the kernels take fewer).
+        _C._attention_forward_ptr(q.data_ptr(), _CODE[q.dtype], q.shape, q.stride(),
+                                  k.data_ptr(), _CODE[k.dtype], k.shape, k.stride(),
+                                  v.data_ptr(), _CODE[v.dtype], v.shape, v.stride(),
+                                  out_bthd.data_ptr(), out_bthd.stride(), lse.data_ptr(),
+                                  lse.stride(), scale, is_causal, bottom_right,
+                                  torch.get_num_threads())
+        return out_bthd.transpose(1, 2), lse
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
     if attn_mask is not None:
         kw["mask"] = _np(attn_mask)
@@ -148,11 +177,25 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    sinks: Optional[Tensor], scale: Optional[float], is_causal: bool,
                    bottom_right: bool, window: Optional[int],
                    softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    _check("attention_backward", q=q, k=k, v=v)
-    if dout.dtype != q.dtype:
-        dout = dout.to(q.dtype)
+    _check_qkv("attention_backward", q, k, v)
+    dt = q.dtype
+    if dout.dtype != dt:
+        dout = dout.to(dt)
     dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
     dsinks = torch.empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
+    qs = q.shape
+    if (_no_variants(attn_mask, alibi_slopes, sinks, window, softcap) and out.dtype == dt
+            and lse.dtype == torch.float32 and out.shape == qs and dout.shape == qs
+            and lse.shape == qs[:3] and out.is_cpu and dout.is_cpu and lse.is_cpu):
+        # The common call, by pointers (as in _forward_impl; the shapes the extension assumes
+        # for out, dout and lse are checked here).
+        _C._attention_backward_ptr(q.data_ptr(), _CODE[dt], qs, q.stride(), k.data_ptr(),
+                                   k.shape, k.stride(), v.data_ptr(), v.shape, v.stride(),
+                                   out.data_ptr(), out.stride(), lse.data_ptr(), lse.stride(),
+                                   dout.data_ptr(), dout.stride(), dq.data_ptr(), dq.stride(),
+                                   dk.data_ptr(), dk.stride(), dv.data_ptr(), dv.stride(), scale,
+                                   is_causal, bottom_right, torch.get_num_threads())
+        return dq, dk, dv, dsinks
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
     if attn_mask is not None:
         kw["mask"] = _np(attn_mask)
@@ -603,6 +646,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     slopes that require grad are refused there)."""
     options = (scale, is_causal, bottom_right, window, softcap)
     if plain_eager(q, k, v, sinks):
+        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                             or (sinks is not None and sinks.requires_grad))):
+            # Nothing to differentiate (inference, generation): no autograd node at all.
+            return _forward_impl(q, k, v, attn_mask, alibi_slopes, sinks, *options)[0]
         return _EagerAttention.apply(q, k, v, sinks, attn_mask, alibi_slopes, options)
     return _Attention.apply(q, k, v, sinks, attn_mask, alibi_slopes, options)[0]
 

@@ -257,9 +257,8 @@ def _fast_shapes(q: Any, k: Any, v: Any, enable_gqa: bool) -> bool:
         return False
     if qs[1] != ks[1] and not (enable_gqa is True and ks[1] > 0 and qs[1] % ks[1] == 0):
         return False
-    return (q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
-            and q.layout == torch.strided and k.layout == torch.strided
-            and v.layout == torch.strided)
+    return (q.is_cpu and k.is_cpu and v.is_cpu and q.layout == torch.strided
+            and k.layout == torch.strided and v.layout == torch.strided)
 
 
 def scaled_dot_product_attention(

@@ -9,8 +9,10 @@
 #include <string>
 #include <type_traits>
 
+#include "api/short_query.hpp"
 #include "api/variants.hpp"
 #include "kernels/attention_kernels.hpp"
+#include "kernels/kernel_skeleton.hpp"
 #include "kernels/registry.hpp"
 #include "tokenmix/error.hpp"
 #include "util/validate.hpp"
@@ -67,7 +69,10 @@ kernels::AttentionProblem make_problem(const char* fn, const ConstTensorView& q,
   p.scale = detail::checked_scale(fn, o, p.dh);
   p.causal = o.causal;
   p.align = o.align;
-  p.threads = o.threads == 0 ? default_threads() : o.threads;
+  // A tiny call (generation's shapes) runs on the calling thread (kernel_skeleton.hpp).
+  p.threads = kernels::threads_for_work(
+      o.threads == 0 ? default_threads() : o.threads,
+      static_cast<double>(p.batch) * p.hq * p.tq * static_cast<double>(p.tk) * p.dh);
   if (detail::uses_variants(o)) detail::prepare_variants(fn, o, p, data);
   return p;
 }
@@ -263,6 +268,10 @@ void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, 
   const auto kernel =
       kernels::select_forward(fn, isa, args.dtype, p.tk, variants.names);  // registry.cpp
   args.p.site = {fn, kernel.name};
+  if (detail::short_query_applies(p, isa, args.dtype)) {  // T_q ≤ 16: split-KV (short_query.cpp)
+    detail::short_query_forward(args, isa, out, lse);
+    return;
+  }
   kernel.fn(args);
 }
 

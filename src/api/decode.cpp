@@ -340,13 +340,8 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
     a.var.sinks = sinks;
   }
   const kernels::DecodeKernel kernel = plan.named.fn;
-  const std::int64_t rows = a.rows_max(), g = a.group();
   const auto merge_slot = plan.merge_slot;
-
-  auto* po = static_cast<float*>(out.data);
-  auto* pl = static_cast<float*>(lse.data);
   const std::int64_t groups = a.batch * a.hkv * a.qblocks;
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   // One parallel region per call (waking workers is the costly part on a busy machine): the
   // kernel shares out the units (its `omp for` ends with a barrier), then the merge.
 #pragma omp parallel num_threads(plan.team)
@@ -355,63 +350,75 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
     // Merge the chunks of every row in chunk order and normalise: O = Õ / l, L = m + log l.
     float* const acc = a.scratch.at(merge_slot, omp_get_thread_num());  // [d_h]
 #pragma omp for schedule(static)
-    for (std::int64_t grp = 0; grp < groups; ++grp) {
-      const std::int64_t qb = grp % a.qblocks, j = (grp / a.qblocks) % a.hkv,
-                         b = grp / (a.qblocks * a.hkv);
-      const std::int64_t base_b = a.chunk_base(b);
-      for (std::int64_t r = 0; r < rows; ++r) {
-        const std::int64_t t = qb * a.qblock + r / g, h = j * g + r % g;
-        if (t >= a.tnew) break;
-        // Chunks the row sees no key of take no part. Every other chunk is merged arithmetically
-        // (SPEC "Merging partial results"), even one whose keys all scored −∞ (m_c = −∞, l_c = 0):
-        // its Õ_c is 0, or NaN if a visible v was NaN (0 · NaN = NaN), and is weighted by 0, not
-        // skipped. m is a NaN-propagating max, so a NaN part makes the row NaN (SPEC 4.3).
-        const std::int64_t seen = a.visible_end(b, t), from = a.visible_begin(b, t);
-        float m = kNegInf, l = 0.0f;
-        std::fill(acc, acc + a.dh, 0.0f);
-        bool first = true;
-        for (std::int64_t c = 0; c < a.chunks && base_b + c * a.chunk < seen; ++c) {
-          if (base_b + (c + 1) * a.chunk <= from) continue;  // before the row's window
-          const std::int64_t unit = grp * a.chunks + c;
-          const float mc = a.part_m[unit * rows + r];
-          const float* oc = a.part_acc + (unit * rows + r) * a.dh;
-          const float lc = a.part_l[unit * rows + r];
-          if (first) {
-            first = false;
-            m = mc;
-            l = lc;
-            std::copy(oc, oc + a.dh, acc);
-            continue;
-          }
-          const float mn = kernels::max_nan(m, mc), shift = kernels::softmax_shift(mn);
-          const float w1 = std::exp(m - shift), w2 = std::exp(mc - shift);
-          l = l * w1 + lc * w2;
-          for (std::int64_t x = 0; x < a.dh; ++x) acc[x] = acc[x] * w1 + oc[x] * w2;
-          m = mn;
-        }
-        if (a.var.sinks != nullptr) {  // the sink: one more part, m = σ_h, l = 1, Õ = 0
-          const float sigma = a.var.sinks[h];
-          const float mn = kernels::max_nan(m, sigma), shift = kernels::softmax_shift(mn);
-          const float w1 = std::exp(m - shift);
-          l = l * w1 + std::exp(sigma - shift);
-          for (std::int64_t x = 0; x < a.dh; ++x) acc[x] *= w1;
-          m = mn;
-        }
-        const float inv = kernels::inverse_sum(l);  // l = 0: O = 0 · Õ; l = NaN: O = NaN
-        const std::int64_t orow = b * out.strides[0] + t * out.strides[1] + h * out.strides[2];
-        if (act == DType::f32) {
-          for (std::int64_t x = 0; x < a.dh; ++x) po[orow + x * out.strides[3]] = acc[x] * inv;
-        } else {  // rounded once to bf16/f16 (nearest even)
-          for (std::int64_t x = 0; x < a.dh; ++x)
-            kernels::store_element(act, out.data, orow + x * out.strides[3], acc[x] * inv);
-        }
-        if (pl != nullptr) {
-          pl[b * lse.strides[0] + h * lse.strides[1] + t * lse.strides[2]] =
-              l == 0.0f ? kNegInf : m + std::log(l);
-        }
+    for (std::int64_t grp = 0; grp < groups; ++grp)
+      detail::merge_decode_group(a, grp, acc, plan.act, out, lse);
+  }
+}
+
+namespace detail {
+
+void merge_decode_group(const kernels::DecodeArgs& a, std::int64_t grp, float* acc, DType act,
+                        const TensorView& out, const TensorView& lse) {
+  const std::int64_t rows = a.rows_max(), g = a.group();
+  auto* po = static_cast<float*>(out.data);
+  auto* pl = static_cast<float*>(lse.data);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const std::int64_t qb = grp % a.qblocks, j = (grp / a.qblocks) % a.hkv,
+                     b = grp / (a.qblocks * a.hkv);
+  const std::int64_t base_b = a.chunk_base(b);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t t = qb * a.qblock + r / g, h = j * g + r % g;
+    if (t >= a.tnew) break;
+    // Chunks the row sees no key of take no part. Every other chunk is merged arithmetically
+    // (SPEC "Merging partial results"), even one whose keys all scored −∞ (m_c = −∞, l_c = 0):
+    // its Õ_c is 0, or NaN if a visible v was NaN (0 · NaN = NaN), and is weighted by 0, not
+    // skipped. m is a NaN-propagating max, so a NaN part makes the row NaN (SPEC 4.3).
+    const std::int64_t seen = a.visible_end(b, t), from = a.visible_begin(b, t);
+    float m = kNegInf, l = 0.0f;
+    std::fill(acc, acc + a.dh, 0.0f);
+    bool first = true;
+    for (std::int64_t c = 0; c < a.chunks && base_b + c * a.chunk < seen; ++c) {
+      if (base_b + (c + 1) * a.chunk <= from) continue;  // before the row's window
+      const std::int64_t unit = grp * a.chunks + c;
+      const float mc = a.part_m[unit * rows + r];
+      const float* oc = a.part_acc + (unit * rows + r) * a.dh;
+      const float lc = a.part_l[unit * rows + r];
+      if (first) {
+        first = false;
+        m = mc;
+        l = lc;
+        std::copy(oc, oc + a.dh, acc);
+        continue;
       }
+      const float mn = kernels::max_nan(m, mc), shift = kernels::softmax_shift(mn);
+      const float w1 = std::exp(m - shift), w2 = std::exp(mc - shift);
+      l = l * w1 + lc * w2;
+      for (std::int64_t x = 0; x < a.dh; ++x) acc[x] = acc[x] * w1 + oc[x] * w2;
+      m = mn;
+    }
+    if (a.var.sinks != nullptr) {  // the sink: one more part, m = σ_h, l = 1, Õ = 0
+      const float sigma = a.var.sinks[h];
+      const float mn = kernels::max_nan(m, sigma), shift = kernels::softmax_shift(mn);
+      const float w1 = std::exp(m - shift);
+      l = l * w1 + std::exp(sigma - shift);
+      for (std::int64_t x = 0; x < a.dh; ++x) acc[x] *= w1;
+      m = mn;
+    }
+    const float inv = kernels::inverse_sum(l);  // l = 0: O = 0 · Õ; l = NaN: O = NaN
+    const std::int64_t orow = b * out.strides[0] + t * out.strides[1] + h * out.strides[2];
+    if (act == DType::f32) {
+      for (std::int64_t x = 0; x < a.dh; ++x) po[orow + x * out.strides[3]] = acc[x] * inv;
+    } else {  // rounded once to bf16/f16 (nearest even)
+      for (std::int64_t x = 0; x < a.dh; ++x)
+        kernels::store_element(act, out.data, orow + x * out.strides[3], acc[x] * inv);
+    }
+    if (pl != nullptr) {
+      pl[b * lse.strides[0] + h * lse.strides[1] + t * lse.strides[2]] =
+          l == 0.0f ? kNegInf : m + std::log(l);
     }
   }
 }
+
+}  // namespace detail
 
 }  // namespace tokenmix

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "kernels/attention_kernels.hpp"
 #include "tokenmix/kv_cache.hpp"
 #include "tokenmix/tensor.hpp"
 
@@ -18,6 +19,15 @@ namespace tokenmix::detail {
 void prepare_decode(const char* fn, ConstTensorView q, const KVCache& cache, std::int64_t layer,
                     TensorView out, TensorView lse, const DecodeOptions& options,
                     std::int64_t pending);
+
+/// The merge of a decode-kernel run (kernels::DecodeArgs after the kernel wrote its partials):
+/// for query group `grp` (b, KV head j, query block; grp = (b · H_kv + j) · qblocks + block), the
+/// chunks of each row merged in chunk order (SPEC "Merging partial results"), the sink added,
+/// O = Õ / l stored into `out` (dtype `act`, [B, T, H_q, d_h]) and L = m + log l into `lse`
+/// ([B, H_q, T]; skipped when empty). `acc` is d_h floats of the calling thread's scratch. Used
+/// by attention_decode and by attention_forward's short-query path (short_query.cpp).
+void merge_decode_group(const kernels::DecodeArgs& a, std::int64_t grp, float* acc, DType act,
+                        const TensorView& out, const TensorView& lse);
 
 /// Test seam: while `bytes` ≥ 0, a decode call (or prepare_decode) whose scratch exceeds `bytes`
 /// throws ResourceError(out_of_memory) exactly as a refused allocation does. −1 (the default)

@@ -17,6 +17,7 @@
 
 #include "api/variants.hpp"
 #include "kernels/attention_kernels.hpp"
+#include "kernels/kernel_skeleton.hpp"
 #include "kernels/kv_element.hpp"
 #include "kernels/registry.hpp"
 #include "tokenmix/attention.hpp"
@@ -125,7 +126,11 @@ void make_varlen(const char* fn, const ConstTensorView& q, const ConstTensorView
   p.scale = detail::checked_scale(fn, o, p.dh);
   p.causal = o.causal;
   p.align = o.align;
-  p.threads = o.threads == 0 ? default_threads() : o.threads;
+  // A tiny call runs on the calling thread (kernel_skeleton.hpp; total_q · total_k bounds the
+  // pairs of all sequences).
+  p.threads = kernels::threads_for_work(
+      o.threads == 0 ? default_threads() : o.threads,
+      static_cast<double>(w.total_q) * p.hq * static_cast<double>(w.total_k) * p.dh);
   if (!o.mask.empty()) {
     throw UnsupportedError(std::string(fn) +
                            ": options.mask is not supported by the varlen entry points (each "

@@ -175,6 +175,10 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
           bs.key_begin = 0;
           continue;
         }
+        if (heads * layout.mq < M || positions < layout.mq) {  // padding lanes: Qᵀ, dOᵀ = 0
+          std::fill(bs.qt, bs.qt + dh * M, 0.0f);    // (contiguous, not lane by lane: a tiny
+          std::fill(bs.dot, bs.dot + dh * M, 0.0f);  // call is mostly padding lanes)
+        }
         for (std::int64_t i = 0; i < M; ++i) {
           const std::int64_t hl = i / layout.mq, tl = i % layout.mq;
           KeyRange r;  // padding lanes see nothing
@@ -207,8 +211,7 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
             const float lse = args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2];
             bs.lse_lane[i] = e ? softmax_shift(lse) : 0.0f;
           } else {
-            for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = bs.dot[x * M + i] = 0.0f;
-            bs.delta_lane[i] = bs.lse_lane[i] = 0.0f;
+            bs.delta_lane[i] = bs.lse_lane[i] = 0.0f;  // (Qᵀ, dOᵀ columns zeroed above)
             if (elementwise) {
               bs.slope[i] = 0.0f;
               bs.pos[i] = 0;

@@ -63,6 +63,21 @@ constexpr std::int64_t kSub = 16;  // keys per V sub-tile in the P·V product
 // The S tile is computed in column blocks of kVD vectors: they must tile the cache's key tile.
 static_assert(kDecodeKeyTile % (kVD * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
 
+// True if an element of p[lo, hi) is NaN or ±∞ (exponent bits all ones), from the bits alone
+// (a branch-free loop the compiler vectorises).
+template <class TB>
+bool NonFiniteIn(const TB* p, std::int64_t lo, std::int64_t hi) {
+  using Bits = std::conditional_t<sizeof(TB) == 4, std::uint32_t, std::uint16_t>;
+  constexpr Bits kExp = static_cast<Bits>(sizeof(TB) == 4                      ? 0x7f80'0000u
+                                          : std::is_same_v<TB, hwy::float16_t> ? 0x7c00u
+                                                                               : 0x7f80u);
+  static_assert(sizeof(TB) == sizeof(Bits));
+  const auto* bits = reinterpret_cast<const Bits*>(p);
+  Bits bad = 0;
+  for (std::int64_t i = lo; i < hi; ++i) bad |= static_cast<Bits>((bits[i] & kExp) == kExp);
+  return bad != 0;
+}
+
 template <class TB>
 void DecodeUnits(const DecodeArgs& a) {
   // Quantized caches (SPEC "Quantized KV cache"): K's row scales δ_u multiply the score lanes
@@ -214,14 +229,12 @@ void DecodeUnits(const DecodeArgs& a) {
         }
       }
       // A quantized V is finite (non-finite rows are refused on append): no scan.
-      bool v_bad = false;
       const std::int64_t first_partial = std::clamp<std::int64_t>(kfull - u0, 0, nt);
       const std::int64_t last_partial = std::clamp<std::int64_t>(kfull_begin - u0, 0, nt);
-      for (std::int64_t i = 0; i < last_partial * dh && !v_bad && !kQuant; ++i) {
-        v_bad = !std::isfinite(load_element(a.dtype, vt, i));
-      }
-      for (std::int64_t i = first_partial * dh; i < nt * dh && !v_bad && !kQuant; ++i) {
-        v_bad = !std::isfinite(load_element(a.dtype, vt, i));
+      bool v_bad = false;
+      if constexpr (!kQuant) {
+        v_bad =
+            NonFiniteIn(vt, 0, last_partial * dh) || NonFiniteIn(vt, first_partial * dh, nt * dh);
       }
       for (std::int64_t k0 = 0; k0 < nt; k0 += kSub) {
         const std::int64_t nk = std::min(kSub, nt - k0);

@@ -191,7 +191,10 @@ void AttentionFwdT(const ForwardArgs& fwd) {
         bs.pos = scratch.at(block_slots[lb].pos, worker);
         bs.mask_base = scratch.at(block_slots[lb].mask_base, worker);
         bs.qp = kDp ? scratch.at(qp_slot[lb], worker) : nullptr;
-        // Padding lanes: zero query, all keys visible (finite, then discarded).
+        // Padding lanes: zero query (the whole Qᵀ zeroed at once, not lane by lane: a tiny call
+        // is mostly padding lanes), all keys visible (finite, then discarded).
+        if (bs.blk.heads * layout.mq < M || bs.blk.positions < layout.mq)
+          std::fill(bs.qt, bs.qt + dh * M, 0.0f);
         const bool has_rows = SetUpLanes(
             p, layout, bs, static_cast<std::int32_t>(p.tk),
             [&](std::int64_t i, std::int64_t h, std::int64_t t, KeyRange) HWY_ATTR {
@@ -208,7 +211,6 @@ void AttentionFwdT(const ForwardArgs& fwd) {
               }
             },
             [&](std::int64_t i) HWY_ATTR {
-              for (std::int64_t x = 0; x < dh; ++x) bs.qt[x * M + i] = 0.0f;
               if constexpr (kDp) {
                 for (std::int64_t x = 0; x < dh2; ++x) bs.qp[((x / 2) * M + i) * 2 + x % 2] = 0;
               }

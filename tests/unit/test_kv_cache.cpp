@@ -456,23 +456,33 @@ TEST(KVCacheRolling, AppendTruncateReleaseSemantics) {
     EXPECT_EQ(one.first_position(0, 0), 300 - 128);
     EXPECT_EQ(one.first_position(0, 1), 0);
     EXPECT_TRUE(Snapshot(one) == Snapshot(many));
-    if (block != 0) EXPECT_EQ(one.free_blocks(), 3);  // a ring of 2 blocks, taken once
+    if (block != 0) {
+      EXPECT_EQ(one.free_blocks(), 3);
+    }  // a ring of 2 blocks, taken once
     // truncate: back within the retained positions only (0 empties the sequence)
     one.truncate(0, 200);
     EXPECT_EQ(one.length(0, 0), 200);
     EXPECT_EQ(one.length(0, 1), 70);
     EXPECT_EQ(one.first_position(0, 0), 172);
-    if (block != 0) EXPECT_EQ(one.free_blocks(), 3);  // wrapped: the ring keeps its blocks
+    if (block != 0) {
+      EXPECT_EQ(one.free_blocks(), 3);
+    }  // wrapped: the ring keeps its blocks
     append_rows(one, 0, 0, kv, 200, 100);
     EXPECT_TRUE(Snapshot(one) == Snapshot(many)) << "truncate + append again = never truncated";
     one.truncate(0, 0);
     EXPECT_EQ(one.length(0, 0), 0);
     EXPECT_EQ(one.first_position(0, 0), 0);
-    if (block != 0) EXPECT_EQ(one.free_blocks(), 5);
+    if (block != 0) {
+      EXPECT_EQ(one.free_blocks(), 5);
+    }
     append_rows(one, 0, 1, kv, 0, 70);  // no wrap: truncate returns blocks as a plain cache does
-    if (block != 0) EXPECT_EQ(one.free_blocks(), 3);
+    if (block != 0) {
+      EXPECT_EQ(one.free_blocks(), 3);
+    }
     one.truncate(1, 10);
-    if (block != 0) EXPECT_EQ(one.free_blocks(), 4);
+    if (block != 0) {
+      EXPECT_EQ(one.free_blocks(), 4);
+    }
     many.release(0);
     many.reset(0);
     EXPECT_EQ(many.length(0, 0), 0);

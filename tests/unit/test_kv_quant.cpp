@@ -74,8 +74,9 @@ TEST(KVQuantElements, E4M3RoundsToNearestEven) {
       if ((o & 0x7f) == 0x7f) continue;
       const double other = std::fabs(y - reference::e4m3_value(static_cast<std::uint8_t>(o)));
       ASSERT_LE(got, other) << "y=" << y << " code " << int(c) << " vs " << o;
-      if (other == got && o != c && reference::e4m3_value(static_cast<std::uint8_t>(o)) != 0.0)
+      if (other == got && o != c && reference::e4m3_value(static_cast<std::uint8_t>(o)) != 0.0) {
         ASSERT_EQ(c & 1, 0) << "tie not to even: y=" << y;
+      }
     }
   }
 }

@@ -138,10 +138,23 @@ void DecodeUnits(const DecodeArgs& a) {
       const std::int64_t tile = a.tile_offset(b, j, u0);
       const TB* kt = k_layer + tile;  // Kᵀ tile [d_h][64]
       const TB* vt = v_layer + tile;  // V rows [nt][d_h]
+      // The next tile of this chunk (nullptr at its last): the microkernels prefetch it row by
+      // row while they compute on this one, so a unit's one forward stream is read ahead.
+      const bool has_next = u0 + kKeyTile < k1;
+      const std::int64_t next = has_next ? a.tile_offset(b, j, u0 + kKeyTile) : 0;
+      const TB* kt_next = has_next ? k_layer + next : nullptr;
+      const TB* vt_next = has_next ? v_layer + next : nullptr;
+      if (kQuant && has_next) {  // the next tile's K and V scales (64 floats each)
+        for (std::int64_t o = 0; o < kKeyTile * 4; o += 64) {
+          hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(kt_next + a.layout.tile_elems()) + o);
+          hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(vt_next + a.layout.tile_elems()) + o);
+        }
+      }
 
       // S = (scale·Q) Kᵀ over the whole 64-key tile (lanes past the data are masked below)  (4.2)
       for (std::int64_t c0 = 0; c0 < kKeyTile; c0 += W) {
-        GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false);
+        GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false,
+                           nullptr, kt_next != nullptr ? kt_next + c0 : nullptr);
       }
       if constexpr (kQuant) {  // S_u ← δ_u · S_u (the K tile's row scales follow it)
         const float* ks = reinterpret_cast<const float*>(kt + a.layout.tile_elems());
@@ -261,8 +274,10 @@ void DecodeUnits(const DecodeArgs& a) {
           }
           continue;
         }
-        for (x0 = 0; x0 < dh_full; x0 += W)
-          GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
+        for (x0 = 0; x0 < dh_full; x0 += W) {
+          GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true,
+                             nullptr, vt_next != nullptr ? vt_next + k0 * dh + x0 : nullptr);
+        }
         for (; x0 < dh_vec; x0 += N)
           GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
       }

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 #include "kernels/kv_element.hpp"
 #include "kernels/simd/work_units.hpp"
@@ -102,7 +103,7 @@ template <int R, int VN = kV, class TB = float, class D>
 HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row, std::int64_t a_k,
                             const TB* HWY_RESTRICT b, std::int64_t ldb, std::int64_t K,
                             float* HWY_RESTRICT c, std::int64_t ldc, bool accumulate,
-                            const float* HWY_RESTRICT c_scale) {
+                            const float* HWY_RESTRICT c_scale, const TB* pf = nullptr) {
   using V = hn::Vec<D>;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   V acc[R][VN];
@@ -115,7 +116,14 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
       for (int r = 0; r < R; ++r) acc[r][v] = hn::Mul(acc[r][v], sv);
     }
   }
+  // Bytes of B read per k, in whole cache lines (the prefetch below covers them all).
+  constexpr std::int64_t kLine = 64;
+  const std::int64_t row_bytes = VN * N * static_cast<std::int64_t>(sizeof(TB));
   for (std::int64_t k = 0; k < K; ++k) {
+    if (pf != nullptr) {  // the same B row of the next tile (decode's stream), a tile ahead
+      const auto* line = reinterpret_cast<const std::uint8_t*>(pf + k * ldb);
+      for (std::int64_t o = 0; o < row_bytes; o += kLine) hwy::Prefetch(line + o);
+    }
     V bv[VN];
     for (int v = 0; v < VN; ++v) bv[v] = LoadB(d, b + k * ldb + v * N);
     for (int r = 0; r < R; ++r) {
@@ -130,21 +138,25 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
 // C[rows][M] (+)= A B over any number of rows: blocks of R (default kR), then one remainder
 // block. VN and TB as for MicroKernel. With accumulate and c_scale ([M] lane factors), C is
 // first scaled lane-wise: C ← C · diag(c_scale) + A B (the online softmax's rescale of Õ,
-// fused into the load of C).
+// fused into the load of C). With pf, the first block's k loop also prefetches the B rows at
+// pf (same ldb, same width): the decode kernel passes the next tile of its stream, so the
+// memory reads overlap this tile's FMAs (the later blocks re-read B from cache: no prefetch).
 template <int R = kR, int VN = kV, bool kTop = true, class TB = float, class D>
 HWY_INLINE void GemmRows(D d, std::int64_t rows, const float* a, std::int64_t a_row,
                          std::int64_t a_k, const TB* b, std::int64_t ldb, std::int64_t K, float* c,
-                         std::int64_t ldc, bool accumulate, const float* c_scale = nullptr) {
+                         std::int64_t ldc, bool accumulate, const float* c_scale = nullptr,
+                         const TB* pf = nullptr) {
   if constexpr (kTop) {
-    for (; rows >= R; rows -= R, a += R * a_row, c += R * ldc) {
-      MicroKernel<R, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale);
+    for (; rows >= R; rows -= R, a += R * a_row, c += R * ldc, pf = nullptr) {
+      MicroKernel<R, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale, pf);
     }
   }
   if constexpr (R > 1) {
     if (rows == R - 1) {
-      MicroKernel<R - 1, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale);
+      MicroKernel<R - 1, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale, pf);
     } else {
-      GemmRows<R - 1, VN, false>(d, rows, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale);
+      GemmRows<R - 1, VN, false>(d, rows, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale,
+                                 pf);
     }
   }
 }

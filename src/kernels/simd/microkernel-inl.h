@@ -78,6 +78,32 @@ HWY_INLINE hn::Vec<D> LoadB(D d, const fp8_e4m3_t* HWY_RESTRICT p) {
   const auto h = hn::And(hn::ShiftLeft<7>(b), hn::Set(d16, static_cast<std::int16_t>(0xbf80)));
   return hn::PromoteTo(d, hn::BitCast(hn::Rebind<hwy::float16_t, D>(), h));
 }
+// VN consecutive vectors of B (one k row of the microkernel) widened to fp32. fp8 E4M3 pairs
+// its vectors: one sign-extending load, shift and mask at full 16-bit width for 2·Lanes bytes,
+// then each half widened f16 → f32 — the same values as LoadB (same bits), fewer instructions
+// per element (4 instead of 5 on x86). Other element types: LoadB per vector.
+template <int VN, class D, class TB>
+HWY_INLINE void LoadBRow(D d, const TB* HWY_RESTRICT p, hn::Vec<D>* bv) {
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+#if HWY_TARGET != HWY_SCALAR  // (one lane: no halves)
+  if constexpr (std::is_same_v<TB, fp8_e4m3_t> && VN % 2 == 0) {
+    const hn::Repartition<std::int16_t, D> d16;  // 2·Lanes 16-bit lanes (D: a full vector)
+    const hn::Half<decltype(d16)> d16h;          // Lanes 16-bit lanes
+    const hn::Rebind<hwy::float16_t, D> dh;
+    for (int v = 0; v < VN; v += 2) {
+      const auto b = hn::PromoteTo(  // sign copies in bits 7–15
+          d16, hn::LoadU(hn::Rebind<std::int8_t, decltype(d16)>(),
+                         reinterpret_cast<const std::int8_t*>(p + v * N)));
+      const auto h = hn::And(hn::ShiftLeft<7>(b), hn::Set(d16, static_cast<std::int16_t>(0xbf80)));
+      bv[v] = hn::PromoteTo(d, hn::BitCast(dh, hn::LowerHalf(d16h, h)));
+      bv[v + 1] = hn::PromoteTo(d, hn::BitCast(dh, hn::UpperHalf(d16h, h)));
+    }
+    return;
+  }
+#endif
+  for (int v = 0; v < VN; ++v) bv[v] = LoadB(d, p + v * N);
+}
+
 /// What LoadB returns is the stored q times this: 2^−8 for fp8 E4M3, 1 otherwise.
 template <class TB>
 inline constexpr float kLoadBUnit = std::is_same_v<TB, fp8_e4m3_t> ? 0x1.0p-8f : 1.0f;
@@ -125,7 +151,7 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
       for (std::int64_t o = 0; o < row_bytes; o += kLine) hwy::Prefetch(line + o);
     }
     V bv[VN];
-    for (int v = 0; v < VN; ++v) bv[v] = LoadB(d, b + k * ldb + v * N);
+    LoadBRow<VN>(d, b + k * ldb, bv);
     for (int r = 0; r < R; ++r) {
       const V ar = hn::Set(d, a[r * a_row + k * a_k]);
       for (int v = 0; v < VN; ++v) acc[r][v] = hn::MulAdd(ar, bv[v], acc[r][v]);

@@ -138,14 +138,36 @@ void DecodeUnits(const DecodeArgs& a) {
       const std::int64_t tile = a.tile_offset(b, j, u0);
       const TB* kt = k_layer + tile;  // Kᵀ tile [d_h][64]
       const TB* vt = v_layer + tile;  // V rows [nt][d_h]
+      // The next tile of this chunk (nullptr at its last): the microkernels prefetch it row by
+      // row while they compute on this one, so a unit's one forward stream is read ahead.
+      const bool has_next = u0 + kKeyTile < k1;
+      const std::int64_t next = has_next ? a.tile_offset(b, j, u0 + kKeyTile) : 0;
+      const TB* kt_next = has_next ? k_layer + next : nullptr;
+      const TB* vt_next = has_next ? v_layer + next : nullptr;
+      if (kQuant && has_next) {  // the next tile's K and V scales (64 floats each)
+        for (std::int64_t o = 0; o < kKeyTile * 4; o += 64) {
+          hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(kt_next + a.layout.tile_elems()) + o);
+          hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(vt_next + a.layout.tile_elems()) + o);
+        }
+      }
 
       // S = (scale·Q) Kᵀ over the whole 64-key tile (lanes past the data are masked below)  (4.2)
       for (std::int64_t c0 = 0; c0 < kKeyTile; c0 += W) {
-        GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false);
+        GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false,
+                           nullptr, kt_next != nullptr ? kt_next + c0 : nullptr);
       }
-      if constexpr (kQuant) {  // S_u ← δ_u · S_u (the K tile's row scales follow it)
-        const float* ks = reinterpret_cast<const float*>(kt + a.layout.tile_elems());
-        const VF unit = hn::Set(d, 1.0f / kUnit);
+      // Tile crosses some row's end or window start: the mask pass below runs.
+      const bool partial = u0 + kKeyTile > kfull || u0 < kfull_begin;
+      // S_u ← δ_u · S_u (the K tile's row scales follow it): fused into the row max pass below
+      // when no variant or mask pass comes first (the same products), else a pass of its own.
+      const float* ks = reinterpret_cast<const float*>(kt + a.layout.tile_elems());
+      const bool fuse_ks = kQuant && !capped && a.var.alibi == nullptr && !partial;
+      const VF k_unit = hn::Set(d, 1.0f / kUnit);
+      // V's row scales: P_u ← P_u · δ_u in the exp pass (after l takes the unscaled P).
+      const float* vs = reinterpret_cast<const float*>(vt + a.layout.tile_elems());
+      const VF v_unit = k_unit;
+      if (kQuant && !fuse_ks) {
+        const VF unit = k_unit;
         for (std::int64_t i = 0; i < kKeyTile; i += N) {
           const VF delta = hn::Mul(hn::LoadU(d, ks + i), unit);
           for (std::int64_t r = 0; r < nrows; ++r)
@@ -173,7 +195,7 @@ void DecodeUnits(const DecodeArgs& a) {
           }
         }
         // Tile crosses some row's end or window start: −∞ for lanes outside [begin, end).
-        if (u0 + kKeyTile > kfull || u0 < kfull_begin) {
+        if (partial) {
           const auto lo_minus_1 = hn::Set(  // lane ≥ lo ⟺ lo − 1 < lane (no integer Ge here)
               di, static_cast<std::int32_t>(std::clamp<std::int64_t>(begin - u0, 0, kKeyTile) - 1));
           const auto hi = hn::Set(
@@ -186,15 +208,26 @@ void DecodeUnits(const DecodeArgs& a) {
                       score + i);
           }
         }
-        VF vmax = hn::Load(d, score);
-        for (std::int64_t i = N; i < kKeyTile; i += N) vmax = hn::Max(vmax, hn::Load(d, score + i));
+        // The row's max (same order of Max either way); fuse_ks: S_u ← δ_u · S_u on the way.
+        const auto scaled = [&](std::int64_t i) {
+          if (!fuse_ks) return hn::Load(d, score + i);
+          const VF z = hn::Mul(hn::Load(d, score + i), hn::Mul(hn::LoadU(d, ks + i), k_unit));
+          hn::Store(z, d, score + i);
+          return z;
+        };
+        VF vmax = scaled(0);
+        for (std::int64_t i = N; i < kKeyTile; i += N) vmax = hn::Max(vmax, scaled(i));
         const float m_old = m_run[r], m_new = max_nan(m_old, hn::GetLane(hn::MaxOfLanes(d, vmax)));
         // A row with nothing visible yet keeps P = 0 (shift 0: e^{−∞} = 0).
         const VF shift = hn::Set(d, m_new == kNegInf ? 0.0f : m_new);
         VF vsum = hn::Zero(d);
         for (std::int64_t i = 0; i < kKeyTile; i += N) {
           const VF p = ExpNaN(d, hn::Sub(hn::Load(d, score + i), shift));  // NaN score: l = NaN
-          hn::Store(p, d, score + i);
+          if constexpr (kQuant) {  // P_u δ_u for P V (V's row scales follow the tile); l: P_u
+            hn::Store(hn::Mul(p, hn::Mul(hn::LoadU(d, vs + i), v_unit)), d, score + i);
+          } else {
+            hn::Store(p, d, score + i);
+          }
           vsum = hn::Add(vsum, p);
         }
         if (m_new > m_old && m_old != kNegInf) {  // rescale Õ and l by e^{m − m'}
@@ -219,15 +252,6 @@ void DecodeUnits(const DecodeArgs& a) {
       // Keys before kfull_begin and from kfull on are not seen by every row; if their V rows are
       // not finite, each row's product covers its own visible keys only (a masked key takes no
       // part: 0 · NaN = NaN).
-      if constexpr (kQuant) {  // P_u ← P_u · δ_u (the V tile's row scales follow it; l is done)
-        const float* vs = reinterpret_cast<const float*>(vt + a.layout.tile_elems());
-        const VF unit = hn::Set(d, 1.0f / kUnit);
-        for (std::int64_t i = 0; i < kKeyTile; i += N) {
-          const VF delta = hn::Mul(hn::LoadU(d, vs + i), unit);
-          for (std::int64_t r = 0; r < nrows; ++r)
-            hn::Store(hn::Mul(hn::Load(d, st + r * kKeyTile + i), delta), d, st + r * kKeyTile + i);
-        }
-      }
       // A quantized V is finite (non-finite rows are refused on append): no scan.
       const std::int64_t first_partial = std::clamp<std::int64_t>(kfull - u0, 0, nt);
       const std::int64_t last_partial = std::clamp<std::int64_t>(kfull_begin - u0, 0, nt);
@@ -261,8 +285,10 @@ void DecodeUnits(const DecodeArgs& a) {
           }
           continue;
         }
-        for (x0 = 0; x0 < dh_full; x0 += W)
-          GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
+        for (x0 = 0; x0 < dh_full; x0 += W) {
+          GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true,
+                             nullptr, vt_next != nullptr ? vt_next + k0 * dh + x0 : nullptr);
+        }
         for (; x0 < dh_vec; x0 += N)
           GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
       }

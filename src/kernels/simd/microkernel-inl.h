@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 #include "kernels/kv_element.hpp"
 #include "kernels/simd/work_units.hpp"
@@ -77,6 +78,32 @@ HWY_INLINE hn::Vec<D> LoadB(D d, const fp8_e4m3_t* HWY_RESTRICT p) {
   const auto h = hn::And(hn::ShiftLeft<7>(b), hn::Set(d16, static_cast<std::int16_t>(0xbf80)));
   return hn::PromoteTo(d, hn::BitCast(hn::Rebind<hwy::float16_t, D>(), h));
 }
+// VN consecutive vectors of B (one k row of the microkernel) widened to fp32. fp8 E4M3 pairs
+// its vectors: one sign-extending load, shift and mask at full 16-bit width for 2·Lanes bytes,
+// then each half widened f16 → f32 — the same values as LoadB (same bits), fewer instructions
+// per element (4 instead of 5 on x86). Other element types: LoadB per vector.
+template <int VN, class D, class TB>
+HWY_INLINE void LoadBRow(D d, const TB* HWY_RESTRICT p, hn::Vec<D>* bv) {
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+#if HWY_TARGET != HWY_SCALAR  // (one lane: no halves)
+  if constexpr (std::is_same_v<TB, fp8_e4m3_t> && VN % 2 == 0) {
+    const hn::Repartition<std::int16_t, D> d16;  // 2·Lanes 16-bit lanes (D: a full vector)
+    const hn::Half<decltype(d16)> d16h;          // Lanes 16-bit lanes
+    const hn::Rebind<hwy::float16_t, D> dh;
+    for (int v = 0; v < VN; v += 2) {
+      const auto b = hn::PromoteTo(  // sign copies in bits 7–15
+          d16, hn::LoadU(hn::Rebind<std::int8_t, decltype(d16)>(),
+                         reinterpret_cast<const std::int8_t*>(p + v * N)));
+      const auto h = hn::And(hn::ShiftLeft<7>(b), hn::Set(d16, static_cast<std::int16_t>(0xbf80)));
+      bv[v] = hn::PromoteTo(d, hn::BitCast(dh, hn::LowerHalf(d16h, h)));
+      bv[v + 1] = hn::PromoteTo(d, hn::BitCast(dh, hn::UpperHalf(d16h, h)));
+    }
+    return;
+  }
+#endif
+  for (int v = 0; v < VN; ++v) bv[v] = LoadB(d, p + v * N);
+}
+
 /// What LoadB returns is the stored q times this: 2^−8 for fp8 E4M3, 1 otherwise.
 template <class TB>
 inline constexpr float kLoadBUnit = std::is_same_v<TB, fp8_e4m3_t> ? 0x1.0p-8f : 1.0f;
@@ -102,7 +129,7 @@ template <int R, int VN = kV, class TB = float, class D>
 HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row, std::int64_t a_k,
                             const TB* HWY_RESTRICT b, std::int64_t ldb, std::int64_t K,
                             float* HWY_RESTRICT c, std::int64_t ldc, bool accumulate,
-                            const float* HWY_RESTRICT c_scale) {
+                            const float* HWY_RESTRICT c_scale, const TB* pf = nullptr) {
   using V = hn::Vec<D>;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   V acc[R][VN];
@@ -115,9 +142,16 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
       for (int r = 0; r < R; ++r) acc[r][v] = hn::Mul(acc[r][v], sv);
     }
   }
+  // Bytes of B read per k, in whole cache lines (the prefetch below covers them all).
+  constexpr std::int64_t kLine = 64;
+  const std::int64_t row_bytes = VN * N * static_cast<std::int64_t>(sizeof(TB));
   for (std::int64_t k = 0; k < K; ++k) {
+    if (pf != nullptr) {  // the same B row of the next tile (decode's stream), a tile ahead
+      const auto* line = reinterpret_cast<const std::uint8_t*>(pf + k * ldb);
+      for (std::int64_t o = 0; o < row_bytes; o += kLine) hwy::Prefetch(line + o);
+    }
     V bv[VN];
-    for (int v = 0; v < VN; ++v) bv[v] = LoadB(d, b + k * ldb + v * N);
+    LoadBRow<VN>(d, b + k * ldb, bv);
     for (int r = 0; r < R; ++r) {
       const V ar = hn::Set(d, a[r * a_row + k * a_k]);
       for (int v = 0; v < VN; ++v) acc[r][v] = hn::MulAdd(ar, bv[v], acc[r][v]);
@@ -130,21 +164,25 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
 // C[rows][M] (+)= A B over any number of rows: blocks of R (default kR), then one remainder
 // block. VN and TB as for MicroKernel. With accumulate and c_scale ([M] lane factors), C is
 // first scaled lane-wise: C ← C · diag(c_scale) + A B (the online softmax's rescale of Õ,
-// fused into the load of C).
+// fused into the load of C). With pf, the first block's k loop also prefetches the B rows at
+// pf (same ldb, same width): the decode kernel passes the next tile of its stream, so the
+// memory reads overlap this tile's FMAs (the later blocks re-read B from cache: no prefetch).
 template <int R = kR, int VN = kV, bool kTop = true, class TB = float, class D>
 HWY_INLINE void GemmRows(D d, std::int64_t rows, const float* a, std::int64_t a_row,
                          std::int64_t a_k, const TB* b, std::int64_t ldb, std::int64_t K, float* c,
-                         std::int64_t ldc, bool accumulate, const float* c_scale = nullptr) {
+                         std::int64_t ldc, bool accumulate, const float* c_scale = nullptr,
+                         const TB* pf = nullptr) {
   if constexpr (kTop) {
-    for (; rows >= R; rows -= R, a += R * a_row, c += R * ldc) {
-      MicroKernel<R, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale);
+    for (; rows >= R; rows -= R, a += R * a_row, c += R * ldc, pf = nullptr) {
+      MicroKernel<R, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale, pf);
     }
   }
   if constexpr (R > 1) {
     if (rows == R - 1) {
-      MicroKernel<R - 1, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale);
+      MicroKernel<R - 1, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale, pf);
     } else {
-      GemmRows<R - 1, VN, false>(d, rows, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale);
+      GemmRows<R - 1, VN, false>(d, rows, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale,
+                                 pf);
     }
   }
 }

@@ -39,7 +39,9 @@ operators. Plain eager calls (no compile/export tracing, no functorch transform,
 function mode, no tensor subclass: :func:`plain_eager`) skip the dispatcher: a ctx-style
 Function (``_EagerAttention``) calls the same implementation functions directly, which costs a
 few microseconds instead of the operator's few tens (generation calls attention thousands of
-times a second). Both routes run identical code and are tested against each other.
+times a second); a call without score variants takes ``_EagerPlain``, with the fewest
+arguments to apply and save and a backward that calls the pointer route itself. Both routes run
+identical code and are tested against each other.
 
 Threads: the implementations read ``torch.get_num_threads()`` when they run, outside any traced
 region (an exported or compiled graph uses the thread count of the process that runs it); the

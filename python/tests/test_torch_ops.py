@@ -494,3 +494,40 @@ def test_calls_without_gradients_build_no_autograd_node():
     detached = tmt.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(),
                                                 enable_gqa=True)
     assert detached.grad_fn is None and torch.equal(detached, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_eager_plain_function_matches_general_route_bitwise(dtype, causal):
+    """tokenmix.torch's call without score variants takes _EagerPlain (issue 18: the fewest
+    arguments, the pointer route in its backward); its output and gradients are the bits of the
+    general autograd.Function (_Attention, which the operators' routes share), and a double
+    backward through it is refused as on every route."""
+    g = torch.Generator().manual_seed(181)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    q0, k0, v0 = mk(2, 4, 8, 64), mk(2, 2, 8, 64), mk(2, 2, 8, 64)
+    dout = mk(2, 4, 8, 64)
+    applied = []
+    real_apply = _torch_ops._EagerPlain.apply
+    _torch_ops._EagerPlain.apply = lambda *a: applied.append(1) or real_apply(*a)
+    try:
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out = tokenmix.torch.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                          enable_gqa=True)
+        out.backward(dout)
+    finally:
+        _torch_ops._EagerPlain.apply = real_apply
+    assert applied == [1]
+    q2, k2, v2 = (t.clone().requires_grad_() for t in (q0, k0, v0))
+    ref = _torch_ops._Attention.apply(q2, k2, v2, None, None, None,
+                                      (None, causal, False, None, None))[0]
+    ref.backward(dout)
+    assert torch.equal(out, ref)
+    for a, b in ((q, q2), (k, k2), (v, v2)):
+        assert a.grad.dtype == dtype and torch.equal(a.grad, b.grad)
+    q3, k3, v3 = (t.clone().requires_grad_() for t in (q0, k0, v0))
+    o3 = tokenmix.torch.scaled_dot_product_attention(q3, k3, v3, is_causal=causal,
+                                                     enable_gqa=True)
+    (gq,) = torch.autograd.grad(o3, q3, dout, create_graph=True)
+    with pytest.raises(tokenmix.UnsupportedError, match="double backward"):
+        gq.sum().backward()

@@ -39,7 +39,9 @@ operators. Plain eager calls (no compile/export tracing, no functorch transform,
 function mode, no tensor subclass: :func:`plain_eager`) skip the dispatcher: a ctx-style
 Function (``_EagerAttention``) calls the same implementation functions directly, which costs a
 few microseconds instead of the operator's few tens (generation calls attention thousands of
-times a second). Both routes run identical code and are tested against each other.
+times a second); a call without score variants takes ``_EagerPlain``, with the fewest
+arguments to apply and save and a backward that calls the pointer route itself. Both routes run
+identical code and are tested against each other.
 
 Threads: the implementations read ``torch.get_num_threads()`` when they run, outside any traced
 region (an exported or compiled graph uses the thread count of the process that runs it); the
@@ -139,24 +141,61 @@ def _variant_kwargs(alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
 # Implementations (run eagerly: inside an operator call, or from the eager autograd.Function)
 
 
+def _plain_forward(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], is_causal: bool,
+                   bottom_right: bool) -> Tuple[Tensor, Tensor]:
+    """_forward_impl without score variants (generation's and training's common call): the
+    tensors' pointers, shapes and strides, no NumPy views or transposed tensors (each costs
+    microseconds; the kernels take fewer)."""
+    _check_qkv("attention_forward", q, k, v)
+    B, H, L, E = qs = q.shape
+    dt = q.dtype
+    out_bthd = torch.empty((B, L, H, E), dtype=dt)  # q's dtype (SPEC "Reduced precision")
+    lse = torch.empty((B, H, L), dtype=torch.float32)  # float32 for every dtype
+    code = _CODE[dt]
+    _C._attention_forward_ptr(q.data_ptr(), code, qs, q.stride(), k.data_ptr(), code, k.shape,
+                              k.stride(), v.data_ptr(), code, v.shape, v.stride(),
+                              out_bthd.data_ptr(), out_bthd.stride(), lse.data_ptr(),
+                              lse.stride(), scale, is_causal, bottom_right,
+                              torch.get_num_threads())
+    return out_bthd.transpose(1, 2), lse
+
+
+def _plain_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    scale: Optional[float], is_causal: bool,
+                    bottom_right: bool) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+    """(dq, dk, dv) of _backward_impl without score variants, by pointers; None when out, lse
+    or dout are not what the pointer route assumes (then _backward_impl's general route
+    runs, whose messages name the argument)."""
+    _check_qkv("attention_backward", q, k, v)
+    dt = q.dtype
+    if dout.dtype != dt:
+        dout = dout.to(dt)
+    qs = q.shape
+    if not (out.dtype == dt and lse.dtype == torch.float32 and out.shape == qs
+            and dout.shape == qs and lse.shape == qs[:3] and out.is_cpu and dout.is_cpu
+            and lse.is_cpu):
+        return None
+    # Gradients with the strides of q, k, v (_grad_like).
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _C._attention_backward_ptr(q.data_ptr(), _CODE[dt], qs, q.stride(), k.data_ptr(), k.shape,
+                               k.stride(), v.data_ptr(), v.shape, v.stride(), out.data_ptr(),
+                               out.stride(), lse.data_ptr(), lse.stride(), dout.data_ptr(),
+                               dout.stride(), dq.data_ptr(), dq.stride(), dk.data_ptr(),
+                               dk.stride(), dv.data_ptr(), dv.stride(), scale, is_causal,
+                               bottom_right, torch.get_num_threads())
+    return dq, dk, dv
+
+
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                   alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: Optional[float],
                   is_causal: bool, bottom_right: bool, window: Optional[int],
                   softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+    if _no_variants(attn_mask, alibi_slopes, sinks, window, softcap):
+        return _plain_forward(q, k, v, scale, is_causal, bottom_right)
     _check_qkv("attention_forward", q, k, v)
     B, H, L, E = q.shape
     out_bthd = torch.empty((B, L, H, E), dtype=q.dtype)  # q's dtype (SPEC "Reduced precision")
     lse = torch.empty((B, H, L), dtype=torch.float32)  # float32 for every dtype
-    if _no_variants(attn_mask, alibi_slopes, sinks, window, softcap):
-        # The common call (generation's): the tensors' pointers, shapes and strides, no NumPy
-        # views or transposed tensors (each costs microseconds; the kernels take fewer).
-        _C._attention_forward_ptr(q.data_ptr(), _CODE[q.dtype], q.shape, q.stride(),
-                                  k.data_ptr(), _CODE[k.dtype], k.shape, k.stride(),
-                                  v.data_ptr(), _CODE[v.dtype], v.shape, v.stride(),
-                                  out_bthd.data_ptr(), out_bthd.stride(), lse.data_ptr(),
-                                  lse.stride(), scale, is_causal, bottom_right,
-                                  torch.get_num_threads())
-        return out_bthd.transpose(1, 2), lse
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
     if attn_mask is not None:
         kw["mask"] = _np(attn_mask)
@@ -177,25 +216,16 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    sinks: Optional[Tensor], scale: Optional[float], is_causal: bool,
                    bottom_right: bool, window: Optional[int],
                    softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    if _no_variants(attn_mask, alibi_slopes, sinks, window, softcap):
+        grads = _plain_backward(dout, q, k, v, out, lse, scale, is_causal, bottom_right)
+        if grads is not None:
+            return grads + (torch.empty((0,), dtype=torch.float32),)
     _check_qkv("attention_backward", q, k, v)
     dt = q.dtype
     if dout.dtype != dt:
         dout = dout.to(dt)
     dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
     dsinks = torch.empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
-    qs = q.shape
-    if (_no_variants(attn_mask, alibi_slopes, sinks, window, softcap) and out.dtype == dt
-            and lse.dtype == torch.float32 and out.shape == qs and dout.shape == qs
-            and lse.shape == qs[:3] and out.is_cpu and dout.is_cpu and lse.is_cpu):
-        # The common call, by pointers (as in _forward_impl; the shapes the extension assumes
-        # for out, dout and lse are checked here).
-        _C._attention_backward_ptr(q.data_ptr(), _CODE[dt], qs, q.stride(), k.data_ptr(),
-                                   k.shape, k.stride(), v.data_ptr(), v.shape, v.stride(),
-                                   out.data_ptr(), out.stride(), lse.data_ptr(), lse.stride(),
-                                   dout.data_ptr(), dout.stride(), dq.data_ptr(), dq.stride(),
-                                   dk.data_ptr(), dk.stride(), dv.data_ptr(), dv.stride(), scale,
-                                   is_causal, bottom_right, torch.get_num_threads())
-        return dq, dk, dv, dsinks
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
     if attn_mask is not None:
         kw["mask"] = _np(attn_mask)
@@ -621,6 +651,36 @@ class _EagerAttention(torch.autograd.Function):
         return _Attention.backward(ctx, dout, None)
 
 
+class _EagerPlain(torch.autograd.Function):
+    """_EagerAttention without score variants (no mask, ALiBi, sinks, window or cap): the
+    fewest arguments to apply and to save, and a backward that calls the pointer route itself
+    (what a tiny training step pays per call, issue 18)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, scale: Optional[float],
+                is_causal: bool) -> Tensor:
+        out, lse = _plain_forward(q, k, v, scale, is_causal, False)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (scale, is_causal)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> Tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, is_causal = ctx.options
+        grads = None
+        if not torch.is_grad_enabled() and plain_eager(dout):
+            grads = _plain_backward(dout, q, k, v, out, lse, scale, is_causal, False)
+        if grads is None:  # create_graph (double backward refused), a mode or subclass, ...
+            args = (dout, q, k, v, out, lse, None, None, None, scale, is_causal, False, None,
+                    None)
+            if torch.is_grad_enabled():
+                grads = _AttentionBackward.apply(*args)[:3]
+            else:
+                grads = _backward_call(*args)[:3]
+        return grads + (None, None)
+
+
 class _EagerVarlen(torch.autograd.Function):
     """_Varlen for plain eager calls (see _EagerAttention)."""
 
@@ -644,6 +704,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     """out = attention_forward(...)[0], differentiable w.r.t. q, k, v and sinks. Arguments are
     taken as checked (tokenmix.torch and tokenmix.transformers validate them; a mask or ALiBi
     slopes that require grad are refused there)."""
+    if (sinks is None and not bottom_right and plain_eager(q, k, v)
+            and _no_variants(attn_mask, alibi_slopes, None, window, softcap)):
+        # The common call (generation's and a plain training step's).
+        if not (torch.is_grad_enabled()
+                and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            return _plain_forward(q, k, v, scale, is_causal, False)[0]
+        return _EagerPlain.apply(q, k, v, scale, is_causal)
     options = (scale, is_causal, bottom_right, window, softcap)
     if plain_eager(q, k, v, sinks):
         if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad

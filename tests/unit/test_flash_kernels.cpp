@@ -24,6 +24,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "reference/reference.hpp"
@@ -358,6 +359,74 @@ TEST_P(FlashKernels, BackwardBitwiseIdenticalAcrossThreadCounts) {
 TEST_P(FlashKernels, BackwardOnePassBitwiseIdenticalAcrossThreadCounts) {
   ExpectBackwardIndependentOfThreads({2, 97, 97, 8, 4, 32}, GetParam(),
                                      31);  // B·H_kv = 8: one pass
+}
+
+// Tiny problems (T_q and T_k within one vector: ≤ 16 on AVX-512, ≤ 8 on AVX2) run the backward
+// with lane blocks of one vector instead of kV (attention_bwd_f32_hwy.cpp): both passes and the
+// one-pass path (B·H_kv ≥ 8), T_q ≠ T_k both ways, one query row, odd d_h, GQA, both alignments,
+// non-causal, strided views; and bitwise independent of the thread count.
+std::vector<SimdCase> tiny_cases() {
+  return {
+      {1, 8, 8, 4, 4, 64},
+      {1, 4, 4, 4, 4, 64},
+      {2, 3, 7, 8, 4, 33},  // one pass
+      {2, 7, 3, 4, 4, 17},
+      {1, 8, 8, 7, 1, 5, false},
+      {1, 1, 8, 2, 2, 64},
+      {4, 8, 8, 4, 2, 40, true, CausalAlign::top_left},  // one pass
+      {2, 5, 8, 8, 4, 16, true, CausalAlign::bottom_right, Layout::strided},
+      {1, 4, 4, 2, 1, 128, true, CausalAlign::top_left, Layout::bhtd},
+      {1, 16, 16, 2, 2, 64, true, CausalAlign::top_left},
+  };
+}
+
+TEST_P(FlashKernels, BackwardTinyShapesMatchFloat64Reference) {
+  std::mt19937_64 rng(1818);
+  for (const SimdCase& c : tiny_cases()) ExpectBackwardMatchesReference(c, GetParam(), rng);
+  ExpectBackwardIndependentOfThreads({1, 8, 8, 4, 4, 64}, GetParam(), 5);
+  ExpectBackwardIndependentOfThreads({4, 8, 8, 4, 2, 40}, GetParam(), 6);
+}
+
+// The one-vector lane blocks of a tiny problem give bitwise the gradients of the full-width
+// ones: causal top-left with T_q = 8, T_k = 8 (one vector on AVX2 and AVX-512) against T_q = 8,
+// T_k = 24 (wider than a vector; keys 8.. are seen by no row), whose dQ, dK and dV of keys < 8
+// come from the same pairs, in the same order.
+TEST_P(FlashKernels, BackwardTinyShapesBitwiseMatchFullWidthLanes) {
+  for (const auto& [B, Hq, Hkv] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1, 4, 2},
+                                   {4, 4, 2}}) {  // two passes, one pass
+    const SimdCase narrow{B, 8, 8, Hq, Hkv, 24, true, CausalAlign::top_left};
+    const SimdCase wide{B, 8, 24, Hq, Hkv, 24, true, CausalAlign::top_left};
+    SCOPED_TRACE(case_name(wide));
+    std::mt19937_64 rng(99);
+    BackwardRun a(narrow, rng), w(wide, rng);
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t e = 0; e < 24; ++e) {
+        for (std::int64_t t = 0; t < 8; ++t) {
+          for (std::int64_t h = 0; h < Hq; ++h) {
+            w.q.at(b, t, h, e) = a.q.at(b, t, h, e);
+            w.dout.at(b, t, h, e) = a.dout.at(b, t, h, e);
+          }
+          for (std::int64_t h = 0; h < Hkv; ++h) {
+            w.k.at(b, t, h, e) = a.k.at(b, t, h, e);
+            w.v.at(b, t, h, e) = a.v.at(b, t, h, e);
+          }
+        }
+      }
+    a.run(narrow, GetParam(), 1);
+    w.run(wide, GetParam(), 1);
+    std::int64_t differ = 0;
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t t = 0; t < 8; ++t)
+        for (std::int64_t e = 0; e < 24; ++e) {
+          for (std::int64_t h = 0; h < Hq; ++h)
+            differ += a.dq.at(b, t, h, e) != w.dq.at(b, t, h, e);
+          for (std::int64_t h = 0; h < Hkv; ++h) {
+            differ += a.dk.at(b, t, h, e) != w.dk.at(b, t, h, e);
+            differ += a.dv.at(b, t, h, e) != w.dv.at(b, t, h, e);
+          }
+        }
+    EXPECT_EQ(differ, 0);
+  }
 }
 
 // Masked pairs contribute exactly nothing: keys no query sees get dK = dV = 0 exactly, rows that

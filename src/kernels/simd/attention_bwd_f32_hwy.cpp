@@ -87,14 +87,14 @@ struct TypedBackward {
         dv(as<T>(a.dv)) {}
 };
 
-template <class T>
+template <class T, int VN>
 void BackwardQueries(const BackwardArgs& bwd, float* delta) {
   const AttentionProblem& p = bwd.p;
   const TypedBackward<T> args(bwd);
   const hn::ScalableTag<float> d;
   const hn::RebindToSigned<decltype(d)> di;
   using VF = hn::Vec<decltype(d)>;
-  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = kV * N;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = VN * N;
   const std::int64_t dh = p.dh;
   const QueryUnits layout(p, M, kBlocksPerUnit);
   const std::int64_t units = layout.count, lane_blocks = layout.blocks;
@@ -242,9 +242,11 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
           const std::int64_t ua = std::max(u0, bs.key_begin) - u0;  // the block's keys k0 + [0, nt)
           const std::int64_t k0 = u0 + ua, nt = std::min(tile, bs.key_end - u0) - ua;
           const float* k_blk = k_rows + ua * dh;
-          GemmRows(d, nt, k_blk, dh, 1, bs.qt, M, dh, st, M, false);  // Sᵀ = K (scale·Q)ᵀ   (4.2)
-          GemmRows(d, nt, v_rows + ua * dh, dh, 1, bs.dot, M, dh, dpt, M, false);  // dPᵀ = V dOᵀ
-          if (elementwise) {  // the forward's S: cap, ALiBi, general mask
+          GemmRows<kR, VN>(d, nt, k_blk, dh, 1, bs.qt, M, dh, st, M,
+                           false);  // Sᵀ = K (scale·Q)ᵀ   (4.2)
+          GemmRows<kR, VN>(d, nt, v_rows + ua * dh, dh, 1, bs.dot, M, dh, dpt, M,
+                           false);  // dPᵀ = V dOᵀ
+          if (elementwise) {        // the forward's S: cap, ALiBi, general mask
             const auto is_row = [&](std::int64_t i) {
               return i / layout.mq < bs.blk.heads && i % layout.mq < bs.blk.positions;
             };
@@ -286,8 +288,8 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
           const PartialKeys part = keep != nullptr
                                        ? PartialKeys{0, nt}
                                        : PartialRange(bs.full_begin - k0, bs.full_end - k0, nt);
-          GemmRowsMaskedIfNonFinite(d, dh, k_blk, 1, dh, st, M, nt, bs.dqt, M, true, nullptr,
-                                    part.lo, part.hi, lane_sees);
+          GemmRowsMaskedIfNonFinite<VN>(d, dh, k_blk, 1, dh, st, M, nt, bs.dqt, M, true, nullptr,
+                                        part.lo, part.hi, lane_sees);
         }
       }
 
@@ -310,13 +312,13 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
 // a per-unit buffer of g × T_q/M lane blocks [d_h][M] (O(T·d_h) per head; blocked so each
 // chunk's dQᵀ is contiguous) — 5 products per score tile instead of 7,
 // and still exactly one owner per output row (deterministic for any thread count).
-template <class T, bool kOnePass>
+template <class T, bool kOnePass, int VN>
 void BackwardKeys(const BackwardArgs& bwd, float* delta) {
   const AttentionProblem& p = bwd.p;
   const TypedBackward<T> args(bwd);
   const hn::ScalableTag<float> d;
   using VF = hn::Vec<decltype(d)>;
-  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = kV * N;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = VN * N;
   const std::int64_t dh = p.dh, g = p.group();
   const std::int64_t kblocks = (p.tk + M - 1) / M;
   const std::int64_t units = kOnePass ? p.batch * p.hkv : p.batch * p.hkv * kblocks;
@@ -438,9 +440,9 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
             std::int64_t ldq = 0, lddo = 0;
             const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq, VecWiden());
             const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo, VecWiden());
-            GemmRows(d, rows, q_rows, ldq, 1, kt, M, dh, scores, M,
-                     false);  // S = Q (scale·K)ᵀ (4.2)
-            GemmRows(d, rows, do_rows, lddo, 1, vt, M, dh, dp, M, false);  // dP = dO Vᵀ
+            GemmRows<kR, VN>(d, rows, q_rows, ldq, 1, kt, M, dh, scores, M,
+                             false);  // S = Q (scale·K)ᵀ (4.2)
+            GemmRows<kR, VN>(d, rows, do_rows, lddo, 1, vt, M, dh, dp, M, false);  // dP = dO Vᵀ
             for (std::int64_t r = 0; r < rows; ++r) {
               const std::int64_t t = c0 + r;
               // Lanes [lo, visible) see their key (key range of the row, SPEC 4.3 and variants).
@@ -488,10 +490,10 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
               }
               return seen;
             };
-            GemmRowsMaskedIfNonFinite(d, dh, do_rows, 1, lddo, scores, M, rows, dvt, M, true,
-                                      nullptr, r_lo, r_hi, row_sees);
-            GemmRowsMaskedIfNonFinite(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true, nullptr,
-                                      r_lo, r_hi, row_sees);
+            GemmRowsMaskedIfNonFinite<VN>(d, dh, do_rows, 1, lddo, scores, M, rows, dvt, M, true,
+                                          nullptr, r_lo, r_hi, row_sees);
+            GemmRowsMaskedIfNonFinite<VN>(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true, nullptr,
+                                          r_lo, r_hi, row_sees);
             if constexpr (kOnePass) {
               // dQᵀ[x][c0 + r] += Σ_u K[u][x] dS[r][u]: dS transposed to [key][row] (rows past
               // T_q zeroed), then the microkernel with B = dSᵀ, C = the chunk's columns of dQᵀ.
@@ -516,9 +518,9 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
               };
               const PartialKeys part =
                   keep != nullptr ? PartialKeys{0, keys} : PartialRange(full_lo, full_hi, keys);
-              GemmRowsMaskedIfNonFinite(d, dh, k_nat, 1, dh, dst, M, keys,
-                                        dqt + ((h - j * g) * tq_pad + c0) * dh, M, true, nullptr,
-                                        part.lo, part.hi, key_seen_by);
+              GemmRowsMaskedIfNonFinite<VN>(d, dh, k_nat, 1, dh, dst, M, keys,
+                                            dqt + ((h - j * g) * tq_pad + c0) * dh, M, true,
+                                            nullptr, part.lo, part.hi, key_seen_by);
             }
           }
         }
@@ -542,8 +544,8 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
   RunTeam(team, team_work);
 }
 
-template <class T>
-void AttentionBwdT(const BackwardArgs& args) {
+template <class T, int VN>
+void AttentionBwdLanes(const BackwardArgs& args) {
   const AttentionProblem& p = args.p;
   ScratchLayout delta_layout(p.site);  // D [B, H_q, T_q], shared by both passes
   const auto delta_slot = delta_layout.add<float>(
@@ -554,10 +556,26 @@ void AttentionBwdT(const BackwardArgs& args) {
   // the choice depends on the shape only, never on the thread count, so results stay bitwise
   // independent of it.
   if (p.batch * p.hkv >= kOnePassMinUnits) {
-    BackwardKeys<T, true>(args, delta);
+    BackwardKeys<T, true, VN>(args, delta);
   } else {
-    BackwardQueries<T>(args, delta);
-    BackwardKeys<T, false>(args, delta);
+    BackwardQueries<T, VN>(args, delta);
+    BackwardKeys<T, false, VN>(args, delta);
+  }
+}
+
+template <class T>
+void AttentionBwdT(const BackwardArgs& args) {
+  const AttentionProblem& p = args.p;
+  // A tiny problem (every query row and every key within one vector of lanes, a small training
+  // step's attention) runs with lane blocks of one vector instead of kV: most of a wide block's
+  // work (products, packing, zeroing) is then padding lanes. Each lane's arithmetic is the same
+  // FMA sequence at either width, so the results are the same; the choice depends on the shape
+  // only (never on the thread count).
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(hn::ScalableTag<float>()));
+  if (p.tq <= N && p.tk <= N) {
+    AttentionBwdLanes<T, 1>(args);
+  } else {
+    AttentionBwdLanes<T, kV>(args);
   }
 }
 

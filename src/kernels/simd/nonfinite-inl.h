@@ -101,10 +101,11 @@ HWY_NOINLINE void GemmRowsMasked(D d, std::int64_t rows, const float* a, std::in
   }
 }
 
-// GemmRows (kR × kV blocking, M = kV·Lanes lanes) when the A operand is finite for every k in
-// [k_lo, k_hi) — the k whose lanes are not all visible — else GemmRowsMasked. With an empty
-// range (every lane sees every k: the common case) there is no check at all.
-template <class D, class VisibleFn>
+// GemmRows (kR × VN blocking, M = VN·Lanes lanes; VN = kV unless the caller asks for another
+// width) when the A operand is finite for every k in [k_lo, k_hi) — the k whose lanes are not
+// all visible — else GemmRowsMasked. With an empty range (every lane sees every k: the common
+// case) there is no check at all.
+template <int VN = kV, class D, class VisibleFn>
 HWY_INLINE void GemmRowsMaskedIfNonFinite(D d, std::int64_t rows, const float* a,
                                           std::int64_t a_row, std::int64_t a_k, const float* b,
                                           std::int64_t ldb, std::int64_t K, float* c,
@@ -114,10 +115,10 @@ HWY_INLINE void GemmRowsMaskedIfNonFinite(D d, std::int64_t rows, const float* a
   k_lo = std::clamp<std::int64_t>(k_lo, 0, K);
   k_hi = std::clamp<std::int64_t>(k_hi, k_lo, K);
   if (k_lo < k_hi && AnyNonFinite(d, a, a_row, a_k, rows, k_lo, k_hi)) {
-    const std::int64_t M = kV * static_cast<std::int64_t>(hn::Lanes(d));
+    const std::int64_t M = VN * static_cast<std::int64_t>(hn::Lanes(d));
     GemmRowsMasked(d, rows, a, a_row, a_k, b, ldb, K, c, ldc, M, accumulate, c_scale, visible);
   } else {
-    GemmRows(d, rows, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale);
+    GemmRows<kR, VN>(d, rows, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale);
   }
 }
 

@@ -72,8 +72,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     has_zero = has_zero || d == 0;
     if (!overflowed) overflowed = __builtin_mul_overflow(count, d, &count);
   }
-  if (has_zero) count = 0;
-  else if (overflowed) std::abort();  // a non-empty array this large cannot fit in the input
+  if (has_zero)
+    count = 0;
+  else if (overflowed)
+    std::abort();  // a non-empty array this large cannot fit in the input
   if (count != array.size()) std::abort();
 
   const std::vector<unsigned char> encoded = io::encode_npy(array.shape, array.data);

@@ -38,9 +38,9 @@ void run_case(benchmark::State& state, bool backward) {
     return;
   }
   const BenchConfig defaults;
-  const tokenmix::testkit::AttentionShape shape{defaults.batch,  state.range(0), state.range(0),
-                                                defaults.hq,     defaults.hkv,   defaults.dh,
-                                                defaults.causal, defaults.align};
+  const tokenmix::testkit::AttentionShape shape{
+      defaults.batch.front(), state.range(0), state.range(0),  defaults.hq,
+      defaults.hkv,           defaults.dh,    defaults.causal, defaults.align};
   AttentionRun run(shape, backward, isa, /*threads=*/0);
   run.forward();
   for (auto _ : state) run.call();

@@ -9,6 +9,9 @@ endif()
 add_executable(tokenmix_cli_npy_tool ${CMAKE_CURRENT_LIST_DIR}/npy_tool.cpp)
 target_link_libraries(tokenmix_cli_npy_tool PRIVATE tokenmix_io tokenmix_reference)
 
+# Runs `tokenmix bench ... --json` and checks its JSON lines against each other (issue 16).
+add_executable(tokenmix_cli_bench_json_check ${CMAKE_CURRENT_LIST_DIR}/bench_json_check.cpp)
+
 set(TOKENMIX_CLI_DRIVER ${CMAKE_CURRENT_LIST_DIR}/run_cli.cmake)
 set(TOKENMIX_CLI_DIR ${CMAKE_CURRENT_BINARY_DIR}/cli)
 set(TOKENMIX_CLI_NPY_TOOL $<TARGET_FILE:tokenmix_cli_npy_tool>)
@@ -191,6 +194,45 @@ tokenmix_cli_test(bench_decode_outlier_json
 tokenmix_cli_test(bench_plain_json_has_no_variants
                   ARGS bench backward --tq 32 --hq 2 --hkv 1 --dh 8 --repeats 1 --json TIMEOUT 600
                   STDOUT "\"window\": null, \"softcap\": null, \"alibi\": false, \"sinks\": null")
+# Issue 16: decode measures both ceilings (streaming read and forward's sgemm) and reports the
+# roofline time max(bytes / read ceiling, FLOPs / sgemm ceiling) and ratio_roofline; --batch and
+# --tnew are lists (one case each); --lengths mixed draws per-sequence lengths deterministically.
+# bench_json_check recomputes the new keys from each JSON line's own fields (not a timing test).
+function(tokenmix_bench_json_test name)
+  add_test(NAME cli_${name} COMMAND tokenmix_cli_bench_json_check $<TARGET_FILE:tokenmix_cli>
+                                    ${ARGN})
+  set_tests_properties(cli_${name} PROPERTIES TIMEOUT 600 LABELS cli)
+endfunction()
+tokenmix_bench_json_test(bench_decode_roofline_lists
+                         --lines 8 --values batch=1,3 --values tq=1,2 --values tk=64,80
+                         --lengths equal
+                         -- bench decode --batch 1,3 --tnew 1,2 --cache-tokens 64,80 --cache-dtype f32
+                            --hq 4 --hkv 2 --dh 16 --threads 1 --repeats 1 --json)
+tokenmix_bench_json_test(bench_decode_mixed_lengths
+                         --lines 3 --runs 2 --lengths mixed --values cache_dtype=f32,bf16,int8
+                         -- bench decode --batch 4 --cache-tokens 64 --cache-dtype f32,bf16,int8
+                            --lengths mixed --hq 4 --hkv 2 --dh 16 --threads 1 --repeats 1 --json)
+tokenmix_bench_json_test(bench_decode_roofline_window
+                         --lines 1 --lengths mixed
+                         -- bench decode --batch 3 --tnew 2 --cache-tokens 100 --cache-dtype f16
+                            --lengths mixed --window 16 --hq 4 --hkv 2 --dh 16 --threads 1
+                            --repeats 1 --json)
+tokenmix_bench_json_test(bench_forward_batch_list
+                         --lines 2 --values batch=1,2 --values op=forward
+                         -- bench forward --batch 1,2 --tq 32 --hq 2 --hkv 1 --dh 8 --threads 1
+                            --repeats 1 --json)
+# The draw of --lengths mixed is fixed (std::mt19937_64, seed 16): B = 4, T_k = 64 holds
+# 312 positions in all, from 58 to 93 (not 4 · 64); the table shows the new columns.
+tokenmix_cli_test(bench_decode_mixed_table
+                  ARGS bench decode --batch 4 --cache-tokens 64 --cache-dtype f32 --lengths mixed
+                       --hq 4 --hkv 2 --dh 16 --threads 1 --repeats 1 TIMEOUT 600
+                  STDOUT "lengths: mixed.*seed 16.*B T_new +T_k +sum_T_k.*GB/s ceiling +ratio +GFLOP/s +sgemm +roof_ms +r_roof.*decode +4 +1 +64 +312 ")
+tokenmix_cli_test(bench_decode_mixed_json_total
+                  ARGS bench decode --batch 4 --cache-tokens 64 --cache-dtype f32 --lengths mixed
+                       --hq 4 --hkv 2 --dh 16 --threads 1 --repeats 1 --json TIMEOUT 600
+                  STDOUT "\"lengths\": \"mixed\", \"cache_tokens_total\": 312, \"cache_tokens_min\": 58, \"cache_tokens_max\": 93")
+tokenmix_cli_test(bench_help_decode_lists ARGS bench --help
+                  STDOUT "--batch.*comma-separated.*--tnew.*comma-separated.*--lengths.*mixed.*seed 16")
 
 # A successful run replaces an existing output, through a temporary file that does not remain.
 tokenmix_cli_test(npy_replaces_existing_output FIXTURES cli_npy
@@ -312,6 +354,18 @@ tokenmix_cli_error(error_bench_bad_cache_dtype "--cache-dtype: fp8 not in"
                    ARGS bench decode --cache-dtype fp8)
 tokenmix_cli_error(error_bench_bad_kv_outlier "--kv-outlier must be a finite number > 0; got -1"
                    ARGS bench decode --cache-tokens 64 --kv-outlier -1)
+tokenmix_cli_error(error_bench_tnew_zero "bench: --tnew values must be >= 1; got 0"
+                   ARGS bench decode --cache-tokens 64 --tnew 0)
+tokenmix_cli_error(error_bench_tnew_list_zero "bench: --tnew values must be >= 1; got 0"
+                   ARGS bench decode --cache-tokens 64 --tnew 2,0)
+tokenmix_cli_error(error_bench_batch_zero "bench: --batch values must be >= 1; got 0"
+                   ARGS bench decode --cache-tokens 64 --batch 0)
+tokenmix_cli_error(error_bench_batch_list_zero "bench: --batch values must be >= 1; got 0"
+                   ARGS bench forward --tq 16 --batch 1,0)
+tokenmix_cli_error(error_bench_bad_lengths "--lengths: foo not in"
+                   ARGS bench decode --cache-tokens 64 --lengths foo)
+tokenmix_cli_error(error_bench_cache_tokens_zero "bench: --cache-tokens values must be >= 1; got 0"
+                   ARGS bench decode --cache-tokens 0)
 # Score-variant flags: bad values, sinks of the wrong length, file mode only, --dsinks needs them.
 tokenmix_cli_error(error_window_zero "--window: Value 0 not in range"
                    ARGS run ${_cli_qkv_a} --out ${_cli_e} --window 0)

@@ -187,6 +187,16 @@ double windowed_forward_flops(const testkit::AttentionShape& s,
   return forward_flops_windowed(s.B, s.T_q, s.T_k, s.H_q, s.d_h, s.causal, s.align, *window);
 }
 
+std::vector<std::int64_t> decode_lengths(std::int64_t B, std::int64_t T_k, bool mixed) {
+  std::vector<std::int64_t> lengths(static_cast<std::size_t>(B), T_k);
+  if (!mixed) return lengths;
+  std::mt19937_64 rng(kMixedLengthsSeed);  // its output sequence is fixed by the standard
+  const std::int64_t h = T_k / 2;
+  const auto span = static_cast<std::uint64_t>(2 * h + 1);
+  for (std::int64_t& L : lengths) L = T_k - h + static_cast<std::int64_t>(rng() % span);
+  return lengths;
+}
+
 double bf16_gemm_ceiling_gflops(int threads, std::string& kind, int repeats) {
 #ifdef TOKENMIX_HAVE_ONEDNN
   using dnnl::memory;
@@ -430,7 +440,14 @@ std::string to_json(const BenchResult& r) {
     os << ", \"cache_dtype\": \"" << r.cache_dtype << "\", \"gbps\": " << r.gbps
        << ", \"ceiling_gbps\": " << r.ceiling_gbps << ", \"tokens_per_s\": " << r.tokens_per_s
        << ", \"err_vs_unquantized\": " << r.err_vs_unquantized
-       << ", \"kv_outlier\": " << r.kv_outlier;
+       << ", \"kv_outlier\": " << r.kv_outlier << ", \"ceiling_gbps_kind\": \""
+       << r.ceiling_gbps_kind << "\", \"ratio_gflops\": " << r.ratio_gflops
+       << ", \"kv_bytes\": " << r.kv_bytes << ", \"flops\": " << std::setprecision(17) << r.flops
+       << std::setprecision(6) << ", \"roofline_ms\": " << r.roofline_ms
+       << ", \"ratio_roofline\": " << r.ratio_roofline << ", \"lengths\": \"" << r.lengths
+       << "\", \"cache_tokens_total\": " << r.cache_tokens_total
+       << ", \"cache_tokens_min\": " << r.cache_tokens_min
+       << ", \"cache_tokens_max\": " << r.cache_tokens_max;
   }
   os << ", \"cpu\": \"" << cpu_features().model << "\"}";
   return os.str();
@@ -443,24 +460,27 @@ void print_result(std::ostream& out, const BenchResult& r, bool json) {
     out << to_json(r) << "\n";
     return;
   }
-  char line[256];
+  char line[320];
   const double extra_mib = r.extra_bytes < 0 ? -1.0 : r.extra_bytes / 1048576.0;
   if (r.op == "decode") {
     std::snprintf(line, sizeof line,
-                  "  %-8s %5lld %6lld %4lld %4lld %3lld %3d %-7s %-5s %8.2f %8.1f %8.1f %6.3f "
-                  "%12.2e %10.1f\n",
-                  "decode", static_cast<long long>(r.tq), static_cast<long long>(r.tk),
+                  "  %-8s %4lld %5lld %6lld %8lld %4lld %4lld %3lld %3d %-7s %-8s %8.2f %7.1f "
+                  "%7.1f %6.3f %8.1f %7.1f %8.3f %6.3f %12.2e %10.1f\n",
+                  "decode", static_cast<long long>(r.batch), static_cast<long long>(r.tq),
+                  static_cast<long long>(r.tk), static_cast<long long>(r.cache_tokens_total),
                   static_cast<long long>(r.hq), static_cast<long long>(r.hkv),
                   static_cast<long long>(r.dh), r.threads, r.isa.c_str(), r.cache_dtype.c_str(),
-                  r.seconds * 1e3, r.gbps, r.ceiling_gbps, r.ratio, r.max_rel_err, extra_mib);
+                  r.seconds * 1e3, r.gbps, r.ceiling_gbps, r.ratio, r.gflops, r.ceiling_gflops,
+                  r.roofline_ms, r.ratio_roofline, r.max_rel_err, extra_mib);
   } else {
-    std::snprintf(
-        line, sizeof line,
-        "  %-8s %6lld %6lld %4lld %4lld %3lld %3d %-7s %9.2f %9.1f %6.1f %6.3f %12.2e %10.1f\n",
-        r.op.c_str(), static_cast<long long>(r.tq), static_cast<long long>(r.tk),
-        static_cast<long long>(r.hq), static_cast<long long>(r.hkv), static_cast<long long>(r.dh),
-        r.threads, r.isa.c_str(), r.seconds * 1e3, r.gflops, r.ceiling_gflops, r.ratio,
-        r.max_rel_err, extra_mib);
+    std::snprintf(line, sizeof line,
+                  "  %-8s %4lld %6lld %6lld %4lld %4lld %3lld %3d %-7s %9.2f %9.1f %6.1f %6.3f "
+                  "%12.2e %10.1f\n",
+                  r.op.c_str(), static_cast<long long>(r.batch), static_cast<long long>(r.tq),
+                  static_cast<long long>(r.tk), static_cast<long long>(r.hq),
+                  static_cast<long long>(r.hkv), static_cast<long long>(r.dh), r.threads,
+                  r.isa.c_str(), r.seconds * 1e3, r.gflops, r.ceiling_gflops, r.ratio,
+                  r.max_rel_err, extra_mib);
   }
   out << line;
 }
@@ -468,12 +488,42 @@ void print_result(std::ostream& out, const BenchResult& r, bool json) {
 
 namespace {
 
+// A list option's values: at least one, each >= 1 (ArgumentError naming the option otherwise).
+void check_positive_list(const char* name, const std::vector<std::int64_t>& values) {
+  if (values.empty())
+    throw ArgumentError(ErrorCode::invalid_argument,
+                        std::string("bench: ") + name + " needs at least one value; got none");
+  for (std::int64_t v : values)
+    if (v < 1)
+      throw ArgumentError(
+          ErrorCode::invalid_argument,
+          std::string("bench: ") + name + " values must be >= 1; got " + std::to_string(v));
+}
+
+// The sgemm 2048³ ceiling of forward, once per thread count (measured on first use).
+double sgemm_ceiling_cached(std::map<int, double>& ceilings, int threads, bool progress) {
+  if (!ceilings.count(threads)) {
+    if (progress)
+      std::cerr << "[bench] measuring sgemm 2048^3 ceiling, " << threads << " thread(s)\n";
+    ceilings[threads] = sgemm_ceiling_gflops(threads);
+  }
+  return ceilings[threads];
+}
+
 // `tokenmix bench decode`: one attention_decode step (T_new queries per sequence) against a
-// contiguous KVCache holding T_k positions per sequence, for each (T_k, cache dtype, threads,
-// isa). Reports K/V bytes read per second next to the streaming read bandwidth measured in the
-// same run, and the max relative error of the group of KV head 0 (sequence 0) vs float64.
+// contiguous KVCache holding L_b positions in sequence b (all T_k, or decode_lengths' mixed
+// ones), for each (B, T_new, T_k, cache dtype, threads, isa). Reports K/V bytes read per second
+// next to the streaming read bandwidth measured in the same run (a pass before each step), the
+// useful GFLOP/s next to forward's sgemm ceiling, the roofline time of the two, and the max
+// relative error of the group of KV head 0 (sequence 0) vs float64.
 std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
-  if (cfg.tnew < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --tnew must be >= 1");
+  check_positive_list("--tnew", cfg.tnew);
+  check_positive_list("--cache-tokens", cfg.cache_tokens);
+  if (cfg.lengths != "equal" && cfg.lengths != "mixed") {
+    throw ArgumentError(ErrorCode::invalid_argument,
+                        "bench: --lengths must be equal or mixed; got '" + cfg.lengths + "'");
+  }
+  const bool mixed = cfg.lengths == "mixed";
   if (cfg.hq % cfg.hkv != 0)
     throw ArgumentError(ErrorCode::invalid_argument, "bench: --hkv must divide --hq");
   if (!(std::isfinite(cfg.kv_outlier) && cfg.kv_outlier > 0.0)) {
@@ -482,63 +532,99 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
         "bench: --kv-outlier must be a finite number > 0; got " + std::to_string(cfg.kv_outlier));
   }
   struct DecodeCase {
-    std::int64_t tk;
+    std::int64_t batch, tnew, tk;
     DType dtype;
     int threads;
     Isa isa;
   };
   std::vector<DecodeCase> cases;
-  for (std::int64_t tk : cfg.cache_tokens)
-    for (DType dt : cfg.cache_dtypes)
-      for (int th : cfg.threads)
-        for (Isa isa : cfg.isas) {
-          if (tk < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --tk must be >= 1");
-          if (th < 0)
-            throw ArgumentError(ErrorCode::invalid_argument, "bench: --threads must be >= 0");
-          cases.push_back({tk, dt, th == 0 ? default_threads() : th, resolve_isa(isa)});
-        }
+  for (std::int64_t B : cfg.batch)
+    for (std::int64_t Tn : cfg.tnew)
+      for (std::int64_t tk : cfg.cache_tokens)
+        for (DType dt : cfg.cache_dtypes)
+          for (int th : cfg.threads)
+            for (Isa isa : cfg.isas) {
+              if (th < 0)
+                throw ArgumentError(ErrorCode::invalid_argument,
+                                    "bench: --threads must be >= 0; got " + std::to_string(th));
+              cases.push_back({B, Tn, tk, dt, th == 0 ? default_threads() : th, resolve_isa(isa)});
+            }
   if (!cfg.json) {
     out << "tokenmix bench decode on " << cpu_features().model << "\n";
     if (cfg.variants.any()) out << "  variants: " << cfg.variants.describe() << "\n";
-    out << "  op       T_new    T_k  H_q H_kv d_h thr isa     cache     ms     GB/s  ceiling  "
-           "ratio  max_rel_err  extra_MiB\n";
+    if (mixed) {
+      out << "  lengths: mixed, sequence b holds L_b uniform in [T_k - T_k/2, T_k + T_k/2] "
+             "(std::mt19937_64, seed "
+          << kMixedLengthsSeed << "); sum_T_k = sum of the L_b\n";
+    }
+    char head[320];
+    std::snprintf(head, sizeof head,
+                  "  %-8s %4s %5s %6s %8s %4s %4s %3s %3s %-7s %-8s %8s %7s %7s %6s %8s %7s %8s "
+                  "%6s %12s %10s\n",
+                  "op", "B", "T_new", "T_k", "sum_T_k", "H_q", "H_kv", "d_h", "thr", "isa", "cache",
+                  "ms", "GB/s", "ceiling", "ratio", "GFLOP/s", "sgemm", "roof_ms", "r_roof",
+                  "max_rel_err", "extra_MiB");
+    out << head;
   }
-  const std::int64_t B = cfg.batch, Hq = cfg.hq, Hkv = cfg.hkv, D = cfg.dh, Tn = cfg.tnew,
-                     g = Hq / Hkv;
+  const std::int64_t Hq = cfg.hq, Hkv = cfg.hkv, D = cfg.dh, g = Hq / Hkv;
   std::vector<BenchResult> results;
   std::optional<StreamRead> stream;     // 1 GiB, allocated once
+  std::map<int, double> sgemm;          // the fp32 GEMM ceiling per thread count
   constexpr std::int64_t kFill = 4096;  // positions appended per call while filling the cache
-  std::vector<float> kv_k = random_normal(static_cast<std::size_t>(B * kFill * Hkv * D), 21),
-                     kv_v = random_normal(kv_k.size(), 22);
-  for (std::size_t i = 0; i < kv_k.size(); i += static_cast<std::size_t>(D)) {  // channel 0
-    kv_k[i] = static_cast<float>(kv_k[i] * cfg.kv_outlier);
-    kv_v[i] = static_cast<float>(kv_v[i] * cfg.kv_outlier);
-  }
-  std::vector<float> q = random_normal(static_cast<std::size_t>(B * Tn * Hq * D), 23);
-  std::vector<float> o(q.size()), lse(static_cast<std::size_t>(B * Hq * Tn));
+  // K/V rows [B, kFill, H_kv, d_h] (regenerated when B changes; sequence b's rows are the same
+  // for any B) and the queries [B, T_new, H_q, d_h] (when B or T_new changes).
+  std::int64_t B = 0, Tn = 0;
+  std::vector<float> kv_k, kv_v, q, o, lse;
+  std::vector<std::uint16_t> q16, o16;
   // --dtype bf16/f16: the queries and outputs in that dtype (q keeps the rounded values).
   const DType qdt = cfg.dtype;
-  std::vector<std::uint16_t> q16(qdt == DType::f32 ? 0 : q.size()), o16(q16.size());
-  for (std::size_t i = 0; i < q16.size(); ++i) {
-    kernels::store_element(qdt, q16.data(), static_cast<std::int64_t>(i), q[i]);
-    q[i] = kernels::load_element(qdt, q16.data(), static_cast<std::int64_t>(i));
-  }
   for (const DecodeCase& c : cases) {
+    if (c.batch != B) {
+      B = c.batch;
+      Tn = 0;
+      kv_k = random_normal(static_cast<std::size_t>(B * kFill * Hkv * D), 21);
+      kv_v = random_normal(kv_k.size(), 22);
+      for (std::size_t i = 0; i < kv_k.size(); i += static_cast<std::size_t>(D)) {  // channel 0
+        kv_k[i] = static_cast<float>(kv_k[i] * cfg.kv_outlier);
+        kv_v[i] = static_cast<float>(kv_v[i] * cfg.kv_outlier);
+      }
+    }
+    if (c.tnew != Tn) {
+      Tn = c.tnew;
+      q = random_normal(static_cast<std::size_t>(B * Tn * Hq * D), 23);
+      o.assign(q.size(), 0.0f);
+      lse.assign(static_cast<std::size_t>(B * Hq * Tn), 0.0f);
+      q16.assign(qdt == DType::f32 ? 0 : q.size(), 0);
+      o16.assign(q16.size(), 0);
+      for (std::size_t i = 0; i < q16.size(); ++i) {
+        kernels::store_element(qdt, q16.data(), static_cast<std::int64_t>(i), q[i]);
+        q[i] = kernels::load_element(qdt, q16.data(), static_cast<std::int64_t>(i));
+      }
+    }
+    const double ceiling_gflops = sgemm_ceiling_cached(sgemm, c.threads, cfg.progress);
     if (!stream) {
       if (cfg.progress)
         std::cerr << "[bench] allocating the 1 GiB streaming-read buffer (the ceiling)\n";
       stream.emplace();
     }
     if (cfg.progress) {
-      std::cerr << "[bench] decode T_k=" << c.tk << " cache=" << to_string(c.dtype)
+      std::cerr << "[bench] decode B=" << B << " T_new=" << Tn << " T_k=" << c.tk
+                << (mixed ? " (mixed)" : "") << " cache=" << to_string(c.dtype)
                 << " threads=" << c.threads << " isa=" << to_string(c.isa) << "\n";
     }
-    KVCache cache({1, B, Hkv, D, c.tk, c.dtype, 0, 0});
-    for (std::int64_t t0 = 0; t0 < c.tk; t0 += kFill) {  // the 4096-position pattern repeats
-      const std::int64_t n = std::min(kFill, c.tk - t0);
-      const std::array<std::int64_t, 4> st{kFill * Hkv * D, Hkv * D, D, 1};
-      cache.append(0, 0, ConstTensorView{kv_k.data(), DType::f32, 4, {B, n, Hkv, D}, st},
-                   ConstTensorView{kv_v.data(), DType::f32, 4, {B, n, Hkv, D}, st});
+    const std::vector<std::int64_t> lengths = decode_lengths(B, c.tk, mixed);
+    const std::int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+    KVCache cache({1, B, Hkv, D, longest, c.dtype, 0, 0});
+    for (std::int64_t b = 0; b < B; ++b) {  // sequence b: its rows of the repeating pattern
+      const std::int64_t L = lengths[static_cast<std::size_t>(b)];
+      const float* kb = kv_k.data() + b * kFill * Hkv * D;
+      const float* vb = kv_v.data() + b * kFill * Hkv * D;
+      for (std::int64_t t0 = 0; t0 < L; t0 += kFill) {  // the 4096-position pattern repeats
+        const std::int64_t n = std::min(kFill, L - t0);
+        const std::array<std::int64_t, 4> st{kFill * Hkv * D, Hkv * D, D, 1};
+        cache.append(0, b, ConstTensorView{kb, DType::f32, 4, {1, n, Hkv, D}, st},
+                     ConstTensorView{vb, DType::f32, 4, {1, n, Hkv, D}, st});
+      }
     }
     DecodeOptions opt;
     opt.threads = c.threads;
@@ -587,33 +673,48 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     res.causal = true;
     res.align = "bottom-right";
     res.seconds = median(times);
-    // Useful work: the pairs the T_new queries see (bottom-right, SPEC "Useful-work counts"),
-    // only the window's with one; bytes: what the step reads (decode_bytes, window-aware).
-    const std::int64_t pairs =
-        windowed_pairs(Tn, c.tk, true, CausalAlign::bottom_right, cfg.variants.window);
-    res.gflops = 4.0 * D * Hq * static_cast<double>(pairs) * B / res.seconds * 1e-9;
-    res.ceiling_gflops = 0.0;
+    res.lengths = cfg.lengths;
+    res.cache_tokens_total = 0;
+    for (std::int64_t len : lengths) res.cache_tokens_total += len;
+    res.cache_tokens_min = *std::min_element(lengths.begin(), lengths.end());
+    res.cache_tokens_max = longest;
+    // Useful work: the pairs the T_new queries of each sequence see (bottom-right, SPEC
+    // "Useful-work counts"), only the window's with one; bytes: what the step reads
+    // (decode_bytes, window-aware, each sequence's own length).
+    std::int64_t pairs = 0;
+    for (std::int64_t len : lengths)
+      pairs += windowed_pairs(Tn, len, true, CausalAlign::bottom_right, cfg.variants.window);
+    res.flops = 4.0 * static_cast<double>(D) * static_cast<double>(Hq) * static_cast<double>(pairs);
+    res.gflops = res.flops / res.seconds * 1e-9;
+    res.ceiling_gflops = ceiling_gflops;
+    res.ratio_gflops = res.gflops / res.ceiling_gflops;
     res.dtype = to_string(qdt);
-    res.ceiling_kind = "stream_read_1GiB";
+    res.ceiling_kind = "openblas_sgemm_2048";
+    res.ceiling_gbps_kind = "stream_read_1GiB";
     for (std::size_t i = 0; i < o16.size(); ++i)  // bf16/f16 outputs widened for the error
       o[i] = kernels::load_element(qdt, o16.data(), static_cast<std::int64_t>(i));
     res.cache_dtype = to_string(c.dtype);
-    res.gbps =
-        static_cast<double>(decode_bytes(cache, 0, 0, B, cfg.variants.window.value_or(0), Tn)) /
-        res.seconds * 1e-9;
+    res.kv_bytes = decode_bytes(cache, 0, 0, B, cfg.variants.window.value_or(0), Tn);
+    res.gbps = static_cast<double>(res.kv_bytes) / res.seconds * 1e-9;
     res.variants = cfg.variants;
     res.ceiling_gbps = median(ceiling);
     res.ratio = res.gbps / res.ceiling_gbps;
+    // Roofline: the step can take no less than its bytes at the read ceiling, nor its useful
+    // FLOPs at the sgemm ceiling.
+    res.roofline_ms = 1e3 * std::max(static_cast<double>(res.kv_bytes) / (res.ceiling_gbps * 1e9),
+                                     res.flops / (res.ceiling_gflops * 1e9));
+    res.ratio_roofline = res.roofline_ms / (res.seconds * 1e3);
     res.tokens_per_s = static_cast<double>(B * Tn) / res.seconds;
     res.extra_bytes = peak_ok && peak >= 0 && rss_before >= 0
                           ? std::max<std::int64_t>(0, peak - rss_before) * 1024
                           : -1;
 
-    // Error: sequence 0, the g query heads of KV head 0, against the float64 oracle on the
-    // values as stored (fp32 rounded to the cache dtype; int8 / fp8: each row quantized as the
-    // cache does and dequantized in float64, SPEC "Quantized KV cache").
+    // Error: sequence 0 (its L_0 positions), the g query heads of KV head 0, against the float64
+    // oracle on the values as stored (fp32 rounded to the cache dtype; int8 / fp8: each row
+    // quantized as the cache does and dequantized in float64, SPEC "Quantized KV cache").
+    const std::int64_t L0 = lengths[0];
     const Tensor64 q64 = testkit::slice64(q, 1, Tn, Hq, D, 0, Tn, 0, g);
-    Tensor64 k64({1, c.tk, 1, D}), v64({1, c.tk, 1, D});
+    Tensor64 k64({1, L0, 1, D}), v64({1, L0, 1, D});
     auto rounded = [&](float x) {  // as the cache stores it (round to nearest even), widened
       std::uint32_t slot = 0;
       kernels::store_element(c.dtype, &slot, 0, x);
@@ -623,7 +724,7 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     const auto format =
         c.dtype == DType::int8 ? reference::KVQuant::int8 : reference::KVQuant::fp8_e4m3;
     std::vector<std::byte> qk(static_cast<std::size_t>(D)), qv(qk.size());
-    for (std::int64_t t = 0; t < c.tk; ++t) {
+    for (std::int64_t t = 0; t < L0; ++t) {
       const std::size_t row = static_cast<std::size_t>(((t % kFill) * Hkv) * D);
       if (quantized) {
         const float dk = kernels::quantize_row(c.dtype, &kv_k[row], 1, D, qk.data(), 1);
@@ -646,7 +747,7 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     res.max_rel_err =
         testkit::rel_err(testkit::slice64(o, 1, Tn, Hq, D, 0, Tn, 0, g).data, ref.out.data);
     // The same against the unrounded K/V: what the cache's dtype costs.
-    for (std::int64_t t = 0; t < c.tk; ++t)
+    for (std::int64_t t = 0; t < L0; ++t)
       for (std::int64_t x = 0; x < D; ++x) {
         const std::size_t src = static_cast<std::size_t>(((t % kFill) * Hkv) * D + x);
         k64.at(0, t, 0, x) = kv_k[src];
@@ -670,9 +771,9 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
     throw ArgumentError(ErrorCode::invalid_argument,
                         "bench: op must be forward, backward or decode; got '" + cfg.op + "'");
   }
-  for (auto [name, v] :
-       {std::pair{"--batch", cfg.batch}, std::pair{"--hq", cfg.hq}, std::pair{"--hkv", cfg.hkv},
-        std::pair{"--dh", cfg.dh}, std::pair{"--tk", cfg.tk + 1}}) {
+  check_positive_list("--batch", cfg.batch);
+  for (auto [name, v] : {std::pair{"--hq", cfg.hq}, std::pair{"--hkv", cfg.hkv},
+                         std::pair{"--dh", cfg.dh}, std::pair{"--tk", cfg.tk + 1}}) {
     if (v < 1)
       throw ArgumentError(ErrorCode::invalid_argument,
                           std::string("bench: ") + name + " must be >= 1");
@@ -683,24 +784,28 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
   if (cfg.op == "decode") return run_decode(cfg, out);
   const bool backward = cfg.op == "backward";
   std::vector<Case> cases;
-  for (std::int64_t tq : cfg.tq)
-    for (int th : cfg.threads)
-      for (Isa isa : cfg.isas) {
-        if (tq < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --tq must be >= 1");
-        if (th < 0)
-          throw ArgumentError(ErrorCode::invalid_argument, "bench: --threads must be >= 0");
-        const testkit::AttentionShape shape{cfg.batch,  tq,       cfg.tk > 0 ? cfg.tk : tq,
-                                            cfg.hq,     cfg.hkv,  cfg.dh,
-                                            cfg.causal, cfg.align};
-        cases.push_back({shape, th == 0 ? default_threads() : th, resolve_isa(isa)});
-      }
+  for (std::int64_t B : cfg.batch)
+    for (std::int64_t tq : cfg.tq)
+      for (int th : cfg.threads)
+        for (Isa isa : cfg.isas) {
+          if (tq < 1) throw ArgumentError(ErrorCode::invalid_argument, "bench: --tq must be >= 1");
+          if (th < 0)
+            throw ArgumentError(ErrorCode::invalid_argument, "bench: --threads must be >= 0");
+          const testkit::AttentionShape shape{
+              B, tq, cfg.tk > 0 ? cfg.tk : tq, cfg.hq, cfg.hkv, cfg.dh, cfg.causal, cfg.align};
+          cases.push_back({shape, th == 0 ? default_threads() : th, resolve_isa(isa)});
+        }
 
   if (!cfg.json) {
     out << "tokenmix bench " << cfg.op << " (" << to_string(cfg.dtype) << ") on "
         << cpu_features().model << "\n";
     if (cfg.variants.any()) out << "  variants: " << cfg.variants.describe() << "\n";
-    out << "  op        T_q    T_k  H_q H_kv d_h thr isa          ms   GFLOP/s   ceil  ratio  "
-           "max_rel_err  extra_MiB\n";
+    char head[256];
+    std::snprintf(head, sizeof head,
+                  "  %-8s %4s %6s %6s %4s %4s %3s %3s %-7s %9s %9s %6s %6s %12s %10s\n", "op", "B",
+                  "T_q", "T_k", "H_q", "H_kv", "d_h", "thr", "isa", "ms", "GFLOP/s", "ceil",
+                  "ratio", "max_rel_err", "extra_MiB");
+    out << head;
   }
   // The ceiling of the dtype (bench.hpp): bf16 GEMM (oneDNN) for bf16, sgemm otherwise.
   const bool bf16 = cfg.dtype == DType::bf16;
@@ -718,7 +823,7 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
                                  : sgemm_ceiling_gflops(c.threads);
     }
     if (cfg.progress) {
-      std::cerr << "[bench] " << cfg.op << " T_q=" << sh.T_q << " T_k=" << sh.T_k
+      std::cerr << "[bench] " << cfg.op << " B=" << sh.B << " T_q=" << sh.T_q << " T_k=" << sh.T_k
                 << " threads=" << c.threads << " isa=" << to_string(c.isa) << "\n";
     }
     AttentionRun run(sh, backward, c.isa, c.threads, cfg.variants, cfg.dtype);

@@ -6,7 +6,9 @@
 //           GEMM 2048³ (oneDNN matmul, bf16 × bf16 → f32, on the best ISA oneDNN finds) for bf16;
 //           the JSON says which (ceiling_kind) and the dtype
 //   decode: K/V bytes read per second (SPEC "decode bytes") / streaming read bandwidth (a
-//           multi-threaded sum over a 1 GiB buffer, ≫ L3), one attention_decode step on a KVCache
+//           multi-threaded sum over a 1 GiB buffer, ≫ L3), one attention_decode step on a
+//           KVCache; the same run also measures forward's sgemm ceiling and reports the roofline
+//           time max(bytes / read ceiling, useful FLOPs / sgemm ceiling) and its ratio to the step
 // Times are medians of several repetitions after a warm-up; each case also reports the max
 // relative error against the float64 reference on a slice of rows, and the peak extra memory.
 #pragma once
@@ -57,9 +59,20 @@ std::int64_t windowed_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, Cau
 /// forward_flops_windowed).
 double windowed_forward_flops(const testkit::AttentionShape& s, std::optional<std::int64_t> window);
 
+/// `--lengths mixed`: the per-sequence cache lengths L_b are drawn from a std::mt19937_64 seeded
+/// with this (r_b its b-th output, b = 0 … B − 1; the same B and T_k always give the same
+/// lengths, on any platform).
+inline constexpr std::uint64_t kMixedLengthsSeed = 16;
+
+/// Cached positions of each of the B sequences of a decode case with nominal length T_k ≥ 1:
+/// all T_k (`mixed` false), or L_b = T_k − h + (r_b mod (2h + 1)) with h = ⌊T_k / 2⌋, uniform in
+/// [T_k − h, T_k + h] (about [T_k/2, 3·T_k/2], mean T_k, every L_b ≥ 1), r_b as above.
+std::vector<std::int64_t> decode_lengths(std::int64_t B, std::int64_t T_k, bool mixed);
+
 struct BenchConfig {
-  std::string op = "forward";  ///< "forward", "backward" or "decode"
-  std::int64_t batch = 1, hq = 32, hkv = 8, dh = 128;
+  std::string op = "forward";             ///< "forward", "backward" or "decode"
+  std::vector<std::int64_t> batch = {1};  ///< batch sizes B, one case each
+  std::int64_t hq = 32, hkv = 8, dh = 128;
   std::vector<std::int64_t> tq = {512, 2048, 8192};  ///< one case per entry
   std::int64_t tk = 0;                               ///< 0 = same as each tq
   std::vector<int> threads = {0};                    ///< 0 = all; one case per entry
@@ -70,11 +83,14 @@ struct BenchConfig {
   int repeats = 5;           ///< timed runs per case (median reported)
   bool json = false;         ///< one JSON object per line per case
   bool progress = true;      ///< progress lines on stderr
-  // decode only: one case per (cache_tokens, cache_dtype, threads, isa); tq is not used.
+  // decode only: one case per (batch, tnew, cache_tokens, cache_dtype, threads, isa); tq is not
+  // used.
   std::vector<std::int64_t> cache_tokens = {4096, 32768,
                                             131072};  ///< T_k: cached positions per sequence
   std::vector<DType> cache_dtypes = {DType::f32, DType::bf16, DType::f16};
-  std::int64_t tnew = 1;  ///< new queries per sequence (T_new; > 1: speculative)
+  std::vector<std::int64_t> tnew = {1};  ///< new queries per sequence (T_new; > 1: speculative)
+  /// "equal": every sequence holds cache_tokens positions; "mixed": decode_lengths(…, true)
+  std::string lengths = "equal";
   /// decode: K and V channel 0 of every head multiplied by this (an outlier channel, SPEC
   /// "Quantized KV cache"); 1 = N(0, 1) everywhere. Finite and > 0.
   double kv_outlier = 1.0;
@@ -96,8 +112,10 @@ struct BenchResult {
   double ratio;              ///< gflops / ceiling_gflops
   double max_rel_err;        ///< vs float64 reference on a slice: max|x − r| / max|r|
   std::int64_t extra_bytes;  ///< peak resident memory growth during the call
-  // decode only (to_json writes them for op "decode"; there gflops counts 4·d_h·H_q·T_k·T_new·B,
-  // ceiling_gflops is 0 and ratio = gbps / ceiling_gbps):
+  // decode only (to_json writes them for op "decode"; there gflops counts the useful FLOPs
+  // 4·d_h·H_q·Σ_b pairs_b (the (query, key) pairs each sequence's T_new queries see, bottom-right
+  // causal, window-aware: SPEC "Useful-work counts"), ceiling_gflops is forward's sgemm ceiling
+  // (ceiling_kind), and ratio = gbps / ceiling_gbps):
   std::string cache_dtype;  ///< element type of the KV cache
   double gbps = 0.0;        ///< K/V bytes read per second (SPEC "decode bytes") / 1e9
   double ceiling_gbps =
@@ -107,7 +125,18 @@ struct BenchResult {
   /// dtype's rounding or quantization error, SPEC "Quantized KV cache": reported, not hidden)
   double err_vs_unquantized = 0.0;
   double kv_outlier = 1.0;  ///< decode: BenchConfig::kv_outlier of the case
-  BenchVariants variants;   ///< the case's score variants (to_json writes them)
+  std::string ceiling_gbps_kind = "stream_read_1GiB";  ///< decode: what ceiling_gbps measured
+  double ratio_gflops = 0.0;                           ///< decode: gflops / ceiling_gflops
+  std::uint64_t kv_bytes = 0;  ///< decode: K/V bytes the step reads (tokenmix::decode_bytes)
+  double flops = 0.0;          ///< decode: useful FLOPs of the step (see gflops)
+  /// decode: the roofline time of the step, 1e3 · max(kv_bytes / (ceiling_gbps · 1e9),
+  /// flops / (ceiling_gflops · 1e9)): the least time the binding ceiling allows
+  double roofline_ms = 0.0;
+  double ratio_roofline = 0.0;    ///< decode: roofline_ms / (1e3 · seconds); 1 = at the roofline
+  std::string lengths = "equal";  ///< decode: BenchConfig::lengths of the case
+  /// decode: Σ_b L_b, min_b L_b and max_b L_b of the cached positions (tk is the nominal T_k)
+  std::int64_t cache_tokens_total = 0, cache_tokens_min = 0, cache_tokens_max = 0;
+  BenchVariants variants;  ///< the case's score variants (to_json writes them)
 };
 
 /// The fp32 GEMM ceiling of forward and backward: C = A B, n = 2048, through OpenBLAS, on seeded

@@ -1,8 +1,9 @@
 // tools/cli/cmd_bench.cpp — `tokenmix bench forward|backward|decode`: our kernels next to the
 // machine's ceilings measured in the same run (tools/bench): fp32 GEMM (OpenBLAS sgemm) for
-// forward/backward (a bf16 GEMM through oneDNN with --dtype bf16), streaming read bandwidth for
-// decode. --window, --softcap, --alibi and --sinks time a score variant (SPEC "Score variants
-// used by real models"); the JSON records them.
+// forward/backward (a bf16 GEMM through oneDNN with --dtype bf16), streaming read bandwidth and
+// the fp32 GEMM for decode (its roofline time is the larger of bytes / read ceiling and useful
+// FLOPs / sgemm ceiling). --window, --softcap, --alibi and --sinks time a score variant (SPEC
+// "Score variants used by real models"); the JSON records them.
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <string>
@@ -18,7 +19,9 @@ Command add_bench_command(CLI::App& parent) {
       "bench",
       "Benchmark a kernel against the machine's ceilings measured in the same run (forward, "
       "backward: useful GFLOP/s vs OpenBLAS sgemm 2048^3; decode: KV bytes read per second vs "
-      "streaming read bandwidth; error vs the float64 reference on a slice)");
+      "streaming read bandwidth, useful GFLOP/s vs sgemm, and the roofline time max(bytes / read "
+      "ceiling, FLOPs / sgemm ceiling) as a ratio to the step's time; error vs the float64 "
+      "reference on a slice)");
   struct Options {
     std::string op = "forward";
     bench::BenchConfig config;
@@ -33,7 +36,9 @@ Command add_bench_command(CLI::App& parent) {
   app->add_option("op", o->op, "What to measure: forward, backward or decode")
       ->check(CLI::IsMember({"forward", "backward", "decode"}))
       ->capture_default_str();
-  app->add_option("--batch", o->config.batch, "Batch size B")->capture_default_str();
+  app->add_option("--batch", o->config.batch, "Batch sizes B, one case each (comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
   app->add_option("--tq,--t", o->config.tq, "Query lengths T_q, one case each (comma-separated)")
       ->delimiter(',')
       ->capture_default_str();
@@ -70,7 +75,17 @@ Command add_bench_command(CLI::App& parent) {
                   "GEMM (oneDNN), f32 and f16 against sgemm")
       ->check(CLI::IsMember({"f32", "bf16", "f16"}))
       ->capture_default_str();
-  app->add_option("--tnew", o->config.tnew, "decode: new query positions per sequence (T_new)")
+  app->add_option("--tnew", o->config.tnew,
+                  "decode: new query positions per sequence T_new, one case each "
+                  "(comma-separated; > 1: speculative decoding)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app->add_option("--lengths", o->config.lengths,
+                  "decode: cache lengths of the B sequences: equal (each --cache-tokens T_k) or "
+                  "mixed (sequence b holds L_b uniform in [T_k - T_k/2, T_k + T_k/2], drawn by "
+                  "std::mt19937_64 with the fixed seed 16, so the same B and T_k always give the "
+                  "same lengths); bytes and FLOPs count each sequence's own length")
+      ->check(CLI::IsMember({"equal", "mixed"}))
       ->capture_default_str();
   app->add_option("--kv-outlier", o->config.kv_outlier,
                   "decode: multiply K and V channel 0 of every head by this (an outlier channel; "

@@ -206,8 +206,8 @@ endfunction()
 tokenmix_bench_json_test(bench_decode_roofline_lists
                          --lines 8 --values batch=1,3 --values tq=1,2 --values tk=64,80
                          --lengths equal
-                         -- bench decode --batch 1,3 --tnew 1,2 --cache-tokens 64,80 --cache-dtype f32
-                            --hq 4 --hkv 2 --dh 16 --threads 1 --repeats 1 --json)
+                         -- bench decode --batch 1,3 --tnew 1,2 --cache-tokens 64,80
+                            --cache-dtype f32 --hq 4 --hkv 2 --dh 16 --threads 1 --repeats 1 --json)
 tokenmix_bench_json_test(bench_decode_mixed_lengths
                          --lines 3 --runs 2 --lengths mixed --values cache_dtype=f32,bf16,int8
                          -- bench decode --batch 4 --cache-tokens 64 --cache-dtype f32,bf16,int8
@@ -364,6 +364,8 @@ tokenmix_cli_error(error_bench_batch_list_zero "bench: --batch values must be >=
                    ARGS bench forward --tq 16 --batch 1,0)
 tokenmix_cli_error(error_bench_bad_lengths "--lengths: foo not in"
                    ARGS bench decode --cache-tokens 64 --lengths foo)
+tokenmix_cli_error(error_bench_mixed_lengths_forward "--lengths mixed applies only to decode.*got op forward"
+                   ARGS bench forward --tq 16 --lengths mixed)
 tokenmix_cli_error(error_bench_cache_tokens_zero "bench: --cache-tokens values must be >= 1; got 0"
                    ARGS bench decode --cache-tokens 0)
 # Score-variant flags: bad values, sinks of the wrong length, file mode only, --dsinks needs them.

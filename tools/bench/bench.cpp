@@ -519,10 +519,6 @@ double sgemm_ceiling_cached(std::map<int, double>& ceilings, int threads, bool p
 std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   check_positive_list("--tnew", cfg.tnew);
   check_positive_list("--cache-tokens", cfg.cache_tokens);
-  if (cfg.lengths != "equal" && cfg.lengths != "mixed") {
-    throw ArgumentError(ErrorCode::invalid_argument,
-                        "bench: --lengths must be equal or mixed; got '" + cfg.lengths + "'");
-  }
   const bool mixed = cfg.lengths == "mixed";
   if (cfg.hq % cfg.hkv != 0)
     throw ArgumentError(ErrorCode::invalid_argument, "bench: --hkv must divide --hq");
@@ -780,6 +776,16 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
   }
   if (cfg.repeats < 1)
     throw ArgumentError(ErrorCode::invalid_argument, "bench: --repeats must be >= 1");
+  if (cfg.lengths != "equal" && cfg.lengths != "mixed") {
+    throw ArgumentError(ErrorCode::invalid_argument,
+                        "bench: --lengths must be equal or mixed; got '" + cfg.lengths + "'");
+  }
+  if (cfg.lengths == "mixed" && cfg.op != "decode") {
+    throw ArgumentError(ErrorCode::invalid_argument,
+                        "bench: --lengths mixed applies only to decode (its KV cache holds one "
+                        "length per sequence); got op " +
+                            cfg.op);
+  }
   (void)cfg.variants.sink_values(cfg.hq);  // --sinks: 1 or H_q values, checked before any work
   if (cfg.op == "decode") return run_decode(cfg, out);
   const bool backward = cfg.op == "backward";

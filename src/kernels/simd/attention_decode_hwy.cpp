@@ -49,19 +49,28 @@ namespace tokenmix::kernels::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 // Register blocking of the decode products: kRD rows × kVD vectors (kVD·Lanes must divide 64).
+// A unit of more than kRD rows (several query positions: speculative verification, chunked
+// prefill) uses the tall blocking kRT rows × kVT vectors instead: each B vector loaded (and, for
+// a bf16/f16/int8/fp8 cache, widened) serves kRT rows, so the widening's share of the FMA ports
+// halves, and the k loop of every output element is the same (bitwise the same results).
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-constexpr int kRD = 6, kVD = 4;  // 24 accumulators + 4 B vectors of 32 zmm; 64 lanes
+constexpr int kRD = 6, kVD = 4;   // 24 accumulators + 4 B vectors of 32 zmm; 64 lanes
+constexpr int kRT = 12, kVT = 2;  // 24 accumulators + 2 B vectors; 32 lanes
 #elif HWY_TARGET == HWY_AVX2
 constexpr int kRD = 2, kVD = 4;  // 8 accumulators + 4 B vectors of 16 ymm; 32 lanes
+constexpr int kRT = 6, kVT = 2;  // 12 accumulators + 2 B vectors; 16 lanes
 #elif HWY_TARGET == HWY_NEON
 constexpr int kRD = 6, kVD = 4;  // 24 accumulators + 4 B vectors of 32 q registers; 16 lanes
+constexpr int kRT = kRD, kVT = kVD;
 #else
 constexpr int kRD = 2, kVD = 1;  // fallback targets (not dispatched to by tokenmix)
+constexpr int kRT = kRD, kVT = kVD;
 #endif
 
 constexpr std::int64_t kSub = 16;  // keys per V sub-tile in the P·V product
 // The S tile is computed in column blocks of kVD vectors: they must tile the cache's key tile.
 static_assert(kDecodeKeyTile % (kVD * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
+static_assert(kDecodeKeyTile % (kVT * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
 
 // True if an element of p[lo, hi) is NaN or ±∞ (exponent bits all ones), from the bits alone
 // (a branch-free loop the compiler vectorises).
@@ -98,6 +107,7 @@ void DecodeUnits(const DecodeArgs& a) {
   const TB* k_layer = static_cast<const TB*>(a.k_layer);
   const TB* v_layer = static_cast<const TB*>(a.v_layer);
   const std::int64_t dh_full = dh / W * W, dh_vec = dh / N * N;  // d_h: chunks, whole vectors, tail
+  const std::int64_t WT = kVT * N, dh_tall = dh / WT * WT;       // the same for the tall blocking
 
 #pragma omp for schedule(dynamic, 1)
   for (std::int64_t unit = 0; unit < units; ++unit) {
@@ -131,6 +141,7 @@ void DecodeUnits(const DecodeArgs& a) {
     if (kb >= k1) continue;  // nothing visible in this chunk: m = −∞ marks the part empty
     std::fill(acc, acc + nrows * dh, 0.0f);
     const bool capped = a.var.softcap > 0.0f;
+    const bool tall = nrows > kRD;  // several row blocks: the tall blocking (see kRT)
     const VF cap = hn::Set(d, a.var.softcap), inv_cap = hn::Set(d, 1.0f / a.var.softcap);
 
     for (std::int64_t u0 = kb; u0 < k1; u0 += kKeyTile) {
@@ -152,9 +163,16 @@ void DecodeUnits(const DecodeArgs& a) {
       }
 
       // S = (scale·Q) Kᵀ over the whole 64-key tile (lanes past the data are masked below)  (4.2)
-      for (std::int64_t c0 = 0; c0 < kKeyTile; c0 += W) {
-        GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false,
-                           nullptr, kt_next != nullptr ? kt_next + c0 : nullptr);
+      if (tall) {
+        for (std::int64_t c0 = 0; c0 < kKeyTile; c0 += WT) {
+          GemmRows<kRT, kVT>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false,
+                             nullptr, kt_next != nullptr ? kt_next + c0 : nullptr);
+        }
+      } else {
+        for (std::int64_t c0 = 0; c0 < kKeyTile; c0 += W) {
+          GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false,
+                             nullptr, kt_next != nullptr ? kt_next + c0 : nullptr);
+        }
       }
       // Tile crosses some row's end or window start: the mask pass below runs.
       const bool partial = u0 + kKeyTile > kfull || u0 < kfull_begin;
@@ -260,8 +278,11 @@ void DecodeUnits(const DecodeArgs& a) {
         v_bad =
             NonFiniteIn(vt, 0, last_partial * dh) || NonFiniteIn(vt, first_partial * dh, nt * dh);
       }
-      for (std::int64_t k0 = 0; k0 < nt; k0 += kSub) {
-        const std::int64_t nk = std::min(kSub, nt - k0);
+      // The tall blocking is bound by FMAs, not by the stream (several query rows per key): it
+      // takes the whole tile per call, so Õ is loaded and stored once per tile, not per kSub.
+      const std::int64_t sub = tall ? kKeyTile : kSub;
+      for (std::int64_t k0 = 0; k0 < nt; k0 += sub) {
+        const std::int64_t nk = std::min(sub, nt - k0);
         const TB* vk = vt + k0 * dh;
         if (v_bad) {
           for (std::int64_t r = 0; r < nrows; ++r) {
@@ -285,12 +306,21 @@ void DecodeUnits(const DecodeArgs& a) {
           }
           continue;
         }
-        for (x0 = 0; x0 < dh_full; x0 += W) {
-          GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true,
-                             nullptr, vt_next != nullptr ? vt_next + k0 * dh + x0 : nullptr);
+        if (tall) {
+          for (x0 = 0; x0 < dh_tall; x0 += WT) {
+            GemmRows<kRT, kVT>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true,
+                               nullptr, vt_next != nullptr ? vt_next + k0 * dh + x0 : nullptr);
+          }
+          for (; x0 < dh_vec; x0 += N)
+            GemmRows<kRT, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
+        } else {
+          for (x0 = 0; x0 < dh_full; x0 += W) {
+            GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true,
+                               nullptr, vt_next != nullptr ? vt_next + k0 * dh + x0 : nullptr);
+          }
+          for (; x0 < dh_vec; x0 += N)
+            GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
         }
-        for (; x0 < dh_vec; x0 += N)
-          GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
       }
       if (x0 < dh) {
         for (std::int64_t r = 0; r < nrows; ++r)  // visible keys only (0 · NaN = NaN)

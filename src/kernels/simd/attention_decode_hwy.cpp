@@ -163,16 +163,25 @@ void DecodeUnits(const DecodeArgs& a) {
       }
 
       // S = (scale·Q) Kᵀ over the whole 64-key tile (lanes past the data are masked below)  (4.2)
+      // Only the nv lanes that hold keys of this tile (whole vectors; all 64 but in a sequence's
+      // last tile) are computed and passed over below: a short last tile (or a call with fewer
+      // than 64 keys) costs its keys, not the tile. Lanes [nt, nv) are masked (partial is true).
+      const std::int64_t nv = (nt + N - 1) / N * N;
+      std::int64_t c0 = 0;
       if (tall) {
-        for (std::int64_t c0 = 0; c0 < kKeyTile; c0 += WT) {
+        for (; c0 + WT <= nv; c0 += WT) {
           GemmRows<kRT, kVT>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false,
                              nullptr, kt_next != nullptr ? kt_next + c0 : nullptr);
         }
+        for (; c0 < nv; c0 += N)
+          GemmRows<kRT, 1>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false);
       } else {
-        for (std::int64_t c0 = 0; c0 < kKeyTile; c0 += W) {
+        for (; c0 + W <= nv; c0 += W) {
           GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false,
                              nullptr, kt_next != nullptr ? kt_next + c0 : nullptr);
         }
+        for (; c0 < nv; c0 += N)
+          GemmRows<kRD, 1>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false);
       }
       // Tile crosses some row's end or window start: the mask pass below runs.
       const bool partial = u0 + kKeyTile > kfull || u0 < kfull_begin;
@@ -186,7 +195,7 @@ void DecodeUnits(const DecodeArgs& a) {
       const VF v_unit = k_unit;
       if (kQuant && !fuse_ks) {
         const VF unit = k_unit;
-        for (std::int64_t i = 0; i < kKeyTile; i += N) {
+        for (std::int64_t i = 0; i < nv; i += N) {
           const VF delta = hn::Mul(hn::LoadU(d, ks + i), unit);
           for (std::int64_t r = 0; r < nrows; ++r)
             hn::Store(hn::Mul(hn::Load(d, st + r * kKeyTile + i), delta), d, st + r * kKeyTile + i);
@@ -199,7 +208,7 @@ void DecodeUnits(const DecodeArgs& a) {
         const std::int64_t t = t0 + r / g;
         const std::int64_t end = a.visible_end(b, t), begin = a.visible_begin(b, t);
         if (capped) {  // cap(z) = c·tanh(z / c)
-          for (std::int64_t i = 0; i < kKeyTile; i += N) {
+          for (std::int64_t i = 0; i < nv; i += N) {
             const VF z = hn::Load(d, score + i);
             hn::Store(hn::Mul(cap, TanhRational(d, hn::Mul(z, inv_cap))), d, score + i);
           }
@@ -207,7 +216,7 @@ void DecodeUnits(const DecodeArgs& a) {
         if (a.var.alibi != nullptr) {  // S += m_h (u − p), u − p = u0 + i − (end − 1)
           const VF slope = hn::Set(d, a.var.alibi[j * g + r % g]);
           const std::int64_t rel = u0 - (end - 1);
-          for (std::int64_t i = 0; i < kKeyTile; i += N) {
+          for (std::int64_t i = 0; i < nv; i += N) {
             const VF dist = hn::Iota(d, static_cast<float>(rel + i));
             hn::Store(hn::MulAdd(slope, dist, hn::Load(d, score + i)), d, score + i);
           }
@@ -218,7 +227,7 @@ void DecodeUnits(const DecodeArgs& a) {
               di, static_cast<std::int32_t>(std::clamp<std::int64_t>(begin - u0, 0, kKeyTile) - 1));
           const auto hi = hn::Set(
               di, static_cast<std::int32_t>(std::clamp<std::int64_t>(end - u0, 0, kKeyTile)));
-          for (std::int64_t i = 0; i < kKeyTile; i += N) {
+          for (std::int64_t i = 0; i < nv; i += N) {
             const auto lane = hn::Iota(di, static_cast<std::int32_t>(i));
             const auto visible =
                 hn::RebindMask(d, hn::And(hn::Lt(lo_minus_1, lane), hn::Lt(lane, hi)));
@@ -234,12 +243,12 @@ void DecodeUnits(const DecodeArgs& a) {
           return z;
         };
         VF vmax = scaled(0);
-        for (std::int64_t i = N; i < kKeyTile; i += N) vmax = hn::Max(vmax, scaled(i));
+        for (std::int64_t i = N; i < nv; i += N) vmax = hn::Max(vmax, scaled(i));
         const float m_old = m_run[r], m_new = max_nan(m_old, hn::GetLane(hn::MaxOfLanes(d, vmax)));
         // A row with nothing visible yet keeps P = 0 (shift 0: e^{−∞} = 0).
         const VF shift = hn::Set(d, m_new == kNegInf ? 0.0f : m_new);
         VF vsum = hn::Zero(d);
-        for (std::int64_t i = 0; i < kKeyTile; i += N) {
+        for (std::int64_t i = 0; i < nv; i += N) {
           const VF p = ExpNaN(d, hn::Sub(hn::Load(d, score + i), shift));  // NaN score: l = NaN
           if constexpr (kQuant) {  // P_u δ_u for P V (V's row scales follow the tile); l: P_u
             hn::Store(hn::Mul(p, hn::Mul(hn::LoadU(d, vs + i), v_unit)), d, score + i);

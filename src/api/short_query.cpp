@@ -110,8 +110,12 @@ void pack_tile(const kernels::In& k, const kernels::In& v, std::int64_t b, std::
     const E* row = kp + b * k.s0 + (u0 + u) * k.s1 + j * k.s2;
     for (std::int64_t x = 0; x < dh; ++x) kt[x * kTile + u] = row[x * k.s3];
   }
-  if (n < kTile) {  // S is computed over the whole tile (masked past n): no stale NaNs there
-    for (std::int64_t x = 0; x < dh; ++x) std::fill(kt + x * kTile + n, kt + (x + 1) * kTile, E{});
+  // The SIMD decode kernels compute S over the whole vectors holding the tile's n keys (up to
+  // n rounded up to 16 lanes, masked past n): those lanes hold zeros, not a previous call's bits.
+  const std::int64_t lanes = std::min<std::int64_t>(kTile, (n + 15) / 16 * 16);
+  if (n < lanes) {
+    for (std::int64_t x = 0; x < dh; ++x)
+      std::fill(kt + x * kTile + n, kt + x * kTile + lanes, E{});
   }
   for (u = 0; u < n; ++u) {
     const E* row = vp + b * v.s0 + (u0 + u) * v.s1 + j * v.s2;

@@ -76,23 +76,25 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
         std::memcpy(ks, kt + a.layout.tile_elems(), sizeof ks);
         std::memcpy(vs, vt + a.layout.tile_elems(), sizeof vs);
         for (std::int64_t x = 0; x < dh; ++x)
-          for (std::int64_t u = 0; u < kKeyTile; ++u)
+          for (std::int64_t u = 0; u < nt; ++u)
             kf[x * kKeyTile + u] = load_element(kDType, kt, x * kKeyTile + u) * ks[u];
         for (std::int64_t u = 0; u < nt; ++u)
           for (std::int64_t x = 0; x < dh; ++x)
             vf[u * dh + x] = load_element(kDType, vt, u * dh + x) * vs[u];
       } else {
-        for (std::int64_t i = 0; i < dh * kKeyTile; ++i) kf[i] = load_element(kDType, kt, i);
+        for (std::int64_t x = 0; x < dh; ++x)  // the tile's nt keys only (the rest is not read)
+          for (std::int64_t u = 0; u < nt; ++u)
+            kf[x * kKeyTile + u] = load_element(kDType, kt, x * kKeyTile + u);
         for (std::int64_t i = 0; i < nt * dh; ++i) vf[i] = load_element(kDType, vt, i);
       }
       for (std::int64_t r = 0; r < nrows; ++r) {
         const std::int64_t t = t0 + r / g, h = j * g + r % g;
         const std::int64_t end = a.visible_end(b, t), begin = a.visible_begin(b, t);
         float* score = sc + r * kKeyTile;
-        std::fill(score, score + kKeyTile, 0.0f);
+        std::fill(score, score + nt, 0.0f);
         for (std::int64_t x = 0; x < dh; ++x) {  // scores = (scale·q) Kᵀ, keys in the tile (4.2)
           const float qx = qs[r * dh + x];
-          for (std::int64_t u = 0; u < kKeyTile; ++u) score[u] += qx * kf[x * kKeyTile + u];
+          for (std::int64_t u = 0; u < nt; ++u) score[u] += qx * kf[x * kKeyTile + u];
         }
         float tmax = kNegInf;
         for (std::int64_t u = 0; u < nt; ++u) {

@@ -49,19 +49,28 @@ namespace tokenmix::kernels::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 // Register blocking of the decode products: kRD rows × kVD vectors (kVD·Lanes must divide 64).
+// A unit of more than kRD rows (several query positions: speculative verification, chunked
+// prefill) uses the tall blocking kRT rows × kVT vectors instead: each B vector loaded (and, for
+// a bf16/f16/int8/fp8 cache, widened) serves kRT rows, so the widening's share of the FMA ports
+// halves, and the k loop of every output element is the same (bitwise the same results).
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-constexpr int kRD = 6, kVD = 4;  // 24 accumulators + 4 B vectors of 32 zmm; 64 lanes
+constexpr int kRD = 6, kVD = 4;   // 24 accumulators + 4 B vectors of 32 zmm; 64 lanes
+constexpr int kRT = 12, kVT = 2;  // 24 accumulators + 2 B vectors; 32 lanes
 #elif HWY_TARGET == HWY_AVX2
 constexpr int kRD = 2, kVD = 4;  // 8 accumulators + 4 B vectors of 16 ymm; 32 lanes
+constexpr int kRT = 6, kVT = 2;  // 12 accumulators + 2 B vectors; 16 lanes
 #elif HWY_TARGET == HWY_NEON
 constexpr int kRD = 6, kVD = 4;  // 24 accumulators + 4 B vectors of 32 q registers; 16 lanes
+constexpr int kRT = kRD, kVT = kVD;
 #else
 constexpr int kRD = 2, kVD = 1;  // fallback targets (not dispatched to by tokenmix)
+constexpr int kRT = kRD, kVT = kVD;
 #endif
 
 constexpr std::int64_t kSub = 16;  // keys per V sub-tile in the P·V product
 // The S tile is computed in column blocks of kVD vectors: they must tile the cache's key tile.
 static_assert(kDecodeKeyTile % (kVD * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
+static_assert(kDecodeKeyTile % (kVT * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
 
 // True if an element of p[lo, hi) is NaN or ±∞ (exponent bits all ones), from the bits alone
 // (a branch-free loop the compiler vectorises).
@@ -98,6 +107,7 @@ void DecodeUnits(const DecodeArgs& a) {
   const TB* k_layer = static_cast<const TB*>(a.k_layer);
   const TB* v_layer = static_cast<const TB*>(a.v_layer);
   const std::int64_t dh_full = dh / W * W, dh_vec = dh / N * N;  // d_h: chunks, whole vectors, tail
+  const std::int64_t WT = kVT * N, dh_tall = dh / WT * WT;       // the same for the tall blocking
 
 #pragma omp for schedule(dynamic, 1)
   for (std::int64_t unit = 0; unit < units; ++unit) {
@@ -131,6 +141,7 @@ void DecodeUnits(const DecodeArgs& a) {
     if (kb >= k1) continue;  // nothing visible in this chunk: m = −∞ marks the part empty
     std::fill(acc, acc + nrows * dh, 0.0f);
     const bool capped = a.var.softcap > 0.0f;
+    const bool tall = nrows > kRD;  // several row blocks: the tall blocking (see kRT)
     const VF cap = hn::Set(d, a.var.softcap), inv_cap = hn::Set(d, 1.0f / a.var.softcap);
 
     for (std::int64_t u0 = kb; u0 < k1; u0 += kKeyTile) {
@@ -152,9 +163,25 @@ void DecodeUnits(const DecodeArgs& a) {
       }
 
       // S = (scale·Q) Kᵀ over the whole 64-key tile (lanes past the data are masked below)  (4.2)
-      for (std::int64_t c0 = 0; c0 < kKeyTile; c0 += W) {
-        GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false,
-                           nullptr, kt_next != nullptr ? kt_next + c0 : nullptr);
+      // Only the nv lanes that hold keys of this tile (whole vectors; all 64 but in a sequence's
+      // last tile) are computed and passed over below: a short last tile (or a call with fewer
+      // than 64 keys) costs its keys, not the tile. Lanes [nt, nv) are masked (partial is true).
+      const std::int64_t nv = (nt + N - 1) / N * N;
+      std::int64_t c0 = 0;
+      if (tall) {
+        for (; c0 + WT <= nv; c0 += WT) {
+          GemmRows<kRT, kVT>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false,
+                             nullptr, kt_next != nullptr ? kt_next + c0 : nullptr);
+        }
+        for (; c0 < nv; c0 += N)
+          GemmRows<kRT, 1>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false);
+      } else {
+        for (; c0 + W <= nv; c0 += W) {
+          GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false,
+                             nullptr, kt_next != nullptr ? kt_next + c0 : nullptr);
+        }
+        for (; c0 < nv; c0 += N)
+          GemmRows<kRD, 1>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false);
       }
       // Tile crosses some row's end or window start: the mask pass below runs.
       const bool partial = u0 + kKeyTile > kfull || u0 < kfull_begin;
@@ -168,7 +195,7 @@ void DecodeUnits(const DecodeArgs& a) {
       const VF v_unit = k_unit;
       if (kQuant && !fuse_ks) {
         const VF unit = k_unit;
-        for (std::int64_t i = 0; i < kKeyTile; i += N) {
+        for (std::int64_t i = 0; i < nv; i += N) {
           const VF delta = hn::Mul(hn::LoadU(d, ks + i), unit);
           for (std::int64_t r = 0; r < nrows; ++r)
             hn::Store(hn::Mul(hn::Load(d, st + r * kKeyTile + i), delta), d, st + r * kKeyTile + i);
@@ -181,7 +208,7 @@ void DecodeUnits(const DecodeArgs& a) {
         const std::int64_t t = t0 + r / g;
         const std::int64_t end = a.visible_end(b, t), begin = a.visible_begin(b, t);
         if (capped) {  // cap(z) = c·tanh(z / c)
-          for (std::int64_t i = 0; i < kKeyTile; i += N) {
+          for (std::int64_t i = 0; i < nv; i += N) {
             const VF z = hn::Load(d, score + i);
             hn::Store(hn::Mul(cap, TanhRational(d, hn::Mul(z, inv_cap))), d, score + i);
           }
@@ -189,7 +216,7 @@ void DecodeUnits(const DecodeArgs& a) {
         if (a.var.alibi != nullptr) {  // S += m_h (u − p), u − p = u0 + i − (end − 1)
           const VF slope = hn::Set(d, a.var.alibi[j * g + r % g]);
           const std::int64_t rel = u0 - (end - 1);
-          for (std::int64_t i = 0; i < kKeyTile; i += N) {
+          for (std::int64_t i = 0; i < nv; i += N) {
             const VF dist = hn::Iota(d, static_cast<float>(rel + i));
             hn::Store(hn::MulAdd(slope, dist, hn::Load(d, score + i)), d, score + i);
           }
@@ -200,7 +227,7 @@ void DecodeUnits(const DecodeArgs& a) {
               di, static_cast<std::int32_t>(std::clamp<std::int64_t>(begin - u0, 0, kKeyTile) - 1));
           const auto hi = hn::Set(
               di, static_cast<std::int32_t>(std::clamp<std::int64_t>(end - u0, 0, kKeyTile)));
-          for (std::int64_t i = 0; i < kKeyTile; i += N) {
+          for (std::int64_t i = 0; i < nv; i += N) {
             const auto lane = hn::Iota(di, static_cast<std::int32_t>(i));
             const auto visible =
                 hn::RebindMask(d, hn::And(hn::Lt(lo_minus_1, lane), hn::Lt(lane, hi)));
@@ -216,12 +243,12 @@ void DecodeUnits(const DecodeArgs& a) {
           return z;
         };
         VF vmax = scaled(0);
-        for (std::int64_t i = N; i < kKeyTile; i += N) vmax = hn::Max(vmax, scaled(i));
+        for (std::int64_t i = N; i < nv; i += N) vmax = hn::Max(vmax, scaled(i));
         const float m_old = m_run[r], m_new = max_nan(m_old, hn::GetLane(hn::MaxOfLanes(d, vmax)));
         // A row with nothing visible yet keeps P = 0 (shift 0: e^{−∞} = 0).
         const VF shift = hn::Set(d, m_new == kNegInf ? 0.0f : m_new);
         VF vsum = hn::Zero(d);
-        for (std::int64_t i = 0; i < kKeyTile; i += N) {
+        for (std::int64_t i = 0; i < nv; i += N) {
           const VF p = ExpNaN(d, hn::Sub(hn::Load(d, score + i), shift));  // NaN score: l = NaN
           if constexpr (kQuant) {  // P_u δ_u for P V (V's row scales follow the tile); l: P_u
             hn::Store(hn::Mul(p, hn::Mul(hn::LoadU(d, vs + i), v_unit)), d, score + i);
@@ -260,8 +287,11 @@ void DecodeUnits(const DecodeArgs& a) {
         v_bad =
             NonFiniteIn(vt, 0, last_partial * dh) || NonFiniteIn(vt, first_partial * dh, nt * dh);
       }
-      for (std::int64_t k0 = 0; k0 < nt; k0 += kSub) {
-        const std::int64_t nk = std::min(kSub, nt - k0);
+      // The tall blocking is bound by FMAs, not by the stream (several query rows per key): it
+      // takes the whole tile per call, so Õ is loaded and stored once per tile, not per kSub.
+      const std::int64_t sub = tall ? kKeyTile : kSub;
+      for (std::int64_t k0 = 0; k0 < nt; k0 += sub) {
+        const std::int64_t nk = std::min(sub, nt - k0);
         const TB* vk = vt + k0 * dh;
         if (v_bad) {
           for (std::int64_t r = 0; r < nrows; ++r) {
@@ -285,12 +315,21 @@ void DecodeUnits(const DecodeArgs& a) {
           }
           continue;
         }
-        for (x0 = 0; x0 < dh_full; x0 += W) {
-          GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true,
-                             nullptr, vt_next != nullptr ? vt_next + k0 * dh + x0 : nullptr);
+        if (tall) {
+          for (x0 = 0; x0 < dh_tall; x0 += WT) {
+            GemmRows<kRT, kVT>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true,
+                               nullptr, vt_next != nullptr ? vt_next + k0 * dh + x0 : nullptr);
+          }
+          for (; x0 < dh_vec; x0 += N)
+            GemmRows<kRT, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
+        } else {
+          for (x0 = 0; x0 < dh_full; x0 += W) {
+            GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true,
+                               nullptr, vt_next != nullptr ? vt_next + k0 * dh + x0 : nullptr);
+          }
+          for (; x0 < dh_vec; x0 += N)
+            GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
         }
-        for (; x0 < dh_vec; x0 += N)
-          GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
       }
       if (x0 < dh) {
         for (std::int64_t r = 0; r < nrows; ++r)  // visible keys only (0 · NaN = NaN)

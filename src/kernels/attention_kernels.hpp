@@ -230,6 +230,24 @@ struct DecodeArgs {
   std::int64_t visible_begin(std::int64_t b, std::int64_t t) const {
     return var.window > 0 ? std::max<std::int64_t>(0, visible_end(b, t) - var.window) : 0;
   }
+  /// Keys of sequence b seen by the query rows t ∈ [t0, t0 + n) (n ≥ 1; every head alike): some
+  /// row sees [begin, end) (none: begin = INT64_MAX, end = 0), every row sees [full_begin,
+  /// full_end). From the row ranges alone, in O(1): visible_end and visible_begin do not decrease
+  /// with t, and row t sees a key iff visible_end(b, t) > 0 (then visible_begin < visible_end, as
+  /// W ≥ 1); the first such row starts at visible_begin(b, t0), or at 0 if visible_end(b, t0) ≤ 0
+  /// (its end is 1). A decode unit finds its keys with it before any per-row work.
+  struct KeyRange {
+    std::int64_t begin, end, full_begin, full_end;
+  };
+  KeyRange key_range(std::int64_t b, std::int64_t t0, std::int64_t n) const {
+    const std::int64_t t1 = t0 + n - 1;
+    KeyRange k{INT64_MAX, 0, visible_begin(b, t1), visible_end(b, t0)};
+    if (visible_end(b, t1) > 0) {
+      k.end = visible_end(b, t1);
+      k.begin = visible_end(b, t0) > 0 ? visible_begin(b, t0) : 0;
+    }
+    return k;
+  }
   /// First key of chunk 0 of sequence b: the key tile holding the first query's window start (0
   /// without a window). Chunk c covers keys [chunk_base + c·chunk, chunk_base + (c+1)·chunk), so
   /// tiles before the window are never visited (decode with a window reads O(W) keys).

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "api/decode_internal.hpp"
 #include "kv_oracle.hpp"
 #include "test_util.hpp"
 
@@ -197,6 +198,39 @@ TEST_P(DecodeMulti, ShortSequenceAloneEqualsInMixedBatch) {
                                one.storage.size() * sizeof(float)))
           << "sequence " << b;
     }
+  }
+}
+
+// Units exist only for the chunks each sequence has: one sequence of 8200 keys (9 chunks) and 15
+// of 5 keys need 24 units, not 16 × 9 = 144, and their partial results fit a scratch limit of
+// 48 KiB (≈ 25 KiB with 24 units: 10.6 KiB of worker scratch, 0.6 KiB of partials per unit;
+// ≈ 94 KiB with 144). Each sequence's result is bitwise what it gets decoded alone.
+TEST_P(DecodeMulti, UnitsFollowEachSequencesKeys) {
+  std::mt19937_64 rng(500);
+  const std::int64_t B = 16, hq = 8, dh = 16;
+  std::vector<std::int64_t> lengths(B, 5);
+  lengths[3] = 8200;
+  KVCache cache({1, B, 1, dh, 8200, DType::f32, 0, 0});
+  fill(cache, 0, lengths, rng);
+  StridedTensor q(B, 1, hq, dh, Layout::strided);
+  q.fill_random(rng);
+  StridedTensor all(B, 1, hq, dh, Layout::bthd);
+  DecodeOptions o;
+  o.isa = GetParam();
+  o.threads = 1;
+  detail::set_decode_scratch_limit_for_testing(48 * 1024);
+  EXPECT_NO_THROW(attention_decode(q.view, cache, 0, all.view, {}, o));
+  detail::set_decode_scratch_limit_for_testing(-1);
+  for (std::int64_t b : {0, 3, 15}) {
+    TensorView qb = q.view;
+    qb.data = &q.at(b, 0, 0, 0);
+    qb.shape[0] = 1;
+    StridedTensor one(1, 1, hq, dh, Layout::bthd);
+    o.first_seq = b;
+    attention_decode(qb, cache, 0, one.view, {}, o);
+    EXPECT_EQ(
+        0, std::memcmp(&all.at(b, 0, 0, 0), one.storage.data(), one.storage.size() * sizeof(float)))
+        << "sequence " << b;
   }
 }
 

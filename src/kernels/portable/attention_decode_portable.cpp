@@ -37,7 +37,7 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
 
 #pragma omp for schedule(dynamic, 1)
   for (std::int64_t unit = 0; unit < units; ++unit) {
-    const auto [c, qb, j, b] = Unravel(unit, a.chunks, a.qblocks, a.hkv);
+    const auto [c, qb, j, b] = a.unit_at(unit);
     const int worker = omp_get_thread_num();
     float* qs = a.scratch.at(a.slots.q_scaled, worker);  // scale · q rows [rows][d_h]
     float* sc = a.scratch.at(a.slots.scores, worker);    // scores [rows][64]
@@ -55,8 +55,9 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
     const std::int64_t kb = std::max(k0, kbegin / kKeyTile * kKeyTile);
     std::fill(m_run, m_run + nrows, kNegInf);  // m = −∞, l = 0: the part is empty until a key
     std::fill(l_run, l_run + nrows, 0.0f);
-    // Nothing visible in this chunk (a chunk past this sequence's keys in a batch of mixed
-    // lengths, or before a window): out before any per-row work. The merge reads no part of it.
+    // Nothing visible in this chunk (past the last key of this query block — early blocks of a
+    // long T_new —, a sequence with no key yet, or before a window): out before any per-row
+    // work. The merge reads no part of it.
     if (kb >= k1) continue;
     for (std::int64_t r = 0; r < nrows; ++r) {
       const float* q = a.q.row(b, t0 + r / g, j * g + r % g);

@@ -13,6 +13,12 @@
 //
 // With a window W the keys of sequence b are chunked from chunk_base(b), the key tile holding the
 // first query's window start, so chunks and tiles before the window are never read.
+//
+// Batches of mixed lengths: each sequence has the chunks its own keys need (at least one), and
+// units exist only for those (DecodeArgs::chunk_first, a prefix sum filled per call into the
+// partials buffer), so the work is shared out by keys, not by B × the longest sequence. A unit
+// whose query block sees no key of its chunk (early blocks of a long T_new, a window) leaves
+// before any per-row work.
 #include <omp.h>
 
 #include <algorithm>
@@ -45,6 +51,12 @@ std::string str(std::int64_t x) {
 
 constexpr std::int64_t kChunkKeys = 1024;  // keys per split (16 key tiles): fixed, see top
 constexpr std::int64_t kMaxRows = 128;     // g · query positions per unit (bounds unit scratch)
+
+// Chunks of a sequence with `keys` keys from its chunk base (≥ 1: a sequence's units exist even
+// when it has no key; they find nothing visible and leave at once).
+std::int64_t chunks_for(std::int64_t keys) {
+  return std::max<std::int64_t>(1, (keys + kChunkKeys - 1) / kChunkKeys);
+}
 
 template <class V>
 auto strided(const V& v) {
@@ -82,6 +94,7 @@ struct Plan {
   int team = 1;
   kernels::ScratchLayout worker_layout, partials_layout;
   kernels::Slot<float> merge_slot, acc_slot, m_slot, l_slot, alibi_slot, sinks_slot;
+  kernels::Slot<std::int64_t> first_slot;  // DecodeArgs::chunk_first, [B + 1]
   std::int64_t workers_bytes = 0, total_bytes = 0;
 };
 
@@ -169,7 +182,8 @@ Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, s
   // A window longer than any sequence is no restriction; 2^62 keeps p − W + 1 from overflowing
   // (as attention_forward's).
   a.var.window = std::min<std::int64_t>(o.window.value_or(0), std::int64_t{1} << 62);
-  std::int64_t max_keys = 0;  // keys of the longest sequence from its chunk base
+  std::int64_t max_keys = 0;      // keys of the longest sequence from its chunk base
+  std::int64_t total_chunks = 0;  // Σ_b chunks of sequence b (DecodeArgs::chunk_first)
   for (std::int64_t b = o.first_seq; b < o.first_seq + a.batch; ++b) {
     if (!cache.active(b)) {
       fail(ErrorCode::invalid_argument, fn,
@@ -191,7 +205,9 @@ Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, s
                  str(ring - a.var.window + 1) + " new tokens per call)");
       }
     }
-    max_keys = std::max(max_keys, len - begin / kernels::kDecodeKeyTile * kernels::kDecodeKeyTile);
+    const std::int64_t keys = len - begin / kernels::kDecodeKeyTile * kernels::kDecodeKeyTile;
+    max_keys = std::max(max_keys, keys);
+    total_chunks += chunks_for(keys);
   }
   const Isa isa = resolve_isa(o.isa, fn);  // the one dispatch decision of this call
   plan.empty = a.batch == 0 || a.tnew == 0 || a.hq == 0;
@@ -205,9 +221,10 @@ Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, s
   a.qblock = std::max<std::int64_t>(1, std::min(a.tnew, kMaxRows / g));
   a.qblocks = (a.tnew + a.qblock - 1) / a.qblock;
   a.chunk = kChunkKeys;
-  a.chunks = std::max<std::int64_t>(1, (max_keys + a.chunk - 1) / a.chunk);
+  a.chunks = chunks_for(max_keys);  // the longest sequence's; each has its own (chunk_first)
   a.threads = o.threads == 0 ? default_threads() : o.threads;
-  const std::int64_t units = a.units(), rows = a.rows_max();
+  // Units only for the chunks each sequence has (a.units() once chunk_first is filled).
+  const std::int64_t units = total_chunks * a.hkv * a.qblocks, rows = a.rows_max();
   plan.team = static_cast<int>(std::clamp<std::int64_t>(a.threads, 1, units));
   // The kernel for this path and the cache's dtype (kernels/registry.cpp).
   plan.named = kernels::select_decode(fn, isa, cc.dtype);
@@ -225,6 +242,7 @@ Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, s
   plan.l_slot = plan.partials_layout.add<float>(part_rows);
   plan.alibi_slot = plan.partials_layout.add<float>(o.alibi_slopes.empty() ? 0 : a.hq);
   plan.sinks_slot = plan.partials_layout.add<float>(o.sinks.empty() ? 0 : a.hq);
+  plan.first_slot = plan.partials_layout.add<std::int64_t>(a.batch + 1);
   plan.workers_bytes =
       kernels::scratch_mul(plan.team, plan.worker_layout.bytes(), site, "decode scratch");
   plan.total_bytes = kernels::scratch_add(plan.workers_bytes, plan.partials_layout.bytes(), site,
@@ -326,6 +344,12 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   a.part_acc = partials.at(plan.acc_slot, 0);
   a.part_m = partials.at(plan.m_slot, 0);
   a.part_l = partials.at(plan.l_slot, 0);
+  // Each sequence's chunks, from its own keys (as make_plan counted them).
+  std::int64_t* first = partials.at(plan.first_slot, 0);
+  first[0] = 0;
+  for (std::int64_t b = 0; b < a.batch; ++b)
+    first[b + 1] = first[b] + chunks_for(a.lengths[b] - a.chunk_base(b));
+  a.chunk_first = first;
   // Contiguous copies of the [H_q] slopes and sinks (validated by make_plan; any stride).
   if (!o.alibi_slopes.empty()) {
     float* slopes = partials.at(plan.alibi_slot, 0);
@@ -377,9 +401,9 @@ void merge_decode_group(const kernels::DecodeArgs& a, std::int64_t grp, float* a
     float m = kNegInf, l = 0.0f;
     std::fill(acc, acc + a.dh, 0.0f);
     bool first = true;
-    for (std::int64_t c = 0; c < a.chunks && base_b + c * a.chunk < seen; ++c) {
+    for (std::int64_t c = 0; c < a.chunks_of(b) && base_b + c * a.chunk < seen; ++c) {
       if (base_b + (c + 1) * a.chunk <= from) continue;  // before the row's window
-      const std::int64_t unit = grp * a.chunks + c;
+      const std::int64_t unit = a.unit_index(b, j, qb, c);
       const float mc = a.part_m[unit * rows + r];
       const float* oc = a.part_acc + (unit * rows + r) * a.dh;
       const float lc = a.part_l[unit * rows + r];

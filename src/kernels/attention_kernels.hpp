@@ -210,17 +210,45 @@ struct DecodeArgs {
   std::int64_t qblock = 1;                // query positions per unit
   std::int64_t qblocks = 1;               // ceil(tnew / qblock)
   std::int64_t chunk = 0;                 // keys per chunk (multiple of kDecodeKeyTile)
-  std::int64_t chunks = 0;                // chunks per (b, j, query block), from chunk_base(b)
+  std::int64_t chunks = 0;                // chunks of the longest sequence, from chunk_base(b)
   float* part_acc = nullptr;              // [units][rows_max][dh]
   float* part_m = nullptr;                // [units][rows_max]
   float* part_l = nullptr;                // [units][rows_max]
   DecodeScratch slots;                    // per-worker buffers ...
   WorkerScratch scratch;                  // ... in these regions (worker w: scratch.at(slot, w))
   int threads = 1;
+  /// Batches of mixed lengths: chunk_first[b] = Σ_{b' < b} chunks_of(b') ([batch + 1] entries,
+  /// each sequence ≥ 1 chunk), so units exist only for the chunks a sequence has (work follows
+  /// the keys, not B × the longest). nullptr: every sequence has `chunks` chunks.
+  const std::int64_t* chunk_first = nullptr;
 
   std::int64_t group() const { return hq / hkv; }
   std::int64_t rows_max() const { return group() * qblock; }
-  std::int64_t units() const { return batch * hkv * qblocks * chunks; }
+  /// Units (b, KV head j, query block qb, chunk c): a sequence's are contiguous, numbered
+  /// ((j · qblocks + qb) · chunks_of(b) + c) from first_chunk(b) · H_kv · qblocks on.
+  std::int64_t chunks_of(std::int64_t b) const {
+    return chunk_first != nullptr ? chunk_first[b + 1] - chunk_first[b] : chunks;
+  }
+  std::int64_t first_chunk(std::int64_t b) const {
+    return chunk_first != nullptr ? chunk_first[b] : b * chunks;
+  }
+  std::int64_t units() const { return first_chunk(batch) * hkv * qblocks; }
+  std::int64_t unit_index(std::int64_t b, std::int64_t j, std::int64_t qb, std::int64_t c) const {
+    return first_chunk(b) * hkv * qblocks + (j * qblocks + qb) * chunks_of(b) + c;
+  }
+  struct Unit {
+    std::int64_t c, qb, j, b;
+  };
+  /// The unit numbered u (the inverse of unit_index; a binary search over chunk_first).
+  Unit unit_at(std::int64_t u) const {
+    const std::int64_t per = hkv * qblocks;  // units per chunk of a sequence
+    const std::int64_t b =
+        chunk_first != nullptr
+            ? std::upper_bound(chunk_first, chunk_first + batch + 1, u / per) - chunk_first - 1
+            : u / (per * chunks);
+    const std::int64_t n = chunks_of(b), rem = u - first_chunk(b) * per;
+    return {rem % n, rem / n % qblocks, rem / (n * qblocks), b};
+  }
   /// Query t of sequence b (at position p = L_b − T_new + t) sees keys [visible_begin,
   /// visible_end): u ≤ p (bottom-right, SPEC 4.3) and, with a window W, p − W < u. Empty when
   /// visible_end ≤ visible_begin (visible_end may be ≤ 0).
@@ -229,6 +257,24 @@ struct DecodeArgs {
   }
   std::int64_t visible_begin(std::int64_t b, std::int64_t t) const {
     return var.window > 0 ? std::max<std::int64_t>(0, visible_end(b, t) - var.window) : 0;
+  }
+  /// Keys of sequence b seen by the query rows t ∈ [t0, t0 + n) (n ≥ 1; every head alike): some
+  /// row sees [begin, end) (none: begin = INT64_MAX, end = 0), every row sees [full_begin,
+  /// full_end). From the row ranges alone, in O(1): visible_end and visible_begin do not decrease
+  /// with t, and row t sees a key iff visible_end(b, t) > 0 (then visible_begin < visible_end, as
+  /// W ≥ 1); the first such row starts at visible_begin(b, t0), or at 0 if visible_end(b, t0) ≤ 0
+  /// (its end is 1). A decode unit finds its keys with it before any per-row work.
+  struct KeyRange {
+    std::int64_t begin, end, full_begin, full_end;
+  };
+  KeyRange key_range(std::int64_t b, std::int64_t t0, std::int64_t n) const {
+    const std::int64_t t1 = t0 + n - 1;
+    KeyRange k{INT64_MAX, 0, visible_begin(b, t1), visible_end(b, t0)};
+    if (visible_end(b, t1) > 0) {
+      k.end = visible_end(b, t1);
+      k.begin = visible_end(b, t0) > 0 ? visible_begin(b, t0) : 0;
+    }
+    return k;
   }
   /// First key of chunk 0 of sequence b: the key tile holding the first query's window start (0
   /// without a window). Chunk c covers keys [chunk_base + c·chunk, chunk_base + (c+1)·chunk), so

@@ -23,19 +23,13 @@
 
 #include "api/decode_internal.hpp"
 #include "kernels/kv_element.hpp"
-#include "model/kv_cache_access.hpp"
+#include "kv_oracle.hpp"
 #include "test_util.hpp"
 
 namespace tokenmix::testing {
 namespace {
 
-using Access = detail::KVCacheAccess;
-constexpr double kBound = 2e-5;
 constexpr DType kQuantTypes[] = {DType::int8, DType::fp8_e4m3};
-
-reference::KVQuant format_of(DType dt) {
-  return dt == DType::int8 ? reference::KVQuant::int8 : reference::KVQuant::fp8_e4m3;
-}
 
 // ---- element formats ----
 
@@ -81,39 +75,7 @@ TEST(KVQuantElements, E4M3RoundsToNearestEven) {
   }
 }
 
-// ---- reading the cache back ----
-
-struct StoredRow {
-  std::vector<std::uint8_t> q;
-  float delta = 0.0f;
-};
-
-// The stored elements and scale of the K (value = false) or V row of (layer, seq, pos, head),
-// located through the layout the writer and the kernels use.
-StoredRow stored_row(const KVCache& c, std::int64_t layer, std::int64_t seq, std::int64_t pos,
-                     std::int64_t head, bool value) {
-  const kernels::KVTileLayout L = Access::layout(c);
-  const std::int64_t ring = Access::ring(c), s = ring != 0 ? pos % ring : pos;
-  const std::int64_t blk = Access::table(c, seq)[s / L.block_tokens], off = s % L.block_tokens;
-  const std::int64_t tile = value ? L.v_tile(blk, head, off) : L.k_tile(blk, head, off);
-  const std::byte* base = Access::layer(c, layer);
-  StoredRow row;
-  for (std::int64_t x = 0; x < L.head_dim; ++x) {
-    const std::int64_t at = tile + (value ? L.value_in_tile(off, x) : L.key_in_tile(off, x));
-    row.q.push_back(static_cast<std::uint8_t>(base[at]));
-  }
-  std::memcpy(&row.delta, base + L.scales_of(tile) + off % L.kKeyTile * 4, 4);
-  return row;
-}
-
-std::vector<double> dequantized_row(const KVCache& c, std::int64_t layer, std::int64_t seq,
-                                    std::int64_t pos, std::int64_t head, bool value) {
-  const StoredRow r = stored_row(c, layer, seq, pos, head, value);
-  std::vector<double> x;
-  for (std::uint8_t q : r.q)
-    x.push_back(reference::dequantize(format_of(c.config().dtype), q, r.delta));
-  return x;
-}
+// ---- reading the cache back (stored_row, cached_row: kv_oracle.hpp) ----
 
 // Checks one stored row against SPEC for the fp32 input row x: δ = max|x| / 127 (or 448) in
 // fp32, each element the nearest representable q to x / δ (int8: |x/δ − q| ≤ 1/2; fp8: no E4M3
@@ -387,7 +349,7 @@ TEST(KVQuantErrors, LayerPrefillWithNonFiniteKVLeavesCacheUnchanged) {
     }
 }
 
-// ---- decode against the float64 oracle over the dequantized cache ----
+// ---- decode against the float64 oracle over the dequantized cache (cache_oracle) ----
 
 struct QuantCase {
   std::vector<std::int64_t> lengths;
@@ -428,58 +390,6 @@ void fill(KVCache& c, std::int64_t layer, const std::vector<std::int64_t>& lengt
   }
 }
 
-// The oracle for sequence b: q [1, T_new, H_q, d_h] against the x̂ the cache holds (positions
-// before first_position are not held: zeros, and must be outside the window).
-reference::ForwardResult oracle(const StridedTensor& q, std::int64_t b, const KVCache& c,
-                                std::int64_t layer, const reference::Options& o = {}) {
-  const std::int64_t L = c.length(b, layer), tnew = q.view.shape[1], hq = q.view.shape[2];
-  const std::int64_t H = c.config().heads_kv, D = c.config().head_dim;
-  Tensor64 q64({1, tnew, hq, D}), k64({1, L, H, D}), v64({1, L, H, D});
-  for (std::int64_t t = 0; t < tnew; ++t)
-    for (std::int64_t h = 0; h < hq; ++h)
-      for (std::int64_t x = 0; x < D; ++x) q64.at(0, t, h, x) = q.at(b, t, h, x);
-  for (std::int64_t p = c.first_position(b, layer); p < L; ++p)
-    for (std::int64_t h = 0; h < H; ++h) {
-      const auto kr = dequantized_row(c, layer, b, p, h, false);
-      const auto vr = dequantized_row(c, layer, b, p, h, true);
-      for (std::int64_t x = 0; x < D; ++x) {
-        k64.at(0, p, h, x) = kr[static_cast<std::size_t>(x)];
-        v64.at(0, p, h, x) = vr[static_cast<std::size_t>(x)];
-      }
-    }
-  return reference::attention_forward(q64, k64, v64, o);
-}
-
-// out / lse of a decode call against the per-sequence oracle: max-norm relative error of O and
-// of L (|ΔL| / max(1, |L|)); rows that see no key must give L = −∞ (−∞ + σ with sinks: σ).
-void expect_matches(const StridedTensor& out, const std::vector<float>& lse, std::int64_t B,
-                    std::int64_t tnew, std::int64_t hq, std::int64_t dh,
-                    const std::vector<reference::ForwardResult>& refs) {
-  for (std::int64_t b = 0; b < B; ++b) {
-    const auto& ref = refs[static_cast<std::size_t>(b)];
-    double diff = 0.0, mx = 0.0, lse_diff = 0.0;
-    for (std::int64_t t = 0; t < tnew; ++t)
-      for (std::int64_t h = 0; h < hq; ++h) {
-        for (std::int64_t x = 0; x < dh; ++x) {
-          const double got = out.at(b, t, h, x), r = ref.out.at(0, t, h, x);
-          diff = std::max(diff, std::isnan(got) ? INFINITY : std::fabs(got - r));
-          mx = std::max(mx, std::fabs(r));
-        }
-        const double rl = ref.lse.at(0, h, t, 0);
-        const float gl = lse[static_cast<std::size_t>((b * hq + h) * tnew + t)];
-        if (std::isinf(rl)) {
-          ASSERT_TRUE(std::isinf(gl) && gl < 0) << "b=" << b << " t=" << t << " h=" << h;
-        } else {
-          lse_diff = std::max(lse_diff, std::isnan(gl)
-                                            ? INFINITY
-                                            : std::fabs(gl - rl) / std::max(1.0, std::fabs(rl)));
-        }
-      }
-    EXPECT_LE(diff / std::max(mx, 1e-30), kBound) << "sequence " << b;
-    EXPECT_LE(lse_diff, kBound) << "sequence " << b;
-  }
-}
-
 class KVQuantDecode : public PerIsaTest {};
 
 TEST_P(KVQuantDecode, MatchesFloat64OracleOverDequantizedCache) {
@@ -498,14 +408,14 @@ TEST_P(KVQuantDecode, MatchesFloat64OracleOverDequantizedCache) {
         StridedTensor q(B, qc.tnew, qc.hq, qc.dh, Layout::strided);
         q.fill_random(rng);
         std::vector<reference::ForwardResult> refs;
-        for (std::int64_t b = 0; b < B; ++b) refs.push_back(oracle(q, b, cache, 1));
+        for (std::int64_t b = 0; b < B; ++b) refs.push_back(cache_oracle(q, b, cache, 1));
         StridedTensor out(B, qc.tnew, qc.hq, qc.dh, Layout::bthd);  // poisoned (NaN)
         std::vector<float> lse(static_cast<std::size_t>(B * qc.hq * qc.tnew), kPoison);
         DecodeOptions o;
         o.isa = GetParam();
         attention_decode(q.view, cache, 1, out.view, TensorView::bht(lse.data(), B, qc.hq, qc.tnew),
                          o);
-        expect_matches(out, lse, B, qc.tnew, qc.hq, qc.dh, refs);
+        expect_decode_matches(out, lse, B, qc.tnew, qc.hq, qc.dh, refs);
       }
 }
 
@@ -539,11 +449,11 @@ TEST_P(KVQuantDecode, VariantsAndRollingCacheMatchOracle) {
       ro.alibi_slopes.assign(slopes.begin(), slopes.end());
       ro.sinks.assign(sinks.begin(), sinks.end());
       std::vector<reference::ForwardResult> refs;
-      for (std::int64_t b = 0; b < 2; ++b) refs.push_back(oracle(q, b, cache, 0, ro));
+      for (std::int64_t b = 0; b < 2; ++b) refs.push_back(cache_oracle(q, b, cache, 0, ro));
       StridedTensor out(2, tnew, hq, dh, Layout::strided);
       std::vector<float> lse(static_cast<std::size_t>(2 * hq * tnew), kPoison);
       attention_decode(q.view, cache, 0, out.view, TensorView::bht(lse.data(), 2, hq, tnew), o);
-      expect_matches(out, lse, 2, tnew, hq, dh, refs);
+      expect_decode_matches(out, lse, 2, tnew, hq, dh, refs);
     }
 }
 

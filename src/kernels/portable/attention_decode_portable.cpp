@@ -37,7 +37,7 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
 
 #pragma omp for schedule(dynamic, 1)
   for (std::int64_t unit = 0; unit < units; ++unit) {
-    const auto [c, qb, j, b] = Unravel(unit, a.chunks, a.qblocks, a.hkv);
+    const auto [c, qb, j, b] = a.unit_at(unit);
     const int worker = omp_get_thread_num();
     float* qs = a.scratch.at(a.slots.q_scaled, worker);  // scale · q rows [rows][d_h]
     float* sc = a.scratch.at(a.slots.scores, worker);    // scores [rows][64]
@@ -48,22 +48,22 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
     float* l_run = a.part_l + unit * rows;
 
     const std::int64_t t0 = qb * a.qblock, nrows = std::min(a.qblock, a.tnew - t0) * g;
-    std::int64_t kend = 0, kbegin = INT64_MAX;  // keys some row sees: [kbegin, kend)
-    for (std::int64_t r = 0; r < nrows; ++r) {
-      const float* q = a.q.row(b, t0 + r / g, j * g + r % g);
-      for (std::int64_t x = 0; x < dh; ++x) qs[r * dh + x] = a.scale * q[x * a.q.s3];
-      const std::int64_t e = a.visible_end(b, t0 + r / g), s = a.visible_begin(b, t0 + r / g);
-      if (s < e) {
-        kend = std::max(kend, e);
-        kbegin = std::min(kbegin, s);
-      }
-      m_run[r] = kNegInf;
-      l_run[r] = 0.0f;
-    }
-    std::fill(acc, acc + rows * dh, 0.0f);
+    const DecodeArgs::KeyRange keys = a.key_range(b, t0, nrows / g);
+    const std::int64_t kend = keys.end, kbegin = keys.begin;  // keys some row sees
     const std::int64_t k0 = a.chunk_base(b) + c * a.chunk, k1 = std::min(k0 + a.chunk, kend);
     // From the tile holding the first visible key (a window's start) on.
     const std::int64_t kb = std::max(k0, kbegin / kKeyTile * kKeyTile);
+    std::fill(m_run, m_run + nrows, kNegInf);  // m = −∞, l = 0: the part is empty until a key
+    std::fill(l_run, l_run + nrows, 0.0f);
+    // Nothing visible in this chunk (past the last key of this query block — early blocks of a
+    // long T_new —, a sequence with no key yet, or before a window): out before any per-row
+    // work. The merge reads no part of it.
+    if (kb >= k1) continue;
+    for (std::int64_t r = 0; r < nrows; ++r) {
+      const float* q = a.q.row(b, t0 + r / g, j * g + r % g);
+      for (std::int64_t x = 0; x < dh; ++x) qs[r * dh + x] = a.scale * q[x * a.q.s3];
+    }
+    std::fill(acc, acc + rows * dh, 0.0f);
 
     for (std::int64_t u0 = kb; u0 < k1; u0 += kKeyTile) {
       const std::int64_t nt = std::min(kKeyTile, k1 - u0);

@@ -111,7 +111,7 @@ void DecodeUnits(const DecodeArgs& a) {
 
 #pragma omp for schedule(dynamic, 1)
   for (std::int64_t unit = 0; unit < units; ++unit) {
-    const auto [c, qb, j, b] = Unravel(unit, a.chunks, a.qblocks, a.hkv);
+    const auto [c, qb, j, b] = a.unit_at(unit);
     const int worker = omp_get_thread_num();
     float* qs = a.scratch.at(a.slots.q_scaled, worker);  // scale·Q [rows][d_h]
     float* st = a.scratch.at(a.slots.scores, worker);    // S, then P [rows][64]
@@ -121,24 +121,22 @@ void DecodeUnits(const DecodeArgs& a) {
 
     const std::int64_t t0 = qb * a.qblock, nrows = std::min(a.qblock, a.tnew - t0) * g;
     // Keys some row sees: [kbegin, kend); keys every row sees: [kfull_begin, kfull).
-    std::int64_t kend = 0, kfull = INT64_MAX, kbegin = INT64_MAX, kfull_begin = 0;
-    for (std::int64_t r = 0; r < nrows; ++r) {
-      const float* q = a.q.row(b, t0 + r / g, j * g + r % g);
-      for (std::int64_t x = 0; x < dh; ++x) qs[r * dh + x] = a.scale * q[x * a.q.s3];
-      const std::int64_t e = a.visible_end(b, t0 + r / g), s = a.visible_begin(b, t0 + r / g);
-      if (s < e) {
-        kend = std::max(kend, e);
-        kbegin = std::min(kbegin, s);
-      }
-      kfull = std::min(kfull, e);
-      kfull_begin = std::max(kfull_begin, s);
-      m_run[r] = kNegInf;
-      l_run[r] = 0.0f;
-    }
+    const DecodeArgs::KeyRange keys = a.key_range(b, t0, nrows / g);
+    const std::int64_t kend = keys.end, kfull = keys.full_end, kbegin = keys.begin,
+                       kfull_begin = keys.full_begin;
     const std::int64_t k0 = a.chunk_base(b) + c * a.chunk, k1 = std::min(k0 + a.chunk, kend);
     // From the tile holding the first visible key (a window's start) on.
     const std::int64_t kb = std::max(k0, kbegin / kKeyTile * kKeyTile);
-    if (kb >= k1) continue;  // nothing visible in this chunk: m = −∞ marks the part empty
+    std::fill(m_run, m_run + nrows, kNegInf);  // m = −∞, l = 0: the part is empty until a key
+    std::fill(l_run, l_run + nrows, 0.0f);
+    // Nothing visible in this chunk (past the last key of this query block — early blocks of a
+    // long T_new —, a sequence with no key yet, or before a window): out before any per-row
+    // work. The merge reads no part of it.
+    if (kb >= k1) continue;
+    for (std::int64_t r = 0; r < nrows; ++r) {
+      const float* q = a.q.row(b, t0 + r / g, j * g + r % g);
+      for (std::int64_t x = 0; x < dh; ++x) qs[r * dh + x] = a.scale * q[x * a.q.s3];
+    }
     std::fill(acc, acc + nrows * dh, 0.0f);
     const bool capped = a.var.softcap > 0.0f;
     const bool tall = nrows > kRD;  // several row blocks: the tall blocking (see kRT)

@@ -1,0 +1,138 @@
+// tests/unit/kv_oracle.hpp — the decode tests' float64 oracle over the values a KVCache holds:
+// each K/V row read back through the cache's tile layout (the one the writer and the kernels
+// use), widened exactly (f32, bf16, f16) or dequantized x̂ = q · δ (int8, fp8 E4M3; SPEC
+// "Quantized KV cache"), and attention_decode's out / lse checked against it.
+//
+// Because the oracle runs on exactly the stored values, every cache dtype is held to the
+// fp32-accumulation bound of test_decode.cpp, rel_err ≤ 2e-5 (dot products of length d_h and
+// L-term weighted sums in fp32, u = 6e-8, exp 1 ULP, one merge per 1024-key chunk; a quantized
+// cache's q·δ or δ folded into the score or the probability adds one rounding per term).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels/kv_element.hpp"
+#include "model/kv_cache_access.hpp"
+#include "test_util.hpp"
+
+namespace tokenmix::testing {
+
+inline constexpr double kDecodeBound = 2e-5;
+
+inline reference::KVQuant format_of(DType dt) {
+  return dt == DType::int8 ? reference::KVQuant::int8 : reference::KVQuant::fp8_e4m3;
+}
+
+/// One stored row of a quantized cache: its elements and its fp32 scale δ.
+struct StoredRow {
+  std::vector<std::uint8_t> q;
+  float delta = 0.0f;
+};
+
+/// The stored elements and scale of the K (value = false) or V row of (layer, seq, pos, head) of a
+/// quantized cache, located through the layout the writer and the kernels use.
+inline StoredRow stored_row(const KVCache& c, std::int64_t layer, std::int64_t seq,
+                            std::int64_t pos, std::int64_t head, bool value) {
+  using Access = detail::KVCacheAccess;
+  const kernels::KVTileLayout L = Access::layout(c);
+  const std::int64_t ring = Access::ring(c), s = ring != 0 ? pos % ring : pos;
+  const std::int64_t blk = Access::table(c, seq)[s / L.block_tokens], off = s % L.block_tokens;
+  const std::int64_t tile = value ? L.v_tile(blk, head, off) : L.k_tile(blk, head, off);
+  const std::byte* base = Access::layer(c, layer);
+  StoredRow row;
+  for (std::int64_t x = 0; x < L.head_dim; ++x) {
+    const std::int64_t at = tile + (value ? L.value_in_tile(off, x) : L.key_in_tile(off, x));
+    row.q.push_back(static_cast<std::uint8_t>(base[at]));
+  }
+  std::memcpy(&row.delta, base + L.scales_of(tile) + off % L.kKeyTile * 4, 4);
+  return row;
+}
+
+/// The values the cache holds for that row, in float64: the stored f32 / bf16 / f16 elements
+/// widened, or the dequantized x̂ = q · δ of an int8 / fp8 E4M3 cache.
+inline std::vector<double> cached_row(const KVCache& c, std::int64_t layer, std::int64_t seq,
+                                      std::int64_t pos, std::int64_t head, bool value) {
+  const DType dt = c.config().dtype;
+  std::vector<double> x;
+  if (kernels::is_quantized(dt)) {
+    const StoredRow r = stored_row(c, layer, seq, pos, head, value);
+    for (std::uint8_t q : r.q) x.push_back(reference::dequantize(format_of(dt), q, r.delta));
+    return x;
+  }
+  using Access = detail::KVCacheAccess;
+  const kernels::KVTileLayout L = Access::layout(c);
+  const std::int64_t ring = Access::ring(c), s = ring != 0 ? pos % ring : pos;
+  const std::int64_t blk = Access::table(c, seq)[s / L.block_tokens], off = s % L.block_tokens;
+  const std::int64_t tile = value ? L.v_tile(blk, head, off) : L.k_tile(blk, head, off);
+  const std::byte* base = Access::layer(c, layer);
+  for (std::int64_t e = 0; e < L.head_dim; ++e) {
+    const std::int64_t at = tile + (value ? L.value_in_tile(off, e) : L.key_in_tile(off, e));
+    x.push_back(kernels::load_element(dt, base, at));
+  }
+  return x;
+}
+
+/// The oracle for sequence b of q (its rows [1, T_new, H_q, d_h], any layout) against the values
+/// the cache holds for that sequence at `layer` (positions before first_position are not held:
+/// zeros, and must be outside the window). Causal, bottom-right (SPEC 4.3): the queries are the
+/// last T_new positions.
+inline reference::ForwardResult cache_oracle(const StridedTensor& q, std::int64_t b,
+                                             const KVCache& c, std::int64_t layer,
+                                             const reference::Options& o = {}) {
+  const std::int64_t L = c.length(b, layer), tnew = q.view.shape[1], hq = q.view.shape[2];
+  const std::int64_t H = c.config().heads_kv, D = c.config().head_dim;
+  Tensor64 q64({1, tnew, hq, D}), k64({1, L, H, D}), v64({1, L, H, D});
+  for (std::int64_t t = 0; t < tnew; ++t)
+    for (std::int64_t h = 0; h < hq; ++h)
+      for (std::int64_t x = 0; x < D; ++x) q64.at(0, t, h, x) = q.at(b, t, h, x);
+  for (std::int64_t p = c.first_position(b, layer); p < L; ++p)
+    for (std::int64_t h = 0; h < H; ++h) {
+      const auto kr = cached_row(c, layer, b, p, h, false);
+      const auto vr = cached_row(c, layer, b, p, h, true);
+      for (std::int64_t x = 0; x < D; ++x) {
+        k64.at(0, p, h, x) = kr[static_cast<std::size_t>(x)];
+        v64.at(0, p, h, x) = vr[static_cast<std::size_t>(x)];
+      }
+    }
+  return reference::attention_forward(q64, k64, v64, o);
+}
+
+/// out / lse ([B, H_q, T_new] contiguous) of a decode call against the per-sequence oracle:
+/// max-norm relative error of O and of L (|ΔL| / max(1, |L|)) ≤ bound; rows that see no key must
+/// give L = −∞ (−∞ + σ with sinks: σ).
+inline void expect_decode_matches(const StridedTensor& out, const std::vector<float>& lse,
+                                  std::int64_t B, std::int64_t tnew, std::int64_t hq,
+                                  std::int64_t dh,
+                                  const std::vector<reference::ForwardResult>& refs,
+                                  double bound = kDecodeBound) {
+  for (std::int64_t b = 0; b < B; ++b) {
+    const auto& ref = refs[static_cast<std::size_t>(b)];
+    double diff = 0.0, mx = 0.0, lse_diff = 0.0;
+    for (std::int64_t t = 0; t < tnew; ++t)
+      for (std::int64_t h = 0; h < hq; ++h) {
+        for (std::int64_t x = 0; x < dh; ++x) {
+          const double got = out.at(b, t, h, x), r = ref.out.at(0, t, h, x);
+          diff = std::max(diff, std::isnan(got) ? INFINITY : std::fabs(got - r));
+          mx = std::max(mx, std::fabs(r));
+        }
+        const double rl = ref.lse.at(0, h, t, 0);
+        const float gl = lse[static_cast<std::size_t>((b * hq + h) * tnew + t)];
+        if (std::isinf(rl)) {
+          ASSERT_TRUE(std::isinf(gl) && gl < 0) << "b=" << b << " t=" << t << " h=" << h;
+        } else {
+          lse_diff = std::max(lse_diff, std::isnan(gl)
+                                            ? INFINITY
+                                            : std::fabs(gl - rl) / std::max(1.0, std::fabs(rl)));
+        }
+      }
+    EXPECT_LE(diff / std::max(mx, 1e-30), bound) << "sequence " << b;
+    EXPECT_LE(lse_diff, bound) << "sequence " << b;
+  }
+}
+
+}  // namespace tokenmix::testing

@@ -1,0 +1,240 @@
+// tests/unit/test_decode_multi.cpp — attention_decode with several new tokens per sequence
+// (T_new = 1 … 70: speculative decoding, chunked prefill) and batches of very different sequence
+// lengths, on every ISA path this machine supports, every cache dtype, contiguous and paged
+// caches, against the float64 oracle over the values the cache holds (kv_oracle.hpp; quantized
+// caches: the dequantized x̂ = q · δ), bound rel_err ≤ 2e-5 on O and on L (4.4–4.5).
+//
+// The kernels stack g heads × qblock query positions as the rows of a unit (rows ≤ 128, so
+// qblock = min(T_new, 128 / g)), walk 64-key tiles and split keys into 1024-key chunks merged in
+// a fixed order (SPEC "Merging partial results"). The queries are the last T_new positions of
+// each sequence (bottom-right causal mask, SPEC 4.3): query t of a sequence of L positions sees
+// keys 0 … L − T_new + t, so within the new block each row sees one key more than the row
+// before, and rows with L − T_new + t < 0 (L < T_new) see no key (O = 0, L = −∞). The sampled
+// T_new (1 … 16, 31–33, 63–65, 70) with g ∈ {1, 4, 8} straddle the query-block edges (qblock
+// 128, 32, 16), the lengths (< T_new, 63/64/65, 1023/1024/1025) the key-tile and chunk edges,
+// and every batch mixes lengths so chunks past a short sequence's keys are empty units. Queries
+// are strided views; outputs are poisoned (NaN) and their padding must stay so; lse is checked;
+// 1 and 2 threads must give bitwise identical results. Sized to stay cheap under the sanitizers.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "api/decode_internal.hpp"
+#include "kv_oracle.hpp"
+#include "test_util.hpp"
+
+namespace tokenmix::testing {
+namespace {
+
+constexpr DType kCacheTypes[] = {DType::f32, DType::bf16, DType::f16, DType::int8, DType::fp8_e4m3};
+
+struct MultiCase {
+  std::vector<std::int64_t> lengths;
+  std::int64_t tnew, hq, hkv, dh;
+  DType dtype;
+  std::int64_t block;  // 0: contiguous; else paged, positions per block
+};
+
+std::string describe(const MultiCase& c) {
+  std::string s = "lengths=";
+  for (std::int64_t L : c.lengths) s += std::to_string(L) + ",";
+  return s + " T_new=" + std::to_string(c.tnew) + " H_q=" + std::to_string(c.hq) +
+         " H_kv=" + std::to_string(c.hkv) + " d_h=" + std::to_string(c.dh) +
+         " dtype=" + to_string(c.dtype) + " block=" + std::to_string(c.block);
+}
+
+// Appends rows of uniform values in [−√3, √3) (variance 1; two per draw of the generator, as
+// normal deviates would dominate the test's time) in pieces of 1, 37, 200, … positions (offsets
+// across tiles and blocks), sequences interleaved so a paged cache's blocks interleave.
+void fill(KVCache& cache, std::int64_t layer, const std::vector<std::int64_t>& lengths,
+          std::mt19937_64& rng) {
+  const std::int64_t H = cache.config().heads_kv, D = cache.config().head_dim;
+  const std::int64_t pieces[] = {1, 37, 200, 5, 900, 64};
+  const auto uniform = [&rng](std::vector<float>& x) {
+    constexpr float kScale = 2.0f * 1.7320508f / 4294967296.0f;  // 2√3 / 2^32
+    for (std::size_t i = 0; i < x.size(); i += 2) {
+      const std::uint64_t bits = rng();
+      x[i] = static_cast<float>(bits & 0xffffffffu) * kScale - 1.7320508f;
+      if (i + 1 < x.size()) x[i + 1] = static_cast<float>(bits >> 32) * kScale - 1.7320508f;
+    }
+  };
+  std::vector<std::int64_t> done(lengths.size(), 0);
+  for (int round = 0;; ++round) {
+    bool any = false;
+    for (std::size_t b = 0; b < lengths.size(); ++b) {
+      const std::int64_t n = std::min(pieces[round % 6], lengths[b] - done[b]);
+      if (n <= 0) continue;
+      any = true;
+      std::vector<float> k(static_cast<std::size_t>(n * H * D)), v(k.size());
+      uniform(k);
+      uniform(v);
+      cache.append(layer, static_cast<std::int64_t>(b), ConstTensorView::bthd(k.data(), 1, n, H, D),
+                   ConstTensorView::bthd(v.data(), 1, n, H, D));
+      done[b] += n;
+    }
+    if (!any) break;
+  }
+}
+
+// Runs the case on `isa` with 1 and 2 threads: both against the oracle, bitwise equal, padding
+// of the (strided, poisoned) output untouched.
+void run_case(const MultiCase& c, Isa isa, std::uint64_t seed) {
+  SCOPED_TRACE(describe(c));
+  std::mt19937_64 rng(seed);
+  const std::int64_t B = static_cast<std::int64_t>(c.lengths.size());
+  const std::int64_t capacity = *std::max_element(c.lengths.begin(), c.lengths.end());
+  KVCache cache({1, B, c.hkv, c.dh, capacity, c.dtype, c.block, 0});
+  fill(cache, 0, c.lengths, rng);
+  StridedTensor q(B, c.tnew, c.hq, c.dh, Layout::strided);
+  q.fill_random(rng);
+  std::vector<reference::ForwardResult> refs;
+  for (std::int64_t b = 0; b < B; ++b) refs.push_back(cache_oracle(q, b, cache, 0));
+  std::array<StridedTensor, 2> outs{StridedTensor(B, c.tnew, c.hq, c.dh, Layout::strided),
+                                    StridedTensor(B, c.tnew, c.hq, c.dh, Layout::strided)};
+  std::array<std::vector<float>, 2> lses;
+  for (int i = 0; i < 2; ++i) {
+    lses[i].assign(static_cast<std::size_t>(B * c.hq * c.tnew), kPoison);
+    DecodeOptions o;
+    o.isa = isa;
+    o.threads = i + 1;
+    attention_decode(q.view, cache, 0, outs[i].view,
+                     TensorView::bht(lses[i].data(), B, c.hq, c.tnew), o);
+    SCOPED_TRACE("threads=" + std::to_string(i + 1));
+    expect_decode_matches(outs[i], lses[i], B, c.tnew, c.hq, c.dh, refs);
+    // Every output is finite here (a row that sees no key gets O = 0); the padding stays NaN.
+    std::int64_t written = 0;
+    for (float x : outs[i].storage) written += std::isnan(x) ? 0 : 1;
+    EXPECT_EQ(written, B * c.tnew * c.hq * c.dh);
+  }
+  EXPECT_EQ(0, std::memcmp(outs[0].storage.data(), outs[1].storage.data(),
+                           outs[0].storage.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(lses[0].data(), lses[1].data(), lses[0].size() * sizeof(float)));
+}
+
+// T_new sampled over 1 … 16 and the query-block edges; per sample a group size (1, 4, 8; MQA:
+// one KV head), a head width (16, 40, 72: not a multiple of 16, 7: scalar tail), a cache dtype
+// and kind (all 10 combinations over the samples), and three lengths: one below T_new (leading
+// rows see nothing), one at the 64-key tile edge, and one at the 1024-key chunk edge (every third
+// sample; else a few tiles long, to keep the float64 oracle cheap).
+std::vector<MultiCase> tnew_cases() {
+  const std::int64_t tnews[] = {1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12,
+                                13, 14, 15, 16, 31, 32, 33, 63, 64, 65, 70};
+  std::vector<MultiCase> cases;
+  for (std::int64_t i = 0; i < static_cast<std::int64_t>(std::size(tnews)); ++i) {
+    const std::int64_t tnew = tnews[i];
+    // g = 4 puts 31/32/33 and 63/64/65 across one and two 32-position blocks; g = 8 makes
+    // 16-position blocks (33: 16 + 16 + 1, 64: four full, 70: 4 + a partial one).
+    const std::int64_t g = tnew <= 16 ? std::array<std::int64_t, 3>{1, 4, 8}[i % 3]
+                           : (tnew == 33 || tnew == 64 || tnew == 70) ? 8
+                                                                      : 4;
+    // One KV head: MHA (g = 1) or MQA (g > 1); all of the long T_new (the oracle's cost).
+    const std::int64_t hkv = i % 4 == 3 || tnew > 16 ? 1 : 2;
+    const std::int64_t dh = std::array<std::int64_t, 4>{16, 40, 72, 7}[i % 4];
+    const std::int64_t shortest = std::max<std::int64_t>(1, tnew / 2);  // < T_new from T_new 2
+    const std::int64_t tile_edge = 63 + i % 3;
+    const std::int64_t longest = i % 3 == 0 ? 1023 + (i / 3) % 3 : 129 + i;
+    cases.push_back({{tile_edge, longest, shortest},
+                     tnew,
+                     g * hkv,
+                     hkv,
+                     dh,
+                     kCacheTypes[i % 5],
+                     i % 2 == 0 ? 0 : 64});
+  }
+  return cases;
+}
+
+class DecodeMulti : public PerIsaTest {};
+
+TEST_P(DecodeMulti, TnewAcrossQueryBlocksTilesAndChunks) {
+  std::uint64_t seed = 100;
+  for (const MultiCase& c : tnew_cases()) run_case(c, GetParam(), ++seed);
+}
+
+// B = 3 sequences of very different lengths (5, 700, 2100: one, one and three chunks), every
+// cache dtype, contiguous and paged; small heads.
+TEST_P(DecodeMulti, MixedLengthsEveryDtypeAndCache) {
+  std::uint64_t seed = 200;
+  for (DType dt : kCacheTypes)
+    for (std::int64_t block : {0, 128})
+      run_case({{5, 700, 2100}, 2, 4, 1, 40, dt, block}, GetParam(), ++seed);
+}
+
+// One realistic shape: 32 query heads over 8 KV heads (g = 4), d_h = 128, T_new = 2, lengths
+// 5, 700 and 2100, a paged bf16 cache.
+TEST_P(DecodeMulti, MixedLengthsRealisticShape) {
+  run_case({{5, 2100, 700}, 2, 32, 8, 128, DType::bf16, 128}, GetParam(), 300);
+}
+
+// A sequence's result does not depend on the other sequences of the batch (their lengths set the
+// number of chunks, whose units past its keys are empty): bitwise what it gets decoded alone.
+TEST_P(DecodeMulti, ShortSequenceAloneEqualsInMixedBatch) {
+  std::mt19937_64 rng(400);
+  const std::int64_t B = 3, tnew = 5, hq = 8, hkv = 2, dh = 40;
+  for (DType dt : {DType::f32, DType::int8}) {
+    SCOPED_TRACE(to_string(dt));
+    KVCache cache({1, B, hkv, dh, 2100, dt, 64, 0});
+    fill(cache, 0, {2100, 7, 700}, rng);
+    StridedTensor q(B, tnew, hq, dh, Layout::bthd);
+    q.fill_random(rng);
+    StridedTensor all(B, tnew, hq, dh, Layout::bthd);
+    DecodeOptions o;
+    o.isa = GetParam();
+    attention_decode(q.view, cache, 0, all.view, {}, o);
+    for (std::int64_t b = 0; b < B; ++b) {
+      TensorView qb = q.view;
+      StridedTensor one(1, tnew, hq, dh, Layout::bthd);
+      qb.data = &q.at(b, 0, 0, 0);
+      qb.shape[0] = 1;
+      o.first_seq = b;
+      attention_decode(qb, cache, 0, one.view, {}, o);
+      EXPECT_EQ(0, std::memcmp(&all.at(b, 0, 0, 0), one.storage.data(),
+                               one.storage.size() * sizeof(float)))
+          << "sequence " << b;
+    }
+  }
+}
+
+// Units exist only for the chunks each sequence has: one sequence of 8200 keys (9 chunks) and 15
+// of 5 keys need 24 units, not 16 × 9 = 144, and their partial results fit a scratch limit of
+// 48 KiB (≈ 25 KiB with 24 units: 10.6 KiB of worker scratch, 0.6 KiB of partials per unit;
+// ≈ 94 KiB with 144). Each sequence's result is bitwise what it gets decoded alone.
+TEST_P(DecodeMulti, UnitsFollowEachSequencesKeys) {
+  std::mt19937_64 rng(500);
+  const std::int64_t B = 16, hq = 8, dh = 16;
+  std::vector<std::int64_t> lengths(B, 5);
+  lengths[3] = 8200;
+  KVCache cache({1, B, 1, dh, 8200, DType::f32, 0, 0});
+  fill(cache, 0, lengths, rng);
+  StridedTensor q(B, 1, hq, dh, Layout::strided);
+  q.fill_random(rng);
+  StridedTensor all(B, 1, hq, dh, Layout::bthd);
+  DecodeOptions o;
+  o.isa = GetParam();
+  o.threads = 1;
+  detail::set_decode_scratch_limit_for_testing(48 * 1024);
+  EXPECT_NO_THROW(attention_decode(q.view, cache, 0, all.view, {}, o));
+  detail::set_decode_scratch_limit_for_testing(-1);
+  for (std::int64_t b : {0, 3, 15}) {
+    TensorView qb = q.view;
+    qb.data = &q.at(b, 0, 0, 0);
+    qb.shape[0] = 1;
+    StridedTensor one(1, 1, hq, dh, Layout::bthd);
+    o.first_seq = b;
+    attention_decode(qb, cache, 0, one.view, {}, o);
+    EXPECT_EQ(
+        0, std::memcmp(&all.at(b, 0, 0, 0), one.storage.data(), one.storage.size() * sizeof(float)))
+        << "sequence " << b;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, DecodeMulti, AllIsas(), IsaName);
+
+}  // namespace
+}  // namespace tokenmix::testing

@@ -12,6 +12,10 @@
 // anyway (negative sizes or strides, sizes overflowing 64-bit arithmetic, wrong rank or dtype);
 // valid but large requests are skipped. Where the decoded arguments are invalid for a reason the
 // fuzzer can tell, it also checks that the call did throw.
+// KV cache sequences use all five cache dtypes (f32, bf16, f16, int8, fp8_e4m3); an append may
+// get a NaN / ±∞ element, which a quantized cache must refuse (SPEC "Quantized KV cache"), and a
+// failing append must leave the cache's lengths and (small caches) storage unchanged.
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -392,6 +396,42 @@ long double cache_bytes_estimate(const KVCacheConfig& c) {
   return storage + table + 8.0L * c.layers * c.batch + c.batch;
 }
 
+/// True if an element of the valid rank-4 fp32 view v (its own shape and strides) is NaN or ±∞.
+bool has_non_finite(const TensorView& v) {
+  if (v.data == nullptr || v.rank != 4 || v.dtype != DType::f32) return false;
+  for (int i = 0; i < 4; ++i)
+    if (v.shape[i] < 1) return false;  // empty (an outer extent may still be huge)
+  const float* p = static_cast<const float*>(v.data);
+  for (i64 i = 0; i < v.shape[0]; ++i)
+    for (i64 j = 0; j < v.shape[1]; ++j)
+      for (i64 h = 0; h < v.shape[2]; ++h)
+        for (i64 x = 0; x < v.shape[3]; ++x) {
+          const float e =
+              p[i * v.strides[0] + j * v.strides[1] + h * v.strides[2] + x * v.strides[3]];
+          if (!std::isfinite(e)) return true;
+        }
+  return false;
+}
+
+/// Sets one element of the valid non-empty rank-4 fp32 view v (chosen by the input) to x.
+void set_element(const TensorView& v, Input& in, float x) {
+  if (v.data == nullptr || v.rank != 4 || v.dtype != DType::f32) return;
+  i64 off = 0;
+  for (int i = 0; i < 4; ++i) {
+    if (v.shape[i] < 1) return;
+    off += (in.byte() % v.shape[i]) * v.strides[i];
+  }
+  static_cast<float*>(v.data)[off] = x;
+}
+
+/// Every (sequence, layer) length of the cache.
+std::vector<i64> lengths(const KVCache& cache) {
+  std::vector<i64> n;
+  for (i64 b = 0; b < cache.config().batch; ++b)
+    for (i64 l = 0; l < cache.config().layers; ++l) n.push_back(cache.length(b, l));
+  return n;
+}
+
 void fuzz_kv_cache(Input& in) {
   KVCacheConfig c;
   c.layers = in.size();
@@ -399,12 +439,15 @@ void fuzz_kv_cache(Input& in) {
   c.heads_kv = in.size();
   c.head_dim = in.size();
   c.capacity = in.size();
-  c.dtype = static_cast<DType>(in.byte() % 4);
+  // 0–2 and 6–7 are the cache dtypes (f32, bf16, f16, int8, fp8_e4m3); 3–5 element types no
+  // cache takes (bool, i32, i64); 8 not an enumerator.
+  c.dtype = static_cast<DType>(in.byte() % 9);
   c.block_tokens = in.flag() ? 64 * (in.byte() % 3) : in.size();
   c.pool_blocks = c.block_tokens != 0 && in.flag() ? in.size() : 0;
+  const bool quantized = c.dtype == DType::int8 || c.dtype == DType::fp8_e4m3;
   const bool invalid = c.layers < 1 || c.batch < 1 || c.heads_kv < 1 || c.head_dim < 1 ||
-                       c.capacity < 1 || static_cast<int>(c.dtype) > 2 || c.block_tokens < 0 ||
-                       c.block_tokens % 64 != 0 || c.pool_blocks < 0 ||
+                       c.capacity < 1 || (static_cast<int>(c.dtype) > 2 && !quantized) ||
+                       c.block_tokens < 0 || c.block_tokens % 64 != 0 || c.pool_blocks < 0 ||
                        (c.block_tokens == 0 && c.pool_blocks != 0);
   const long double bytes = invalid ? 0 : cache_bytes_estimate(c);
   if (!invalid && bytes > (1 << 23)) {
@@ -432,7 +475,32 @@ void fuzz_kv_cache(Input& in) {
         auto k = vs.add(in, a, 4, {b, t, c.heads_kv, c.head_dim});
         auto v = vs.add(in, a, 4, {b, t, c.heads_kv, c.head_dim});
         if (vs.skip && !vs.fail) break;
-        expect_contract(vs.fail, [&] { cache->append(layer, first, k, v); });
+        const std::uint8_t poison = in.byte();  // < 96: a NaN / ±∞ element in k or v
+        if (poison < 96 && !vs.fail) {
+          static const float bad[] = {std::numeric_limits<float>::quiet_NaN(),
+                                      std::numeric_limits<float>::infinity(),
+                                      -std::numeric_limits<float>::infinity()};
+          set_element(poison % 2 != 0 ? v : k, in, bad[poison % 3]);
+        }
+        // Quantized caches refuse rows holding NaN or ±∞ (no finite scale represents them);
+        // a failing append leaves the cache as it was (checked on small caches).
+        const bool non_finite = !vs.fail && (has_non_finite(k) || has_non_finite(v));
+        const bool snap = cache->storage_bytes() <= (1u << 20);
+        std::vector<std::byte> before;
+        if (snap) before.assign(cache->raw_storage().begin(), cache->raw_storage().end());
+        const std::vector<i64> lengths_before = lengths(*cache);
+        bool threw = true;
+        expect_contract(vs.fail || (quantized && non_finite), [&] {
+          cache->append(layer, first, k, v);
+          threw = false;
+        });
+        if (threw &&
+            (lengths(*cache) != lengths_before ||
+             (snap && !std::equal(before.begin(), before.end(), cache->raw_storage().begin(),
+                                  cache->raw_storage().end())))) {
+          std::fprintf(stderr, "fuzz_api: a failing KVCache::append changed the cache\n");
+          std::abort();
+        }
         break;
       }
       case 2:
@@ -541,7 +609,9 @@ void fuzz_layer(Input& in) {
     kc.heads_kv = in.flag() ? c.heads_kv : 1 + in.byte() % 4;
     kc.head_dim = in.flag() ? c.head_dim : 1 + in.byte() % 16;
     kc.capacity = 1 + in.byte() % 130;
-    kc.dtype = static_cast<DType>(in.byte() % 3);
+    static const DType cache_dtypes[] = {DType::f32, DType::bf16, DType::f16, DType::int8,
+                                         DType::fp8_e4m3};
+    kc.dtype = cache_dtypes[in.byte() % 5];
     if (cache_bytes_estimate(kc) > (1 << 23)) return;
     KVCache cache(kc);
     const i64 layer_index = in.byte() % 3, first = in.byte() % 4;

@@ -86,3 +86,66 @@ def test_bench_ring_reports_efficiency_bytes_and_memory(capsys):
         # P = 2: one K/V hop forward; the backward adds its hop and two dK/dV hops (float32).
         assert int(sent) == (kv_bytes if mode == "fwd" else 4 * kv_bytes), (mode, sent)
     assert out.count("| 64 | fwd") == 2  # "fwd" and "fwd+bwd" rows of the table
+
+
+def test_bench_decode_all_cache_dtypes_side_by_side(capsys):
+    """--decode (issue 15 item 4): one row per cache dtype (all five by default) for each T_k,
+    with the same-run streaming-read ceiling; the printed ratios follow from the printed
+    figures, bf16's relative speed and size are exactly 1, the fp32 cache is the unquantized
+    reference (error exactly 0) and the others' errors are of their storage's rounding."""
+    import json
+
+    assert bench.main(["--decode", "--cache-tokens", "70", "--repeats", "1", "--threads", "1",
+                       "--heads-q", "4", "--heads-kv", "2", "--head-dim", "16",
+                       "--stream-mib", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ceiling: streaming read of a 8 MiB float32 buffer" in out
+    rows = re.findall(r"T_k=\s*(\d+) (\S+)\s+([0-9.]+) ms\s+([0-9.]+) GB/s \(ceiling ([0-9.]+), "
+                      r"ratio ([0-9.]+)\)\s+([0-9.]+) tokens/s \(([0-9.]+)x bf16\)\s+cache "
+                      r"([0-9.]+)x bf16\s+err_vs_unquantized ([0-9.e+-]+)", out)
+    assert [(int(t), dt) for t, dt, *_ in rows] == [
+        (70, dt) for dt in ("f32", "bf16", "f16", "int8", "fp8_e4m3")], out
+    by = {dt: [float(x) for x in rest] for _, dt, *rest in rows}
+
+    def consistent(printed, decimals, lo, hi):  # printed (rounded) value of something in [lo, hi]
+        half = 0.5 * 10.0 ** -decimals
+        return lo - half <= printed <= hi + half
+
+    tps_bf16 = by["bf16"][4]
+    for dt, (ms, gbps, ceil, ratio, tps, rel, size, err) in by.items():
+        assert ms > 0 and gbps > 0 and ceil > 0 and tps > 0
+        # printed with 4 (ms), 2 (GB/s, ceiling, ratios) and 1 (tokens/s) decimals
+        assert consistent(ratio, 2, (gbps - 0.005) / (ceil + 0.005),
+                          (gbps + 0.005) / (ceil - 0.005)), (dt, ratio, gbps, ceil)
+        assert consistent(tps, 1, 1e3 / (ms + 5e-5), 1e3 / (ms - 5e-5)), (dt, tps, ms)  # B = 1
+        assert consistent(rel, 2, (tps - 0.05) / (tps_bf16 + 0.05),
+                          (tps + 0.05) / (tps_bf16 - 0.05)), (dt, rel, tps, tps_bf16)
+    assert by["bf16"][5] == 1.0 and by["bf16"][6] == 1.0
+    assert by["f32"][6] == 2.0 and by["f16"][6] == 1.0
+    assert by["int8"][6] == by["fp8_e4m3"][6] == 0.625  # (d_h + 4) / (2 d_h) at d_h = 16
+    assert by["f32"][7] == 0.0
+    for dt, bound in (("bf16", 2e-2), ("f16", 4e-3), ("int8", 5e-2), ("fp8_e4m3", 2e-1)):
+        assert 0 < by[dt][7] < bound, (dt, by[dt][7])
+
+    # --json: one object per row, the same fields; bf16 exactly 1; a subset of dtypes
+    assert bench.main(["--decode", "--cache-tokens", "65", "--repeats", "1", "--threads", "1",
+                       "--heads-q", "2", "--heads-kv", "1", "--head-dim", "8", "--stream-mib",
+                       "8", "--json", "--cache-dtype", "fp8_e4m3", "bf16"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["cache_dtype"] for r in lines] == ["fp8_e4m3", "bf16"]
+    for r in lines:
+        assert r["tk"] == 65 and r["op"] == "decode" and r["ratio"] == r["gbps"] / r["ceiling_gbps"]
+        assert r["tokens_per_s"] == 1.0 / (r["ms"] / 1e3)
+    assert lines[1]["tokens_per_s_vs_bf16"] == 1.0 and lines[1]["cache_bytes_vs_bf16"] == 1.0
+    assert lines[0]["err_vs_unquantized"] > 0
+
+    # bad arguments: exit code 2 with the reason
+    assert bench.main(["--decode", "--cache-dtype", "int4", "--cache-tokens", "8"]) == 2
+    assert "--cache-dtype must be among f32, bf16, f16, int8, fp8_e4m3" in capsys.readouterr().err
+    assert bench.main(["--decode", "--cache-tokens", "0"]) == 2
+    try:
+        bench.main(["--decode", "--window", "4"])
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("--decode --window accepted")

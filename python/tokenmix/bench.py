@@ -5,6 +5,7 @@
     python -m tokenmix.bench --dtype bf16          # both sides in bfloat16 (or f16: float16)
     python -m tokenmix.bench --model      # a Llama-shaped model in transformers (_bench_model)
     python -m tokenmix.bench --overhead   # the cost of one tiny call (generation's shapes)
+    python -m tokenmix.bench --decode     # one-token decode per KV-cache dtype (f32 ... fp8)
 
 Shapes (SPEC "Names and shapes"): B=1, H_q=32, H_kv=8, d_h=128 by default (grouped-query,
 g = 4), causal, float32 (``--dtype bf16`` / ``f16``: both sides in bfloat16 / float16, the
@@ -34,6 +35,11 @@ ceiling is a GEMM in that dtype instead: ``torch.mm`` on 2048 x 2048 bfloat16 / 
 matrices (oneDNN where PyTorch's CPU build uses it for the dtype), same threads, best of 10; its
 line names it. The forward agreement ``max|diff|`` is between the two sides' outputs in the
 dtype, so at bfloat16 it is of the order of the dtype's rounding (2^-8 relative), not 1e-6.
+
+``--decode`` benchmarks one-token decode instead (:func:`decode_main`): for each T_k of
+``--cache-tokens`` one tokenmix.KVCache per dtype of ``--cache-dtype`` (default all five: f32,
+bf16, f16, int8, fp8_e4m3) holding the same N(0, 1) K/V, timed side by side in alternating
+rounds, next to the streaming-read ceiling of the same run.
 
 Score variants (SPEC "Score variants used by real models"): ``--window W``, ``--softcap C``,
 ``--alibi`` (the standard slopes 2^(−8(h+1)/H_q)) and ``--sinks V`` (one sink logit for every
@@ -476,6 +482,144 @@ def ring_main(args: argparse.Namespace) -> int:
 
 
 
+# ---------------------------------------------------------------------------------------------
+# --decode: one-token decode against a KV cache of each dtype (SPEC 4.8, "Quantized KV cache")
+
+CACHE_DTYPES = ["f32", "bf16", "f16", "int8", "fp8_e4m3"]
+
+
+def stream_read_gbps(buf: np.ndarray, threads: int) -> float:
+    """One streaming read of ``buf`` (float32): ``numpy.max`` (a SIMD reduction, memory-bound;
+    ``numpy.sum``'s pairwise summation is slower than memory on one core) over ``threads``
+    equal slices in as many Python threads (NumPy's reductions release the GIL), in GB/s."""
+    if threads <= 1:
+        secs = _time(lambda: buf.max())
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+        parts = np.array_split(buf, threads)
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(lambda a: a.max(), parts))  # the threads exist before the timing
+            secs = _time(lambda: list(pool.map(lambda a: a.max(), parts)))
+    return buf.nbytes / secs / 1e9
+
+
+def run_decode_case(T_k: int, args: argparse.Namespace, dtypes: List[str], buf: np.ndarray,
+                    threads: int) -> Dict[str, Dict[str, float]]:
+    """One T_k: a cache per dtype of ``dtypes`` filled with the same N(0, 1) K/V (appended in
+    chunks of 4096 positions), one warm-up step each, then ``--repeats`` rounds, each a
+    streaming-read pass and one decode step per dtype (order alternating round by round).
+    Returns per dtype the median step time, the decode bytes (cache.decode_bytes), the cache's
+    storage bytes, the median ceiling and the step's output."""
+    B, Hq, Hkv, D = args.batch, args.heads_q, args.heads_kv, args.head_dim
+    caches = {dt: tokenmix.KVCache(1, B, Hkv, D, T_k, dtype=dt) for dt in dtypes}
+    rng = np.random.default_rng(4321 + T_k)
+    for t0 in range(0, T_k, 4096):
+        n = min(4096, T_k - t0)
+        k = rng.standard_normal((B, n, Hkv, D), dtype=np.float32)
+        v = rng.standard_normal((B, n, Hkv, D), dtype=np.float32)
+        for cache in caches.values():
+            cache.append(0, k, v)
+    q = rng.standard_normal((B, 1, Hq, D), dtype=np.float32)
+    outs = {dt: np.full((B, 1, Hq, D), np.nan, np.float32) for dt in dtypes}
+
+    def step(dt: str) -> None:
+        tokenmix.attention_decode(q, caches[dt], 0, out=outs[dt], threads=threads)
+
+    for dt in dtypes:  # warm-up (and the outputs compared below)
+        step(dt)
+    times: Dict[str, List[float]] = {dt: [] for dt in dtypes}
+    ceiling: List[float] = []
+    for r in range(args.repeats):
+        ceiling.append(stream_read_gbps(buf, threads))
+        for dt in (dtypes if r % 2 == 0 else dtypes[::-1]):
+            times[dt].append(_time(lambda: step(dt)))
+    res = {}
+    for dt in dtypes:
+        res[dt] = {"seconds": statistics.median(times[dt]),
+                   "bytes": float(caches[dt].decode_bytes(0, 0, B)),
+                   "storage_bytes": float(caches[dt].storage_bytes),
+                   "ceiling_gbps": statistics.median(ceiling), "out": outs[dt]}
+    return res
+
+
+def decode_main(args: argparse.Namespace) -> int:
+    """``--decode``: per T_k and cache dtype the median time of one decode step (B sequences,
+    one new token each, causal against T_k cached positions), the K/V bytes it reads per second
+    (decode bytes, SPEC "Useful-work counts": elements plus the rows' scales for int8 / fp8) and
+    that as a fraction of the streaming-read ceiling of the same rounds, tokens per second
+    (B / time), tokens/s and cache bytes (storage) relative to the bf16 cache, and the largest
+    |O − O_f32| against the fp32 cache's output on the same K/V (the error of storing K/V in
+    the dtype). The f32 and bf16 caches are run whether listed or not (the references); only
+    the listed dtypes are printed."""
+    bad = [dt for dt in args.cache_dtype if dt not in CACHE_DTYPES]
+    if bad or not args.cache_dtype:
+        print(f"python -m tokenmix.bench: error: --cache-dtype must be among "
+              f"{', '.join(CACHE_DTYPES)}; got {' '.join(args.cache_dtype)}", file=sys.stderr)
+        return 2
+    if any(t < 1 for t in args.cache_tokens) or args.stream_mib < 1:
+        print("python -m tokenmix.bench: error: --cache-tokens and --stream-mib must be >= 1; "
+              f"got {args.cache_tokens} and {args.stream_mib}", file=sys.stderr)
+        return 2
+    threads = args.threads if args.threads > 0 else tokenmix.default_threads()
+    shown = list(dict.fromkeys(args.cache_dtype))
+    run = [dt for dt in CACHE_DTYPES if dt in shown or dt in ("f32", "bf16")]
+    buf = np.ones(args.stream_mib * 2**20 // 4, dtype=np.float32)  # touched: pages resident
+    ceiling_kind = f"stream_read_{args.stream_mib}MiB_numpy_max"
+    if not args.json:
+        print(f"CPU: {_cpu_model()} ({os.cpu_count()} logical CPUs)")
+        print(f"tokenmix {tokenmix.__version__} (kernel path {tokenmix.resolve_isa()}), NumPy "
+              f"{np.__version__}, Python {platform.python_version()}")
+        print(f"decode: B={args.batch} T_new=1 H_q={args.heads_q} H_kv={args.heads_kv} "
+              f"d_h={args.head_dim}, q float32, {threads} thread(s); median of {args.repeats} "
+              f"rounds (each: a ceiling pass, then one step per cache dtype)")
+        print(f"ceiling: streaming read of a {args.stream_mib} MiB float32 buffer (numpy.max "
+              f"over {threads} slice(s) in {threads} thread(s)), median of the rounds")
+        print(f"load average before: {_loadavg()}")
+        sys.stdout.flush()
+    rows = []
+    for T_k in args.cache_tokens:
+        res = run_decode_case(T_k, args, run, buf, threads)
+        ref, base = res["f32"], res["bf16"]
+        tps_bf16 = args.batch / base["seconds"]
+        for dt in shown:
+            r = res[dt]
+            gbps = r["bytes"] / r["seconds"] / 1e9
+            tps = args.batch / r["seconds"]
+            row = {"op": "decode", "cache_dtype": dt, "batch": args.batch, "tnew": 1,
+                   "tk": T_k, "hq": args.heads_q, "hkv": args.heads_kv, "dh": args.head_dim,
+                   "threads": threads, "isa": tokenmix.resolve_isa(),
+                   "ms": r["seconds"] * 1e3, "gbps": gbps, "ceiling_gbps": r["ceiling_gbps"],
+                   "ceiling_kind": ceiling_kind, "ratio": gbps / r["ceiling_gbps"],
+                   "tokens_per_s": tps, "tokens_per_s_vs_bf16": tps / tps_bf16,
+                   "cache_bytes": int(r["storage_bytes"]),
+                   "cache_bytes_vs_bf16": r["storage_bytes"] / base["storage_bytes"],
+                   "err_vs_unquantized": float(np.abs(r["out"].astype(np.float64)
+                                                      - ref["out"]).max())}
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row))
+            elif not args.markdown:
+                print(f"T_k={T_k:6d} {dt:8s} {row['ms']:10.4f} ms {gbps:7.2f} GB/s "
+                      f"(ceiling {row['ceiling_gbps']:.2f}, ratio {row['ratio']:.2f})  "
+                      f"{tps:9.1f} tokens/s ({row['tokens_per_s_vs_bf16']:.2f}x bf16)  cache "
+                      f"{row['cache_bytes_vs_bf16']:.3f}x bf16  err_vs_unquantized "
+                      f"{row['err_vs_unquantized']:.2e}")
+            sys.stdout.flush()
+    if args.markdown and not args.json:
+        print()
+        print("| T_k | cache | ms | GB/s | ceiling GB/s | ratio | tokens/s | tokens/s vs bf16 | "
+              "cache bytes vs bf16 | err vs unquantized |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in rows:
+            print(f"| {r['tk']} | {r['cache_dtype']} | {r['ms']:.4f} | {r['gbps']:.2f} | "
+                  f"{r['ceiling_gbps']:.2f} | {r['ratio']:.2f} | {r['tokens_per_s']:.1f} | "
+                  f"{r['tokens_per_s_vs_bf16']:.2f}x | {r['cache_bytes_vs_bf16']:.3f} | "
+                  f"{r['err_vs_unquantized']:.2e} |")
+    if not args.json:
+        print(f"load average after: {_loadavg()}")
+    return 0
+
+
 def main(argv: List[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--model" in argv or "--overhead" in argv:  # whole-model and per-call timings
@@ -511,6 +655,16 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--ring-timeout", type=int, default=3600,
                    help="seconds a --ring world may take before its processes are killed")
     p.add_argument("--ring-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--decode", action="store_true",
+                   help="one-token decode against a KV cache of each --cache-dtype")
+    p.add_argument("--cache-tokens", type=int, nargs="+", default=[4096, 32768],
+                   help="cached positions T_k (--decode; default 4096 32768)")
+    p.add_argument("--cache-dtype", nargs="+", default=list(CACHE_DTYPES),
+                   help="KV-cache dtypes (--decode; default: f32 bf16 f16 int8 fp8_e4m3)")
+    p.add_argument("--stream-mib", type=int, default=1024,
+                   help="size of the streaming-read ceiling's buffer in MiB (--decode)")
+    p.add_argument("--json", action="store_true",
+                   help="--decode: one JSON object per row instead of the text")
     p.add_argument("--window", type=int, default=None,
                    help="sliding window W >= 1 (the last W positions up to the query's own)")
     p.add_argument("--softcap", type=float, default=None, help="logit soft-capping c > 0")
@@ -535,6 +689,12 @@ def main(argv: List[str] | None = None) -> int:
         p.error("--softcap must be a finite number > 0")
     if args.sinks is not None and args.sinks != args.sinks:
         p.error("--sinks must be a number")
+    if args.decode:
+        if args.ring is not None or (args.window is not None or args.softcap is not None
+                                     or args.alibi or args.sinks is not None):
+            p.error("--decode times plain causal decode; it takes no --ring, --window, "
+                    "--softcap, --alibi or --sinks")
+        return decode_main(args)
     if args.ring is not None:
         if args.ring < 1:
             p.error("--ring must be >= 1")

@@ -351,5 +351,12 @@ extern const DecodeKernel attention_decode_f32_neon, attention_decode_bf16_neon,
 // per target (null where not built), for tests/unit/test_softcap_tanh.cpp.
 using TanhKernel = void (*)(const float* x, float* y, std::int64_t n);
 extern const TanhKernel softcap_tanh_avx2, softcap_tanh_avx512, softcap_tanh_neon;
+// Test hook: the SIMD microkernel's widening of quantized KV-cache elements (LoadB / LoadBRow,
+// simd/microkernel-inl.h): n int8 or fp8 E4M3 bytes (dtype) → fp32 q · kLoadBUnit (2^−8 for fp8,
+// 1 for int8), one vector at a time into by_vector and four at a time into by_row; per target
+// (null where not built), for tests/unit/test_kv_quant.cpp.
+using WidenKernel = void (*)(DType dtype, const std::uint8_t* q, std::int64_t n, float* by_vector,
+                             float* by_row);
+extern const WidenKernel widen_quantized_avx2, widen_quantized_avx512, widen_quantized_neon;
 
 }  // namespace tokenmix::kernels

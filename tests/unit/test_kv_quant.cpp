@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "api/decode_internal.hpp"
+#include "kernels/attention_kernels.hpp"
 #include "kernels/kv_element.hpp"
 #include "kv_oracle.hpp"
 #include "test_util.hpp"
@@ -74,6 +75,84 @@ TEST(KVQuantElements, E4M3RoundsToNearestEven) {
     }
   }
 }
+
+// The quantizer never emits the E4M3 NaN codes 0x7f / 0xff, which the SIMD widening (f16 bits,
+// microkernel-inl.h) would read as finite: every fp32 from 256 up to the saturation bound 448
+// and just beyond, and whole rows at extreme magnitudes (δ subnormal, x / δ overflowing to ∞ and
+// clamped, the largest finite fp32), through quantize_row as the cache calls it.
+TEST(KVQuantElements, QuantizerNeverEmitsNaNCodes) {
+  for (float y = 256.0f; y <= 480.0f; y = std::nextafter(y, INFINITY)) {
+    ASSERT_NE(kernels::f32_to_e4m3(y) & 0x7f, 0x7f) << y;
+    ASSERT_NE(kernels::f32_to_e4m3(-y) & 0x7f, 0x7f) << -y;
+  }
+  std::mt19937_64 rng(17);
+  std::normal_distribution<float> dist;
+  const float mags[] = {1.0f, 1e-38f, 1e-44f, 3e38f, std::numeric_limits<float>::max(), 447.9f};
+  std::vector<float> x(64);
+  std::vector<std::byte> q(x.size());
+  for (DType dt : {DType::int8, DType::fp8_e4m3})
+    for (float mag : mags)
+      for (int r = 0; r < 200; ++r) {
+        for (float& e : x) e = std::clamp(dist(rng), -4.0f, 4.0f) * (mag / 4.0f);
+        x[static_cast<std::size_t>(r % 64)] = (r % 2 ? -1.0f : 1.0f) * mag;  // the row's max
+        kernels::quantize_row(dt, x.data(), 1, 64, q.data(), 1);
+        for (std::byte b : q) {
+          const auto u = static_cast<std::uint8_t>(b);
+          if (dt == DType::fp8_e4m3) ASSERT_NE(u & 0x7f, 0x7f) << "magnitude " << mag;
+          if (dt == DType::int8) ASSERT_NE(u, 0x80) << "magnitude " << mag;  // q ∈ [−127, 127]
+        }
+      }
+}
+
+// The widening of stored elements to fp32 on every kernel path, for all 256 byte values at every
+// lane position of the widest vector row (byte i of the input is (i + i / 256) mod 256, so each
+// block of 256 shifts the codes by one lane): the SIMD microkernel's LoadB (one vector) and
+// LoadBRow<4> (fp8: paired f16-bit widening) through the test hook kernels::widen_quantized_<isa>
+// must give q · kLoadBUnit bitwise — int8: q; fp8 E4M3: the format's value (SPEC "Quantized KV
+// cache") times 2^−8, with normal and subnormal codes alike — and the portable kernel's element
+// read (load_element) q itself. NaN codes (never stored, QuantizerNeverEmitsNaNCodes) are left
+// out of the fp8 comparison.
+class KVQuantWiden : public PerIsaTest {};
+
+TEST_P(KVQuantWiden, AllByteValuesBitwiseAsTheScalarDecoding) {
+  const Isa isa = GetParam();
+  kernels::WidenKernel fn = nullptr;
+  if (isa == Isa::avx2) fn = kernels::widen_quantized_avx2;
+  if (isa == Isa::avx512 || isa == Isa::avx512_bf16) fn = kernels::widen_quantized_avx512;
+  if (isa == Isa::neon) fn = kernels::widen_quantized_neon;
+  ASSERT_TRUE(fn != nullptr || isa == Isa::portable) << "no widening hook for " << to_string(isa);
+  const std::int64_t n = 256 * 64 + 5;  // + a partial vector
+  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) bytes[static_cast<std::size_t>(i)] = (i + i / 256) % 256;
+  for (DType dt : kQuantTypes) {
+    const bool fp8 = dt == DType::fp8_e4m3;
+    std::vector<float> by_vector(bytes.size(), std::nanf("")), by_row(bytes.size(), std::nanf(""));
+    if (fn != nullptr) {
+      fn(dt, bytes.data(), n, by_vector.data(), by_row.data());
+    } else {  // the portable kernel: the stored element q read one at a time (load_element)
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float v = kernels::load_element(dt, bytes.data(), i) * (fp8 ? 0x1.0p-8f : 1.0f);
+        by_vector[static_cast<std::size_t>(i)] = by_row[static_cast<std::size_t>(i)] = v;
+      }
+    }
+    const float unit = fp8 ? 0x1.0p-8f : 1.0f;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::uint8_t b = bytes[static_cast<std::size_t>(i)];
+      if (fp8 && (b & 0x7f) == 0x7f) continue;  // NaN code: never stored
+      const float want =
+          (fp8 ? kernels::e4m3_to_f32(b) : static_cast<float>(std::int8_t(b))) * unit;
+      const double value = fp8 ? reference::e4m3_value(b) : static_cast<double>(std::int8_t(b));
+      ASSERT_EQ(static_cast<double>(want), value * unit) << "byte " << int(b);
+      const float got_v = by_vector[static_cast<std::size_t>(i)];
+      const float got_r = by_row[static_cast<std::size_t>(i)];
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(got_v), std::bit_cast<std::uint32_t>(want))
+          << to_string(dt) << " byte " << int(b) << " at " << i << ": " << got_v << " vs " << want;
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(got_r), std::bit_cast<std::uint32_t>(want))
+          << to_string(dt) << " (row) byte " << int(b) << " at " << i << ": " << got_r;
+    }
+  }
+}
+INSTANTIATE_TEST_SUITE_P(AllIsas, KVQuantWiden, AllIsas(), IsaName);
 
 // ---- reading the cache back (stored_row, cached_row: kv_oracle.hpp) ----
 

@@ -378,6 +378,34 @@ void SoftcapTanh(const float* x, float* y, std::int64_t n) {
     std::copy(buf, buf + (n - i), y + i);
   }
 }
+// Test hook (tests/unit/test_kv_quant.cpp): the microkernel's widening of n quantized KV-cache
+// elements q[i] (int8 or fp8 E4M3 bytes, dtype) to fp32, as the decode kernel's products read
+// them: one vector at a time (LoadB, the VN = 1 products) into by_vector and kVD = 4 vectors at
+// a time (LoadBRow<4>, fp8 E4M3's paired widening) into by_row. Both hold q · kLoadBUnit.
+void WidenQuantized(DType dtype, const std::uint8_t* q, std::int64_t n, float* by_vector,
+                    float* by_row) {
+  const hn::ScalableTag<float> d;
+  constexpr int kRow = 4;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), W = kRow * N;
+  std::vector<std::uint8_t> in(static_cast<std::size_t>((n + W - 1) / W * W), 0);
+  std::copy(q, q + n, in.begin());
+  std::vector<float> out_v(in.size()), out_r(in.size());
+  const auto run = [&](const auto* p) {
+    for (std::int64_t i = 0; i < static_cast<std::int64_t>(in.size()); i += W) {
+      for (int v = 0; v < kRow; ++v) hn::StoreU(LoadB(d, p + i + v * N), d, &out_v[i + v * N]);
+      hn::Vec<decltype(d)> bv[kRow];
+      LoadBRow<kRow>(d, p + i, bv);
+      for (int v = 0; v < kRow; ++v) hn::StoreU(bv[v], d, &out_r[i + v * N]);
+    }
+  };
+  if (dtype == DType::int8) {
+    run(reinterpret_cast<const std::int8_t*>(in.data()));
+  } else {
+    run(reinterpret_cast<const fp8_e4m3_t*>(in.data()));
+  }
+  std::copy(out_v.begin(), out_v.begin() + n, by_vector);
+  std::copy(out_r.begin(), out_r.begin() + n, by_row);
+}
 #if HWY_TARGET == HWY_AVX3
 void AttentionFwdDpBf16(const ForwardArgs& args) {  // path avx512_bf16
   AttentionFwdT<bf16_t, true>(args);
@@ -402,6 +430,9 @@ const ForwardKernel attention_fwd_f16_neon = TOKENMIX_SIMD_NEON(AttentionFwdF16)
 const TanhKernel softcap_tanh_avx512 = TOKENMIX_SIMD_AVX512(SoftcapTanh);
 const TanhKernel softcap_tanh_avx2 = TOKENMIX_SIMD_AVX2(SoftcapTanh);
 const TanhKernel softcap_tanh_neon = TOKENMIX_SIMD_NEON(SoftcapTanh);
+const WidenKernel widen_quantized_avx512 = TOKENMIX_SIMD_AVX512(WidenQuantized);
+const WidenKernel widen_quantized_avx2 = TOKENMIX_SIMD_AVX2(WidenQuantized);
+const WidenKernel widen_quantized_neon = TOKENMIX_SIMD_NEON(WidenQuantized);
 // AVX512-BF16 products (dpbf16.hpp) inside the AVX-512 kernel: x86-64 builds only.
 #if (HWY_TARGETS & HWY_AVX3) && TOKENMIX_HAVE_DPBF16
 const ForwardKernel attention_fwd_bf16_avx512bf16 = &N_AVX3::AttentionFwdDpBf16;

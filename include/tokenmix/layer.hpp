@@ -8,7 +8,11 @@
 //         (SPEC "Score variants used by real models"; each off unless configured)
 //   O = [Y_1 | … | Y_{H_q}] W_O   [B, T, d]                                 (4.5)
 // Weights are row-major: W_Q [d, H_q·d_h], W_K and W_V [d, H_kv·d_h], W_O [H_q·d_h, d].
-// Projections go through OpenBLAS sgemm; attention through attention_forward/backward.
+// Projections go through OpenBLAS sgemm; those of at most 8 rows (a decode step: step(), or a
+// prefill of batch · seq ≤ 8 rows) through the layer's own product, which reads W_Q, W_K, W_V in
+// one pass (then W_O), in fixed-size reduction chunks summed in a fixed order, on
+// config.attention.threads (its bits do not depend on the thread count). Attention goes through
+// attention_forward/backward/decode.
 #pragma once
 
 #include <cstdint>

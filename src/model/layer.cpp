@@ -3,11 +3,15 @@
 
 #include <cblas.h>
 
+#include <algorithm>
+#include <array>
 #include <climits>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "api/decode_internal.hpp"
+#include "kernels/kernel_skeleton.hpp"
 #include "model/kv_cache_access.hpp"
 #include "tokenmix/kv_cache.hpp"
 #include "util/validate.hpp"
@@ -32,6 +36,119 @@ void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64
               trans_b ? CblasTrans : CblasNoTrans, static_cast<int>(M), static_cast<int>(N),
               static_cast<int>(K), 1.0f, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, C,
               static_cast<int>(N));
+}
+
+// Projections of a few rows (a decode step: one token per sequence). OpenBLAS sgemm packs the
+// whole weight matrix for M = 1 (reading and writing it again), and its sgemv splits the
+// reduction of the transposed product differently with the thread count (seen with 0.3.21:
+// the results change bitwise between 1, 2, 3 and 4 threads), so these rows take small_gemm.
+constexpr std::int64_t kSmallRows = 8;
+// Reduction rows per partial product: fixed, so the order of every sum is the same for any
+// thread count (a team shares out the chunks, never splits one).
+constexpr std::int64_t kChunkK = 128;
+// Columns per unit of the final sum of the partial products.
+constexpr std::int64_t kReduceCols = 1024;
+
+// Products of one small_gemm call (Q, K, V).
+constexpr std::size_t kMaxProducts = 3;
+
+// One product of small_gemm: C [M, n] = A [M, K] · B [K, n], row-major.
+struct Product {
+  const float* b;
+  std::int64_t n;
+  float* c;
+};
+
+// The partial products of small_gemm: per thread, reused (only grows).
+std::vector<float>& gemm_scratch() {
+  thread_local std::vector<float> scratch;
+  return scratch;
+}
+
+// Elements of the partial products small_gemm keeps for M rows, reduction length K and the
+// products' widths summed to n_total.
+std::size_t small_gemm_scratch(std::int64_t M, std::int64_t K, std::int64_t n_total) {
+  return static_cast<std::size_t>((K + kChunkK - 1) / kChunkK * M * n_total);
+}
+
+// C_p = A B_p for every product p, M <= kSmallRows rows of A shared (a decode step's Q, K and V
+// in one call). Every weight byte is read once, in contiguous chunks of kChunkK rows: unit
+// (p, c) writes P_{p,c} = A[:, rows of c] B_p[rows of c, :] (a running sum over the rows of the
+// chunk, in order), then C_p = P_{p,0} + P_{p,1} + … in chunk order. Neither order depends on
+// `threads` or on how the team shares the units, so the result does not either.
+void small_gemm(std::int64_t M, std::int64_t K, const float* A, std::span<const Product> ps,
+                int threads) {
+  const std::int64_t chunks = (K + kChunkK - 1) / kChunkK;
+  // Per product: where its partials start, its first unit of the final sum (nothing here
+  // allocates but a growing scratch: after prefill reserved it, this cannot fail).
+  std::array<std::int64_t, kMaxProducts + 1> offset{}, reduce_first{};
+  std::int64_t n_total = 0, reduce_units = 0;
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    offset[i] = chunks * M * n_total;
+    reduce_first[i] = reduce_units;
+    n_total += ps[i].n;
+    reduce_units += M * ((ps[i].n + kReduceCols - 1) / kReduceCols);
+  }
+  reduce_first[ps.size()] = reduce_units;
+  std::vector<float>& scratch = gemm_scratch();
+  if (scratch.size() < small_gemm_scratch(M, K, n_total))
+    scratch.resize(small_gemm_scratch(M, K, n_total));
+  float* const part = scratch.data();
+  const std::int64_t units = static_cast<std::int64_t>(ps.size()) * chunks;
+  const int team = kernels::team_size(
+      kernels::threads_for_work(
+          threads, static_cast<double>(M) * static_cast<double>(K) * static_cast<double>(n_total)),
+      units);
+
+#pragma omp parallel num_threads(team)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t unit = 0; unit < units; ++unit) {
+      const std::size_t pi = static_cast<std::size_t>(unit / chunks);
+      const std::int64_t c = unit % chunks, n = ps[pi].n;
+      const std::int64_t k0 = c * kChunkK, k1 = std::min(K, k0 + kChunkK);
+      float* const P = part + offset[pi] + c * M * n;  // [M, n]
+      std::fill(P, P + M * n, 0.0f);
+      for (std::int64_t k = k0; k < k1; k += 4) {
+        const float* b0 = ps[pi].b + k * n;
+        for (std::int64_t m = 0; m < M; ++m) {
+          const float* a = A + m * K + k;
+          float* __restrict pm = P + m * n;
+          if (k + 4 <= k1) {  // four rows per pass over P's row: the same sums as one by one
+            const float a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+            const float* __restrict r0 = b0;
+            const float* __restrict r1 = b0 + n;
+            const float* __restrict r2 = b0 + 2 * n;
+            const float* __restrict r3 = b0 + 3 * n;
+            for (std::int64_t j = 0; j < n; ++j)
+              pm[j] = (((pm[j] + a0 * r0[j]) + a1 * r1[j]) + a2 * r2[j]) + a3 * r3[j];
+          } else {
+            for (std::int64_t r = 0; r < k1 - k; ++r) {
+              const float ar = a[r];
+              const float* __restrict br = b0 + r * n;
+              for (std::int64_t j = 0; j < n; ++j) pm[j] = pm[j] + ar * br[j];
+            }
+          }
+        }
+      }
+    }
+#pragma omp for schedule(static)
+    for (std::int64_t unit = 0; unit < reduce_units; ++unit) {
+      std::size_t pi = 0;
+      while (unit >= reduce_first[pi + 1]) ++pi;
+      const std::int64_t n = ps[pi].n, blocks = (n + kReduceCols - 1) / kReduceCols;
+      const std::int64_t m = (unit - reduce_first[pi]) / blocks;
+      const std::int64_t j0 = (unit - reduce_first[pi]) % blocks * kReduceCols;
+      const std::int64_t j1 = std::min(n, j0 + kReduceCols);
+      float* __restrict cm = ps[pi].c + m * n;
+      const float* p0 = part + offset[pi] + m * n;
+      for (std::int64_t j = j0; j < j1; ++j) cm[j] = p0[j];
+      for (std::int64_t c = 1; c < chunks; ++c) {
+        const float* __restrict pc = p0 + c * M * n;
+        for (std::int64_t j = j0; j < j1; ++j) cm[j] = cm[j] + pc[j];
+      }
+    }
+  }
 }
 
 // Deterministic, platform-independent uniform numbers (splitmix64).
@@ -438,10 +555,23 @@ void CausalSelfAttention::prefill(std::span<const float> u, std::int64_t batch, 
   std::vector<float> q(static_cast<std::size_t>(checked_mul(rows, qw, fn, "Q size")));
   std::vector<float> k(static_cast<std::size_t>(checked_mul(rows, kw, fn, "K size"))), v(k.size()),
       y(q.size());
-  gemm(false, false, rows, qw, c.d_model, u.data(), w_q_.data(), q.data(),
-       false);  // Q = U W_Q (4.1)
-  gemm(false, false, rows, kw, c.d_model, u.data(), w_k_.data(), k.data(), false);  // K = U W_K
-  gemm(false, false, rows, kw, c.d_model, u.data(), w_v_.data(), v.data(), false);  // V = U W_V
+  const int threads = c.attention.threads == 0 ? default_threads() : c.attention.threads;
+  if (rows <= kSmallRows) {
+    // Q, K, V = U [W_Q | W_K | W_V] (4.1) in one pass over the three weights, on the layer's
+    // threads. The W_O product's partials are reserved too, before the cache changes.
+    std::vector<float>& scratch = gemm_scratch();
+    const std::size_t need = std::max(small_gemm_scratch(rows, c.d_model, qw + 2 * kw),
+                                      small_gemm_scratch(rows, qw, c.d_model));
+    if (scratch.size() < need) scratch.resize(need);
+    const Product qkv[] = {
+        {w_q_.data(), qw, q.data()}, {w_k_.data(), kw, k.data()}, {w_v_.data(), kw, v.data()}};
+    small_gemm(rows, c.d_model, u.data(), qkv, threads);
+  } else {
+    gemm(false, false, rows, qw, c.d_model, u.data(), w_q_.data(), q.data(),
+         false);  // Q = U W_Q (4.1)
+    gemm(false, false, rows, kw, c.d_model, u.data(), w_k_.data(), k.data(), false);  // K = U W_K
+    gemm(false, false, rows, kw, c.d_model, u.data(), w_v_.data(), v.data(), false);  // V = U W_V
+  }
   const auto qv = TensorView::bthd(q.data(), batch, seq, c.heads_q, c.head_dim);
   const auto kv = TensorView::bthd(k.data(), batch, seq, c.heads_kv, c.head_dim);
   const auto vv = TensorView::bthd(v.data(), batch, seq, c.heads_kv, c.head_dim);
@@ -495,8 +625,13 @@ void CausalSelfAttention::prefill(std::span<const float> u, std::int64_t batch, 
       attention_decode(part(qv, t0, n), cache, layer, part(yv, t0, n), {}, o);
     }
   }
-  gemm(false, false, rows, c.d_model, qw, y.data(), w_o_.data(), out.data(),
-       false);  // O = [Y_1|…] W_O
+  if (rows <= kSmallRows) {  // O = [Y_1|…] W_O (4.5); its scratch was reserved above
+    const Product o[] = {{w_o_.data(), c.d_model, out.data()}};
+    small_gemm(rows, qw, y.data(), o, threads);
+  } else {
+    gemm(false, false, rows, c.d_model, qw, y.data(), w_o_.data(), out.data(),
+         false);  // O = [Y_1|…] W_O
+  }
 }
 
 void CausalSelfAttention::step(std::span<const float> u, std::int64_t batch, KVCache& cache,

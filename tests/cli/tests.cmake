@@ -86,6 +86,12 @@ tokenmix_cli_test(run_small ARGS run --seq 64 --seed 7
                   STDOUT "forward +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+.*backward +[0-9.]+.*check +[0-9.]+.*dU, all heads.*dW_Q, 8 rows.*max +[0-9.e+-]+ +\\(bound [0-9.e+-]+: PASS\\).*GQA \\(H_kv = 8\\) +8192 B +4096 B.*MHA \\(H_kv = 32\\) +32768 B +16384 B"
                   STDERR "tokenmix: forward.*tokenmix: backward.*tokenmix: check" TIMEOUT 600)
 
+# The step's roofline (fp32 cache, B = 1, T = 32, 4 steps): weights 4*4096*(4096 + 2*1024) +
+# 4*4096*4096 B = 167.8 MB, K/V of 33 … 36 positions at 2*8*128*4 B = 0.3 MB per step on average.
+tokenmix_cli_test(run_small_step_roofline ARGS run --seq 32 --seed 7 --decode-steps 4 --cache-dtype f32
+                  STDOUT "step roofline: [0-9.]+ ms measured, reads 168\\.1 MB \\(weights 167\\.8 MB \\+ KV cache 0\\.3 MB\\), streaming read [0-9.]+ GB/s -> roofline [0-9.]+ ms, ratio [0-9.]+.*median of 4 passes.+over 256 MiB on [1-9][0-9]* threads.*decode: 4 steps on a f32 cache vs forward +[0-9.e+-]+ +\\(bound [0-9.e+-]+: PASS\\)"
+                  TIMEOUT 600)
+
 # The decode phase on quantized caches: the error against the unquantized computation, reported
 # and bounded; the cache table counts one byte per element plus each row's fp32 scale.
 foreach(_dt int8 fp8_e4m3)

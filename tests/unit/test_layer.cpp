@@ -13,6 +13,7 @@
 // cancellation ≈ 1e-16·|f|/h ≈ 1e-11 — negligible against both.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <random>
@@ -535,6 +536,98 @@ TEST_P(LayerVariantsIsa, ForwardAndSinkGradientMatchFloat64) {
   LayerGradients pg;
   plain.backward(o16, pg);
   EXPECT_TRUE(pg.d_sinks.empty());
+}
+
+// Decode-step projections (at most 8 rows: one pass over each weight in chunks of 128 reduction
+// rows, partial products summed in chunk order) against the float64 layer: d = 301 (chunks of
+// 128, 128 and 45 rows; 45 = 4·11 + 1 leaves a single-row tail), W_O with 276 = 128 + 128 + 20
+// reduction rows, three sequences on an fp32 cache. Prefill of 5 tokens each (15 rows: sgemm),
+// a chunk of 2 tokens each (6 rows: the step path, through attention_decode), then 4 steps of
+// batch 3 and 2 of batch 1 (sequence 1 only). Bound 1e-4 as for the other fp32 prefill / step
+// checks (measured ≈ 1e-7).
+TEST(Layer, StepProjectionsMatchFloat64AcrossChunks) {
+  LayerConfig config;
+  config.d_model = 301, config.heads_q = 6, config.heads_kv = 3, config.head_dim = 46;
+  config.rope = RopeOptions{RopePairing::rotate_half, 10000.0, 0};
+  CausalSelfAttention layer(config);
+  layer.init_random(91);
+  const std::int64_t d = 301, B = 3, P = 5, chunk = 2, steps = 4;
+  const std::int64_t T[3] = {P + chunk + steps, P + chunk + steps + 2, P + chunk + steps};
+  std::mt19937_64 rng(92);
+  std::normal_distribution<float> dist;
+  std::vector<float> u[3], got[3];
+  LayerOracle ref[3];
+  for (int b = 0; b < B; ++b) {
+    u[b].resize(static_cast<std::size_t>(T[b] * d));
+    for (float& x : u[b]) x = dist(rng);
+    ref[b] = layer_oracle(layer, u[b], T[b], reference::Options{});
+    got[b].assign(u[b].size(), kPoison);
+  }
+  KVCache cache({1, B, 3, 46, 64, DType::f32});
+  // Tokens [t0, t0 + n) of sequences first … first + nb − 1 through prefill (step for n = 1).
+  const auto run = [&](std::int64_t first, std::int64_t nb, std::int64_t t0, std::int64_t n) {
+    std::vector<float> ub(static_cast<std::size_t>(nb * n * d)), ob(ub.size(), kPoison);
+    for (std::int64_t b = 0; b < nb; ++b)
+      std::copy_n(u[first + b].begin() + t0 * d, n * d, ub.begin() + b * n * d);
+    if (n == 1)
+      layer.step(ub, nb, cache, 0, ob, first);
+    else
+      layer.prefill(ub, nb, n, cache, 0, ob, first);
+    for (std::int64_t b = 0; b < nb; ++b)
+      std::copy_n(ob.begin() + b * n * d, n * d, got[first + b].begin() + t0 * d);
+  };
+  run(0, B, 0, P);
+  run(0, B, P, chunk);
+  for (std::int64_t s = 0; s < steps; ++s) run(0, B, P + chunk + s, 1);
+  for (std::int64_t s = 0; s < 2; ++s) run(1, 1, P + chunk + steps + s, 1);
+  for (int b = 0; b < B; ++b) {
+    EXPECT_EQ(cache.length(b), T[b]);
+    EXPECT_LE(rel_err_flat(got[b], ref[b].out), 1e-4) << "sequence " << b;
+  }
+}
+
+// A step's result does not depend on the thread count (config.attention.threads), bit for bit:
+// the projections' sums have a fixed order (OpenBLAS 0.3.21 sgemv did not: its transposed
+// product changed in the last bits between 1, 2, 3 and 4 threads). d = 1024, Q/K/V widths
+// 512 + 2·256 (enough work for a team), a prefill of 3 tokens for 2 sequences (6 rows), then
+// steps of batch 2 and of batch 1.
+TEST(Layer, StepIsBitwiseIndependentOfThreadCount) {
+  std::mt19937_64 rng(93);
+  std::normal_distribution<float> dist;
+  const std::int64_t d = 1024, B = 2, P = 3, steps = 3;
+  std::vector<float> u(static_cast<std::size_t>(B * (P + steps + 1) * d));
+  for (float& x : u) x = dist(rng);
+  const auto outputs = [&](int threads) {
+    LayerConfig config;
+    config.d_model = d, config.heads_q = 8, config.heads_kv = 4, config.head_dim = 64;
+    config.rope = RopeOptions{RopePairing::rotate_half, 10000.0, 0};
+    config.attention.threads = threads;
+    CausalSelfAttention layer(config);
+    layer.init_random(94);
+    KVCache cache({1, B, 4, 64, 16, DType::f32});
+    std::vector<float> all;
+    const auto run = [&](std::int64_t nb, std::int64_t n, std::int64_t t0) {
+      std::vector<float> in(static_cast<std::size_t>(nb * n * d)), out(in.size(), kPoison);
+      std::copy_n(u.begin() + t0 * d, in.size(), in.begin());
+      if (n == 1)
+        layer.step(in, nb, cache, 0, out);
+      else
+        layer.prefill(in, nb, n, cache, 0, out);
+      all.insert(all.end(), out.begin(), out.end());
+    };
+    run(B, P, 0);
+    for (std::int64_t s = 0; s < steps; ++s) run(B, 1, B * P + s * B);
+    run(1, 1, B * (P + steps));
+    return all;
+  };
+  const std::vector<float> one = outputs(1);
+  for (float x : one) ASSERT_TRUE(std::isfinite(x));
+  for (int threads : {2, 3, 4}) {
+    const std::vector<float> many = outputs(threads);
+    ASSERT_EQ(many.size(), one.size());
+    EXPECT_EQ(std::memcmp(many.data(), one.data(), one.size() * sizeof(float)), 0)
+        << threads << " threads";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, LayerVariantsIsa, AllIsas(), IsaName);

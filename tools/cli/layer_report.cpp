@@ -73,6 +73,25 @@ int report(const LayerRunOptions& o, const LayerRunResult& r) {
       "  (useful FLOPs, SPEC \"Useful-work counts\": attention 4*d_h*H_q*P*B forward with\n"
       "   P = T(T+1)/2, 2.5x backward; projections 2*B*T*d*(2*H_q*d_h + 2*H_kv*d_h) "
       "forward, 2x backward)\n\n");
+  if (S > 0) {
+    // The step's roofline: the bytes a step must read (weights once, the K/V it attends to) at
+    // the streaming read rate of this run; ratio = roofline time / measured time (≤ 1).
+    const double steps = static_cast<double>(S);
+    const double weights = static_cast<double>(r.step_weight_bytes);
+    const double kv = static_cast<double>(r.step_cache_bytes) / steps;
+    const double measured = r.step_calls_s / steps;
+    const double roofline = (weights + kv) / (r.stream_gbps * 1e9);
+    std::printf(
+        "step roofline: %.2f ms measured, reads %.1f MB (weights %.1f MB + KV cache "
+        "%.1f MB), streaming read %.1f GB/s -> roofline %.2f ms, ratio %.2f\n",
+        measured * 1e3, (weights + kv) * 1e-6, weights * 1e-6, kv * 1e-6, r.stream_gbps,
+        roofline * 1e3, roofline / std::max(measured, 1e-12));
+    std::printf(
+        "  (per step, the mean over the %lld steps; weights 4*d*(H_q*d_h + 2*H_kv*d_h) + "
+        "4*H_q*d_h*d bytes,\n   KV cache = decode_bytes after the step's append; streaming read: "
+        "median of %d passes\n   over 256 MiB on %d threads, interleaved with the first steps)\n\n",
+        static_cast<long long>(S), r.stream_passes, threads);
+  }
 
   double worst = 0.0;
   std::printf("%-58s %12s\n", "check vs float64 (max|x-r| / max|r|)", "rel. error");

@@ -58,7 +58,16 @@ struct LayerRunResult {
   int threads = 0;
   double forward_s = 0.0, backward_s = 0.0, check_s = 0.0, prefill_s = 0.0, steps_s = 0.0;
   std::vector<CheckRow> checks;
-  double decode_err = 0.0;        ///< generated outputs vs one forward (decode phase only)
+  double decode_err = 0.0;  ///< generated outputs vs one forward (decode phase only)
+  /// The step's roofline (decode phase only): what the steps read and a streaming read's rate.
+  /// Each step reads the weights once (step_weight_bytes: 4·d·(H_q·d_h + 2·H_kv·d_h) for
+  /// W_Q, W_K, W_V and 4·H_q·d_h·d for W_O) and the K/V its queries attend to (decode_bytes,
+  /// summed over the steps in step_cache_bytes). step_calls_s: the step() calls alone;
+  /// stream_gbps: bench::StreamRead on the same threads, the median of passes interleaved with
+  /// the first steps.
+  std::uint64_t step_weight_bytes = 0, step_cache_bytes = 0;
+  double step_calls_s = 0.0, stream_gbps = 0.0;
+  int stream_passes = 0;
   std::uint64_t cache_bytes = 0;  ///< KVCache::memory_bytes of the decode phase
 };
 

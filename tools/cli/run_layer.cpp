@@ -6,12 +6,15 @@
 //
 // Phases: forward, backward, check, decode. The decode phase prefills the T tokens into a KV
 // cache (KVCache, bf16 by default) and generates --decode-steps more one at a time
-// (CausalSelfAttention::step). The checks are in layer_check.cpp, the report in
-// layer_report.cpp.
+// (CausalSelfAttention::step), timing each step against its roofline: the bytes it reads
+// (weights once, plus the K/V it attends to) at the streaming read rate measured in the same
+// run (bench::StreamRead, passes interleaved with the first steps). The checks are in
+// layer_check.cpp, the report in layer_report.cpp.
 #include <algorithm>
 #include <string>
 #include <vector>
 
+#include "bench.hpp"
 #include "common.hpp"
 #include "layer_run.hpp"
 #include "run.hpp"
@@ -85,15 +88,33 @@ int run_layer(const LayerRunOptions& o) {
     Stopwatch prefill_clock;
     layer.prefill(u, B, T, cache, 0, prefill_out);
     r.prefill_s = prefill_clock.seconds();
-    Stopwatch steps_clock;
+    // The roofline's ceiling: a 256 MiB buffer (far beyond any L3), one untimed pass, then one
+    // pass before each of the first kStreamPasses steps (outside the steps' clocks).
+    constexpr int kStreamPasses = 9;
+    bench::StreamRead stream(std::size_t{256} << 20);
+    (void)stream.pass_gbps(r.threads);
+    std::vector<double> gbps;
+    const std::int64_t qw = kHeadsQ * kHeadDim, kw = kHeadsKv * kHeadDim;
+    r.step_weight_bytes = static_cast<std::uint64_t>(4 * d * (qw + 2 * kw) + 4 * qw * d);
+    double steps_s = 0.0;
     for (std::int64_t s = 0; s < S; ++s) {
       for (std::int64_t b = 0; b < B; ++b)  // token s of every sequence: u_new [B, S, d]
         std::copy_n(u_new.begin() + (b * S + s) * d, d, step_in.begin() + b * d);
+      if (s < kStreamPasses) gbps.push_back(stream.pass_gbps(r.threads));
+      Stopwatch step_clock;
       layer.step(step_in, B, cache, 0, step_out);
+      r.step_calls_s += step_clock.seconds();
+      Stopwatch copy_clock;
+      // The K/V this step's query attended to: after its append (SPEC "decode bytes").
+      r.step_cache_bytes += decode_bytes(cache, 0, 0, B);
       for (std::int64_t b = 0; b < B; ++b)
         std::copy_n(step_out.begin() + b * d, d, generated.begin() + (b * S + s) * d);
+      steps_s += copy_clock.seconds();
     }
-    r.steps_s = steps_clock.seconds();
+    r.steps_s = steps_s + r.step_calls_s;
+    std::sort(gbps.begin(), gbps.end());
+    r.stream_passes = static_cast<int>(gbps.size());
+    r.stream_gbps = gbps[gbps.size() / 2];
     r.decode_err = check_decode(layer, u, u_new, generated, B, T, S);
   }
   return report(o, r);

@@ -315,6 +315,19 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   detail::check_bool_mask_disjoint(fn, options,
                                    {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dsinks", dsinks}});
   const Isa isa = resolve_isa(options.isa, fn);
+  // No element of dq, dk or dv (B = 0, d_h = 0, or T_q = T_k = 0): nothing for a kernel to write,
+  // however large the other sizes (a [2^31, 0, H, d_h] batch must not cost 2^31 empty units).
+  // dσ_h = −Σ_i P_i,sink · D_i over no rows, or with D_i = dO_i · O_i = 0 at d_h = 0: zero.
+  const auto no_elements = [](const TensorView& t) {
+    for (int i = 0; i < t.rank; ++i)
+      if (t.dim(i) == 0) return true;
+    return false;
+  };
+  if (no_elements(dq) && no_elements(dk) && no_elements(dv)) {
+    for (std::int64_t h = 0; h < dsinks.dim(0) && !dsinks.empty(); ++h)
+      static_cast<float*>(dsinks.data)[h * dsinks.strides[0]] = 0.0f;
+    return;
+  }
 
   args.q = strided(q);
   args.k = strided(k);

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -544,6 +545,36 @@ TEST_P(AttentionPerIsa, MatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, AttentionPerIsa, AllIsas(), IsaName);
+
+// A batch of 2^31 − 1 sequences with no positions (fuzz_api finding): every tensor has zero
+// elements, so the backward has nothing to write and must return at once (it used to share out
+// 2^31 empty (b, KV head) units), with the sinks' gradient zero (SPEC "Score variants": no row).
+// The forward of the same shapes returns at once too. (d_h = 0 is an ArgumentError.)
+TEST(Attention, EmptyTensorsWithHugeBatchReturnAtOnce) {
+  const std::int64_t B = (std::int64_t{1} << 31) - 1;
+  float buf[4] = {1.0f, 2.0f, 3.0f, 4.0f};
+  {
+    const std::int64_t T = 0, D = 4;
+    auto view = [&](std::int64_t H) -> TensorView {
+      return {buf, DType::f32, 4, {B, T, H, D}, {4, 4, 4, 1}};
+    };
+    const TensorView lse{buf, DType::f32, 3, {B, 2, T, 0}, {4, 4, 1, 0}};
+    float dsinks[2] = {kPoison, kPoison};
+    const float sinks[2] = {0.5f, -1.0f};
+    AttentionOptions o;
+    o.causal = true;
+    o.sinks = {sinks, DType::f32, 1, {2, 0, 0, 0}, {1, 0, 0, 0}};
+    const auto t0 = std::chrono::steady_clock::now();
+    attention_forward(view(2), view(1), view(1), view(2), lse, o);
+    attention_backward(view(2), view(1), view(1), view(2), lse, view(2), view(2), view(1), view(1),
+                       o, {dsinks, DType::f32, 1, {2, 0, 0, 0}, {1, 0, 0, 0}});
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_LT(s, 5.0);  // (it took minutes: 2^31 units)
+    EXPECT_EQ(dsinks[0], 0.0f);
+    EXPECT_EQ(dsinks[1], 0.0f);
+    EXPECT_EQ(buf[0], 1.0f);  // nothing written into the zero-element views
+  }
+}
 
 }  // namespace
 }  // namespace tokenmix::testing

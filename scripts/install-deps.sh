@@ -12,6 +12,7 @@ packages=(
   g++                 # C++20 compiler (also pulls libgomp for OpenMP)
   cmake               # >= 3.25
   ninja-build         # build tool used by scripts/*.sh
+  ccache              # compiler cache: fresh clones (CI) rebuild the same sources (CMakeLists.txt)
   pkg-config          # locates OpenBLAS (cmake/Dependencies.cmake)
   libopenblas-dev     # sgemm for the layer projections
   libcli11-dev        # command-line parsing for tools/cli

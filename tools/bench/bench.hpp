@@ -204,6 +204,9 @@ class AttentionRun {
 /// transparent huge pages like the KV cache. Each pass_gbps() is one timed read; the decode bench
 /// interleaves passes with its timed steps and reports the median of each, so load that drifts
 /// during a run (a shared VM) weighs on the ceiling and the kernel alike.
+/// Σ p[0, n) (n a multiple of 64) with the widest vectors the CPU has (stream_read_hwy.cpp).
+float sum_floats_widest(const float* p, std::size_t n);
+
 class StreamRead {
  public:
   explicit StreamRead(std::size_t bytes = std::size_t{1} << 30);

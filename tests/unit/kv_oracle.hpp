@@ -11,9 +11,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kernels/kv_element.hpp"
@@ -36,20 +38,34 @@ struct StoredRow {
 
 /// The stored elements and scale of the K (value = false) or V row of (layer, seq, pos, head) of a
 /// quantized cache, located through the layout the writer and the kernels use.
-inline StoredRow stored_row(const KVCache& c, std::int64_t layer, std::int64_t seq,
-                            std::int64_t pos, std::int64_t head, bool value) {
+/// Where the K (value = false) or V row of (layer, seq, pos, head) lives: element x is at
+/// base + at(x) (in elements of the cache's dtype; bytes for int8 / fp8).
+struct RowLocation {
+  kernels::KVTileLayout layout;
+  const std::byte* base;
+  std::int64_t tile, off;
+  bool value;
+  std::int64_t at(std::int64_t x) const {
+    return tile + (value ? layout.value_in_tile(off, x) : layout.key_in_tile(off, x));
+  }
+};
+inline RowLocation locate_row(const KVCache& c, std::int64_t layer, std::int64_t seq,
+                              std::int64_t pos, std::int64_t head, bool value) {
   using Access = detail::KVCacheAccess;
   const kernels::KVTileLayout L = Access::layout(c);
   const std::int64_t ring = Access::ring(c), s = ring != 0 ? pos % ring : pos;
   const std::int64_t blk = Access::table(c, seq)[s / L.block_tokens], off = s % L.block_tokens;
   const std::int64_t tile = value ? L.v_tile(blk, head, off) : L.k_tile(blk, head, off);
-  const std::byte* base = Access::layer(c, layer);
+  return {L, Access::layer(c, layer), tile, off, value};
+}
+
+inline StoredRow stored_row(const KVCache& c, std::int64_t layer, std::int64_t seq,
+                            std::int64_t pos, std::int64_t head, bool value) {
+  const RowLocation r = locate_row(c, layer, seq, pos, head, value);
   StoredRow row;
-  for (std::int64_t x = 0; x < L.head_dim; ++x) {
-    const std::int64_t at = tile + (value ? L.value_in_tile(off, x) : L.key_in_tile(off, x));
-    row.q.push_back(static_cast<std::uint8_t>(base[at]));
-  }
-  std::memcpy(&row.delta, base + L.scales_of(tile) + off % L.kKeyTile * 4, 4);
+  for (std::int64_t x = 0; x < r.layout.head_dim; ++x)
+    row.q.push_back(static_cast<std::uint8_t>(r.base[r.at(x)]));
+  std::memcpy(&row.delta, r.base + r.layout.scales_of(r.tile) + r.off % r.layout.kKeyTile * 4, 4);
   return row;
 }
 
@@ -64,16 +80,9 @@ inline std::vector<double> cached_row(const KVCache& c, std::int64_t layer, std:
     for (std::uint8_t q : r.q) x.push_back(reference::dequantize(format_of(dt), q, r.delta));
     return x;
   }
-  using Access = detail::KVCacheAccess;
-  const kernels::KVTileLayout L = Access::layout(c);
-  const std::int64_t ring = Access::ring(c), s = ring != 0 ? pos % ring : pos;
-  const std::int64_t blk = Access::table(c, seq)[s / L.block_tokens], off = s % L.block_tokens;
-  const std::int64_t tile = value ? L.v_tile(blk, head, off) : L.k_tile(blk, head, off);
-  const std::byte* base = Access::layer(c, layer);
-  for (std::int64_t e = 0; e < L.head_dim; ++e) {
-    const std::int64_t at = tile + (value ? L.value_in_tile(off, e) : L.key_in_tile(off, e));
-    x.push_back(kernels::load_element(dt, base, at));
-  }
+  const RowLocation r = locate_row(c, layer, seq, pos, head, value);
+  for (std::int64_t e = 0; e < r.layout.head_dim; ++e)
+    x.push_back(kernels::load_element(dt, r.base, r.at(e)));
   return x;
 }
 
@@ -102,36 +111,42 @@ inline reference::ForwardResult cache_oracle(const StridedTensor& q, std::int64_
   return reference::attention_forward(q64, k64, v64, o);
 }
 
-/// out / lse ([B, H_q, T_new] contiguous) of a decode call against the per-sequence oracle:
-/// max-norm relative error of O and of L (|ΔL| / max(1, |L|)) ≤ bound; rows that see no key must
-/// give L = −∞ (−∞ + σ with sinks: σ).
+/// max-norm relative error of O and of L (|ΔL| / max(1, |L|)) of sequence b of a decode call
+/// (out [B, T_new, H_q, d_h], lse [B, H_q, T_new] contiguous) against its oracle; the L error is
+/// infinite when a row the oracle gives L = −∞ (no key seen) has another L.
+inline std::pair<double, double> decode_errors(const StridedTensor& out,
+                                               const std::vector<float>& lse, std::int64_t b,
+                                               const reference::ForwardResult& ref) {
+  const std::int64_t tnew = out.view.shape[1], hq = out.view.shape[2], dh = out.view.shape[3];
+  double diff = 0.0, mx = 0.0, lse_diff = 0.0;
+  for (std::int64_t t = 0; t < tnew; ++t)
+    for (std::int64_t h = 0; h < hq; ++h) {
+      for (std::int64_t x = 0; x < dh; ++x) {
+        const double got = out.at(b, t, h, x), r = ref.out.at(0, t, h, x);
+        diff = std::max(diff, std::isnan(got) ? INFINITY : std::fabs(got - r));
+        mx = std::max(mx, std::fabs(r));
+      }
+      const double rl = ref.lse.at(0, h, t, 0);
+      const float gl = lse[static_cast<std::size_t>((b * hq + h) * tnew + t)];
+      if (std::isinf(rl)) {
+        if (!(std::isinf(gl) && gl < 0)) lse_diff = INFINITY;
+      } else {
+        lse_diff =
+            std::max(lse_diff,
+                     std::isnan(gl) ? INFINITY : std::fabs(gl - rl) / std::max(1.0, std::fabs(rl)));
+      }
+    }
+  return {diff / std::max(mx, 1e-30), lse_diff};
+}
+
+/// Every sequence of a decode call against its oracle (decode_errors) within bound.
 inline void expect_decode_matches(const StridedTensor& out, const std::vector<float>& lse,
-                                  std::int64_t B, std::int64_t tnew, std::int64_t hq,
-                                  std::int64_t dh,
                                   const std::vector<reference::ForwardResult>& refs,
                                   double bound = kDecodeBound) {
-  for (std::int64_t b = 0; b < B; ++b) {
-    const auto& ref = refs[static_cast<std::size_t>(b)];
-    double diff = 0.0, mx = 0.0, lse_diff = 0.0;
-    for (std::int64_t t = 0; t < tnew; ++t)
-      for (std::int64_t h = 0; h < hq; ++h) {
-        for (std::int64_t x = 0; x < dh; ++x) {
-          const double got = out.at(b, t, h, x), r = ref.out.at(0, t, h, x);
-          diff = std::max(diff, std::isnan(got) ? INFINITY : std::fabs(got - r));
-          mx = std::max(mx, std::fabs(r));
-        }
-        const double rl = ref.lse.at(0, h, t, 0);
-        const float gl = lse[static_cast<std::size_t>((b * hq + h) * tnew + t)];
-        if (std::isinf(rl)) {
-          ASSERT_TRUE(std::isinf(gl) && gl < 0) << "b=" << b << " t=" << t << " h=" << h;
-        } else {
-          lse_diff = std::max(lse_diff, std::isnan(gl)
-                                            ? INFINITY
-                                            : std::fabs(gl - rl) / std::max(1.0, std::fabs(rl)));
-        }
-      }
-    EXPECT_LE(diff / std::max(mx, 1e-30), bound) << "sequence " << b;
-    EXPECT_LE(lse_diff, bound) << "sequence " << b;
+  for (std::size_t b = 0; b < refs.size(); ++b) {
+    const auto [err, lse_err] = decode_errors(out, lse, static_cast<std::int64_t>(b), refs[b]);
+    EXPECT_LE(err, bound) << "sequence " << b;
+    EXPECT_LE(lse_err, bound) << "sequence " << b;
   }
 }
 

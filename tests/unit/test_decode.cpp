@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "kernels/kv_element.hpp"
+#include "kv_oracle.hpp"
 #include "test_util.hpp"
 
 namespace tokenmix::testing {
@@ -322,32 +323,6 @@ reference::ForwardResult oracle(StridedTensor& q, std::int64_t b, Filled& f, DTy
   return reference::attention_forward(q64, k64, v64, o);
 }
 
-// max rel_err of out and of lse (relative to max(1, |L|)) of sequence b against its oracle;
-// infinite when a row the oracle gives L = −∞ has another L.
-std::pair<double, double> compare(const StridedTensor& out, const std::vector<float>& lse,
-                                  std::int64_t b, const reference::ForwardResult& ref) {
-  const std::int64_t tnew = out.view.shape[1], hq = out.view.shape[2], dh = out.view.shape[3];
-  double diff = 0.0, mx = 0.0, lse_diff = 0.0;
-  for (std::int64_t t = 0; t < tnew; ++t)
-    for (std::int64_t h = 0; h < hq; ++h) {
-      for (std::int64_t x = 0; x < dh; ++x) {
-        const double got = out.at(b, t, h, x), r = ref.out.at(0, t, h, x);
-        diff = std::max(diff, std::isnan(got) ? INFINITY : std::fabs(got - r));
-        mx = std::max(mx, std::fabs(r));
-      }
-      const double rl = ref.lse.at(0, h, t, 0);
-      const float gl = lse[static_cast<std::size_t>((b * hq + h) * tnew + t)];
-      if (std::isinf(rl)) {
-        if (!(std::isinf(gl) && gl < 0)) lse_diff = INFINITY;
-      } else {
-        lse_diff =
-            std::max(lse_diff,
-                     std::isnan(gl) ? INFINITY : std::fabs(gl - rl) / std::max(1.0, std::fabs(rl)));
-      }
-    }
-  return {diff / std::max(mx, 1e-30), lse_diff};
-}
-
 // ALiBi biases reach −m_h·L ≈ −10³ here, rounded in fp32 (≈ 6e-5 absolute) before the softmax;
 // the keys they change are those of negligible weight, so the bound stays at fp32 level.
 constexpr double kVariantBound = 4e-5;
@@ -388,7 +363,8 @@ TEST_P(Decode, VariantsMatchFloat64Reference) {
           attention_decode(q.view, *cache, 0, out.view,
                            TensorView::bht(lse.data(), B, c.hq, c.tnew), vo.decode);
           for (std::int64_t b = 0; b < B; ++b) {
-            const auto [err, lse_err] = compare(out, lse, b, refs[static_cast<std::size_t>(b)]);
+            const auto [err, lse_err] =
+                decode_errors(out, lse, b, refs[static_cast<std::size_t>(b)]);
             EXPECT_LE(err, kVariantBound) << "sequence " << b;
             EXPECT_LE(lse_err, kVariantBound) << "sequence " << b;
           }
@@ -428,7 +404,7 @@ TEST_P(Decode, WindowIgnoresEverythingBeforeIt) {
     for (std::int64_t b = 0; b < 2; ++b) {
       const auto ref =
           oracle(q, b, zeroed, dtype, vo.oracle, f.lengths[static_cast<std::size_t>(b)]);
-      const auto [err, lse_err] = compare(out, lse, b, ref);
+      const auto [err, lse_err] = decode_errors(out, lse, b, ref);
       EXPECT_LE(err, kVariantBound) << to_string(dtype) << " sequence " << b;
       EXPECT_LE(lse_err, kVariantBound) << to_string(dtype) << " sequence " << b;
     }
@@ -545,7 +521,7 @@ TEST_P(Decode, RollingCacheMatchesOracleAndFullCache) {
           for (std::int64_t b = 0; b < 3; ++b) {
             const auto ref =
                 oracle(q, b, f, dtype, vo.oracle, f.lengths[static_cast<std::size_t>(b)]);
-            const auto [err, lse_err] = compare(o1, l1, b, ref);
+            const auto [err, lse_err] = decode_errors(o1, l1, b, ref);
             EXPECT_LE(err, kVariantBound) << "sequence " << b;
             EXPECT_LE(lse_err, kVariantBound) << "sequence " << b;
           }
@@ -590,7 +566,8 @@ TEST_P(Decode, RollingTruncateThenAppendEqualsNeverAppended) {
     StridedTensor out(1, 1, 2, 16, Layout::bthd);
     std::vector<float> lse(2, kPoison);
     attention_decode(q.view, a, 0, out.view, TensorView::bht(lse.data(), 1, 2, 1), vo.decode);
-    const auto [err, lse_err] = compare(out, lse, 0, oracle(q, 0, f, DType::bf16, vo.oracle, 900));
+    const auto [err, lse_err] =
+        decode_errors(out, lse, 0, oracle(q, 0, f, DType::bf16, vo.oracle, 900));
     EXPECT_LE(err, kVariantBound);
     EXPECT_LE(lse_err, kVariantBound);
   }

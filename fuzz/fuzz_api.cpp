@@ -416,11 +416,12 @@ bool has_non_finite(const TensorView& v) {
 /// Sets one element of the valid non-empty rank-4 fp32 view v (chosen by the input) to x.
 void set_element(const TensorView& v, Input& in, float x) {
   if (v.data == nullptr || v.rank != 4 || v.dtype != DType::f32) return;
-  i64 off = 0;
-  for (int i = 0; i < 4; ++i) {
+  // An empty view (a zero dimension) may have any strides: no offset is computed for it (the
+  // products of a later-empty view's indices and strides may overflow).
+  for (int i = 0; i < 4; ++i)
     if (v.shape[i] < 1) return;
-    off += (in.byte() % v.shape[i]) * v.strides[i];
-  }
+  i64 off = 0;
+  for (int i = 0; i < 4; ++i) off += (in.byte() % v.shape[i]) * v.strides[i];
   static_cast<float*>(v.data)[off] = x;
 }
 

@@ -74,6 +74,7 @@ void softmax_rows(std::span<const float> z, std::span<float> a, std::int64_t row
   check_data(fn, "z", z.data(), z.size());
   check_data(fn, "a", a.data(), a.size());
   check_alias(fn, "a", a, "z", z);
+  if (total == 0) return;  // rows of zero entries (or no rows): nothing to write, whatever rows is
   for (std::int64_t r = 0; r < rows; ++r) {
     const float* zr = z.data() + r * n;
     float* ar = a.data() + r * n;

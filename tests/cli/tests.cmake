@@ -241,11 +241,13 @@ tokenmix_cli_test(bench_help_decode_lists ARGS bench --help
                   STDOUT "--batch.*comma-separated.*--tnew.*comma-separated.*--lengths.*mixed.*seed 16")
 
 # A successful run replaces an existing output, through a temporary file that does not remain.
+# (Only this run's temporaries: other tests write their own outputs into the same directory
+# at the same time under ctest -j.)
 tokenmix_cli_test(npy_replaces_existing_output FIXTURES cli_npy
                   ARGS run ${_cli_qkv_a} --out ${_cli_a}/wo.npy --lse ${_cli_a}/wlse.npy
                   COPY ${_cli_a}/do.npy ${_cli_a}/wo.npy
                   POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_a} w
-                  NO_GLOB ${_cli_a}/.*tokenmix-*
+                  NO_GLOB ${_cli_a}/.wo.npy.tokenmix-* ${_cli_a}/.wlse.npy.tokenmix-*
                   CLEAN ${_cli_a}/wlse.npy)
 
 # --- errors: exit 2, exactly one stderr line, nothing written -----------------------------------
@@ -290,16 +292,18 @@ tokenmix_cli_error(error_same_output "--out and --lse name the same file"
                    ARGS run ${_cli_qkv_a} --out ${_cli_e} --lse ${_cli_e})
 tokenmix_cli_error(error_write_fails_cleans_up "cannot create"
                    ARGS run ${_cli_qkv_a} --out ${_cli_e} --lse ${TOKENMIX_CLI_DIR}/no_such_dir/lse.npy
-                   NO_GLOB ${_cli_a}/.*tokenmix-*)
+                   NO_GLOB ${_cli_a}/.err_o.npy.tokenmix-*)
 
 # --- files the user already has survive every failure ----------------------------------------
+# (NO_GLOB patterns name each test's own outputs: other tests write theirs into the same
+# directories at the same time under ctest -j.)
 # A pre-existing output is left as it was when a later output cannot be written (no temporary
 # file is left behind either).
 set(_cli_prev ${_cli_a}/prev_o.npy)
 tokenmix_cli_error(error_failed_run_keeps_existing_output "--lse .*cannot create"
                    ARGS run ${_cli_qkv_a} --out ${_cli_prev} --lse ${TOKENMIX_CLI_DIR}/no_such_dir/lse.npy
                    COPY ${_cli_a}/do.npy ${_cli_prev} UNCHANGED ${_cli_prev}
-                   NO_GLOB ${_cli_a}/.*tokenmix-* ${TOKENMIX_CLI_DIR}/.*tokenmix-*)
+                   NO_GLOB ${_cli_a}/.prev_o.npy.tokenmix-* ${TOKENMIX_CLI_DIR}/.lse.npy.tokenmix-*)
 tokenmix_cli_error(error_failed_input_keeps_existing_output "missing.npy.*No such file"
                    ARGS run --q ${_cli_a}/missing.npy --k ${_cli_a}/k.npy --v ${_cli_a}/v.npy --out ${_cli_prev}
                    COPY ${_cli_a}/do.npy ${_cli_prev} UNCHANGED ${_cli_prev})
@@ -308,7 +312,7 @@ tokenmix_cli_error(error_failed_input_keeps_existing_output "missing.npy.*No suc
 tokenmix_cli_error(error_output_is_directory "--lse .*is a directory"
                    ARGS run ${_cli_qkv_a} --out ${_cli_prev} --lse ${_cli_b}
                    COPY ${_cli_a}/do.npy ${_cli_prev} UNCHANGED ${_cli_prev}
-                   NO_GLOB ${_cli_a}/.*tokenmix-* ${TOKENMIX_CLI_DIR}/.*tokenmix-*)
+                   NO_GLOB ${_cli_a}/.prev_o.npy.tokenmix-* ${TOKENMIX_CLI_DIR}/.lse.npy.tokenmix-*)
 # An output naming an input is refused (exit 2) and the input is untouched: spelled the same,
 # through ./ and through sub/../, and as the --dout of a backward run.
 file(MAKE_DIRECTORY ${_cli_a}/sub)

@@ -45,7 +45,9 @@ AlignedBytes allocate_bytes(std::int64_t bytes, const CallSite& site, const char
   // Scratch larger than the machine's physical memory can never be used: refuse it here rather
   // than let an overcommitting kernel (vm.overcommit_memory = 1) hand out address space that
   // the kernel's first pass over it would turn into an out-of-memory kill.
-  const long pages = sysconf(_SC_PHYS_PAGES), page_bytes = sysconf(_SC_PAGESIZE);
+  // (Asked once: sysconf(_SC_PHYS_PAGES) is a system call, and a tiny kernel call allocates
+  // several times; the machine's memory does not change while the process runs.)
+  static const long pages = sysconf(_SC_PHYS_PAGES), page_bytes = sysconf(_SC_PAGESIZE);
   if (pages > 0 && page_bytes > 0 &&
       static_cast<double>(bytes) > static_cast<double>(pages) * static_cast<double>(page_bytes)) {
     throw ResourceError(ErrorCode::out_of_memory,

@@ -190,6 +190,30 @@ struct TypedBackward {
         dv(as<T>(a.dv)) {}
 };
 
+// Runs unit_work(unit) for every unit < units on a team of `team` threads, units shared out
+// dynamically (RunTeam and an orphaned `omp for`). A team of one outside any parallel region
+// runs the units in a plain loop: no region and no loop scheduling calls (a tiny call's
+// units take about a microsecond each; the libgomp calls were a visible part of it).
+// Both run each unit through the one compiled body of RunUnit: inlined into two loops, the
+// compiler could round them differently (contracting a product into an FMA in one and not
+// the other), and results must not depend on the thread count.
+template <class F>
+HWY_NOINLINE void RunUnit(const F& unit_work, std::int64_t unit) {
+  unit_work(unit);
+}
+template <class F>
+void RunUnits(int team, std::int64_t units, const F& unit_work) {
+  if (team <= 1 && omp_get_level() == 0) {
+    for (std::int64_t unit = 0; unit < units; ++unit) RunUnit(unit_work, unit);
+    return;
+  }
+  const auto team_work = [&]() HWY_ATTR {
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t unit = 0; unit < units; ++unit) RunUnit(unit_work, unit);
+  };
+  RunTeam(team, team_work);
+}
+
 // Qᵀ (times the score scale) and dOᵀ of the lanes of a pass-1 lane block and each lane's
 // D = ⟨dO_t, O_t⟩ (into dsum_lane): for fp32 views with unit d_h stride, four lanes and four
 // columns at a time (transposed in registers); D is one FMA chain over x per lane,
@@ -328,9 +352,8 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
   const auto k_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "K tile"));
   const auto v_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "V tile"));
   const ScratchArena scratch(scratch_layout, team, "the per-worker scratch of pass 1 (dQ)");
-  const auto team_work = [&]() HWY_ATTR {
-#pragma omp for schedule(dynamic, 1)
-    for (std::int64_t unit = 0; unit < units; ++unit) {
+  const auto unit_work = [&](std::int64_t unit) HWY_ATTR {
+    {
       const int worker = omp_get_thread_num();
       float* st = scratch.at(st_slot, worker);          // Sᵀ → Pᵀ → dSᵀ [kKeyTile][M]
       float* dpt = scratch.at(dpt_slot, worker);        // dPᵀ [kKeyTile][M]
@@ -510,7 +533,7 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
       }
     }
   };
-  RunTeam(team, team_work);
+  RunUnits(team, units, unit_work);
 }
 
 // Pass 2: dK and dV, keys in lanes — and, in one-pass mode, dQ and D as well.
@@ -564,9 +587,8 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
                                       : "the per-worker scratch of pass 2 (dK, dV)");
   const std::int64_t shift = p.align == CausalAlign::bottom_right ? p.tk - p.tq : 0;
 
-  const auto team_work = [&]() HWY_ATTR {
-#pragma omp for schedule(dynamic, 1)
-    for (std::int64_t unit = 0; unit < units; ++unit) {
+  const auto unit_work = [&](std::int64_t unit) HWY_ATTR {
+    {
       // Two-pass: unit = (key block, j, b), early key blocks (most work) first; one-pass: (j, b).
       const auto [kb_unit, j, b] = Unravel(unit, kOnePass ? 1 : kblocks, p.hkv);
       const std::int64_t kb_first = kOnePass ? 0 : kb_unit;
@@ -752,7 +774,7 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
       }
     }
   };
-  RunTeam(team, team_work);
+  RunUnits(team, units, unit_work);
 }
 
 template <class T, int VN>

@@ -214,6 +214,23 @@ void RunUnits(int team, std::int64_t units, const F& unit_work) {
   RunTeam(team, team_work);
 }
 
+// Rows [row0, row0 + rows) of head `head` as an fp32 matrix with row stride `ld`: in place for
+// fp32 rows with unit d_h stride when rows ≤ one vector, else DenseRows (ld = d_h).
+template <class T>
+HWY_INLINE const float* TileRows(const Strided<const T*>& x, std::int64_t b, std::int64_t row0,
+                                 std::int64_t head, std::int64_t rows, std::int64_t dh,
+                                 float* scratch, std::int64_t& ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(hn::ScalableTag<float>()));
+    if (x.s3 == 1 && rows <= N) {
+      ld = x.s1;
+      return x.row(b, row0, head);
+    }
+  }
+  ld = dh;
+  return DenseRows(x, b, row0, head, rows, dh, scratch, VecWiden());
+}
+
 // Qᵀ (times the score scale) and dOᵀ of the lanes of a pass-1 lane block and each lane's
 // D = ⟨dO_t, O_t⟩ (into dsum_lane): for fp32 views with unit d_h stride, four lanes and four
 // columns at a time (transposed in registers); D is one FMA chain over x per lane,
@@ -458,19 +475,21 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
 
       for (std::int64_t u0 = unit_key_begin; u0 < unit_key_end; u0 += kKeyTile) {
         const std::int64_t tile = std::min(kKeyTile, unit_key_end - u0);
-        const float* k_rows =
-            DenseRows(args.k, b, u0, j, tile, dh, k_tile, VecWiden());  // [tile][dh]
-        const float* v_rows =
-            DenseRows(args.v, b, u0, j, tile, dh, v_tile, VecWiden());  // [tile][dh]
+        // K and V rows [tile][dh], row strides ldk, ldv: a tile of at most one vector of keys
+        // (a tiny call's only tile) is read in place where it can be (a dense copy of a few rows
+        // saves no page or cache set; DenseRows), else packed dense.
+        std::int64_t ldk = dh, ldv = dh;
+        const float* k_rows = TileRows(args.k, b, u0, j, tile, dh, k_tile, ldk);
+        const float* v_rows = TileRows(args.v, b, u0, j, tile, dh, v_tile, ldv);
         for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
           BlockState& bs = blocks[lb];
           if (u0 >= bs.key_end || u0 + tile <= bs.key_begin) continue;  // no lane sees the tile
           const std::int64_t ua = std::max(u0, bs.key_begin) - u0;  // the block's keys k0 + [0, nt)
           const std::int64_t k0 = u0 + ua, nt = std::min(tile, bs.key_end - u0) - ua;
-          const float* k_blk = k_rows + ua * dh;
-          GemmRows<kR, VN>(d, nt, k_blk, dh, 1, bs.qt, M, dh, st, M,
+          const float* k_blk = k_rows + ua * ldk;
+          GemmRows<kR, VN>(d, nt, k_blk, ldk, 1, bs.qt, M, dh, st, M,
                            false);  // Sᵀ = K (scale·Q)ᵀ   (4.2)
-          GemmRows<kR, VN>(d, nt, v_rows + ua * dh, dh, 1, bs.dot, M, dh, dpt, M,
+          GemmRows<kR, VN>(d, nt, v_rows + ua * ldv, ldv, 1, bs.dot, M, dh, dpt, M,
                            false);  // dPᵀ = V dOᵀ
           if (elementwise) {        // the forward's S: cap, ALiBi, general mask
             const auto is_row = [&](std::int64_t i) {
@@ -514,7 +533,7 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
           const PartialKeys part = keep != nullptr
                                        ? PartialKeys{0, nt}
                                        : PartialRange(bs.full_begin - k0, bs.full_end - k0, nt);
-          GemmRowsMaskedIfNonFinite<VN>(d, dh, k_blk, 1, dh, st, M, nt, bs.dqt, M, true, nullptr,
+          GemmRowsMaskedIfNonFinite<VN>(d, dh, k_blk, 1, ldk, st, M, nt, bs.dqt, M, true, nullptr,
                                         part.lo, part.hi, lane_sees);
         }
       }

@@ -596,6 +596,10 @@ void fuzz_layer(Input& in) {
   const long double saved =
       static_cast<long double>(batch) * seq * c.head_dim * (2.0L * c.heads_q + 2.0L * c.heads_kv);
   if (want >= 0 && saved > (1 << 22)) return;
+  // ... and valid calls whose attention alone is long: B·T²·H_q·d_h multiply-adds over 2^27
+  // (seconds under the sanitizers on the portable path; one such input once timed out).
+  const long double work = static_cast<long double>(batch) * seq * seq * c.heads_q * c.head_dim;
+  if (want >= 0 && work > (1 << 27)) return;
   std::vector<float> u(span_len(want), 0.25f), out(span_len(want), 0.0f);
   const std::uint8_t op = in.byte() % 3;
   if (op == 0) {

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "bindings.hpp"
+#include "native_entry.hpp"
 
 namespace tokenmix_py {
 
@@ -61,9 +62,59 @@ tmx::AttentionOptions torch_options(std::optional<double> scale, bool causal, bo
   return o;
 }
 
+// The message the native node raises for an exception of the library (native_entry.hpp).
+std::string native_error(const char* kind, tmx::ErrorCode code, const char* what) {
+  return std::string("tokenmix-native[") + kind + ":" + tmx::to_string(code) + "] " + what;
+}
+
+template <class Call>
+bool native_call(Call&& call, std::string* error) noexcept {
+  try {
+    call();
+    return true;
+  } catch (const tmx::UnsupportedError& e) {
+    *error = native_error("UnsupportedError", e.code(), e.what());
+  } catch (const tmx::ResourceError& e) {
+    *error = native_error("ResourceError", e.code(), e.what());
+  } catch (const tmx::FileError& e) {
+    *error = native_error("FileError", e.code(), e.what());
+  } catch (const tmx::Error& e) {
+    *error = native_error("ArgumentError", e.code(), e.what());
+  } catch (const std::bad_alloc&) {
+    *error = native_error("ResourceError", tmx::ErrorCode::out_of_memory, "out of memory");
+  } catch (const std::exception& e) {  // not the library's: a bug, reported as such
+    *error = std::string("tokenmix-native[RuntimeError:internal] ") + e.what();
+  }
+  return false;
+}
+
 }  // namespace
 
+const NativeEntryPoints& native_entry_points() {
+  static const NativeEntryPoints table = [] {
+    NativeEntryPoints t;
+    t.forward = [](tmx::ConstTensorView q, tmx::ConstTensorView k, tmx::ConstTensorView v,
+                   tmx::TensorView out, tmx::TensorView lse, const tmx::AttentionOptions& o,
+                   std::string* error) noexcept {
+      return native_call([&] { tmx::attention_forward(q, k, v, out, lse, o); }, error);
+    };
+    t.backward = [](tmx::ConstTensorView q, tmx::ConstTensorView k, tmx::ConstTensorView v,
+                    tmx::ConstTensorView out, tmx::ConstTensorView lse, tmx::ConstTensorView dout,
+                    tmx::TensorView dq, tmx::TensorView dk, tmx::TensorView dv,
+                    const tmx::AttentionOptions& o, std::string* error) noexcept {
+      return native_call(
+          [&] { tmx::attention_backward(q, k, v, out, lse, dout, dq, dk, dv, o, {}); }, error);
+    };
+    return t;
+  }();
+  return table;
+}
+
 void bind_attention(nb::module_& m) {
+  // The address of native_entry_points(), for the PyTorch autograd node (tokenmix._native).
+  m.def("_native_entry_points",
+        [] { return reinterpret_cast<std::uintptr_t>(&native_entry_points()); });
+
   // The score variants (window, softcap, ALiBi, sinks, mask, key_lengths; SPEC "Score variants
   // used by real models") are keyword arguments with None = off, so older callers still work.
   m.def(

@@ -14,7 +14,7 @@ import torch
 
 import tokenmix
 import tokenmix.torch as tmt
-from tokenmix import _torch_ops
+from tokenmix import _native, _torch_ops
 
 from conftest import BWD_ATOL, BWD_RTOL, FWD_ATOL, FWD_RTOL, assert_close
 
@@ -496,13 +496,17 @@ def test_calls_without_gradients_build_no_autograd_node():
     assert detached.grad_fn is None and torch.equal(detached, plain)
 
 
+@pytest.mark.parametrize("route", ["native", "python"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [True, False])
-def test_eager_plain_function_matches_general_route_bitwise(dtype, causal):
-    """tokenmix.torch's call without score variants takes _EagerPlain (issue 18: the fewest
+def test_eager_plain_function_matches_general_route_bitwise(dtype, causal, route, monkeypatch):
+    """tokenmix.torch's call without score variants takes the C++ autograd node
+    (tokenmix._native, "native") or, without it, _EagerPlain ("python"; issue 18: the fewest
     arguments, the pointer route in its backward); its output and gradients are the bits of the
     general autograd.Function (_Attention, which the operators' routes share), and a double
     backward through it is refused as on every route."""
+    if route == "python":
+        monkeypatch.setattr(_native, "attention", None)
     g = torch.Generator().manual_seed(181)
     mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
     q0, k0, v0 = mk(2, 4, 8, 64), mk(2, 2, 8, 64), mk(2, 2, 8, 64)
@@ -517,7 +521,10 @@ def test_eager_plain_function_matches_general_route_bitwise(dtype, causal):
         out.backward(dout)
     finally:
         _torch_ops._EagerPlain.apply = real_apply
-    assert applied == [1]
+    if route == "python":
+        assert applied == [1]
+    else:
+        assert applied == [] and "PlainAttention" in out.grad_fn.name()
     q2, k2, v2 = (t.clone().requires_grad_() for t in (q0, k0, v0))
     ref = _torch_ops._Attention.apply(q2, k2, v2, None, None, None,
                                       (None, causal, False, None, None))[0]
@@ -531,3 +538,25 @@ def test_eager_plain_function_matches_general_route_bitwise(dtype, causal):
     (gq,) = torch.autograd.grad(o3, q3, dout, create_graph=True)
     with pytest.raises(tokenmix.UnsupportedError, match="double backward"):
         gq.sum().backward()
+
+
+def test_native_node_is_built_loaded_and_raises_tokenmix_errors():
+    """The C++ autograd node (tokenmix._native) is built with the package here (CI builds with
+    torch importable) and in use; the library's errors come back as tokenmix's exception types
+    with their codes, not as PyTorch's RuntimeError."""
+    assert _native.status == "loaded", _native.status
+    assert _native.attention is not None
+    q = torch.randn(1, 4, 8, 64, requires_grad=True)
+    k = torch.randn(1, 2, 8, 32)  # head width 32 ≠ 64
+    with pytest.raises(tokenmix.ArgumentError, match="attention_forward") as info:
+        _native.attention(q, k, k, None, True)
+    assert info.value.code == "shape_mismatch"
+    with pytest.raises(tokenmix.ArgumentError, match="q must be a strided rank-4") as info:
+        _native.attention(q[0], k, k, None, True)
+    assert info.value.code == "shape_mismatch"
+    with pytest.raises(tokenmix.ArgumentError, match="scale") as info:
+        _native.attention(q, q, q, float("nan"), True)
+    assert info.value.code == "invalid_argument"
+    out = _native.attention(q, q.detach(), q.detach(), 0.125, False)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.125)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)

@@ -55,6 +55,7 @@ import ml_dtypes
 import torch
 from torch import Tensor
 
+from . import _native
 from . import _tokenmix as _C
 
 __all__ = ["attention", "varlen", "plain_eager"]
@@ -729,6 +730,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
         if not (torch.is_grad_enabled()
                 and (q.requires_grad or k.requires_grad or v.requires_grad)):
             return _plain_forward_no_lse(q, k, v, scale, is_causal)
+        if _native.attention is not None:  # the C++ autograd node (tokenmix._native)
+            _check_qkv("attention_forward", q, k, v)
+            return _native.attention(q, k, v, scale, is_causal)
         return _EagerPlain.apply(q, k, v, scale, is_causal)
     options = (scale, is_causal, bottom_right, window, softcap)
     if plain_eager(q, k, v, sinks):

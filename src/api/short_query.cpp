@@ -11,11 +11,15 @@
 // attention_decode's own merge. The chunk size (kChunkKeys) is fixed, never derived from the
 // thread count, so the result does not depend on it.
 //
-// The decode kernels read K and V in the KVCache's tile layout (kv_tile_layout.hpp: K tiles
-// transposed [d_h][64], V tiles [64][d_h]). The call's K and V rows, from the tile holding the
-// first visible key on, are packed into that layout in the calling thread's reusable scratch
-// (one pass over K and V, shared out over the team): one block per 64-key tile, the block table
-// numbering the packed tiles of each sequence.
+// The decode kernels read K in the KVCache's tile layout (kv_tile_layout.hpp: K tiles transposed
+// [d_h][64]). The call's K rows, from the tile holding the first visible key on, are packed into
+// that layout in the calling thread's reusable scratch (one pass over K, shared out over the
+// team): one block per 64-key tile, the block table numbering the packed tiles of each sequence.
+// V's rows are the P·V product's B operand as they are (rows of d_h features): when V's feature
+// stride is 1 the kernels read them in place from the call's tensor (DecodeArgs::v_rows, row
+// stride = V's position stride) and the scratch holds K tiles alone; otherwise V is packed too,
+// into V tiles [64][d_h] after each K tile. Both read the same values in the same order: the
+// results are bitwise the same.
 //
 // Alignment (SPEC 4.3): the decode kernels' query t of a sequence of L positions sits at p(t) =
 // L − T_q + t and sees keys u ≤ p(t) (and p(t) − W < u with a window W). Bottom-right causal: L =
@@ -67,8 +71,9 @@ std::int64_t first_tile(const kernels::AttentionProblem& p) {
   return begin / kTile;
 }
 
-// Copies keys [u0, u0 + n) (n ≤ 64) of KV head j of sequence b into a K tile [d_h][64] and a V
-// tile [64][d_h] (zero past n), bit for bit (E: the element's bits, 4 or 2 bytes).
+// Copies keys [u0, u0 + n) (n ≤ 64) of KV head j of sequence b into a K tile [d_h][64] (zero
+// past n) and, unless vt is null (V read in place), a V tile [64][d_h], bit for bit (E: the
+// element's bits, 4 or 2 bytes).
 template <class E>
 void pack_tile(const kernels::In& k, const kernels::In& v, std::int64_t b, std::int64_t j,
                std::int64_t u0, std::int64_t n, std::int64_t dh, E* kt, E* vt) {
@@ -117,6 +122,7 @@ void pack_tile(const kernels::In& k, const kernels::In& v, std::int64_t b, std::
     for (std::int64_t x = 0; x < dh; ++x)
       std::fill(kt + x * kTile + n, kt + x * kTile + lanes, E{});
   }
+  if (vt == nullptr) return;
   for (u = 0; u < n; ++u) {
     const E* row = vp + b * v.s0 + (u0 + u) * v.s1 + j * v.s2;
     E* out = vt + u * dh;
@@ -154,6 +160,8 @@ bool short_query_applies(const kernels::AttentionProblem& p, Isa isa, DType dtyp
   const std::int64_t tiles = (sequence_length(p) + kTile - 1) / kTile;
   if (tiles > INT32_MAX / p.batch) return false;
   // The packed copy of K and V stays bounded (the thread keeps its scratch for the next call).
+  // Counted for both, V read in place or not (the problem does not carry V's strides): which
+  // path runs does not depend on V's layout.
   const double packed = static_cast<double>(p.batch) * static_cast<double>(p.hkv) *
                         static_cast<double>(tiles - first_tile(p)) * 2.0 * kTile *
                         static_cast<double>(p.dh) * static_cast<double>(size_of(dtype));
@@ -198,8 +206,13 @@ void short_query_forward(const kernels::ForwardArgs& args, Isa isa, const Tensor
       static_cast<int>(std::clamp<std::int64_t>(p.threads, 1, std::max(units, pack_items)));
   a.threads = team;
 
+  // V's rows in place (see top) when its features are contiguous; else packed into V tiles.
+  const bool v_in_place = args.v.s3 == 1;
+  if (v_in_place) a.read_v_in_place(args.v, site);
+
   // Scratch: per-worker regions (DecodeScratch, the merge's running Õ), then the partials of
-  // every unit, the lengths, the block table, the packed K/V tiles and fp32 queries (bf16/f16).
+  // every unit, the lengths, the block table, the packed K (and V) tiles and fp32 queries
+  // (bf16/f16).
   kernels::ScratchLayout worker_layout(site);
   a.slots = kernels::DecodeScratch(worker_layout, rows, a.dh);
   const auto merge_slot = worker_layout.add<float>(a.dh);
@@ -212,9 +225,10 @@ void short_query_forward(const kernels::ForwardArgs& args, Isa isa, const Tensor
   const auto len_slot = shared.add<std::int64_t>(a.batch);
   const auto table_slot = shared.add<std::int32_t>(
       kernels::scratch_mul(a.batch, tiles, site, "the split-KV block table"));
-  const std::int64_t tile_bytes =
-      kernels::scratch_mul(kernels::scratch_mul(2 * kTile, a.dh, site, "packed K/V tiles"), esize,
-                           site, "packed K/V tiles");
+  const std::int64_t tile_bytes =  // per (b, j, tile): a K tile (and a V tile)
+      kernels::scratch_mul(
+          kernels::scratch_mul((v_in_place ? 1 : 2) * kTile, a.dh, site, "packed K/V tiles"), esize,
+          site, "packed K/V tiles");
   const auto kv_slot =
       shared.add<std::byte>(kernels::scratch_mul(pack_items, tile_bytes, site, "packed K/V tiles"));
   const auto q_slot = shared.add<float>(
@@ -244,7 +258,7 @@ void short_query_forward(const kernels::ForwardArgs& args, Isa isa, const Tensor
   a.table = table;
   std::byte* const kv = part.at(kv_slot, 0);
   a.k_layer = kv;
-  a.v_layer = kv + a.layout.tile_elems() * esize;
+  a.v_layer = v_in_place ? nullptr : kv + a.layout.tile_elems() * esize;
   a.q = args.q;
   if (act != DType::f32) {  // widened once (a few rows): the kernels read fp32 queries
     float* q = part.at(q_slot, 0);
@@ -264,13 +278,16 @@ void short_query_forward(const kernels::ForwardArgs& args, Isa isa, const Tensor
     for (std::int64_t item = 0; item < pack_items; ++item) {  // (b, j, packed tile)
       const auto [t, j, b] = kernels::Unravel(item, packed, a.hkv);
       const std::int64_t u0 = (tile0 + t) * kTile, n = std::min(kTile, L - u0);
-      std::byte* const tile = kv + a.layout.k_tile(b * packed + t, j, 0) * esize;
+      // The K tile the kernels read for keys u0.. (through the block table); its V tile follows.
+      std::byte* const tile = kv + a.tile_offset(b, j, u0) * esize;
       if (esize == 4) {
         auto* e = reinterpret_cast<std::uint32_t*>(tile);
-        pack_tile(args.k, args.v, b, j, u0, n, a.dh, e, e + a.layout.tile_elems());
+        pack_tile(args.k, args.v, b, j, u0, n, a.dh, e,
+                  v_in_place ? nullptr : e + a.layout.tile_elems());
       } else {
         auto* e = reinterpret_cast<std::uint16_t*>(tile);
-        pack_tile(args.k, args.v, b, j, u0, n, a.dh, e, e + a.layout.tile_elems());
+        pack_tile(args.k, args.v, b, j, u0, n, a.dh, e,
+                  v_in_place ? nullptr : e + a.layout.tile_elems());
       }
     }
     kernel(a);  // shares out the units; its `omp for` ends with a barrier

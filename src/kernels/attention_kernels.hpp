@@ -10,11 +10,13 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include "kernels/kv_element.hpp"
 #include "kernels/kv_tile_layout.hpp"
 #include "kernels/scratch_arena.hpp"
 #include "tokenmix/attention.hpp"
+#include "tokenmix/error.hpp"
 #include "tokenmix/tensor.hpp"
 
 namespace tokenmix::kernels {
@@ -203,6 +205,18 @@ struct DecodeArgs {
   KVTileLayout layout;            // where K and V elements live (kv_tile_layout.hpp)
   const void* k_layer = nullptr;  // the layer's first element (K tiles are addressed from it)
   const void* v_layer = nullptr;  // = k_layer + layout.tile_span() (V tiles addressed from it)
+  /// V read in place (src/api/short_query.cpp) instead of from V tiles: the rows of a caller's
+  /// [B, T, H_kv, d_h] tensor of element type `dtype`, V[b, u, j, x] at element
+  /// b·s0 + u·s1 + j·s2 + x of `data` (feature stride 1; the key stride s1 is any). null: off.
+  /// Then v_layer is unused, the layout holds K tiles alone (tile_offset) and the kernels take
+  /// keys u0.. of (b, j) at v_row(b, j, u0) with row stride v_stride() = s1 instead of d_h. Set
+  /// only through read_v_in_place: activation dtypes (f32, bf16, f16), never a quantized cache
+  /// (whose V rows need their tile's scales) nor a ring.
+  struct VRows {
+    const void* data = nullptr;
+    std::int64_t s0 = 0, s1 = 0, s2 = 0;
+  };
+  VRows v_rows;
   const std::int32_t* table = nullptr;  // [batch][table_width] physical blocks of the sequences
   std::int64_t table_width = 0;
   const std::int64_t* lengths = nullptr;  // [batch] cached positions of each sequence (this layer)
@@ -284,10 +298,38 @@ struct DecodeArgs {
   }
   /// Element offset, from k_layer for the K tile and from v_layer for its V tile, of the tile
   /// holding key u of sequence b, KV head j (a rolling cache holds it in slot u mod ring).
+  /// With V read in place (v_rows) the V tiles are absent: the K tiles of a (block, KV head)
+  /// follow each other, [pool_blocks][H_kv][block_tokens / 64] K tiles (no scales: an activation
+  /// dtype), and the offset is that of the K tile in this dense layout.
   std::int64_t tile_offset(std::int64_t b, std::int64_t j, std::int64_t u) const {
     const std::int64_t s = ring != 0 ? u % ring : u;
     const std::int64_t block = table[b * table_width + s / layout.block_tokens];
-    return layout.k_tile(block, j, s % layout.block_tokens);
+    const std::int64_t pos = s % layout.block_tokens;
+    if (v_in_place()) {
+      const std::int64_t tiles = layout.block_tokens / kDecodeKeyTile;  // per (block, head)
+      return ((block * layout.heads_kv + j) * tiles + pos / kDecodeKeyTile) * layout.tile_elems();
+    }
+    return layout.k_tile(block, j, pos);
+  }
+  bool v_in_place() const { return v_rows.data != nullptr; }
+  /// Element offset, from v_rows.data, of the V row of key u of sequence b, KV head j (in place).
+  std::int64_t v_row(std::int64_t b, std::int64_t j, std::int64_t u) const {
+    return b * v_rows.s0 + u * v_rows.s1 + j * v_rows.s2;
+  }
+  /// Elements from one key's V row to the next's: s1 in place, d_h in a V tile.
+  std::int64_t v_stride() const { return v_in_place() ? v_rows.s1 : dh; }
+  /// Reads V's rows in place from `v` ([B, T, H_kv, d_h], element type `dtype`, v.s3 = 1), with
+  /// K in tiles alone (see v_rows). Throws UnsupportedError naming `site` for a quantized dtype,
+  /// a ring or a feature stride other than 1 (an internal misuse: callers check first).
+  void read_v_in_place(const In& v, const CallSite& site) {
+    if (is_quantized(dtype) || ring != 0 || v.s3 != 1) {
+      throw UnsupportedError(std::string(site.entry) +
+                             ": V rows read in place need an activation dtype (f32, bf16, f16), "
+                             "no rolling cache and a feature stride of 1; got dtype " +
+                             to_string(dtype) + ", ring " + std::to_string(ring) +
+                             ", feature stride " + std::to_string(v.s3));
+    }
+    v_rows = {v.data, v.s0, v.s1, v.s2};
   }
   /// Score of a key inside the row's visible range, from z = s·⟨q, k_u⟩ (the scalar form of the
   /// element-wise variants): cap(z) − m_h·(p − u).

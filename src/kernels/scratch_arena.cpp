@@ -1,12 +1,11 @@
 // src/kernels/scratch_arena.cpp — the one allocation function of the kernels (scratch_arena.hpp).
 #include "kernels/scratch_arena.hpp"
 
-#include <unistd.h>
-
 #include <new>
 #include <string>
 
 #include "tokenmix/error.hpp"
+#include "util/validate.hpp"
 
 namespace tokenmix::kernels {
 namespace {
@@ -47,14 +46,13 @@ AlignedBytes allocate_bytes(std::int64_t bytes, const CallSite& site, const char
   // the kernel's first pass over it would turn into an out-of-memory kill.
   // (Asked once: sysconf(_SC_PHYS_PAGES) is a system call, and a tiny kernel call allocates
   // several times; the machine's memory does not change while the process runs.)
-  static const long pages = sysconf(_SC_PHYS_PAGES), page_bytes = sysconf(_SC_PAGESIZE);
-  if (pages > 0 && page_bytes > 0 &&
-      static_cast<double>(bytes) > static_cast<double>(pages) * static_cast<double>(page_bytes)) {
+  static const double physical = detail::physical_memory_bytes();
+  if (physical > 0 && static_cast<double>(bytes) > physical) {
     throw ResourceError(ErrorCode::out_of_memory,
                         std::string(site.entry) + ": cannot allocate " + std::to_string(bytes) +
                             " bytes for " + what + " of kernel " + site.kernel +
                             " (more than the machine's physical memory, " +
-                            std::to_string(static_cast<long long>(pages) * page_bytes) + " bytes)");
+                            std::to_string(static_cast<long long>(physical)) + " bytes)");
   }
   void* p = ::operator new[](n, std::align_val_t{kScratchAlign}, std::nothrow);
   if (p == nullptr) {

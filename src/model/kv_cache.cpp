@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
+#include <stdexcept>
 #include <string>
 
 #include "kernels/kv_element.hpp"
@@ -107,13 +109,40 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
       quantized
           ? kv_cache_bytes(c.layers, pool_blocks_, block_tokens_, c.heads_kv, c.head_dim + 4, 1)
           : kv_cache_bytes(c.layers, pool_blocks_, block_tokens_, c.heads_kv, c.head_dim, elem_);
-  checked_mul(c.batch, table_width_, fn, "block table size");
-  storage_.assign(static_cast<std::size_t>(bytes), std::byte{0});
+  // Every allocation's size in bytes fits 64-bit arithmetic before the first one is made: the
+  // block table (int32 per entry), the lengths and first positions (int64 per (layer, sequence)).
+  const std::int64_t table_entries = checked_mul(c.batch, table_width_, fn, "block table size");
+  checked_mul(table_entries, std::int64_t{sizeof(std::int32_t)}, fn, "block table bytes");
+  const std::int64_t length_entries = checked_mul(c.layers, c.batch, fn, "lengths");
+  checked_mul(length_entries, std::int64_t{sizeof(std::int64_t)}, fn, "lengths bytes");
+  const double total = static_cast<double>(bytes) + 4.0 * static_cast<double>(table_entries) +
+                       16.0 * static_cast<double>(length_entries);
+  const double physical = detail::physical_memory_bytes();
+  if (physical > 0 && total > physical) {
+    throw ResourceError(ErrorCode::out_of_memory,
+                        std::string(fn) + ": cannot allocate the cache: " + str(bytes) +
+                            " bytes of K/V storage (" + str(table_entries) +
+                            " block table entries) are more than the machine's physical memory, " +
+                            str(static_cast<std::int64_t>(physical)) + " bytes");
+  }
+  try {
+    storage_.assign(static_cast<std::size_t>(bytes), std::byte{0});
+    table_.assign(static_cast<std::size_t>(table_entries), -1);
+    lengths_.assign(static_cast<std::size_t>(length_entries), 0);
+    firsts_.assign(lengths_.size(), 0);
+    active_.assign(static_cast<std::size_t>(c.batch), 1);
+  } catch (const std::bad_alloc&) {  // also std::length_error's sizes past max_size()
+    throw ResourceError(ErrorCode::out_of_memory,
+                        std::string(fn) + ": cannot allocate the cache (" + str(bytes) +
+                            " bytes of K/V storage, " + str(table_entries) +
+                            " block table entries, " + str(length_entries) + " lengths)");
+  } catch (const std::length_error&) {
+    throw ResourceError(ErrorCode::out_of_memory,
+                        std::string(fn) + ": the cache's sizes exceed what can be allocated (" +
+                            str(bytes) + " bytes of K/V storage, " + str(table_entries) +
+                            " block table entries)");
+  }
   detail::back_with_huge_pages(storage_.data(), storage_.size());  // swept by every decode step
-  table_.assign(static_cast<std::size_t>(c.batch * table_width_), -1);
-  lengths_.assign(static_cast<std::size_t>(checked_mul(c.layers, c.batch, fn, "lengths")), 0);
-  firsts_.assign(lengths_.size(), 0);
-  active_.assign(static_cast<std::size_t>(c.batch), 1);
   if (!paged()) {
     for (std::int64_t b = 0; b < c.batch; ++b)
       table_[static_cast<std::size_t>(b * table_width_)] = static_cast<std::int32_t>(b);

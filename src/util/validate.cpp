@@ -1,5 +1,7 @@
 #include "util/validate.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <climits>
@@ -14,6 +16,12 @@ void fail(ErrorCode code, const char* fn, const std::string& message) {
   std::string text(fn);
   text.append(": ").append(message);
   throw ArgumentError(code, text);
+}
+
+double physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page_bytes = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_bytes <= 0) return 0.0;
+  return static_cast<double>(pages) * static_cast<double>(page_bytes);
 }
 
 std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* fn, const char* what) {

@@ -21,6 +21,11 @@ namespace tokenmix::detail {
 /// a·b, throwing ArgumentError(overflow) naming `what` if it does not fit in int64.
 std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* fn, const char* what);
 
+/// Bytes of physical memory (sysconf), or 0 if unknown. Allocations larger than this can never
+/// be used: they are refused with ErrorCode::out_of_memory before any attempt (an overcommitting
+/// kernel would hand out the address space and kill the process on its first pass over it).
+double physical_memory_bytes();
+
 /// "[2, 3, 4, 5]" for a view's logical shape.
 std::string shape_string(const ConstTensorView& v);
 

@@ -414,6 +414,28 @@ TEST(KVCacheErrors, BadConfigIsRejected) {
   bad({1, 1, 1, 16, 10, DType::f32, 0, 0, -1}, ErrorCode::invalid_argument, "config.window");
   bad({1, 1, 1, 16, 10, DType::f32, 0, 0, std::numeric_limits<std::int64_t>::max() - 8},
       ErrorCode::overflow, "config.window");
+  // A small pool shared by 2^61 sequences: the block table's 2^61 int32 entries overflow its
+  // byte count (fuzz_api once reached an allocation of the K/V storage before this check).
+  bad({1, std::int64_t{1} << 61, 1, 16, 64, DType::f32, 64, 1}, ErrorCode::overflow,
+      "block table bytes");
+  bad({std::int64_t{1} << 40, std::int64_t{1} << 21, 1, 1, 64, DType::int8, 64, 1},
+      ErrorCode::overflow, "lengths bytes");
+}
+
+TEST(KVCacheErrors, CacheLargerThanPhysicalMemoryIsAResourceError) {
+  // 2 · 2^16 layers · 2^20 positions · 2^10 features · 4 bytes = 2^49 bytes: representable,
+  // never allocatable. Refused before any allocation (ErrorCode::out_of_memory).
+  const KVCacheConfig cfg{std::int64_t{1} << 16, 1, 1, 1 << 10, 1 << 20, DType::f32, 0, 0};
+  try {
+    KVCache c(cfg);
+    ADD_FAILURE() << "allocated a 2^49-byte cache";
+  } catch (const ResourceError& e) {
+    EXPECT_EQ(e.code(), ErrorCode::out_of_memory) << e.what();
+    const std::string what = e.what();
+    EXPECT_NE(what.find("KVCache"), std::string::npos) << what;
+    EXPECT_NE(what.find("562949953421312"), std::string::npos) << what;  // 2^49 bytes
+    EXPECT_NE(what.find("physical memory"), std::string::npos) << what;
+  }
 }
 
 // ---- rolling caches (KVCacheConfig::window): memory O(W), positions keep counting ----

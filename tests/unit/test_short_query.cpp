@@ -6,13 +6,17 @@
 // strided and PyTorch-layout views, outputs poisoned before each call; and results bitwise
 // identical for any thread count.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "api/short_query.hpp"
+#include "kernels/kv_element.hpp"
 #include "test_util.hpp"
 
 namespace tokenmix::testing {
@@ -243,6 +247,261 @@ TEST_P(ShortQuery, BitwiseIdenticalAcrossThreadCounts) {
     EXPECT_EQ(0, std::memcmp(out1.data(), r.out.storage.data(), out1.size() * sizeof(float)))
         << threads;
     EXPECT_EQ(0, std::memcmp(lse1.data(), r.lse.data(), lse1.size() * sizeof(float))) << threads;
+  }
+}
+
+// ---- V read in place (DecodeArgs::v_rows) vs V packed into tiles ----
+// short_query.cpp reads V's rows in place when V's feature stride is 1 and packs them into V
+// tiles otherwise; both must give bitwise the same O and L (the same products in the same
+// order), and both must match the float64 oracle.
+
+// A [B, T, H, D] tensor of dtype f32 or bf16 with explicit strides over its own storage. Bytes
+// no element covers (padding) hold NaN: a kernel reading with a wrong stride sees them.
+struct RawTensor {
+  DType dt;
+  std::array<std::int64_t, 4> shape, strides;
+  std::vector<std::uint8_t> bytes;
+
+  RawTensor(DType d, std::array<std::int64_t, 4> sh, std::array<std::int64_t, 4> st)
+      : dt(d), shape(sh), strides(st) {
+    std::int64_t last = 0;
+    for (int i = 0; i < 4; ++i) last += (shape[i] - 1) * strides[i];
+    bytes.assign(static_cast<std::size_t>((last + 1) * esize()), 0xff);  // all-ones bits: NaN
+  }
+  std::int64_t esize() const { return static_cast<std::int64_t>(size_of(dt)); }
+  std::int64_t offset(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t x) const {
+    return (b * strides[0] + t * strides[1] + h * strides[2] + x * strides[3]) * esize();
+  }
+  // Stores x rounded to dt (nearest even for bf16) and returns the stored value.
+  float set(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t x, float value) {
+    std::uint8_t* p = bytes.data() + offset(b, t, h, x);
+    if (dt == DType::f32) {
+      std::memcpy(p, &value, 4);
+      return value;
+    }
+    const std::uint16_t bits = kernels::f32_to_bf16(value);
+    std::memcpy(p, &bits, 2);
+    return kernels::bf16_to_f32(bits);
+  }
+  float get(std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t x) const {
+    const std::uint8_t* p = bytes.data() + offset(b, t, h, x);
+    if (dt == DType::f32) {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    std::uint16_t bits;
+    std::memcpy(&bits, p, 2);
+    return kernels::bf16_to_f32(bits);
+  }
+  TensorView view() {
+    return {bytes.data(),
+            dt,
+            4,
+            {shape[0], shape[1], shape[2], shape[3]},
+            {strides[0], strides[1], strides[2], strides[3]}};
+  }
+};
+
+struct VInPlaceCase {
+  std::int64_t B = 1, Tq = 1, Tk = 1, Hq = 1, Hkv = 1, D = 8;
+  bool causal = true;
+  CausalAlign align = CausalAlign::bottom_right;
+  std::optional<std::int64_t> window{};
+  int v_layout =
+      0;  // in-place V: 0 [B,T,H,D] contiguous, 1 [B,H,T,D] with padded rows (s1 = D + 3)
+  std::vector<std::int64_t> nan_keys;  // keys u whose V row holds +∞ (feature 0), NaN (D − 1)
+
+  std::string name() const {
+    std::string s = "B" + std::to_string(B) + "_Tq" + std::to_string(Tq) + "_Tk" +
+                    std::to_string(Tk) + "_Hq" + std::to_string(Hq) + "_Hkv" + std::to_string(Hkv) +
+                    "_d" + std::to_string(D) + (causal ? "" : "_nomask") + "_" + to_string(align) +
+                    "_vlayout" + std::to_string(v_layout);
+    if (window) s += "_W" + std::to_string(*window);
+    for (std::int64_t u : nan_keys) s += "_nan" + std::to_string(u);
+    return s;
+  }
+};
+
+// Runs the case in dtype dt on path isa: V in place and V packed (feature stride 2, the same
+// values), O and L compared bitwise, then O and L against the float64 oracle.
+void check_v_in_place(const VInPlaceCase& c, DType dt, Isa isa, std::mt19937_64& rng) {
+  const std::int64_t B = c.B, Tq = c.Tq, Tk = c.Tk, Hq = c.Hq, Hkv = c.Hkv, D = c.D;
+  RawTensor q(dt, {B, Tq, Hq, D}, {Tq * Hq * D, Hq * D, D, 1});
+  RawTensor k(dt, {B, Tk, Hkv, D}, {Tk * Hkv * D, Hkv * D, D, 1});
+  const std::int64_t row = D + 3;  // v_layout 1: padded rows
+  RawTensor v_in = c.v_layout == 0
+                       ? RawTensor(dt, {B, Tk, Hkv, D}, {Tk * Hkv * D, Hkv * D, D, 1})
+                       : RawTensor(dt, {B, Tk, Hkv, D}, {Hkv * Tk * row, row, Tk * row, 1});
+  RawTensor v_packed(dt, {B, Tk, Hkv, D}, {Tk * Hkv * D * 2, Hkv * D * 2, D * 2, 2});
+  Tensor64 q64({B, Tq, Hq, D}), k64({B, Tk, Hkv, D}), v64({B, Tk, Hkv, D});
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t t = 0; t < Tq; ++t)
+      for (std::int64_t h = 0; h < Hq; ++h)
+        for (std::int64_t x = 0; x < D; ++x) q64.at(b, t, h, x) = q.set(b, t, h, x, dist(rng));
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t u = 0; u < Tk; ++u)
+      for (std::int64_t h = 0; h < Hkv; ++h)
+        for (std::int64_t x = 0; x < D; ++x) {
+          k64.at(b, u, h, x) = k.set(b, u, h, x, dist(rng));
+          float value = dist(rng);
+          if (std::find(c.nan_keys.begin(), c.nan_keys.end(), u) != c.nan_keys.end()) {
+            if (x == 0) value = std::numeric_limits<float>::infinity();
+            if (x == D - 1) value = std::numeric_limits<float>::quiet_NaN();
+          }
+          v64.at(b, u, h, x) = v_in.set(b, u, h, x, value);
+          v_packed.set(b, u, h, x, value);
+        }
+
+  AttentionOptions o;
+  o.causal = c.causal;
+  o.align = c.align;
+  o.window = c.window;
+  o.isa = isa;
+  o.threads = 0;
+  // Both calls run the split-KV path (not the forward kernel): what this test is about.
+  kernels::AttentionProblem p;
+  p.batch = B;
+  p.tq = Tq;
+  p.tk = Tk;
+  p.hq = Hq;
+  p.hkv = Hkv;
+  p.dh = D;
+  p.causal = c.causal;
+  p.align = c.align;
+  p.var.window = c.window.value_or(0);
+  ASSERT_TRUE(detail::short_query_applies(p, isa, dt));
+
+  const std::array<std::int64_t, 4> out_shape{B, Tq, Hq, D}, out_strides{Tq * Hq * D, Hq * D, D, 1};
+  RawTensor out_in(dt, out_shape, out_strides), out_packed(dt, out_shape, out_strides);
+  std::vector<float> lse_in(static_cast<std::size_t>(B * Hq * Tq), kPoison), lse_packed = lse_in;
+  attention_forward(q.view(), k.view(), v_in.view(), out_in.view(),
+                    TensorView::bht(lse_in.data(), B, Hq, Tq), o);
+  attention_forward(q.view(), k.view(), v_packed.view(), out_packed.view(),
+                    TensorView::bht(lse_packed.data(), B, Hq, Tq), o);
+  ASSERT_EQ(out_in.bytes.size(), out_packed.bytes.size());
+  EXPECT_EQ(0, std::memcmp(out_in.bytes.data(), out_packed.bytes.data(), out_in.bytes.size()))
+      << "O: V in place differs from V packed";
+  EXPECT_EQ(0, std::memcmp(lse_in.data(), lse_packed.data(), lse_in.size() * sizeof(float)))
+      << "L: V in place differs from V packed";
+
+  reference::Options ro;
+  ro.causal = c.causal;
+  ro.align = testkit::to_reference(c.align);
+  ro.window = c.window;
+  const reference::ForwardResult ref = reference::attention_forward(q64, k64, v64, ro);
+  // bf16: O is rounded once to bf16 (half an ulp, 2^-9 of max|O|) after fp32 arithmetic.
+  const double tol = dt == DType::f32 ? 2e-5 : std::ldexp(1.0, -8);
+  double max_ref = 0.0;
+  for (double r : ref.out.data)
+    if (std::isfinite(r)) max_ref = std::max(max_ref, std::abs(r));
+  max_ref = std::max(max_ref, 1e-30);
+  double err = 0.0, lerr = 0.0;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < Hq; ++h)
+      for (std::int64_t t = 0; t < Tq; ++t) {
+        const double want_l = ref.lse.at(b, h, t, 0);
+        const float got_l = lse_in[static_cast<std::size_t>((b * Hq + h) * Tq + t)];
+        if (std::isinf(want_l)) {
+          EXPECT_EQ(got_l, static_cast<float>(want_l)) << "b=" << b << " h=" << h << " t=" << t;
+        } else {
+          lerr = std::max(lerr, std::abs(got_l - want_l) / std::max(1.0, std::abs(want_l)));
+        }
+        for (std::int64_t x = 0; x < D; ++x) {
+          const double want = ref.out.at(b, t, h, x);
+          const float got = out_in.get(b, t, h, x);
+          if (!std::isfinite(want)) {  // a non-finite V row this row sees: not finite either
+            EXPECT_FALSE(std::isfinite(got)) << "b=" << b << " h=" << h << " t=" << t << " x=" << x;
+          } else {
+            ASSERT_TRUE(std::isfinite(got)) << "b=" << b << " h=" << h << " t=" << t << " x=" << x;
+            err = std::max(err, std::abs(got - want) / max_ref);
+          }
+        }
+      }
+  EXPECT_LE(err, tol);
+  EXPECT_LE(lerr, 2e-5);
+}
+
+TEST_P(ShortQuery, VInPlaceBitwiseMatchesPackedVAndOracle) {
+  std::mt19937_64 rng(1805);
+  const struct {
+    std::int64_t Hq, Hkv;
+  } groups[] = {{2, 2}, {4, 1}, {8, 2}, {1, 1}};  // g = 1, 4, 4, 1
+  const std::int64_t dims[] = {64, 40, 7};
+  const std::optional<std::int64_t> windows[] = {std::nullopt, 50, std::nullopt, 1, 200};
+  int n = 0;
+  for (std::int64_t Tk : {1, 63, 64, 65, 255, 256, 257, 1000})
+    for (std::int64_t Tq = 1; Tq <= 4; ++Tq) {
+      VInPlaceCase c;
+      c.B = 1 + n % 2;
+      c.Tq = Tq;
+      c.Tk = Tk;
+      // Indices that cycle independently of T_q (n % 4 = T_q − 1).
+      c.Hq = groups[(n + n / 4) % 4].Hq;
+      c.Hkv = groups[(n + n / 4) % 4].Hkv;
+      c.D = dims[n % 3];
+      c.window = windows[n % 5];
+      c.v_layout = (n / 2 + n / 8) % 2;  // H_kv = 1 in layout 0: V's row stride is d_h
+      if (n % 7 == 3 && Tq <= Tk) c.align = CausalAlign::top_left;
+      if (n % 11 == 5 && Tq == 1) c.causal = false;
+      // Non-finite V rows: key T_k − 1 (seen by the last row only, bottom-right), the key only
+      // the first row's window holds, and a key no row sees (before every window).
+      if (n % 3 != 1 && c.align == CausalAlign::bottom_right) {
+        c.nan_keys.push_back(Tk - 1);
+        if (c.window && Tk - Tq - *c.window + 1 >= 0) c.nan_keys.push_back(Tk - Tq - *c.window + 1);
+        if (c.window && Tk - Tq - *c.window >= 0) c.nan_keys.push_back(Tk - Tq - *c.window);
+      }
+      ++n;
+      for (DType dt : {DType::f32, DType::bf16}) {
+        if (GetParam() == Isa::avx512_bf16 && dt == DType::bf16) continue;  // forward kernel
+        SCOPED_TRACE(std::string(to_string(dt)) + " " + c.name());
+        check_v_in_place(c, dt, GetParam(), rng);
+        if (HasFatalFailure()) return;
+      }
+    }
+}
+
+// DecodeArgs::read_v_in_place serves activation dtypes with contiguous features and no ring;
+// anything else is an internal misuse, refused with an error naming the entry point. The
+// quantized decode kernels refuse in-place V rows too (their V rows need the tile's scales).
+TEST(ShortQueryPath, VInPlaceRefusesQuantizedRingAndStridedFeatures) {
+  const float v[4] = {};
+  const kernels::In contiguous{v, 4, 4, 4, 1}, strided{v, 4, 4, 4, 2};
+  const kernels::CallSite site{"attention_forward", "decode"};
+  const auto refused = [&](const kernels::DecodeArgs& a, const kernels::In& in) {
+    kernels::DecodeArgs copy = a;
+    try {
+      copy.read_v_in_place(in, site);
+    } catch (const UnsupportedError& e) {
+      EXPECT_NE(std::string(e.what()).find("attention_forward"), std::string::npos) << e.what();
+      EXPECT_FALSE(copy.v_in_place());
+      return true;
+    }
+    return false;
+  };
+  kernels::DecodeArgs a;
+  a.dh = 4;
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    a.dtype = dt;
+    EXPECT_FALSE(refused(a, contiguous)) << to_string(dt);
+    EXPECT_TRUE(refused(a, strided)) << to_string(dt);
+  }
+  a.ring = 64;
+  EXPECT_TRUE(refused(a, contiguous));
+  a.ring = 0;
+  for (DType dt : {DType::int8, DType::fp8_e4m3}) {
+    a.dtype = dt;
+    EXPECT_TRUE(refused(a, contiguous)) << to_string(dt);
+  }
+  // A quantized kernel handed in-place V rows anyway (outside a parallel region: it throws
+  // before its units).
+  a.dtype = DType::int8;
+  a.v_rows.data = v;
+  EXPECT_THROW(kernels::attention_decode_int8_portable(a), UnsupportedError);
+  EXPECT_THROW(kernels::attention_decode_fp8_e4m3_portable(a), UnsupportedError);
+  if (testkit::isa_unavailable_reason(Isa::avx2).empty()) {
+    EXPECT_THROW(kernels::attention_decode_int8_avx2(a), UnsupportedError);
   }
 }
 

@@ -34,6 +34,17 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
   constexpr std::int64_t kKeyTile = kDecodeKeyTile;  // keys per cache tile
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const std::size_t esz = size_of(kDType);
+  // V rows read in place (DecodeArgs::v_rows: a short query block's caller tensor, row stride
+  // vld) or from the V tiles (vld = d_h). A quantized cache's V rows need their tile's scales:
+  // never in place (read_v_in_place).
+  const bool v_in_place = a.v_in_place();
+  const std::int64_t vld = a.v_stride();
+  if constexpr (is_quantized(kDType)) {
+    if (v_in_place) {
+      throw UnsupportedError(
+          "attention decode: a quantized cache's V rows cannot be read in place");
+    }
+  }
 
 #pragma omp for schedule(dynamic, 1)
   for (std::int64_t unit = 0; unit < units; ++unit) {
@@ -69,7 +80,10 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
       const std::int64_t nt = std::min(kKeyTile, k1 - u0);
       const std::int64_t tile = a.tile_offset(b, j, u0) * static_cast<std::int64_t>(esz);
       const auto* kt = static_cast<const std::byte*>(a.k_layer) + tile;  // K tile [d_h][64]
-      const auto* vt = static_cast<const std::byte*>(a.v_layer) + tile;  // V tile [64][d_h]
+      const auto* vt =  // V rows [nt][d_h], row stride vld
+          v_in_place ? static_cast<const std::byte*>(a.v_rows.data) +
+                           a.v_row(b, j, u0) * static_cast<std::int64_t>(esz)
+                     : static_cast<const std::byte*>(a.v_layer) + tile;
       if constexpr (is_quantized(kDType)) {
         // x̂ = q · δ (SPEC "Quantized KV cache"): each row's fp32 scale follows its tile.
         float ks[kKeyTile], vs[kKeyTile];
@@ -85,7 +99,9 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
         for (std::int64_t x = 0; x < dh; ++x)  // the tile's nt keys only (the rest is not read)
           for (std::int64_t u = 0; u < nt; ++u)
             kf[x * kKeyTile + u] = load_element(kDType, kt, x * kKeyTile + u);
-        for (std::int64_t i = 0; i < nt * dh; ++i) vf[i] = load_element(kDType, vt, i);
+        for (std::int64_t u = 0; u < nt; ++u)
+          for (std::int64_t x = 0; x < dh; ++x)
+            vf[u * dh + x] = load_element(kDType, vt, u * vld + x);
       }
       for (std::int64_t r = 0; r < nrows; ++r) {
         const std::int64_t t = t0 + r / g, h = j * g + r % g;

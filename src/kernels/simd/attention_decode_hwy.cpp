@@ -12,7 +12,9 @@
 //   S[r][u]  = Σ_x (scale·q_r)[x] · Kᵀ[x][u]   A = scale·Q rows, B = K tile [d_h][64]  (4.2)
 //   Õ[r][x] += Σ_u P[r][u] · V[u][x]        A = P rows (broadcast),   B = V rows [64][d_h]  (4.5)
 // Keys are lanes in the first product and features in the second — the cache stores K tiles
-// transposed and V row-major for exactly this, so nothing is repacked per step. Between them,
+// transposed and V row-major for exactly this, so nothing is repacked per step (a short query
+// block's V rows are even read in place from the caller's tensor, DecodeArgs::v_rows: the same
+// products with the tensor's row stride for d_h). Between them,
 // the score variants (SPEC "Score variants used by real models") on the S tile — soft-capping
 // S = c·tanh(S / c) (tanh-inl.h) and ALiBi S += m_h (u − p) — then the online softmax
 // per row (4.4): mask keys outside [visible_begin(r), visible_end(r)) to −∞ (4.3 and the sliding
@@ -106,6 +108,27 @@ void DecodeUnits(const DecodeArgs& a) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const TB* k_layer = static_cast<const TB*>(a.k_layer);
   const TB* v_layer = static_cast<const TB*>(a.v_layer);
+  // V rows read in place (DecodeArgs::v_rows: a short query block's caller tensor) or from the
+  // V tiles: keys u0.. of (b, j) start at vt, one key's row vld elements after the previous one.
+  // A quantized cache's V rows need their tile's scales: never in place (read_v_in_place).
+  const bool v_in_place = a.v_in_place();
+  const TB* v_rows = static_cast<const TB*>(a.v_rows.data);
+  const std::int64_t vld = a.v_stride();
+  if constexpr (kQuant) {
+    if (v_in_place) {
+      throw UnsupportedError(
+          "attention decode: a quantized cache's V rows cannot be read in place");
+    }
+  }
+  // True if an element of V rows [lo, hi) from vt is not finite (a generic lambda: instantiated
+  // for activation dtypes only, NonFiniteIn needs 2- or 4-byte elements): one range when the
+  // rows are contiguous, row by row otherwise.
+  const auto v_nonfinite = [&](const auto* vt, std::int64_t lo, std::int64_t hi) {
+    if (vld == dh) return NonFiniteIn(vt, lo * dh, hi * dh);
+    bool bad = false;
+    for (std::int64_t u = lo; u < hi; ++u) bad |= NonFiniteIn(vt + u * vld, 0, dh);
+    return bad;
+  };
   const std::int64_t dh_full = dh / W * W, dh_vec = dh / N * N;  // d_h: chunks, whole vectors, tail
   const std::int64_t WT = kVT * N, dh_tall = dh / WT * WT;       // the same for the tall blocking
 
@@ -146,13 +169,15 @@ void DecodeUnits(const DecodeArgs& a) {
       const std::int64_t nt = std::min(kKeyTile, k1 - u0);
       const std::int64_t tile = a.tile_offset(b, j, u0);
       const TB* kt = k_layer + tile;  // Kᵀ tile [d_h][64]
-      const TB* vt = v_layer + tile;  // V rows [nt][d_h]
+      const TB* vt = v_in_place ? v_rows + a.v_row(b, j, u0) : v_layer + tile;  // V [nt][d_h]
       // The next tile of this chunk (nullptr at its last): the microkernels prefetch it row by
       // row while they compute on this one, so a unit's one forward stream is read ahead.
       const bool has_next = u0 + kKeyTile < k1;
       const std::int64_t next = has_next ? a.tile_offset(b, j, u0 + kKeyTile) : 0;
       const TB* kt_next = has_next ? k_layer + next : nullptr;
-      const TB* vt_next = has_next ? v_layer + next : nullptr;
+      const TB* vt_next = !has_next    ? nullptr
+                          : v_in_place ? v_rows + a.v_row(b, j, u0 + kKeyTile)
+                                       : v_layer + next;
       if (kQuant && has_next) {  // the next tile's K and V scales (64 floats each)
         for (std::int64_t o = 0; o < kKeyTile * 4; o += 64) {
           hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(kt_next + a.layout.tile_elems()) + o);
@@ -189,7 +214,8 @@ void DecodeUnits(const DecodeArgs& a) {
       const bool fuse_ks = kQuant && !capped && a.var.alibi == nullptr && !partial;
       const VF k_unit = hn::Set(d, 1.0f / kUnit);
       // V's row scales: P_u ← P_u · δ_u in the exp pass (after l takes the unscaled P).
-      const float* vs = reinterpret_cast<const float*>(vt + a.layout.tile_elems());
+      const float* vs =
+          kQuant ? reinterpret_cast<const float*>(vt + a.layout.tile_elems()) : nullptr;
       const VF v_unit = k_unit;
       if (kQuant && !fuse_ks) {
         const VF unit = k_unit;
@@ -282,15 +308,14 @@ void DecodeUnits(const DecodeArgs& a) {
       const std::int64_t last_partial = std::clamp<std::int64_t>(kfull_begin - u0, 0, nt);
       bool v_bad = false;
       if constexpr (!kQuant) {
-        v_bad =
-            NonFiniteIn(vt, 0, last_partial * dh) || NonFiniteIn(vt, first_partial * dh, nt * dh);
+        v_bad = v_nonfinite(vt, 0, last_partial) || v_nonfinite(vt, first_partial, nt);
       }
       // The tall blocking is bound by FMAs, not by the stream (several query rows per key): it
       // takes the whole tile per call, so Õ is loaded and stored once per tile, not per kSub.
       const std::int64_t sub = tall ? kKeyTile : kSub;
       for (std::int64_t k0 = 0; k0 < nt; k0 += sub) {
         const std::int64_t nk = std::min(sub, nt - k0);
-        const TB* vk = vt + k0 * dh;
+        const TB* vk = vt + k0 * vld;
         if (v_bad) {
           for (std::int64_t r = 0; r < nrows; ++r) {
             const std::int64_t seen = a.visible_end(b, t0 + r / g) - u0 - k0;
@@ -298,35 +323,35 @@ void DecodeUnits(const DecodeArgs& a) {
             const std::int64_t lo = std::clamp<std::int64_t>(from, 0, nk);
             const std::int64_t nk_r = std::clamp<std::int64_t>(seen, 0, nk) - lo;
             const float* p_r = st + r * kKeyTile + k0 + lo;
-            const TB* v_r = vk + lo * dh;
+            const TB* v_r = vk + lo * vld;
             float* o_r = acc + r * dh;
             if (nk_r <= 0) {
               x0 = dh_vec;  // nothing visible in this sub-tile (the tail loop checks per key)
               continue;
             }
             for (x0 = 0; x0 < dh_full; x0 += W) {
-              GemmRows<1, kVD>(d, 1, p_r, kKeyTile, 1, v_r + x0, dh, nk_r, o_r + x0, dh, true);
+              GemmRows<1, kVD>(d, 1, p_r, kKeyTile, 1, v_r + x0, vld, nk_r, o_r + x0, dh, true);
             }
             for (; x0 < dh_vec; x0 += N) {
-              GemmRows<1, 1>(d, 1, p_r, kKeyTile, 1, v_r + x0, dh, nk_r, o_r + x0, dh, true);
+              GemmRows<1, 1>(d, 1, p_r, kKeyTile, 1, v_r + x0, vld, nk_r, o_r + x0, dh, true);
             }
           }
           continue;
         }
         if (tall) {
           for (x0 = 0; x0 < dh_tall; x0 += WT) {
-            GemmRows<kRT, kVT>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true,
-                               nullptr, vt_next != nullptr ? vt_next + k0 * dh + x0 : nullptr);
+            GemmRows<kRT, kVT>(d, nrows, st + k0, kKeyTile, 1, vk + x0, vld, nk, acc + x0, dh, true,
+                               nullptr, vt_next != nullptr ? vt_next + k0 * vld + x0 : nullptr);
           }
           for (; x0 < dh_vec; x0 += N)
-            GemmRows<kRT, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
+            GemmRows<kRT, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, vld, nk, acc + x0, dh, true);
         } else {
           for (x0 = 0; x0 < dh_full; x0 += W) {
-            GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true,
-                               nullptr, vt_next != nullptr ? vt_next + k0 * dh + x0 : nullptr);
+            GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, vld, nk, acc + x0, dh, true,
+                               nullptr, vt_next != nullptr ? vt_next + k0 * vld + x0 : nullptr);
           }
           for (; x0 < dh_vec; x0 += N)
-            GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, dh, nk, acc + x0, dh, true);
+            GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, vld, nk, acc + x0, dh, true);
         }
       }
       if (x0 < dh) {
@@ -335,7 +360,7 @@ void DecodeUnits(const DecodeArgs& a) {
                u < std::min(nt, a.visible_end(b, t0 + r / g) - u0); ++u) {
             const float p = st[r * kKeyTile + u];
             for (std::int64_t x = x0; x < dh; ++x)
-              acc[r * dh + x] += p * (load_element(a.dtype, vt, u * dh + x) * kUnit);
+              acc[r * dh + x] += p * (load_element(a.dtype, vt, u * vld + x) * kUnit);
           }
       }
     }

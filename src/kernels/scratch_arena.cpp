@@ -44,7 +44,9 @@ AlignedBytes allocate_bytes(std::int64_t bytes, const CallSite& site, const char
   // Scratch larger than the machine's physical memory can never be used: refuse it here rather
   // than let an overcommitting kernel (vm.overcommit_memory = 1) hand out address space that
   // the kernel's first pass over it would turn into an out-of-memory kill.
-  const double physical = detail::physical_memory_bytes();
+  // (Asked once: sysconf(_SC_PHYS_PAGES) is a system call, and a tiny kernel call allocates
+  // several times; the machine's memory does not change while the process runs.)
+  static const double physical = detail::physical_memory_bytes();
   if (physical > 0 && static_cast<double>(bytes) > physical) {
     throw ResourceError(ErrorCode::out_of_memory,
                         std::string(site.entry) + ": cannot allocate " + std::to_string(bytes) +
@@ -60,6 +62,45 @@ AlignedBytes allocate_bytes(std::int64_t bytes, const CallSite& site, const char
                                                       " (the system refused the allocation)");
   }
   return AlignedBytes(static_cast<std::byte*>(p));
+}
+
+namespace {
+
+// The calling thread's blocks for small arenas (ScratchArena): block i serves the i-th arena
+// alive at once on this thread; it grows to the largest request it has served (at most
+// kPooledScratchBytes) and lives as long as the thread.
+struct ScratchPool {
+  static constexpr int kBlocks = 4;
+  AlignedBytes block[kBlocks];
+  std::int64_t capacity[kBlocks] = {};
+  int used = 0;
+};
+thread_local ScratchPool scratch_pool;
+
+}  // namespace
+
+ScratchArena::ScratchArena(const ScratchLayout& layout, std::int64_t workers, const char* what) {
+  const std::int64_t bytes = scratch_mul(workers, layout.bytes(), layout.site(), what);
+  ScratchPool& pool = scratch_pool;
+  if (bytes <= kPooledScratchBytes && pool.used < ScratchPool::kBlocks) {
+    const int i = pool.used;
+    if (pool.capacity[i] < bytes) {
+      pool.block[i].reset();
+      pool.capacity[i] = 0;
+      pool.block[i] = allocate_bytes(bytes, layout.site(), what);
+      pool.capacity[i] = bytes;
+    }
+    pooled_ = i;
+    pool.used = i + 1;
+    view_ = {pool.block[i].get(), layout.bytes()};
+    return;
+  }
+  memory_ = allocate_bytes(bytes, layout.site(), what);
+  view_ = {memory_.get(), layout.bytes()};
+}
+
+ScratchArena::~ScratchArena() {
+  if (pooled_ >= 0) scratch_pool.used = pooled_;  // the last arena taken is the first released
 }
 
 }  // namespace tokenmix::kernels

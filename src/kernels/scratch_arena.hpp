@@ -87,13 +87,18 @@ struct WorkerScratch {
 };
 
 /// Owns the scratch of one call: `workers` regions of layout.bytes() each, allocated with
-/// allocate_bytes (ResourceError on failure, naming `what`).
+/// allocate_bytes (ResourceError on failure, naming `what`). A small arena (at most
+/// kPooledScratchBytes) reuses a block of the calling thread's pool instead (a few blocks per
+/// thread, kept for the next call and taken in stack order: arenas are locals of a kernel call),
+/// so a tiny call makes no heap allocation. The memory's contents are unspecified either way.
+inline constexpr std::int64_t kPooledScratchBytes = 256 * 1024;
+
 class ScratchArena {
  public:
-  ScratchArena(const ScratchLayout& layout, std::int64_t workers, const char* what)
-      : memory_(allocate_bytes(scratch_mul(workers, layout.bytes(), layout.site(), what),
-                               layout.site(), what)),
-        view_{memory_.get(), layout.bytes()} {}
+  ScratchArena(const ScratchLayout& layout, std::int64_t workers, const char* what);
+  ~ScratchArena();
+  ScratchArena(const ScratchArena&) = delete;
+  ScratchArena& operator=(const ScratchArena&) = delete;
 
   template <class T>
   T* at(Slot<T> slot, int worker) const {
@@ -102,7 +107,8 @@ class ScratchArena {
   const WorkerScratch& view() const { return view_; }
 
  private:
-  AlignedBytes memory_;
+  AlignedBytes memory_;  // a block of its own (large arenas), or empty
+  int pooled_ = -1;      // else the index of the calling thread's pool block it holds
   WorkerScratch view_;
 };
 

@@ -117,11 +117,20 @@ void check_view_extent(const ConstTensorView& v, const char* fn, const char* nam
     }
   }
   // Element count and the largest offset, in bytes, must fit in int64 (so no index overflows).
+  // (The names of the products are built only when one overflows: this runs for every view of
+  // every call, and a tiny call is a few microseconds.)
   std::int64_t count = 1, offset = 0;
   for (int i = 0; i < rank; ++i) {
-    count = checked_mul(count, v.dim(i), fn, (n + " element count").c_str());
+    std::int64_t product = 0;
+    if (__builtin_mul_overflow(count, v.dim(i), &product)) {
+      checked_mul(count, v.dim(i), fn, (n + " element count").c_str());  // throws
+    }
+    count = product;
     if (v.dim(i) > 0) {
-      const std::int64_t step = checked_mul(v.dim(i) - 1, v.stride(i), fn, (n + " extent").c_str());
+      std::int64_t step = 0;
+      if (__builtin_mul_overflow(v.dim(i) - 1, v.stride(i), &step)) {
+        checked_mul(v.dim(i) - 1, v.stride(i), fn, (n + " extent").c_str());  // throws
+      }
       std::int64_t sum = 0;
       if (__builtin_add_overflow(offset, step, &sum)) {
         fail(ErrorCode::overflow, fn,

@@ -387,6 +387,37 @@ TEST_P(FlashKernels, BackwardTinyShapesMatchFloat64Reference) {
   ExpectBackwardIndependentOfThreads({4, 8, 8, 4, 2, 40}, GetParam(), 6);
 }
 
+// The fp32 backward packs Qᵀ, dOᵀ (and D), Kᵀ, Vᵀ and writes dQ, dK, dV back through 4 × 4
+// register transposes (attention_bwd_f32_hwy.cpp, issue 18), with scalar tails for d_h mod 4,
+// rows mod 4 and lane groups that are part padding. Shapes straddling those edges and the
+// one-vector lane blocks (T = 15, 16, 17 on AVX-512; 7, 8, 9 on AVX2): T = 1, 2, odd and
+// even d_h below and above 4, GQA, both passes and the one-pass path, T_q ≠ T_k, and strided
+// views (non-unit d_h stride: the scalar loops), with poisoned gradient buffers (BackwardRun).
+std::vector<SimdCase> packing_edge_cases() {
+  return {
+      {1, 15, 15, 4, 4, 7},
+      {1, 16, 16, 4, 2, 5},
+      {1, 17, 17, 3, 1, 6},
+      {2, 1, 1, 2, 2, 3},
+      {1, 2, 5, 4, 2, 9},
+      {1, 9, 9, 4, 4, 4},
+      {1, 7, 8, 2, 1, 1},
+      {4, 15, 15, 4, 2, 12},  // one pass
+      {3, 17, 17, 6, 3, 3},
+      {2, 16, 9, 8, 4, 13, true, CausalAlign::top_left},
+      {1, 13, 13, 6, 2, 64, true, CausalAlign::bottom_right, Layout::strided},
+      {1, 5, 5, 2, 2, 4, true, CausalAlign::bottom_right, Layout::bhtd},
+      {1, 16, 16, 4, 4, 8, false},
+  };
+}
+
+TEST_P(FlashKernels, BackwardPackingEdgesMatchFloat64Reference) {
+  std::mt19937_64 rng(1819);
+  for (const SimdCase& c : packing_edge_cases()) ExpectBackwardMatchesReference(c, GetParam(), rng);
+  ExpectBackwardIndependentOfThreads({1, 17, 17, 4, 2, 7}, GetParam(), 7);
+  ExpectBackwardIndependentOfThreads({4, 15, 15, 4, 2, 12}, GetParam(), 8);
+}
+
 // The one-vector lane blocks of a tiny problem give bitwise the gradients of the full-width
 // ones: causal top-left with T_q = 8, T_k = 8 (one vector on AVX2 and AVX-512) against T_q = 8,
 // T_k = 24 (wider than a vector; keys 8.. are seen by no row), whose dQ, dK and dV of keys < 8

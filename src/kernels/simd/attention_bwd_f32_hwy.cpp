@@ -64,6 +64,109 @@ constexpr std::int64_t kBlocksPerUnit = 4;  // pass 1: lane blocks sharing each 
 // B·H_kv at which the one-pass backward is used (its units are (b, KV head) pairs).
 constexpr std::int64_t kOnePassMinUnits = 8;
 
+// ---- Packing into and out of the transposed [d_h][M] buffers, 4 × 4 blocks at a time (fp32
+// views with unit d_h stride). A tiny call (a small training step: T ≤ one vector) spent most of
+// its time moving rows into and out of these buffers one element at a time; these helpers load
+// four rows of four floats, transpose them in registers (128-bit vectors: the same code on every
+// target) and store four vectors. Every element gets exactly the arithmetic of the scalar loops
+// they replace (the product scale · x; D the FMA chain over x), so the results are bitwise those
+// of the scalar loops. (Gathers were slower here: the transposed loads are four floats apart.)
+#if HWY_TARGET != HWY_SCALAR  // (one lane: the scalar loops)
+using D4 = hn::FixedTag<float, 4>;
+using V4 = hn::Vec<D4>;
+
+// r_k[l] ← r_l[k] for k, l < 4.
+HWY_INLINE void Transpose4x4(V4& r0, V4& r1, V4& r2, V4& r3) {
+  const D4 d4;
+  const hn::Repartition<std::uint64_t, D4> du;
+  const auto t0 = hn::BitCast(du, hn::InterleaveLower(d4, r0, r1));  // r0[0] r1[0] r0[1] r1[1]
+  const auto t1 = hn::BitCast(du, hn::InterleaveLower(d4, r2, r3));  // r2[0] r3[0] r2[1] r3[1]
+  const auto t2 = hn::BitCast(du, hn::InterleaveUpper(d4, r0, r1));  // r0[2] r1[2] r0[3] r1[3]
+  const auto t3 = hn::BitCast(du, hn::InterleaveUpper(d4, r2, r3));  // r2[2] r3[2] r2[3] r3[3]
+  r0 = hn::BitCast(d4, hn::InterleaveLower(du, t0, t1));
+  r1 = hn::BitCast(d4, hn::InterleaveUpper(du, t0, t1));
+  r2 = hn::BitCast(d4, hn::InterleaveLower(du, t2, t3));
+  r3 = hn::BitCast(d4, hn::InterleaveUpper(du, t2, t3));
+}
+#endif
+
+// Columns lane0 .. lane0 + 3 of a transposed [cols][M] buffer into the rows dst[0..3]:
+// dst[l][x·stride] = factor · src[x·M + lane0 + l] (StoreColumn, work_units.hpp, four at once).
+template <class T>
+HWY_INLINE void StoreColumns4(const float* src, std::int64_t M, std::int64_t lane0,
+                              std::int64_t cols, float factor, T* const dst[4],
+                              std::int64_t stride) {
+  std::int64_t x = 0;
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (std::is_same_v<T, float>) {
+    if (stride == 1) {
+      const D4 d4;
+      const V4 f = hn::Set(d4, factor);
+      for (; x + 4 <= cols; x += 4) {
+        const float* s0 = src + x * M + lane0;
+        V4 r0 = hn::LoadU(d4, s0), r1 = hn::LoadU(d4, s0 + M), r2 = hn::LoadU(d4, s0 + 2 * M),
+           r3 = hn::LoadU(d4, s0 + 3 * M);
+        Transpose4x4(r0, r1, r2, r3);
+        hn::StoreU(hn::Mul(f, r0), d4, dst[0] + x);
+        hn::StoreU(hn::Mul(f, r1), d4, dst[1] + x);
+        hn::StoreU(hn::Mul(f, r2), d4, dst[2] + x);
+        hn::StoreU(hn::Mul(f, r3), d4, dst[3] + x);
+      }
+    }
+  }
+#endif
+  for (std::int64_t l = 0; l < 4; ++l)
+    for (std::int64_t y = x; y < cols; ++y)
+      dst[l][y * stride] = narrow<T>(factor * src[y * M + lane0 + l]);
+}
+
+// StoreColumn of the columns `lane0 + l` into rows row(l) for l < n: four at a time.
+template <class T, class RowFn>
+HWY_INLINE void StoreColumns(const float* src, std::int64_t M, std::int64_t lane0, std::int64_t n,
+                             std::int64_t cols, float factor, std::int64_t stride,
+                             const RowFn& row) {
+  std::int64_t l = 0;
+  for (; l + 4 <= n; l += 4) {
+    T* const dst[4] = {row(l), row(l + 1), row(l + 2), row(l + 3)};
+    StoreColumns4(src, M, lane0 + l, cols, factor, dst, stride);
+  }
+  for (; l < n; ++l) StoreColumn(src, M, lane0 + l, cols, factor, row(l), stride);
+}
+
+// Rows [0, rows) (rows ≤ M) of a strided matrix transposed into dst[col][row] (dst rows M
+// floats long), times `scale` (PackTransposed, work_units.hpp): fp32 rows with unit column
+// stride four rows and four columns at a time. Lanes past `rows` are left as they are.
+template <class T>
+HWY_INLINE void PackTransposedFast(const T* src, std::int64_t ld, std::int64_t cs,
+                                   std::int64_t rows, std::int64_t cols, float scale, float* dst,
+                                   std::int64_t M) {
+  std::int64_t r0 = 0;
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (std::is_same_v<T, float>) {
+    if (cs == 1) {
+      const D4 d4;
+      const V4 f = hn::Set(d4, scale);
+      for (; r0 + 4 <= rows; r0 += 4) {
+        const float* s0 = src + r0 * ld;
+        std::int64_t x = 0;
+        for (; x + 4 <= cols; x += 4) {
+          V4 c0 = hn::LoadU(d4, s0 + x), c1 = hn::LoadU(d4, s0 + ld + x),
+             c2 = hn::LoadU(d4, s0 + 2 * ld + x), c3 = hn::LoadU(d4, s0 + 3 * ld + x);
+          Transpose4x4(c0, c1, c2, c3);
+          hn::StoreU(hn::Mul(f, c0), d4, dst + x * M + r0);
+          hn::StoreU(hn::Mul(f, c1), d4, dst + (x + 1) * M + r0);
+          hn::StoreU(hn::Mul(f, c2), d4, dst + (x + 2) * M + r0);
+          hn::StoreU(hn::Mul(f, c3), d4, dst + (x + 3) * M + r0);
+        }
+        for (std::int64_t r = r0; r < r0 + 4; ++r)
+          for (std::int64_t y = x; y < cols; ++y) dst[y * M + r] = scale * src[r * ld + y];
+      }
+    }
+  }
+#endif
+  if (r0 < rows) PackTransposed(src + r0 * ld, ld, cs, rows - r0, cols, scale, dst + r0, M);
+}
+
 // Pass 1: D and dQ. Mirrors the forward kernel's unit layout (kBlocksPerUnit lane blocks share
 // each packed K/V tile).
 // The activation views of a backward call, re-typed to their element type T (float, bf16_t,
@@ -86,6 +189,140 @@ struct TypedBackward {
         dk(as<T>(a.dk)),
         dv(as<T>(a.dv)) {}
 };
+
+// Runs unit_work(unit) for every unit < units on a team of `team` threads, units shared out
+// dynamically (RunTeam and an orphaned `omp for`). A team of one outside any parallel region
+// runs the units in a plain loop: no region and no loop scheduling calls (a tiny call's
+// units take about a microsecond each; the libgomp calls were a visible part of it).
+// Both run each unit through the one compiled body of RunUnit: inlined into two loops, the
+// compiler could round them differently (contracting a product into an FMA in one and not
+// the other), and results must not depend on the thread count.
+template <class F>
+HWY_NOINLINE void RunUnit(const F& unit_work, std::int64_t unit) {
+  unit_work(unit);
+}
+template <class F>
+void RunUnits(int team, std::int64_t units, const F& unit_work) {
+  if (team <= 1 && omp_get_level() == 0) {
+    for (std::int64_t unit = 0; unit < units; ++unit) RunUnit(unit_work, unit);
+    return;
+  }
+  const auto team_work = [&]() HWY_ATTR {
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t unit = 0; unit < units; ++unit) RunUnit(unit_work, unit);
+  };
+  RunTeam(team, team_work);
+}
+
+// Rows [row0, row0 + rows) of head `head` as an fp32 matrix with row stride `ld`: in place for
+// fp32 rows with unit d_h stride when rows ≤ one vector, else DenseRows (ld = d_h).
+template <class T>
+HWY_INLINE const float* TileRows(const Strided<const T*>& x, std::int64_t b, std::int64_t row0,
+                                 std::int64_t head, std::int64_t rows, std::int64_t dh,
+                                 float* scratch, std::int64_t& ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(hn::ScalableTag<float>()));
+    if (x.s3 == 1 && rows <= N) {
+      ld = x.s1;
+      return x.row(b, row0, head);
+    }
+  }
+  ld = dh;
+  return DenseRows(x, b, row0, head, rows, dh, scratch, VecWiden());
+}
+
+// Qᵀ (times the score scale) and dOᵀ of the lanes of a pass-1 lane block and each lane's
+// D = ⟨dO_t, O_t⟩ (into dsum_lane): for fp32 views with unit d_h stride, four lanes and four
+// columns at a time (transposed in registers); D is one FMA chain over x per lane,
+// Σ fma(dO, O, ·) in the order of x. Padding lanes get Qᵀ = dOᵀ = 0 and a D that is never used.
+// Returns false, having done nothing, for other views (the scalar setup loop serves them).
+template <class T>
+HWY_INLINE bool PackQueryLanesFast(const TypedBackward<T>& args, const QueryUnits& layout,
+                                   const QueryUnits::Block& blk, std::int64_t dh, std::int64_t M,
+                                   float score_scale, float* qt, float* dot, float* dsum_lane) {
+#if HWY_TARGET == HWY_SCALAR
+  (void)args, (void)layout, (void)blk, (void)dh, (void)M, (void)score_scale, (void)qt, (void)dot,
+      (void)dsum_lane;
+  return false;
+#else
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    const auto& [b, j, h0, heads, t0, positions] = blk;
+    if (positions <= 0 || M % 4 != 0 || args.q.s3 != 1 || args.dout.s3 != 1 || args.out.s3 != 1) {
+      return false;
+    }
+    const D4 d4;
+    const V4 scale = hn::Set(d4, score_scale);
+    for (std::int64_t i0 = 0; i0 < M; i0 += 4) {
+      // Lane i0 + l ↦ (head h0 + i / mq, position t0 + i % mq); a padding lane reads the
+      // group's first row (a valid address) and stores zeros.
+      const float *q[4], *g[4], *o[4];
+      HWY_ALIGN float keep[4];
+      std::int64_t first = -1;
+      for (std::int64_t l = 0; l < 4; ++l) {
+        const std::int64_t i = i0 + l, hl = i / layout.mq, tl = i % layout.mq;
+        const bool row = hl < heads && tl < positions;
+        keep[l] = row ? 1.0f : 0.0f;
+        if (row && first < 0) first = l;
+        q[l] = row ? args.q.row(b, t0 + tl, h0 + hl) : nullptr;
+        g[l] = row ? args.dout.row(b, t0 + tl, h0 + hl) : nullptr;
+        o[l] = row ? args.out.row(b, t0 + tl, h0 + hl) : nullptr;
+      }
+      if (first < 0) {  // padding lanes only
+        for (std::int64_t x = 0; x < dh; ++x) {
+          hn::StoreU(hn::Zero(d4), d4, qt + x * M + i0);
+          hn::StoreU(hn::Zero(d4), d4, dot + x * M + i0);
+        }
+        hn::StoreU(hn::Zero(d4), d4, dsum_lane + i0);
+        continue;
+      }
+      for (std::int64_t l = 0; l < 4; ++l) {
+        if (q[l] == nullptr) q[l] = q[first], g[l] = g[first], o[l] = o[first];
+      }
+      const auto lanes = hn::Ne(hn::Load(d4, keep), hn::Zero(d4));
+      V4 dsum = hn::Zero(d4);
+      std::int64_t x = 0;
+      for (; x + 4 <= dh; x += 4) {
+        V4 q0 = hn::LoadU(d4, q[0] + x), q1 = hn::LoadU(d4, q[1] + x), q2 = hn::LoadU(d4, q[2] + x),
+           q3 = hn::LoadU(d4, q[3] + x);
+        V4 g0 = hn::LoadU(d4, g[0] + x), g1 = hn::LoadU(d4, g[1] + x), g2 = hn::LoadU(d4, g[2] + x),
+           g3 = hn::LoadU(d4, g[3] + x);
+        V4 o0 = hn::LoadU(d4, o[0] + x), o1 = hn::LoadU(d4, o[1] + x), o2 = hn::LoadU(d4, o[2] + x),
+           o3 = hn::LoadU(d4, o[3] + x);
+        Transpose4x4(q0, q1, q2, q3);  // q_k: column x + k of the four lanes
+        Transpose4x4(g0, g1, g2, g3);
+        Transpose4x4(o0, o1, o2, o3);
+        float* qx = qt + x * M + i0;
+        float* gx = dot + x * M + i0;
+        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, q0)), d4, qx);
+        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, q1)), d4, qx + M);
+        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, q2)), d4, qx + 2 * M);
+        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, q3)), d4, qx + 3 * M);
+        hn::StoreU(hn::IfThenElseZero(lanes, g0), d4, gx);
+        hn::StoreU(hn::IfThenElseZero(lanes, g1), d4, gx + M);
+        hn::StoreU(hn::IfThenElseZero(lanes, g2), d4, gx + 2 * M);
+        hn::StoreU(hn::IfThenElseZero(lanes, g3), d4, gx + 3 * M);
+        dsum = hn::MulAdd(g0, o0, dsum);
+        dsum = hn::MulAdd(g1, o1, dsum);
+        dsum = hn::MulAdd(g2, o2, dsum);
+        dsum = hn::MulAdd(g3, o3, dsum);
+      }
+      for (; x < dh; ++x) {  // the last d_h mod 4 columns, one at a time
+        HWY_ALIGN float qc[4], gc[4], oc[4];
+        for (std::int64_t l = 0; l < 4; ++l) qc[l] = q[l][x], gc[l] = g[l][x], oc[l] = o[l][x];
+        const V4 gv = hn::Load(d4, gc);
+        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, hn::Load(d4, qc))), d4,
+                   qt + x * M + i0);
+        hn::StoreU(hn::IfThenElseZero(lanes, gv), d4, dot + x * M + i0);
+        dsum = hn::MulAdd(gv, hn::Load(d4, oc), dsum);
+      }
+      hn::StoreU(dsum, d4, dsum_lane + i0);
+    }
+    return true;
+  }
+#endif
+}
 
 template <class T, int VN>
 void BackwardQueries(const BackwardArgs& bwd, float* delta) {
@@ -132,9 +369,8 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
   const auto k_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "K tile"));
   const auto v_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "V tile"));
   const ScratchArena scratch(scratch_layout, team, "the per-worker scratch of pass 1 (dQ)");
-  const auto team_work = [&]() HWY_ATTR {
-#pragma omp for schedule(dynamic, 1)
-    for (std::int64_t unit = 0; unit < units; ++unit) {
+  const auto unit_work = [&](std::int64_t unit) HWY_ATTR {
+    {
       const int worker = omp_get_thread_num();
       float* st = scratch.at(st_slot, worker);          // Sᵀ → Pᵀ → dSᵀ [kKeyTile][M]
       float* dpt = scratch.at(dpt_slot, worker);        // dPᵀ [kKeyTile][M]
@@ -175,7 +411,10 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
           bs.key_begin = 0;
           continue;
         }
-        if (heads * layout.mq < M || positions < layout.mq) {  // padding lanes: Qᵀ, dOᵀ = 0
+        HWY_ALIGN float dsum_lane[kV * hn::MaxLanes(hn::ScalableTag<float>())];
+        const bool packed =
+            PackQueryLanesFast(args, layout, bs.blk, dh, M, score_scale, bs.qt, bs.dot, dsum_lane);
+        if (!packed && (heads * layout.mq < M || positions < layout.mq)) {  // padding: Qᵀ, dOᵀ = 0
           std::fill(bs.qt, bs.qt + dh * M, 0.0f);    // (contiguous, not lane by lane: a tiny
           std::fill(bs.dot, bs.dot + dh * M, 0.0f);  // call is mostly padding lanes)
         }
@@ -201,10 +440,14 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
             const T* dout = args.dout.row(b, t, h);
             const T* o = args.out.row(b, t, h);
             float dsum = 0.0f;  // D_t = ⟨dO_t, O_t⟩
-            for (std::int64_t x = 0; x < dh; ++x) {
-              bs.qt[x * M + i] = score_scale * widen(q[x * args.q.s3]);
-              bs.dot[x * M + i] = widen(dout[x * args.dout.s3]);
-              dsum += widen(dout[x * args.dout.s3]) * widen(o[x * args.out.s3]);
+            if (packed) {
+              dsum = dsum_lane[i];
+            } else {
+              for (std::int64_t x = 0; x < dh; ++x) {
+                bs.qt[x * M + i] = score_scale * widen(q[x * args.q.s3]);
+                bs.dot[x * M + i] = widen(dout[x * args.dout.s3]);
+                dsum += widen(dout[x * args.dout.s3]) * widen(o[x * args.out.s3]);
+              }
             }
             delta[(b * p.hq + h) * p.tq + t] = e ? dsum : 0.0f;
             bs.delta_lane[i] = dsum;
@@ -232,19 +475,21 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
 
       for (std::int64_t u0 = unit_key_begin; u0 < unit_key_end; u0 += kKeyTile) {
         const std::int64_t tile = std::min(kKeyTile, unit_key_end - u0);
-        const float* k_rows =
-            DenseRows(args.k, b, u0, j, tile, dh, k_tile, VecWiden());  // [tile][dh]
-        const float* v_rows =
-            DenseRows(args.v, b, u0, j, tile, dh, v_tile, VecWiden());  // [tile][dh]
+        // K and V rows [tile][dh], row strides ldk, ldv: a tile of at most one vector of keys
+        // (a tiny call's only tile) is read in place where it can be (a dense copy of a few rows
+        // saves no page or cache set; DenseRows), else packed dense.
+        std::int64_t ldk = dh, ldv = dh;
+        const float* k_rows = TileRows(args.k, b, u0, j, tile, dh, k_tile, ldk);
+        const float* v_rows = TileRows(args.v, b, u0, j, tile, dh, v_tile, ldv);
         for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
           BlockState& bs = blocks[lb];
           if (u0 >= bs.key_end || u0 + tile <= bs.key_begin) continue;  // no lane sees the tile
           const std::int64_t ua = std::max(u0, bs.key_begin) - u0;  // the block's keys k0 + [0, nt)
           const std::int64_t k0 = u0 + ua, nt = std::min(tile, bs.key_end - u0) - ua;
-          const float* k_blk = k_rows + ua * dh;
-          GemmRows<kR, VN>(d, nt, k_blk, dh, 1, bs.qt, M, dh, st, M,
+          const float* k_blk = k_rows + ua * ldk;
+          GemmRows<kR, VN>(d, nt, k_blk, ldk, 1, bs.qt, M, dh, st, M,
                            false);  // Sᵀ = K (scale·Q)ᵀ   (4.2)
-          GemmRows<kR, VN>(d, nt, v_rows + ua * dh, dh, 1, bs.dot, M, dh, dpt, M,
+          GemmRows<kR, VN>(d, nt, v_rows + ua * ldv, ldv, 1, bs.dot, M, dh, dpt, M,
                            false);  // dPᵀ = V dOᵀ
           if (elementwise) {        // the forward's S: cap, ALiBi, general mask
             const auto is_row = [&](std::int64_t i) {
@@ -288,20 +533,26 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
           const PartialKeys part = keep != nullptr
                                        ? PartialKeys{0, nt}
                                        : PartialRange(bs.full_begin - k0, bs.full_end - k0, nt);
-          GemmRowsMaskedIfNonFinite<VN>(d, dh, k_blk, 1, dh, st, M, nt, bs.dqt, M, true, nullptr,
+          GemmRowsMaskedIfNonFinite<VN>(d, dh, k_blk, 1, ldk, st, M, nt, bs.dqt, M, true, nullptr,
                                         part.lo, part.hi, lane_sees);
         }
       }
 
       for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {  // dQ = scale · (dQᵀ)ᵀ
         const BlockState& bs = blocks[lb];
-        ForEachRow(layout, bs.blk, [&](std::int64_t i, std::int64_t h, std::int64_t t) HWY_ATTR {
-          StoreColumn(bs.dqt, M, i, dh, p.scale, args.dq.row(bs.blk.b, t, h), args.dq.s3);
-        });
+        // Lane i holds row (h0 + i / mq, t0 + i % mq) for i % mq < positions: per head, the
+        // lanes [hl · mq, hl · mq + positions), four at a time.
+        const auto& blk = bs.blk;
+        for (std::int64_t hl = 0; hl < blk.heads && blk.positions > 0; ++hl) {
+          StoreColumns<T>(bs.dqt, M, hl * layout.mq, std::min(layout.mq, blk.positions), dh,
+                          p.scale, args.dq.s3, [&](std::int64_t l) {
+                            return args.dq.row(blk.b, blk.t0 + l, blk.h0 + hl);
+                          });
+        }
       }
     }
   };
-  RunTeam(team, team_work);
+  RunUnits(team, units, unit_work);
 }
 
 // Pass 2: dK and dV, keys in lanes — and, in one-pass mode, dQ and D as well.
@@ -355,9 +606,8 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
                                       : "the per-worker scratch of pass 2 (dK, dV)");
   const std::int64_t shift = p.align == CausalAlign::bottom_right ? p.tk - p.tq : 0;
 
-  const auto team_work = [&]() HWY_ATTR {
-#pragma omp for schedule(dynamic, 1)
-    for (std::int64_t unit = 0; unit < units; ++unit) {
+  const auto unit_work = [&](std::int64_t unit) HWY_ATTR {
+    {
       // Two-pass: unit = (key block, j, b), early key blocks (most work) first; one-pass: (j, b).
       const auto [kb_unit, j, b] = Unravel(unit, kOnePass ? 1 : kblocks, p.hkv);
       const std::int64_t kb_first = kOnePass ? 0 : kb_unit;
@@ -397,8 +647,9 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
       for (std::int64_t kb = kb_first; kb < kb_end; ++kb) {
         const std::int64_t u0 = kb * M, keys = std::min(M, p.tk - u0);
         std::fill(kt, kt + 4 * dh * M, 0.0f);  // zero padding lanes (keys ≥ T_k) and accumulators
-        PackTransposed(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, score_scale, kt, M);
-        PackTransposed(args.v.row(b, u0, j), args.v.s1, args.v.s3, keys, dh, 1.0f, vt, M);
+        PackTransposedFast(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, score_scale, kt,
+                           M);
+        PackTransposedFast(args.v.row(b, u0, j), args.v.s1, args.v.s3, keys, dh, 1.0f, vt, M);
         if constexpr (kOnePass) {
           PackRows(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, k_nat, VecWiden());
           std::fill(k_nat + keys * dh, k_nat + M * dh, 0.0f);
@@ -524,24 +775,25 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
             }
           }
         }
-        for (std::int64_t u = 0; u < keys; ++u) {  // dK = scale · (dKᵀ)ᵀ, dV = (dVᵀ)ᵀ
-          StoreColumn(dkt, M, u, dh, p.scale, args.dk.row(b, u0 + u, j), args.dk.s3);
-          StoreColumn(dvt, M, u, dh, 1.0f, args.dv.row(b, u0 + u, j), args.dv.s3);
-        }
+        // dK = scale · (dKᵀ)ᵀ, dV = (dVᵀ)ᵀ
+        StoreColumns<T>(dkt, M, 0, keys, dh, p.scale, args.dk.s3,
+                        [&](std::int64_t u) { return args.dk.row(b, u0 + u, j); });
+        StoreColumns<T>(dvt, M, 0, keys, dh, 1.0f, args.dv.s3,
+                        [&](std::int64_t u) { return args.dv.row(b, u0 + u, j); });
       }
 
       if constexpr (kOnePass) {  // dQ = scale · (dQᵀ)ᵀ
         for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {
           const float* src = dqt + (h - j * g) * tq_pad * dh;
-          for (std::int64_t t = 0; t < p.tq; ++t) {  // lane t % M of lane block t / M: [dh][M]
-            StoreColumn(src + (t / M) * M * dh, M, t % M, dh, p.scale, args.dq.row(b, t, h),
-                        args.dq.s3);
+          for (std::int64_t t0 = 0; t0 < p.tq; t0 += M) {  // lane t % M of lane block t / M
+            StoreColumns<T>(src + t0 * dh, M, 0, std::min(M, p.tq - t0), dh, p.scale, args.dq.s3,
+                            [&](std::int64_t l) { return args.dq.row(b, t0 + l, h); });
           }
         }
       }
     }
   };
-  RunTeam(team, team_work);
+  RunUnits(team, units, unit_work);
 }
 
 template <class T, int VN>

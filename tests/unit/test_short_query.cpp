@@ -480,8 +480,8 @@ TEST(ShortQueryPath, VInPlaceRefusesQuantizedRingAndStridedFeatures) {
     }
     return false;
   };
-  kernels::DecodeArgs a;
-  a.dh = 4;
+  kernels::DecodeArgs a;  // a valid problem: the kernels below compute its units first
+  a.batch = 1, a.tnew = 1, a.hq = 1, a.hkv = 1, a.dh = 4;
   for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
     a.dtype = dt;
     EXPECT_FALSE(refused(a, contiguous)) << to_string(dt);

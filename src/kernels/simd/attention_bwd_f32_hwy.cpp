@@ -609,7 +609,11 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
   const auto unit_work = [&](std::int64_t unit) HWY_ATTR {
     {
       // Two-pass: unit = (key block, j, b), early key blocks (most work) first; one-pass: (j, b).
-      const auto [kb_unit, j, b] = Unravel(unit, kOnePass ? 1 : kblocks, p.hkv);
+      // (Copies, not structured bindings: the lambdas below capture them, which C++20 allows
+      // only from clang 16 on.)
+      const auto unit_index = Unravel(unit, kOnePass ? 1 : kblocks, p.hkv);
+      const std::int64_t kb_unit = std::get<0>(unit_index), j = std::get<1>(unit_index),
+                         b = std::get<2>(unit_index);
       const std::int64_t kb_first = kOnePass ? 0 : kb_unit;
       const std::int64_t kb_end = kOnePass ? kblocks : kb_first + 1;
 

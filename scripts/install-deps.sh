@@ -20,6 +20,8 @@ packages=(
   libbenchmark-dev    # Google Benchmark (benchmarks)
   libhwy-dev          # Highway: the AVX2/AVX-512 flash, backward and decode kernels
   libdnnl-dev         # oneDNN: the bf16 GEMM ceiling of `tokenmix bench --dtype bf16`
+  ocl-icd-opencl-dev  # libOpenCL.so + CL headers: Debian's dnnl-config.cmake find_package()s
+                      # OpenCL and fails the configure without it (libdnnl-dev lacks the dep)
   git
   python3             # the Python package (python/) and helper scripts
   python3-venv        # the persistent virtual environment of python/run-tests.sh

@@ -70,6 +70,23 @@ constexpr int kRT = kRD, kVT = kVD;
 #endif
 
 constexpr std::int64_t kSub = 16;  // keys per V sub-tile in the P·V product
+
+// How the next tile pair of a unit's stream is prefetched while the current one is computed on.
+// Same position (false): with each B row the microkernel reads, the same row of the next tile, so
+// the prefetches follow the products' order. Linear (true): the next K tile and V tile as one
+// byte range, front to back, at the pace the first row block reads B (PrefetchCursor). Where a
+// column block is narrower than a tile row (AVX2: 16 or 32 of 64 keys, and of d_h) the products
+// visit a tile in row-strided column passes, and prefetches in that order keep the DRAM stream
+// short of what a core can read: in a model of the T_new = 1 step (bf16, g = 4: each 32 B widened
+// and fed to 8 FMAs) one AMD Zen 3 core streamed 10.7–11.4 GB/s prefetching in the products'
+// order and 17.6–17.9 in address order (19.3 reading linearly). The kernel: T_new = 1 from
+// 14.8 to 10.8 ms (bf16) and 33.6 to 21.3 ms (f32), 1 thread, T_k = 32768 (docs/performance.md,
+// 2026-12-01). AVX-512's 64-lane blocks read K rows whole: unchanged there (not re-measured).
+#if HWY_TARGET == HWY_AVX2
+constexpr bool kLinearPrefetch = true;
+#else
+constexpr bool kLinearPrefetch = false;
+#endif
 // The S tile is computed in column blocks of kVD vectors: they must tile the cache's key tile.
 static_assert(kDecodeKeyTile % (kVD * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
 static_assert(kDecodeKeyTile % (kVT * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
@@ -174,14 +191,27 @@ void DecodeUnits(const DecodeArgs& a) {
       // row while they compute on this one, so a unit's one forward stream is read ahead.
       const bool has_next = u0 + kKeyTile < k1;
       const std::int64_t next = has_next ? a.tile_offset(b, j, u0 + kKeyTile) : 0;
-      const TB* kt_next = has_next ? k_layer + next : nullptr;
-      const TB* vt_next = !has_next    ? nullptr
-                          : v_in_place ? v_rows + a.v_row(b, j, u0 + kKeyTile)
-                                       : v_layer + next;
+      // kLinearPrefetch (V tiles in the cache, not rows in place): the whole next pair through the
+      // cursor (the pf pointers are then null). Not for int8 / fp8: their widening makes a step
+      // compute-bound, and the cursor's bookkeeping measured 3–7 % slower there (Zen 3).
+      const bool linear = kLinearPrefetch && !kQuant && !v_in_place;
+      PrefetchCursor cursor;
+      if (linear && has_next) {
+        cursor.next = reinterpret_cast<const std::uint8_t*>(k_layer + next);
+        cursor.end = cursor.next + 2 * a.layout.tile_span() * static_cast<std::int64_t>(sizeof(TB));
+      }
+      PrefetchCursor* const cur = linear && has_next ? &cursor : nullptr;
+      const TB* kt_next = has_next && !linear ? k_layer + next : nullptr;
+      const TB* vt_next = !has_next || linear ? nullptr
+                          : v_in_place        ? v_rows + a.v_row(b, j, u0 + kKeyTile)
+                                              : v_layer + next;
       if (kQuant && has_next) {  // the next tile's K and V scales (64 floats each)
         for (std::int64_t o = 0; o < kKeyTile * 4; o += 64) {
-          hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(kt_next + a.layout.tile_elems()) + o);
-          hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(vt_next + a.layout.tile_elems()) + o);
+          const TB* k_next = k_layer + next;
+          hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(k_next + a.layout.tile_elems()) + o);
+          hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(k_next + a.layout.tile_span() +
+                                                              a.layout.tile_elems()) +
+                        o);
         }
       }
 
@@ -194,14 +224,14 @@ void DecodeUnits(const DecodeArgs& a) {
       if (tall) {
         for (; c0 + WT <= nv; c0 += WT) {
           GemmRows<kRT, kVT>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false,
-                             nullptr, kt_next != nullptr ? kt_next + c0 : nullptr);
+                             nullptr, kt_next != nullptr ? kt_next + c0 : nullptr, cur);
         }
         for (; c0 < nv; c0 += N)
           GemmRows<kRT, 1>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false);
       } else {
         for (; c0 + W <= nv; c0 += W) {
           GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false,
-                             nullptr, kt_next != nullptr ? kt_next + c0 : nullptr);
+                             nullptr, kt_next != nullptr ? kt_next + c0 : nullptr, cur);
         }
         for (; c0 < nv; c0 += N)
           GemmRows<kRD, 1>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false);
@@ -341,14 +371,16 @@ void DecodeUnits(const DecodeArgs& a) {
         if (tall) {
           for (x0 = 0; x0 < dh_tall; x0 += WT) {
             GemmRows<kRT, kVT>(d, nrows, st + k0, kKeyTile, 1, vk + x0, vld, nk, acc + x0, dh, true,
-                               nullptr, vt_next != nullptr ? vt_next + k0 * vld + x0 : nullptr);
+                               nullptr, vt_next != nullptr ? vt_next + k0 * vld + x0 : nullptr,
+                               cur);
           }
           for (; x0 < dh_vec; x0 += N)
             GemmRows<kRT, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, vld, nk, acc + x0, dh, true);
         } else {
           for (x0 = 0; x0 < dh_full; x0 += W) {
             GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, vld, nk, acc + x0, dh, true,
-                               nullptr, vt_next != nullptr ? vt_next + k0 * vld + x0 : nullptr);
+                               nullptr, vt_next != nullptr ? vt_next + k0 * vld + x0 : nullptr,
+                               cur);
           }
           for (; x0 < dh_vec; x0 += N)
             GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, vld, nk, acc + x0, dh, true);

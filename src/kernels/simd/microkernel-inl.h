@@ -29,6 +29,14 @@ HWY_BEFORE_NAMESPACE();
 namespace tokenmix::kernels::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
+// A byte range prefetched front to back, a cache line at a time, while a microkernel computes
+// (decode: the next K/V tile pair, in address order whatever order the products read the current
+// one; see attention_decode_hwy.cpp, kLinearPrefetch). next advances past what was prefetched.
+struct PrefetchCursor {
+  const std::uint8_t* next = nullptr;
+  const std::uint8_t* end = nullptr;
+};
+
 // Register blocking per target: kR rows × kV vectors of accumulators.
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
 constexpr int kR = 6, kV = 4;  // 24 of 32 zmm registers: M = 64 lanes
@@ -129,7 +137,8 @@ template <int R, int VN = kV, class TB = float, class D>
 HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row, std::int64_t a_k,
                             const TB* HWY_RESTRICT b, std::int64_t ldb, std::int64_t K,
                             float* HWY_RESTRICT c, std::int64_t ldc, bool accumulate,
-                            const float* HWY_RESTRICT c_scale, const TB* pf = nullptr) {
+                            const float* HWY_RESTRICT c_scale, const TB* pf = nullptr,
+                            PrefetchCursor* cursor = nullptr) {
   using V = hn::Vec<D>;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   V acc[R][VN];
@@ -145,10 +154,19 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
   // Bytes of B read per k, in whole cache lines (the prefetch below covers them all).
   constexpr std::int64_t kLine = 64;
   const std::int64_t row_bytes = VN * N * static_cast<std::int64_t>(sizeof(TB));
+  // With a cursor: row_bytes of its range per k on average, the pace at which this block reads B
+  // (a line every cur_every k when a B row is shorter than a line).
+  const std::int64_t cur_every = row_bytes >= kLine ? 1 : kLine / row_bytes;  // k per line
+  const std::int64_t cur_lines = row_bytes >= kLine ? row_bytes / kLine : 1;  // lines per k
+  const std::uint8_t* cur = cursor != nullptr ? cursor->next : nullptr;
+  const std::uint8_t* const cur_end = cursor != nullptr ? cursor->end : nullptr;
   for (std::int64_t k = 0; k < K; ++k) {
     if (pf != nullptr) {  // the same B row of the next tile (decode's stream), a tile ahead
       const auto* line = reinterpret_cast<const std::uint8_t*>(pf + k * ldb);
       for (std::int64_t o = 0; o < row_bytes; o += kLine) hwy::Prefetch(line + o);
+    }
+    if (cur < cur_end && k % cur_every == 0) {
+      for (std::int64_t i = 0; i < cur_lines; ++i, cur += kLine) hwy::Prefetch(cur);
     }
     V bv[VN];
     LoadBRow<VN>(d, b + k * ldb, bv);
@@ -157,6 +175,7 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
       for (int v = 0; v < VN; ++v) acc[r][v] = hn::MulAdd(ar, bv[v], acc[r][v]);
     }
   }
+  if (cursor != nullptr) cursor->next = cur;
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < VN; ++v) hn::StoreU(acc[r][v], d, c + r * ldc + v * N);
 }
@@ -167,22 +186,24 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
 // fused into the load of C). With pf, the first block's k loop also prefetches the B rows at
 // pf (same ldb, same width): the decode kernel passes the next tile of its stream, so the
 // memory reads overlap this tile's FMAs (the later blocks re-read B from cache: no prefetch).
+// With cursor, the first block's k loop instead prefetches the cursor's range in address order,
+// row_bytes of it per k (as fast as the block reads B), and advances it.
 template <int R = kR, int VN = kV, bool kTop = true, class TB = float, class D>
 HWY_INLINE void GemmRows(D d, std::int64_t rows, const float* a, std::int64_t a_row,
                          std::int64_t a_k, const TB* b, std::int64_t ldb, std::int64_t K, float* c,
                          std::int64_t ldc, bool accumulate, const float* c_scale = nullptr,
-                         const TB* pf = nullptr) {
+                         const TB* pf = nullptr, PrefetchCursor* cursor = nullptr) {
   if constexpr (kTop) {
-    for (; rows >= R; rows -= R, a += R * a_row, c += R * ldc, pf = nullptr) {
-      MicroKernel<R, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale, pf);
+    for (; rows >= R; rows -= R, a += R * a_row, c += R * ldc, pf = nullptr, cursor = nullptr) {
+      MicroKernel<R, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale, pf, cursor);
     }
   }
   if constexpr (R > 1) {
     if (rows == R - 1) {
-      MicroKernel<R - 1, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale, pf);
+      MicroKernel<R - 1, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale, pf, cursor);
     } else {
-      GemmRows<R - 1, VN, false>(d, rows, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale,
-                                 pf);
+      GemmRows<R - 1, VN, false>(d, rows, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale, pf,
+                                 cursor);
     }
   }
 }

@@ -3,6 +3,8 @@ same-run GEMM ceiling and a speedup per case, and the two sides agree on the for
 
 import re
 
+import torch
+
 from tokenmix import bench
 
 
@@ -28,7 +30,9 @@ def test_bench_reduced_precision_side_by_side(capsys):
                            "--head-dim", "16", "--threads", "1", "--dtype", dtype]) == 0
         out = capsys.readouterr().out
         assert f"causal, {name}, layout" in out
-        ceiling = re.search(rf"{dtype} GEMM ceiling \(torch\.mm {dtype} 2048\^3, 1 thread\(s\), "
+        # 2048^3, or smaller where that GEMM would take over 0.25 s (no bf16/f16 GEMM hardware)
+        ceiling = re.search(rf"{dtype} GEMM ceiling \(torch\.mm {dtype} (?:2048|1024|512)\^3, "
+                            r"1 thread\(s\), "
                             r"best of 10\): ([0-9.]+) GFLOP/s", out)
         assert ceiling and float(ceiling.group(1)) > 0.0
         cases = re.findall(r"T=\s*(\d+) (fwd\+bwd|fwd)\s.*speedup ([0-9.]+)x.*"
@@ -37,6 +41,16 @@ def test_bench_reduced_precision_side_by_side(capsys):
         for _, _, speedup, diff in cases:
             assert float(speedup) > 0.0
             assert float(diff) < bound, (dtype, diff)
+
+
+def test_gemm_ceiling_torch_size_fits_the_budget():
+    """The reduced-precision ceiling's GEMM size: 2048 when the budget allows it, otherwise the
+    largest power of two >= the probe size whose predicted time fits (never below the probe)."""
+    assert bench.gemm_ceiling_torch_size(torch.bfloat16, budget_s=1e9) == 2048
+    assert bench.gemm_ceiling_torch_size(torch.bfloat16, budget_s=0.0) == 512
+    assert bench.gemm_ceiling_torch_size(torch.float16, probe=256, budget_s=0.0) == 256
+    size = bench.gemm_ceiling_torch_size(torch.bfloat16)
+    assert size in (512, 1024, 2048)
 
 
 def test_bench_variants_passthrough(capsys):

@@ -33,10 +33,11 @@ own ``torch.mm`` is not used: on the AMD machine of docs/performance.md it moved
 173 GFLOP/s within one run, OpenBLAS between 193 and 204.) With ``--dtype bf16`` / ``f16`` the
 ceiling is a GEMM in that dtype instead: ``torch.mm`` on 2048 x 2048 bfloat16 / float16
 matrices (oneDNN where PyTorch's CPU build uses it for the dtype), same threads, best of 10; its
-line names it. Where one such GEMM would take over 0.25 s (a CPU without bf16/f16 GEMM hardware,
-where PyTorch runs a scalar loop) the size halves until it fits, down to 512, and the line says
-so: the ceiling stays a measurement of this CPU, in seconds, not minutes. The forward agreement ``max|diff|`` is between the two sides' outputs in the
-dtype, so at bfloat16 it is of the order of the dtype's rounding (2^-8 relative), not 1e-6.
+line names it. Where one such GEMM would take over ``CEILING_GEMM_BUDGET_S`` (a CPU without
+bf16/f16 GEMM hardware, where PyTorch runs a scalar loop) the size halves until it fits, down to
+512, and the line says so: the ceiling stays a measurement of this CPU, in seconds, not minutes.
+The forward agreement ``max|diff|`` is between the two sides' outputs in the dtype, so at
+bfloat16 it is of the order of the dtype's rounding (2^-8 relative), not 1e-6.
 
 ``--decode`` benchmarks one-token decode instead (:func:`decode_main`): for each T_k of
 ``--cache-tokens`` one tokenmix.KVCache per dtype of ``--cache-dtype`` (default all five: f32,
@@ -186,8 +187,11 @@ def gemm_ceiling_gflops(threads: int, repeats: int = 10, n: int = 2048) -> float
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
+CEILING_GEMM_BUDGET_S = 0.25  # seconds one reduced-precision ceiling GEMM may take
+
+
 def gemm_ceiling_torch_size(dtype: torch.dtype, n: int = 2048, probe: int = 512,
-                            budget_s: float = 0.25) -> int:
+                            budget_s: float = CEILING_GEMM_BUDGET_S) -> int:
     """The GEMM size of the reduced-precision ceiling: ``n``, unless a ``probe``³ ``torch.mm`` in
     ``dtype`` predicts more than ``budget_s`` seconds for one n³ GEMM; then the largest power of
     two ≥ ``probe`` within it. A CPU without bf16/f16 GEMM hardware (AVX2-only: PyTorch's scalar
@@ -758,7 +762,8 @@ def main(argv: List[str] | None = None) -> int:
         ceiling = gemm_ceiling_torch_gflops(DTYPES[args.dtype], n=size)
         print(f"{args.dtype} GEMM ceiling (torch.mm {args.dtype} {size}^3, {threads} thread(s), "
               f"best of 10): {ceiling:.1f} GFLOP/s" +
-              ("" if size == 2048 else " (2048^3 would take over 0.25 s per GEMM on this CPU)"))
+              ("" if size == 2048 else
+               f" (2048^3 would take over {CEILING_GEMM_BUDGET_S} s per GEMM on this CPU)"))
     sys.stdout.flush()
 
     rows = []

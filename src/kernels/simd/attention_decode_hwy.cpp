@@ -205,13 +205,10 @@ void DecodeUnits(const DecodeArgs& a) {
       const TB* vt_next = !has_next || linear ? nullptr
                           : v_in_place        ? v_rows + a.v_row(b, j, u0 + kKeyTile)
                                               : v_layer + next;
-      if (kQuant && has_next) {  // the next tile's K and V scales (64 floats each)
+      if (kQuant && has_next) {  // the next tile's K and V scales (64 floats each; never linear)
         for (std::int64_t o = 0; o < kKeyTile * 4; o += 64) {
-          const TB* k_next = k_layer + next;
-          hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(k_next + a.layout.tile_elems()) + o);
-          hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(k_next + a.layout.tile_span() +
-                                                              a.layout.tile_elems()) +
-                        o);
+          hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(kt_next + a.layout.tile_elems()) + o);
+          hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(vt_next + a.layout.tile_elems()) + o);
         }
       }
 

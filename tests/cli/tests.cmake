@@ -299,20 +299,24 @@ tokenmix_cli_error(error_write_fails_cleans_up "cannot create"
 # directories at the same time under ctest -j.)
 # A pre-existing output is left as it was when a later output cannot be written (no temporary
 # file is left behind either).
-set(_cli_prev ${_cli_a}/prev_o.npy)
+# Each test has its own pre-existing output: under ctest -j a shared one is rewritten by one
+# test's COPY while another hashes it.
 tokenmix_cli_error(error_failed_run_keeps_existing_output "--lse .*cannot create"
-                   ARGS run ${_cli_qkv_a} --out ${_cli_prev} --lse ${TOKENMIX_CLI_DIR}/no_such_dir/lse.npy
-                   COPY ${_cli_a}/do.npy ${_cli_prev} UNCHANGED ${_cli_prev}
-                   NO_GLOB ${_cli_a}/.prev_o.npy.tokenmix-* ${TOKENMIX_CLI_DIR}/.lse.npy.tokenmix-*)
+                   ARGS run ${_cli_qkv_a} --out ${_cli_a}/prev_run.npy
+                        --lse ${TOKENMIX_CLI_DIR}/no_such_dir/lse_run.npy
+                   COPY ${_cli_a}/do.npy ${_cli_a}/prev_run.npy UNCHANGED ${_cli_a}/prev_run.npy
+                   NO_GLOB ${_cli_a}/.prev_run.npy.tokenmix-* ${TOKENMIX_CLI_DIR}/.lse_run.npy.tokenmix-*)
 tokenmix_cli_error(error_failed_input_keeps_existing_output "missing.npy.*No such file"
-                   ARGS run --q ${_cli_a}/missing.npy --k ${_cli_a}/k.npy --v ${_cli_a}/v.npy --out ${_cli_prev}
-                   COPY ${_cli_a}/do.npy ${_cli_prev} UNCHANGED ${_cli_prev})
+                   ARGS run --q ${_cli_a}/missing.npy --k ${_cli_a}/k.npy --v ${_cli_a}/v.npy
+                        --out ${_cli_a}/prev_input.npy
+                   COPY ${_cli_a}/do.npy ${_cli_a}/prev_input.npy UNCHANGED ${_cli_a}/prev_input.npy
+                   NO_GLOB ${_cli_a}/.prev_input.npy.tokenmix-*)
 # An output that is a directory is refused before anything is written (so --out, renamed
 # first, is not replaced either).
 tokenmix_cli_error(error_output_is_directory "--lse .*is a directory"
-                   ARGS run ${_cli_qkv_a} --out ${_cli_prev} --lse ${_cli_b}
-                   COPY ${_cli_a}/do.npy ${_cli_prev} UNCHANGED ${_cli_prev}
-                   NO_GLOB ${_cli_a}/.prev_o.npy.tokenmix-* ${TOKENMIX_CLI_DIR}/.lse.npy.tokenmix-*)
+                   ARGS run ${_cli_qkv_a} --out ${_cli_a}/prev_dir.npy --lse ${_cli_b}
+                   COPY ${_cli_a}/do.npy ${_cli_a}/prev_dir.npy UNCHANGED ${_cli_a}/prev_dir.npy
+                   NO_GLOB ${_cli_a}/.prev_dir.npy.tokenmix-*)
 # An output naming an input is refused (exit 2) and the input is untouched: spelled the same,
 # through ./ and through sub/../, and as the --dout of a backward run.
 file(MAKE_DIRECTORY ${_cli_a}/sub)

@@ -12,6 +12,12 @@ target_link_libraries(tokenmix_cli_npy_tool PRIVATE tokenmix_io tokenmix_referen
 # Runs `tokenmix bench ... --json` and checks its JSON lines against each other (issue 16).
 add_executable(tokenmix_cli_bench_json_check ${CMAKE_CURRENT_LIST_DIR}/bench_json_check.cpp)
 
+# The bench's rule for warning that its sgemm ceiling is below the CPU's, for given CPUs.
+add_executable(tokenmix_cli_bench_ceiling_check ${CMAKE_CURRENT_LIST_DIR}/bench_ceiling_check.cpp)
+target_link_libraries(tokenmix_cli_bench_ceiling_check PRIVATE tokenmix_bench)
+add_test(NAME cli_bench_ceiling_warning_rule COMMAND tokenmix_cli_bench_ceiling_check)
+set_tests_properties(cli_bench_ceiling_warning_rule PROPERTIES LABELS cli)
+
 set(TOKENMIX_CLI_DRIVER ${CMAKE_CURRENT_LIST_DIR}/run_cli.cmake)
 set(TOKENMIX_CLI_DIR ${CMAKE_CURRENT_BINARY_DIR}/cli)
 set(TOKENMIX_CLI_NPY_TOOL $<TARGET_FILE:tokenmix_cli_npy_tool>)
@@ -187,7 +193,7 @@ tokenmix_cli_test(bench_variants_json
 tokenmix_cli_test(bench_decode_variants_json
                   ARGS bench decode --cache-tokens 256 --cache-dtype f32 --hq 4 --hkv 2 --dh 16 --repeats 1
                        --json --window 64 --sinks 0,1,2,3 TIMEOUT 600
-                  STDOUT "\"op\": \"decode\".*\"window\": 64, \"softcap\": null, \"alibi\": false, \"sinks\": \\[0, 1, 2, 3\\]")
+                  STDOUT "\"op\": \"decode\".*\"ceiling_kind\": \"openblas_sgemm_2048\", \"sgemm_core\": \"[A-Za-z0-9_]+\".*\"window\": 64, \"softcap\": null, \"alibi\": false, \"sinks\": \\[0, 1, 2, 3\\]")
 # Quantized caches (int8, fp8 E4M3): the same decode keys plus tokens_per_s; bytes count scales.
 tokenmix_cli_test(bench_decode_quantized_json
                   ARGS bench decode --cache-tokens 256 --cache-dtype int8,fp8_e4m3 --hq 4 --hkv 2
@@ -232,7 +238,7 @@ tokenmix_bench_json_test(bench_forward_batch_list
 tokenmix_cli_test(bench_decode_mixed_table
                   ARGS bench decode --batch 4 --cache-tokens 64 --cache-dtype f32 --lengths mixed
                        --hq 4 --hkv 2 --dh 16 --threads 1 --repeats 1 TIMEOUT 600
-                  STDOUT "lengths: mixed.*seed 16.*B T_new +T_k +sum_T_k.*GB/s ceiling +ratio +GFLOP/s +sgemm +roof_ms +r_roof.*decode +4 +1 +64 +312 ")
+                  STDOUT "sgemm ceiling: OpenBLAS [A-Za-z0-9_]+ kernel.*lengths: mixed.*seed 16.*B T_new +T_k +sum_T_k.*GB/s ceiling +ratio +GFLOP/s +sgemm +roof_ms +r_roof.*decode +4 +1 +64 +312 ")
 tokenmix_cli_test(bench_decode_mixed_json_total
                   ARGS bench decode --batch 4 --cache-tokens 64 --cache-dtype f32 --lengths mixed
                        --hq 4 --hkv 2 --dh 16 --threads 1 --repeats 1 --json TIMEOUT 600

@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -95,6 +97,32 @@ double SgemmCeiling::best_gflops(int threads, int repeats) {
 
 double sgemm_ceiling_gflops(int threads, int repeats) {
   return SgemmCeiling().best_gflops(threads, repeats);
+}
+
+std::string sgemm_core() {
+  const char* name = openblas_get_corename();
+  return name != nullptr ? name : "unknown";
+}
+
+std::string sgemm_ceiling_warning() {
+  // (TOKENMIX_CPU_CAP=avx2: AVX2 kernels, and an AVX2 sgemm is their ceiling.)
+  return sgemm_ceiling_warning(sgemm_core(), cpu_features().avx512f,
+                               std::getenv("OPENBLAS_CORETYPE"));
+}
+
+std::string sgemm_ceiling_warning(std::string core, bool avx512, const char* forced) {
+  if (!avx512) return "";
+  std::string lower = core;
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+  // OpenBLAS 0.3's kernel families with an AVX-512 sgemm.
+  for (const char* wide : {"skylakex", "cooperlake", "sapphirerapids"})
+    if (lower == wide) return "";
+  return "the sgemm ceiling runs OpenBLAS's " + core +
+         " kernel, which has no AVX-512, on a CPU whose AVX-512 tokenmix's kernels use" +
+         (forced != nullptr ? std::string(" (OPENBLAS_CORETYPE=") + forced + ")" : std::string()) +
+         ": the ceiling is below this CPU's and ratios to it are too high; "
+         "OPENBLAS_CORETYPE=SKYLAKEX runs OpenBLAS's AVX-512 kernel";
 }
 
 std::vector<float> BenchVariants::alibi_slopes(std::int64_t H_q) const {
@@ -426,7 +454,8 @@ std::string to_json(const BenchResult& r) {
      << ", \"hkv\": " << r.hkv << ", \"dh\": " << r.dh << ", \"threads\": " << r.threads
      << ", \"isa\": \"" << r.isa << "\", \"causal\": " << (r.causal ? "true" : "false")
      << ", \"align\": \"" << r.align << "\", \"dtype\": \"" << r.dtype << "\", \"ceiling_kind\": \""
-     << r.ceiling_kind << "\", \"seconds\": " << r.seconds << ", \"gflops\": " << r.gflops
+     << r.ceiling_kind << "\", \"sgemm_core\": \"" << r.sgemm_core
+     << "\", \"seconds\": " << r.seconds << ", \"gflops\": " << r.gflops
      << ", \"ceiling_gflops\": " << r.ceiling_gflops << ", \"ratio\": " << r.ratio
      << ", \"max_rel_err\": " << r.max_rel_err << ", \"extra_bytes\": " << r.extra_bytes
      << r.variants.json();
@@ -495,8 +524,19 @@ void check_positive_list(const char* name, const std::vector<std::int64_t>& valu
 }
 
 // The sgemm 2048³ ceiling of forward, once per thread count (measured on first use).
+// A ceiling below the CPU's is said, not hidden: on stderr, once, when the first sgemm ceiling
+// is measured (after the arguments were checked: an error stays the one line on stderr).
+void warn_if_sgemm_ceiling_low() {
+  static bool warned = false;
+  if (warned) return;
+  warned = true;
+  const std::string warning = sgemm_ceiling_warning();
+  if (!warning.empty()) std::cerr << "[bench] warning: " << warning << "\n";
+}
+
 double sgemm_ceiling_cached(std::map<int, double>& ceilings, int threads, bool progress) {
   if (!ceilings.count(threads)) {
+    warn_if_sgemm_ceiling_low();
     if (progress)
       std::cerr << "[bench] measuring sgemm 2048^3 ceiling, " << threads << " thread(s)\n";
     ceilings[threads] = sgemm_ceiling_gflops(threads);
@@ -541,6 +581,7 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
             }
   if (!cfg.json) {
     out << "tokenmix bench decode on " << cpu_features().model << "\n";
+    out << "  sgemm ceiling: OpenBLAS " << sgemm_core() << " kernel\n";
     if (cfg.variants.any()) out << "  variants: " << cfg.variants.describe() << "\n";
     if (mixed) {
       out << "  lengths: mixed, sequence b holds L_b uniform in [T_k - T_k/2, T_k + T_k/2] "
@@ -680,6 +721,7 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     res.ratio_gflops = res.gflops / res.ceiling_gflops;
     res.dtype = to_string(qdt);
     res.ceiling_kind = "openblas_sgemm_2048";
+    res.sgemm_core = sgemm_core();
     res.ceiling_gbps_kind = "stream_read_1GiB";
     for (std::size_t i = 0; i < o16.size(); ++i)  // bf16/f16 outputs widened for the error
       o[i] = kernels::load_element(qdt, o16.data(), static_cast<std::int64_t>(i));
@@ -799,6 +841,8 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
   if (!cfg.json) {
     out << "tokenmix bench " << cfg.op << " (" << to_string(cfg.dtype) << ") on "
         << cpu_features().model << "\n";
+    if (cfg.dtype != DType::bf16)
+      out << "  sgemm ceiling: OpenBLAS " << sgemm_core() << " kernel\n";
     if (cfg.variants.any()) out << "  variants: " << cfg.variants.describe() << "\n";
     char head[256];
     std::snprintf(head, sizeof head,
@@ -819,6 +863,7 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
         std::cerr << "[bench] measuring " << (bf16 ? "the oneDNN bf16 GEMM" : "sgemm")
                   << " 2048^3 ceiling, " << c.threads << " thread(s)\n";
       }
+      if (!bf16) warn_if_sgemm_ceiling_low();
       ceilings[c.threads] = bf16 ? bf16_gemm_ceiling_gflops(c.threads, ceiling_kind)
                                  : sgemm_ceiling_gflops(c.threads);
     }
@@ -855,6 +900,7 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
     res.align = sh.align_name();
     res.dtype = to_string(cfg.dtype);
     res.ceiling_kind = ceiling_kind;
+    res.sgemm_core = sgemm_core();
     res.seconds = median(times);
     res.gflops = run.useful_flops() / res.seconds * 1e-9;
     res.ceiling_gflops = ceilings[c.threads];

@@ -106,8 +106,9 @@ struct BenchResult {
   std::string align;
   std::string dtype = "f32";                         ///< activations (decode: the queries)
   std::string ceiling_kind = "openblas_sgemm_2048";  ///< what ceiling_gflops measured
-  double seconds;                                    ///< median wall time of one call
-  double gflops;                                     ///< useful GFLOP/s
+  std::string sgemm_core;    ///< OpenBLAS's kernel family for sgemm (sgemm_core()), every op
+  double seconds;            ///< median wall time of one call
+  double gflops;             ///< useful GFLOP/s
   double ceiling_gflops;     ///< SgemmCeiling, best of several, same thread count
   double ratio;              ///< gflops / ceiling_gflops
   double max_rel_err;        ///< vs float64 reference on a slice: max|x − r| / max|r|
@@ -157,6 +158,19 @@ class SgemmCeiling {
 
 /// sgemm 2048×2048×2048 through OpenBLAS with `threads` threads: best GFLOP/s of `repeats`.
 double sgemm_ceiling_gflops(int threads, int repeats = 10);
+
+/// OpenBLAS's kernel family for sgemm (openblas_get_corename(): "Haswell", "SkylakeX", ...),
+/// detected or forced by OPENBLAS_CORETYPE; recorded with every result (BenchResult::sgemm_core).
+std::string sgemm_core();
+
+/// Empty, or why the sgemm ceiling is below this CPU's: OpenBLAS runs a kernel without AVX-512
+/// on a CPU whose AVX-512 tokenmix's kernels use (OPENBLAS_CORETYPE=Haswell on an AMD Zen 5:
+/// 212 GFLOP/s on two threads where OpenBLAS's AVX-512 kernel does 405, docs/performance.md),
+/// so ratios to it come out too high (ratio_roofline above 1). `tokenmix bench` prints it.
+std::string sgemm_ceiling_warning();
+/// The rule behind it, for a given OpenBLAS core name (any case), whether tokenmix's kernels run
+/// AVX-512, and OPENBLAS_CORETYPE's value (nullptr: unset).
+std::string sgemm_ceiling_warning(std::string core, bool avx512, const char* forced);
 
 /// The bf16 ceiling: C (f32) = A B with A, B bf16, n = 2048, through oneDNN's matmul (its best
 /// ISA here: AMX, AVX512-BF16, or its own conversion elsewhere), `threads` OpenMP threads; best

@@ -12,6 +12,7 @@
 
 #include "api/decode_internal.hpp"
 #include "kernels/kernel_skeleton.hpp"
+#include "kernels/small_gemm.hpp"
 #include "model/kv_cache_access.hpp"
 #include "tokenmix/kv_cache.hpp"
 #include "util/validate.hpp"
@@ -77,7 +78,9 @@ std::size_t small_gemm_scratch(std::int64_t M, std::int64_t K, std::int64_t n_to
 // chunk, in order), then C_p = P_{p,0} + P_{p,1} + … in chunk order. Neither order depends on
 // `threads` or on how the team shares the units, so the result does not either.
 void small_gemm(std::int64_t M, std::int64_t K, const float* A, std::span<const Product> ps,
-                int threads) {
+                int threads, Isa isa) {
+  // The chunk of the call's path (kernels/small_gemm.hpp): the same bits on every path.
+  const kernels::SmallGemmChunk chunk = kernels::small_gemm_chunk(isa);
   const std::int64_t chunks = (K + kChunkK - 1) / kChunkK;
   // Per product: where its partials start, its first unit of the final sum (nothing here
   // allocates but a growing scratch: after prefill reserved it, this cannot fail).
@@ -107,30 +110,7 @@ void small_gemm(std::int64_t M, std::int64_t K, const float* A, std::span<const 
       const std::size_t pi = static_cast<std::size_t>(unit / chunks);
       const std::int64_t c = unit % chunks, n = ps[pi].n;
       const std::int64_t k0 = c * kChunkK, k1 = std::min(K, k0 + kChunkK);
-      float* const P = part + offset[pi] + c * M * n;  // [M, n]
-      std::fill(P, P + M * n, 0.0f);
-      for (std::int64_t k = k0; k < k1; k += 4) {
-        const float* b0 = ps[pi].b + k * n;
-        for (std::int64_t m = 0; m < M; ++m) {
-          const float* a = A + m * K + k;
-          float* __restrict pm = P + m * n;
-          if (k + 4 <= k1) {  // four rows per pass over P's row: the same sums as one by one
-            const float a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
-            const float* __restrict r0 = b0;
-            const float* __restrict r1 = b0 + n;
-            const float* __restrict r2 = b0 + 2 * n;
-            const float* __restrict r3 = b0 + 3 * n;
-            for (std::int64_t j = 0; j < n; ++j)
-              pm[j] = (((pm[j] + a0 * r0[j]) + a1 * r1[j]) + a2 * r2[j]) + a3 * r3[j];
-          } else {
-            for (std::int64_t r = 0; r < k1 - k; ++r) {
-              const float ar = a[r];
-              const float* __restrict br = b0 + r * n;
-              for (std::int64_t j = 0; j < n; ++j) pm[j] = pm[j] + ar * br[j];
-            }
-          }
-        }
-      }
+      chunk(M, K, A, ps[pi].b, n, k0, k1, part + offset[pi] + c * M * n);  // P_{p,c} [M, n]
     }
 #pragma omp for schedule(static)
     for (std::int64_t unit = 0; unit < reduce_units; ++unit) {
@@ -565,7 +545,7 @@ void CausalSelfAttention::prefill(std::span<const float> u, std::int64_t batch, 
     if (scratch.size() < need) scratch.resize(need);
     const Product qkv[] = {
         {w_q_.data(), qw, q.data()}, {w_k_.data(), kw, k.data()}, {w_v_.data(), kw, v.data()}};
-    small_gemm(rows, c.d_model, u.data(), qkv, threads);
+    small_gemm(rows, c.d_model, u.data(), qkv, threads, ao.isa);
   } else {
     gemm(false, false, rows, qw, c.d_model, u.data(), w_q_.data(), q.data(),
          false);  // Q = U W_Q (4.1)
@@ -627,7 +607,7 @@ void CausalSelfAttention::prefill(std::span<const float> u, std::int64_t batch, 
   }
   if (rows <= kSmallRows) {  // O = [Y_1|…] W_O (4.5); its scratch was reserved above
     const Product o[] = {{w_o_.data(), c.d_model, out.data()}};
-    small_gemm(rows, qw, y.data(), o, threads);
+    small_gemm(rows, qw, y.data(), o, threads, ao.isa);
   } else {
     gemm(false, false, rows, c.d_model, qw, y.data(), w_o_.data(), out.data(),
          false);  // O = [Y_1|…] W_O

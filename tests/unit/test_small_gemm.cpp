@@ -1,0 +1,70 @@
+// tests/unit/test_small_gemm.cpp — the layer's few-row projection chunk (kernels/small_gemm.hpp)
+// on every ISA path: bitwise the portable loop's result (the same multiplies and adds in the same
+// order, no fused multiply-add), and the float64 product at fp32 rounding level, over row counts
+// 1..8, widths that straddle every vector width (a scalar tail), and reduction ranges that straddle
+// the SIMD path's 8-row and the portable loop's 4-row groups. P is poisoned first: the chunk writes
+// it whole.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/small_gemm.hpp"
+#include "test_util.hpp"
+#include "tokenmix/error.hpp"
+
+namespace tokenmix::testing {
+namespace {
+
+class SmallGemmChunk : public PerIsaTest {};
+
+TEST_P(SmallGemmChunk, BitwisePortableAndFloat64AtFp32Level) {
+  const kernels::SmallGemmChunk simd = kernels::small_gemm_chunk(GetParam());
+  const std::int64_t K = 45;
+  for (std::int64_t M : {1, 3, 8}) {
+    for (std::int64_t n : {1, 7, 16, 33, 64, 131}) {
+      const std::vector<float> A = testkit::random_normal(static_cast<std::size_t>(M * K), 7);
+      const std::vector<float> B = testkit::random_normal(static_cast<std::size_t>(K * n), 8);
+      // [k0, k1): empty, shorter than a group, exact groups, groups plus a remainder.
+      for (auto [k0, k1] : {std::pair{0, 0}, {0, 1}, {3, 6}, {0, 8}, {5, 18}, {0, 45}, {2, 45}}) {
+        SCOPED_TRACE("M=" + std::to_string(M) + " n=" + std::to_string(n) + " k=[" +
+                     std::to_string(k0) + "," + std::to_string(k1) + ")");
+        std::vector<float> got(static_cast<std::size_t>(M * n), kPoison);
+        std::vector<float> want(got.size(), kPoison);
+        simd(M, K, A.data(), B.data(), n, k0, k1, got.data());
+        kernels::small_gemm_chunk_portable(M, K, A.data(), B.data(), n, k0, k1, want.data());
+        double max_err = 0.0, max_ref = 0.0;
+        for (std::int64_t m = 0; m < M; ++m) {
+          for (std::int64_t j = 0; j < n; ++j) {
+            const std::size_t i = static_cast<std::size_t>(m * n + j);
+            ASSERT_EQ(std::bit_cast<std::uint32_t>(got[i]), std::bit_cast<std::uint32_t>(want[i]))
+                << "element (" << m << ", " << j << "): " << got[i] << " vs portable " << want[i];
+            double ref = 0.0, mag = 0.0;
+            for (std::int64_t k = k0; k < k1; ++k) {
+              const double t = double(A[static_cast<std::size_t>(m * K + k)]) *
+                               double(B[static_cast<std::size_t>(k * n + j)]);
+              ref += t;
+              mag += std::fabs(t);
+            }
+            // fp32 summation of k1 − k0 terms: within (k1 − k0 + 1) · 2^−24 of Σ|terms|.
+            EXPECT_LE(std::fabs(got[i] - ref), (k1 - k0 + 1) * 0x1.0p-24 * mag + 1e-30)
+                << "element (" << m << ", " << j << ")";
+            max_err = std::max(max_err, std::fabs(got[i] - ref));
+            max_ref = std::max(max_ref, std::fabs(ref));
+          }
+        }
+        if (k1 > k0) EXPECT_LE(max_err, 1e-5 * max_ref);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, SmallGemmChunk, AllIsas(), IsaName);
+
+TEST(SmallGemmChunkErrors, AutomaticIsNotAPath) {
+  EXPECT_THROW(kernels::small_gemm_chunk(Isa::automatic), UnsupportedError);
+}
+
+}  // namespace
+}  // namespace tokenmix::testing

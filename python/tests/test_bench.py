@@ -15,6 +15,7 @@ def test_bench_prints_each_case_with_ceiling_and_agreement(capsys):
     ceiling = re.search(r"fp32 GEMM ceiling \(OpenBLAS sgemm via numpy\.matmul 2048\^3, 1 thread\(s\), "
                         r"best of 10\): ([0-9.]+) GFLOP/s", out)
     assert ceiling and float(ceiling.group(1)) > 0.0
+    assert re.search(r"numpy's OpenBLAS sgemm kernel: \w+", out)
     cases = re.findall(r"T=\s*(\d+) (fwd\+bwd|fwd)\s.*speedup ([0-9.]+)x.*max\|diff\| ([0-9.e+-]+)", out)
     assert sorted((int(t), m) for t, m, _, _ in cases) == [(64, "fwd"), (64, "fwd+bwd"), (65, "fwd"), (65, "fwd+bwd")]
     for _, _, speedup, diff in cases:
@@ -163,3 +164,15 @@ def test_bench_decode_all_cache_dtypes_side_by_side(capsys):
         assert e.code == 2
     else:
         raise AssertionError("--decode --window accepted")
+
+
+def test_blas_ceiling_warning_rule():
+    """The GEMM ceiling is said to be low exactly when OpenBLAS lacks AVX-512 and tokenmix runs it
+    (given kernels and paths: the expectation does not depend on this machine's CPU)."""
+    warning = bench.blas_ceiling_warning("Haswell", "avx512")
+    assert "OpenBLAS's Haswell kernel" in warning and "OPENBLAS_CORETYPE=SKYLAKEX" in warning
+    assert bench.blas_ceiling_warning("Zen", "avx512_bf16")
+    for kernel in ("SkylakeX", "Cooperlake", "SapphireRapids", "SKYLAKEX"):
+        assert bench.blas_ceiling_warning(kernel, "avx512") == ""
+    for isa in ("avx2", "portable", "neon"):
+        assert bench.blas_ceiling_warning("Haswell", isa) == ""

@@ -184,6 +184,30 @@ def gemm_ceiling_gflops(threads: int, repeats: int = 10, n: int = 2048) -> float
     return 2.0 * n ** 3 / best / 1e9
 
 
+def blas_kernel() -> str:
+    """The kernel family of NumPy's OpenBLAS (threadpoolctl's ``architecture``: "Haswell",
+    "SkylakeX", ...; set by OPENBLAS_CORETYPE or detected), or "unknown"."""
+    from threadpoolctl import threadpool_info
+    for info in threadpool_info():
+        if info.get("internal_api") == "openblas":
+            return str(info.get("architecture") or "unknown")
+    return "unknown"
+
+
+_AVX512_BLAS_KERNELS = {"skylakex", "cooperlake", "sapphirerapids"}
+
+
+def blas_ceiling_warning(kernel: str, isa: str) -> str:
+    """Empty, or why the fp32 GEMM ceiling is below this CPU's: OpenBLAS runs a kernel without
+    AVX-512 where tokenmix's kernels run AVX-512 (as ``tokenmix bench`` warns; docs/performance.md,
+    AMD Zen 5 with OPENBLAS_CORETYPE=Haswell)."""
+    if not isa.startswith("avx512") or kernel.lower() in _AVX512_BLAS_KERNELS:
+        return ""
+    return (f"warning: the GEMM ceiling runs OpenBLAS's {kernel} kernel, which has no AVX-512, while "
+            f"tokenmix runs {isa}: the ceiling is below this CPU's and ratios to it are too high; "
+            "OPENBLAS_CORETYPE=SKYLAKEX runs OpenBLAS's AVX-512 kernel")
+
+
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -757,6 +781,11 @@ def main(argv: List[str] | None = None) -> int:
         ceiling = gemm_ceiling_gflops(threads)
         print(f"fp32 GEMM ceiling (OpenBLAS sgemm via numpy.matmul 2048^3, {threads} thread(s), "
               f"best of 10): {ceiling:.1f} GFLOP/s")
+        kernel = blas_kernel()
+        print(f"numpy's OpenBLAS sgemm kernel: {kernel}")
+        warning = blas_ceiling_warning(kernel, tokenmix.resolve_isa())
+        if warning:
+            print(warning)
     else:
         size = gemm_ceiling_torch_size(DTYPES[args.dtype])
         ceiling = gemm_ceiling_torch_gflops(DTYPES[args.dtype], n=size)

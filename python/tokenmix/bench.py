@@ -73,7 +73,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info, threadpool_limits
 
 import tokenmix
 from tokenmix.torch import scaled_dot_product_attention as tm_sdpa
@@ -187,7 +187,6 @@ def gemm_ceiling_gflops(threads: int, repeats: int = 10, n: int = 2048) -> float
 def blas_kernel() -> str:
     """The kernel family of NumPy's OpenBLAS (threadpoolctl's ``architecture``: "Haswell",
     "SkylakeX", ...; set by OPENBLAS_CORETYPE or detected), or "unknown"."""
-    from threadpoolctl import threadpool_info
     for info in threadpool_info():
         if info.get("internal_api") == "openblas":
             return str(info.get("architecture") or "unknown")

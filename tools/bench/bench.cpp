@@ -96,6 +96,14 @@ double SgemmCeiling::best_gflops(int threads, int repeats) {
 }
 
 double sgemm_ceiling_gflops(int threads, int repeats) {
+  // A ceiling below the CPU's is said, not hidden: on stderr, once per process, when the first
+  // one is measured (after the arguments were checked: an error stays the one line on stderr).
+  static const bool warned = [] {
+    const std::string warning = sgemm_ceiling_warning();
+    if (!warning.empty()) std::cerr << "[bench] warning: " << warning << "\n";
+    return true;
+  }();
+  (void)warned;
   return SgemmCeiling().best_gflops(threads, repeats);
 }
 
@@ -524,19 +532,8 @@ void check_positive_list(const char* name, const std::vector<std::int64_t>& valu
 }
 
 // The sgemm 2048³ ceiling of forward, once per thread count (measured on first use).
-// A ceiling below the CPU's is said, not hidden: on stderr, once, when the first sgemm ceiling
-// is measured (after the arguments were checked: an error stays the one line on stderr).
-void warn_if_sgemm_ceiling_low() {
-  static bool warned = false;
-  if (warned) return;
-  warned = true;
-  const std::string warning = sgemm_ceiling_warning();
-  if (!warning.empty()) std::cerr << "[bench] warning: " << warning << "\n";
-}
-
 double sgemm_ceiling_cached(std::map<int, double>& ceilings, int threads, bool progress) {
   if (!ceilings.count(threads)) {
-    warn_if_sgemm_ceiling_low();
     if (progress)
       std::cerr << "[bench] measuring sgemm 2048^3 ceiling, " << threads << " thread(s)\n";
     ceilings[threads] = sgemm_ceiling_gflops(threads);
@@ -863,7 +860,6 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
         std::cerr << "[bench] measuring " << (bf16 ? "the oneDNN bf16 GEMM" : "sgemm")
                   << " 2048^3 ceiling, " << c.threads << " thread(s)\n";
       }
-      if (!bf16) warn_if_sgemm_ceiling_low();
       ceilings[c.threads] = bf16 ? bf16_gemm_ceiling_gflops(c.threads, ceiling_kind)
                                  : sgemm_ceiling_gflops(c.threads);
     }

@@ -281,10 +281,15 @@ struct Views {
   }
 };
 
-// True when a call on q [B, T_q, H_q, d_h] and k [B, T_k, H_kv, d_h] scores more than 2^20
-// query-key pairs (B·T_q·T_k·H_q): under the sanitizers and coverage instrumentation the portable
-// path takes microseconds per pair whatever d_h is, so valid ones are skipped (2^25 pairs at
-// d_h = 2 once took 89 s and timed out the fuzzing stage).
+// True when a call of `pairs` query-key pairs (B·T_q·T_k·H_q) of width d_h costs more than
+// 2^22 pair·(d_h + 4) units: under the sanitizers and coverage instrumentation the portable path
+// takes about 0.6 µs per pair and feature plus a few per pair, so valid ones are skipped (2^25
+// pairs at d_h = 2 once took 89 s; a layer forward + backward of 2^19.6 pairs at d_h = 24 took
+// 12–23 s: both timed out the fuzzing stage).
+bool long_running(long double pairs, long double dh) {
+  return pairs * (dh + 4) > (1 << 22);
+}
+// The same for a call on q [B, T_q, H_q, d_h] and k [B, T_k, H_kv, d_h].
 bool long_running(const TensorView& q, const TensorView& k) {
   if (q.rank != 4 || k.rank != 4) return false;
   long double pairs = 1;
@@ -292,7 +297,7 @@ bool long_running(const TensorView& q, const TensorView& k) {
     if (x <= 0) return false;
     pairs *= static_cast<long double>(x);
   }
-  return pairs > (1 << 20);
+  return long_running(pairs, static_cast<long double>(q.shape[3]));
 }
 
 void fuzz_attention_forward(Input& in) {
@@ -610,10 +615,10 @@ void fuzz_layer(Input& in) {
   const long double saved =
       static_cast<long double>(batch) * seq * c.head_dim * (2.0L * c.heads_q + 2.0L * c.heads_kv);
   if (want >= 0 && saved > (1 << 22)) return;
-  // ... and valid calls whose attention alone is long: more than 2^20 query-key pairs B·T²·H_q
-  // (see long_running; one such input once timed out).
+  // ... and valid calls whose attention alone is long: B·T²·H_q query-key pairs of d_h each
+  // (see long_running; such inputs timed out).
   const long double pairs = static_cast<long double>(batch) * seq * seq * c.heads_q;
-  if (want >= 0 && pairs > (1 << 20)) return;
+  if (want >= 0 && long_running(pairs, static_cast<long double>(c.head_dim))) return;
   std::vector<float> u(span_len(want), 0.25f), out(span_len(want), 0.0f);
   const std::uint8_t op = in.byte() % 3;
   if (op == 0) {

@@ -1,8 +1,9 @@
 // tests/unit/test_small_gemm.cpp — the layer's few-row projection chunk (kernels/small_gemm.hpp)
 // on every ISA path: bitwise the portable loop's result (the same multiplies and adds in the same
 // order, no fused multiply-add), and the float64 product at fp32 rounding level, over row counts
-// 1..8, widths that straddle every vector width (a scalar tail), and reduction ranges that straddle
-// the SIMD path's 8-row and the portable loop's 4-row groups. P is poisoned first: the chunk writes
+// 1..8 (below and from the SIMD path's 4-row block on), widths that straddle every vector width
+// and its 2-vector column blocks (a scalar tail), and reduction ranges that straddle the SIMD
+// path's 8-row and the portable loop's 4-row groups. P is poisoned first: the chunk writes
 // it whole.
 #include <gtest/gtest.h>
 
@@ -22,8 +23,8 @@ class SmallGemmChunk : public PerIsaTest {};
 TEST_P(SmallGemmChunk, BitwisePortableAndFloat64AtFp32Level) {
   const kernels::SmallGemmChunk simd = kernels::small_gemm_chunk(GetParam());
   const std::int64_t K = 45;
-  for (std::int64_t M : {1, 3, 8}) {
-    for (std::int64_t n : {1, 7, 16, 33, 64, 131}) {
+  for (std::int64_t M : {1, 3, 4, 5, 8}) {  // below and from kBlockRows (4) on
+    for (std::int64_t n : {1, 7, 16, 33, 48, 64, 131}) {
       const std::vector<float> A = testkit::random_normal(static_cast<std::size_t>(M * K), 7);
       const std::vector<float> B = testkit::random_normal(static_cast<std::size_t>(K * n), 8);
       // [k0, k1): empty, shorter than a group, exact groups, groups plus a remainder.

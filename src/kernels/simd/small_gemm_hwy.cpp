@@ -46,6 +46,20 @@ constexpr int kBlock = 1;  // 8 of 16 ymm registers
 constexpr int kBlock = 2;  // 16 of 32 zmm / q registers
 #endif
 
+// P[m][j] ← P[m][j] + Σ_{r < g} fl(a[m · K + r] · B[r][j]) for the columns [j0, n) one at a
+// time, every row m < M of P (the vector loops' scalar tail, n % Lanes columns).
+inline void AddColumnsScalar(std::int64_t M, std::int64_t K, const float* HWY_RESTRICT a,
+                             const float* HWY_RESTRICT b, std::int64_t n, std::int64_t g,
+                             std::int64_t j0, float* HWY_RESTRICT p) {
+  for (std::int64_t m = 0; m < M; ++m) {
+    for (std::int64_t j = j0; j < n; ++j) {
+      float acc = p[m * n + j];
+      for (std::int64_t r = 0; r < g; ++r) acc = acc + a[m * K + r] * b[r * n + j];
+      p[m * n + j] = acc;
+    }
+  }
+}
+
 // P[m][j] ← P[m][j] + Σ_{r < G} fl(a[r] · B[r][j]), term by term in r order, for one row m of P
 // (G = 0: g rows, known at run time).
 template <int G>
@@ -61,11 +75,7 @@ HWY_INLINE void AddRows(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b
       acc = hn::Add(acc, hn::Mul(hn::Set(d, a[r]), hn::LoadU(d, b + r * n + j)));
     hn::StoreU(acc, d, p + j);
   }
-  for (; j < n; ++j) {
-    float acc = p[j];
-    for (std::int64_t r = 0; r < rows; ++r) acc = acc + a[r] * b[r * n + j];
-    p[j] = acc;
-  }
+  AddColumnsScalar(1, 0, a, b, n, rows, j, p);
 }
 
 // The same sums for every row m < M of P at once, over the VB·N columns from j: the G·VB vectors
@@ -115,13 +125,7 @@ void SmallGemmChunkSimd(std::int64_t M, std::int64_t K, const float* A, const fl
       for (; j + kBlock * N <= n; j += kBlock * N)
         AddRowsBlock<kGroup, kBlock>(d, M, K, a, b, n, j, P);
       for (; j + N <= n; j += N) AddRowsBlock<kGroup, 1>(d, M, K, a, b, n, j, P);
-      for (; j < n; ++j) {  // scalar columns (n % N)
-        for (std::int64_t m = 0; m < M; ++m) {
-          float acc = P[m * n + j];
-          for (std::int64_t r = 0; r < g; ++r) acc = acc + a[m * K + r] * b[r * n + j];
-          P[m * n + j] = acc;
-        }
-      }
+      AddColumnsScalar(M, K, a, b, n, g, j, P);
       continue;
     }
     for (std::int64_t m = 0; m < M; ++m) {

@@ -70,18 +70,28 @@ constexpr int kRT = kRD, kVT = kVD;
 #endif
 
 constexpr std::int64_t kSub = 16;  // keys per V sub-tile in the P·V product
+// Bytes of a unit's stream between the tile computed on and the one prefetched (whole tile
+// pairs of K and V, at least one). AVX-512: 32 KiB (measured on AMD Zen 4: 16, 32, 64 and
+// 128 KiB within noise for bf16, 32 best for int8); other targets: the next tile pair, as
+// measured on Zen 3 (AVX2) before.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr std::int64_t kAheadBytes = 32 * 1024;
+#else
+constexpr std::int64_t kAheadBytes = 0;
+#endif
 
-// How the next tile pair of a unit's stream is prefetched while the current one is computed on.
-// Same position (false): with each B row the microkernel reads, the same row of the next tile, so
-// the prefetches follow the products' order. Linear (true): the next K tile and V tile as one
-// byte range, front to back, at the pace the first row block reads B (PrefetchCursor). Where a
-// column block is narrower than a tile row (AVX2: 16 or 32 of 64 keys, and of d_h) the products
-// visit a tile in row-strided column passes, and prefetches in that order keep the DRAM stream
-// short of what a core can read: in a model of the T_new = 1 step (bf16, g = 4: each 32 B widened
-// and fed to 8 FMAs) one AMD Zen 3 core streamed 10.7–11.4 GB/s prefetching in the products'
-// order and 17.6–17.9 in address order (19.3 reading linearly). The kernel: T_new = 1 from
-// 14.8 to 10.8 ms (bf16) and 33.6 to 21.3 ms (f32), 1 thread, T_k = 32768 (docs/performance.md,
-// 2026-12-01). AVX-512's 64-lane blocks read K rows whole: unchanged there (not re-measured).
+// How a later tile pair of a unit's stream (kAheadBytes on) is prefetched while the current one is
+// computed on. Same position (false): with each B row the microkernel reads, the same row of that
+// tile (into L2 on AVX-512: PrefetchStream), so the prefetches follow the products' order. Linear
+// (true): the next K tile and V tile as one byte range, front to back, at the pace the first row
+// block reads B (PrefetchCursor). Where a column block is narrower than a tile row (AVX2: 16 or 32
+// of 64 keys, and of d_h) the products visit a tile in row-strided column passes, and prefetches in
+// that order keep the DRAM stream short of what a core can read: in a model of the T_new = 1 step
+// (bf16, g = 4: each 32 B widened and fed to 8 FMAs) one AMD Zen 3 core streamed 10.7–11.4 GB/s
+// prefetching in the products' order and 17.6–17.9 in address order (19.3 reading linearly). The
+// kernel: T_new = 1 from 14.8 to 10.8 ms (bf16) and 33.6 to 21.3 ms (f32), 1 thread, T_k = 32768
+// (docs/performance.md, 2026-12-01). AVX-512's 64-lane blocks read K rows whole: unchanged there
+// (not re-measured).
 #if HWY_TARGET == HWY_AVX2
 constexpr bool kLinearPrefetch = true;
 #else
@@ -146,6 +156,12 @@ void DecodeUnits(const DecodeArgs& a) {
     for (std::int64_t u = lo; u < hi; ++u) bad |= NonFiniteIn(vt + u * vld, 0, dh);
     return bad;
   };
+  // Prefetch distance: the first tile pair at least kAheadBytes on (an int8 / fp8 pair of 64
+  // keys is about half a bf16 one, and one tile ahead was too short for it on AMD Zen 4: T_new = 1
+  // at T_k = 32768, 2 threads, 5.5 → 4.1 ms with two).
+  const std::int64_t pair_bytes = 2 * a.layout.tile_span() * static_cast<std::int64_t>(sizeof(TB));
+  const std::int64_t ahead_tiles =
+      std::max<std::int64_t>(1, (kAheadBytes + pair_bytes - 1) / pair_bytes);
   const std::int64_t dh_full = dh / W * W, dh_vec = dh / N * N;  // d_h: chunks, whole vectors, tail
   const std::int64_t WT = kVT * N, dh_tall = dh / WT * WT;       // the same for the tall blocking
 
@@ -187,10 +203,11 @@ void DecodeUnits(const DecodeArgs& a) {
       const std::int64_t tile = a.tile_offset(b, j, u0);
       const TB* kt = k_layer + tile;  // Kᵀ tile [d_h][64]
       const TB* vt = v_in_place ? v_rows + a.v_row(b, j, u0) : v_layer + tile;  // V [nt][d_h]
-      // The next tile of this chunk (nullptr at its last): the microkernels prefetch it row by
-      // row while they compute on this one, so a unit's one forward stream is read ahead.
-      const bool has_next = u0 + kKeyTile < k1;
-      const std::int64_t next = has_next ? a.tile_offset(b, j, u0 + kKeyTile) : 0;
+      // The tile ahead_tiles on in this chunk (none in its last ones): the microkernels prefetch
+      // it row by row while they compute on this one, so a unit's one forward stream is read
+      // ahead by at least kAheadBytes.
+      const bool has_next = u0 + ahead_tiles * kKeyTile < k1;
+      const std::int64_t next = has_next ? a.tile_offset(b, j, u0 + ahead_tiles * kKeyTile) : 0;
       // kLinearPrefetch (V tiles in the cache, not rows in place): the whole next pair through the
       // cursor (the pf pointers are then null). Not for int8 / fp8: their widening makes a step
       // compute-bound, and the cursor's bookkeeping measured 3–7 % slower there (Zen 3).
@@ -203,12 +220,14 @@ void DecodeUnits(const DecodeArgs& a) {
       PrefetchCursor* const cur = linear && has_next ? &cursor : nullptr;
       const TB* kt_next = has_next && !linear ? k_layer + next : nullptr;
       const TB* vt_next = !has_next || linear ? nullptr
-                          : v_in_place        ? v_rows + a.v_row(b, j, u0 + kKeyTile)
+                          : v_in_place        ? v_rows + a.v_row(b, j, u0 + ahead_tiles * kKeyTile)
                                               : v_layer + next;
-      if (kQuant && has_next) {  // the next tile's K and V scales (64 floats each; never linear)
+      if (kQuant && has_next) {  // that tile's K and V scales (64 floats each; never linear)
         for (std::int64_t o = 0; o < kKeyTile * 4; o += 64) {
-          hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(kt_next + a.layout.tile_elems()) + o);
-          hwy::Prefetch(reinterpret_cast<const std::uint8_t*>(vt_next + a.layout.tile_elems()) + o);
+          PrefetchStream(reinterpret_cast<const std::uint8_t*>(kt_next + a.layout.tile_elems()) +
+                         o);
+          PrefetchStream(reinterpret_cast<const std::uint8_t*>(vt_next + a.layout.tile_elems()) +
+                         o);
         }
       }
 

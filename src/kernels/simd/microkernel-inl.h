@@ -37,6 +37,19 @@ struct PrefetchCursor {
   const std::uint8_t* end = nullptr;
 };
 
+// Prefetch of one cache line of decode's forward stream (MicroKernel's pf rows). AVX-512: into L2
+// (PREFETCHT1), not L1: on AMD Zen 4 the T_new = 1 step (bf16 cache, T_k = 32768, one thread)
+// took 12.3 ms prefetching into L1 and 7.8 ms into L2 (no software prefetch: 8.3 ms); the lines
+// reach L1 on the loads, a tile later (docs/performance.md, 2026-12-02). Other targets: L1, as
+// measured before (AVX2 prefetches through the cursor; NEON not measured).
+HWY_INLINE void PrefetchStream(const std::uint8_t* p) {
+#if (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL) && !defined(HWY_DISABLE_CACHE_CONTROL)
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+#else
+  hwy::Prefetch(p);
+#endif
+}
+
 // Register blocking per target: kR rows × kV vectors of accumulators.
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
 constexpr int kR = 6, kV = 4;  // 24 of 32 zmm registers: M = 64 lanes
@@ -161,9 +174,9 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
   const std::uint8_t* cur = cursor != nullptr ? cursor->next : nullptr;
   const std::uint8_t* const cur_end = cursor != nullptr ? cursor->end : nullptr;
   for (std::int64_t k = 0; k < K; ++k) {
-    if (pf != nullptr) {  // the same B row of the next tile (decode's stream), a tile ahead
+    if (pf != nullptr) {  // the same B row of a later tile of decode's stream (PrefetchStream)
       const auto* line = reinterpret_cast<const std::uint8_t*>(pf + k * ldb);
-      for (std::int64_t o = 0; o < row_bytes; o += kLine) hwy::Prefetch(line + o);
+      for (std::int64_t o = 0; o < row_bytes; o += kLine) PrefetchStream(line + o);
     }
     if (cur < cur_end && k % cur_every == 0) {
       for (std::int64_t i = 0; i < cur_lines; ++i, cur += kLine) hwy::Prefetch(cur);
@@ -184,7 +197,7 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
 // block. VN and TB as for MicroKernel. With accumulate and c_scale ([M] lane factors), C is
 // first scaled lane-wise: C ← C · diag(c_scale) + A B (the online softmax's rescale of Õ,
 // fused into the load of C). With pf, the first block's k loop also prefetches the B rows at
-// pf (same ldb, same width): the decode kernel passes the next tile of its stream, so the
+// pf (same ldb, same width): the decode kernel passes a later tile of its stream, so the
 // memory reads overlap this tile's FMAs (the later blocks re-read B from cache: no prefetch).
 // With cursor, the first block's k loop instead prefetches the cursor's range in address order,
 // row_bytes of it per k (as fast as the block reads B), and advances it.

@@ -98,8 +98,12 @@ TEST(KVQuantElements, QuantizerNeverEmitsNaNCodes) {
         kernels::quantize_row(dt, x.data(), 1, 64, q.data(), 1);
         for (std::byte b : q) {
           const auto u = static_cast<std::uint8_t>(b);
-          if (dt == DType::fp8_e4m3) ASSERT_NE(u & 0x7f, 0x7f) << "magnitude " << mag;
-          if (dt == DType::int8) ASSERT_NE(u, 0x80) << "magnitude " << mag;  // q ∈ [−127, 127]
+          if (dt == DType::fp8_e4m3) {
+            ASSERT_NE(u & 0x7f, 0x7f) << "magnitude " << mag;
+          }
+          if (dt == DType::int8) {
+            ASSERT_NE(u, 0x80) << "magnitude " << mag;  // q ∈ [−127, 127]
+          }
         }
       }
 }

@@ -90,8 +90,8 @@ constexpr std::int64_t kAheadBytes = 0;
 // (bf16, g = 4: each 32 B widened and fed to 8 FMAs) one AMD Zen 3 core streamed 10.7–11.4 GB/s
 // prefetching in the products' order and 17.6–17.9 in address order (19.3 reading linearly). The
 // kernel: T_new = 1 from 14.8 to 10.8 ms (bf16) and 33.6 to 21.3 ms (f32), 1 thread, T_k = 32768
-// (docs/performance.md, 2026-12-01). AVX-512's 64-lane blocks read K rows whole: unchanged there
-// (not re-measured).
+// (docs/performance.md, 2026-12-01). AVX-512's 64-lane blocks read K rows whole: same position
+// there (its L2 target and distance measured on AMD Zen 4, docs/performance.md, 2026-12-02).
 #if HWY_TARGET == HWY_AVX2
 constexpr bool kLinearPrefetch = true;
 #else
@@ -206,8 +206,9 @@ void DecodeUnits(const DecodeArgs& a) {
       // The tile ahead_tiles on in this chunk (none in its last ones): the microkernels prefetch
       // it row by row while they compute on this one, so a unit's one forward stream is read
       // ahead by at least kAheadBytes.
-      const bool has_next = u0 + ahead_tiles * kKeyTile < k1;
-      const std::int64_t next = has_next ? a.tile_offset(b, j, u0 + ahead_tiles * kKeyTile) : 0;
+      const std::int64_t u_ahead = u0 + ahead_tiles * kKeyTile;
+      const bool has_next = u_ahead < k1;
+      const std::int64_t next = has_next ? a.tile_offset(b, j, u_ahead) : 0;
       // kLinearPrefetch (V tiles in the cache, not rows in place): the whole next pair through the
       // cursor (the pf pointers are then null). Not for int8 / fp8: their widening makes a step
       // compute-bound, and the cursor's bookkeeping measured 3–7 % slower there (Zen 3).
@@ -220,7 +221,7 @@ void DecodeUnits(const DecodeArgs& a) {
       PrefetchCursor* const cur = linear && has_next ? &cursor : nullptr;
       const TB* kt_next = has_next && !linear ? k_layer + next : nullptr;
       const TB* vt_next = !has_next || linear ? nullptr
-                          : v_in_place        ? v_rows + a.v_row(b, j, u0 + ahead_tiles * kKeyTile)
+                          : v_in_place        ? v_rows + a.v_row(b, j, u_ahead)
                                               : v_layer + next;
       if (kQuant && has_next) {  // that tile's K and V scales (64 floats each; never linear)
         for (std::int64_t o = 0; o < kKeyTile * 4; o += 64) {

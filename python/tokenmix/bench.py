@@ -506,8 +506,8 @@ def ring_main(args: argparse.Namespace) -> int:
                 net[gbit] = t1 / (N * N * step)
             rows.append((T, mode, t1, tN, eff, sent, peak1, peak1_above, peakN, peakN_above,
                          net))
-            print(f"T={T:6d} {mode:8s} 1 process {t1 * 1e3:10.1f} ms  {N} processes "
-                  f"{tN * 1e3:10.1f} ms  speedup {t1 / tN:.2f}x  efficiency {eff:.2f}  "
+            print(f"T={T:6d} {mode:8s} 1 process {t1 * 1e3:10.3f} ms  {N} processes "
+                  f"{tN * 1e3:10.3f} ms  speedup {t1 / tN:.2f}x  efficiency {eff:.2f}  "
                   f"sent/rank {sent} B ({sent / 2**20:.1f} MiB)  peak RSS/process {peak1:.0f} -> "
                   f"{peakN:.0f} MiB (above start {peak1_above:.0f} -> {peakN_above:.0f} MiB)  "
                   f"expected efficiency at 10 Gbit/s {net[10]:.2f}, 100 Gbit/s {net[100]:.2f}")

@@ -93,11 +93,12 @@ def test_bench_ring_reports_efficiency_bytes_and_memory(capsys):
     kv_bytes = 2 * Hkv * (T // 2) * D * 4  # one [2, B, H_kv, T_local, E] float32 chunk
     for _, mode, t1, t2, eff, sent, _, _ in rows:
         assert float(t1) > 0 and float(t2) > 0
-        # E = t_1 / (N t_N), from the unrounded times: the printed ms are ±0.0005 (three
+        # E = t_1 / (N t_N), from the unrounded times: the printed ms are ±half (three
         # decimals: at T = 64 one process can take under 0.05 ms), E ±0.005
+        half = 0.0005
         t1f, t2f, e = float(t1), float(t2), float(eff)
-        low = max(t1f - 0.0005, 0.0) / (2 * (t2f + 0.0005)) - 0.005
-        high = (t1f + 0.0005) / (2 * max(t2f - 0.0005, 1e-9)) + 0.005
+        low = max(t1f - half, 0.0) / (2 * (t2f + half)) - 0.005
+        high = (t1f + half) / (2 * max(t2f - half, 1e-9)) + 0.005
         assert low <= e <= high, (t1, t2, eff)
         # P = 2: one K/V hop forward; the backward adds its hop and two dK/dV hops (float32).
         assert int(sent) == (kv_bytes if mode == "fwd" else 4 * kv_bytes), (mode, sent)

@@ -393,6 +393,10 @@ extern const DecodeKernel attention_decode_f32_neon, attention_decode_bf16_neon,
 // per target (null where not built), for tests/unit/test_softcap_tanh.cpp.
 using TanhKernel = void (*)(const float* x, float* y, std::int64_t n);
 extern const TanhKernel softcap_tanh_avx2, softcap_tanh_avx512, softcap_tanh_neon;
+// Test hook: the SIMD kernels' softmax exp (ExpNaN over simd/exp-inl.h's SoftmaxExp),
+// y[i] = e^x[i], i < n, per target (null where not built), for tests/unit/test_softmax_exp.cpp.
+using ExpKernel = TanhKernel;  // y[i] = f(x[i]), i < n
+extern const ExpKernel softmax_exp_avx2, softmax_exp_avx512, softmax_exp_neon;
 // Test hook: the SIMD microkernel's widening of quantized KV-cache elements (LoadB / LoadBRow,
 // simd/microkernel-inl.h): n int8 or fp8 E4M3 bytes (dtype) → fp32 q · kLoadBUnit (2^−8 for fp8,
 // 1 for int8), one vector at a time into by_vector and four at a time into by_row; per target

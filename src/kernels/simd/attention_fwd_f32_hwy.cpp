@@ -365,18 +365,28 @@ void AttentionFwdBf16(const ForwardArgs& args) {
 void AttentionFwdF16(const ForwardArgs& args) {
   AttentionFwdT<f16_t>(args);
 }
-// Test hook (tests/unit/test_softcap_tanh.cpp): y[i] = the soft-capping tanh of x[i], i < n.
-void SoftcapTanh(const float* x, float* y, std::int64_t n) {
+// y[i] = f(d, x[i]) for i < n, f an element-wise vector function (the test hooks below).
+template <class F>
+void MapVectors(const float* x, float* y, std::int64_t n, F f) {
   const hn::ScalableTag<float> d;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   std::int64_t i = 0;
-  for (; i + N <= n; i += N) hn::StoreU(TanhRational(d, hn::LoadU(d, x + i)), d, y + i);
+  for (; i + N <= n; i += N) hn::StoreU(f(d, hn::LoadU(d, x + i)), d, y + i);
   if (i < n) {  // the tail through a zero-padded vector
     HWY_ALIGN float buf[hn::MaxLanes(d)] = {};
     std::copy(x + i, x + n, buf);
-    hn::Store(TanhRational(d, hn::Load(d, buf)), d, buf);
+    hn::Store(f(d, hn::Load(d, buf)), d, buf);
     std::copy(buf, buf + (n - i), y + i);
   }
+}
+// Test hook (tests/unit/test_softcap_tanh.cpp): y[i] = the soft-capping tanh of x[i], i < n.
+void SoftcapTanh(const float* x, float* y, std::int64_t n) {
+  MapVectors(x, y, n, [](auto d, auto v) { return TanhRational(d, v); });
+}
+// Test hook (tests/unit/test_softmax_exp.cpp): y[i] = the softmax weights' e^x[i] (ExpNaN, the
+// function every SIMD kernel applies), i < n.
+void SoftmaxExpNaN(const float* x, float* y, std::int64_t n) {
+  MapVectors(x, y, n, [](auto d, auto v) { return ExpNaN(d, v); });
 }
 // Test hook (tests/unit/test_kv_quant.cpp): the microkernel's widening of n quantized KV-cache
 // elements q[i] (int8 or fp8 E4M3 bytes, dtype) to fp32, as the decode kernel's products read
@@ -430,6 +440,9 @@ const ForwardKernel attention_fwd_f16_neon = TOKENMIX_SIMD_NEON(AttentionFwdF16)
 const TanhKernel softcap_tanh_avx512 = TOKENMIX_SIMD_AVX512(SoftcapTanh);
 const TanhKernel softcap_tanh_avx2 = TOKENMIX_SIMD_AVX2(SoftcapTanh);
 const TanhKernel softcap_tanh_neon = TOKENMIX_SIMD_NEON(SoftcapTanh);
+const ExpKernel softmax_exp_avx512 = TOKENMIX_SIMD_AVX512(SoftmaxExpNaN);
+const ExpKernel softmax_exp_avx2 = TOKENMIX_SIMD_AVX2(SoftmaxExpNaN);
+const ExpKernel softmax_exp_neon = TOKENMIX_SIMD_NEON(SoftmaxExpNaN);
 const WidenKernel widen_quantized_avx512 = TOKENMIX_SIMD_AVX512(WidenQuantized);
 const WidenKernel widen_quantized_avx2 = TOKENMIX_SIMD_AVX2(WidenQuantized);
 const WidenKernel widen_quantized_neon = TOKENMIX_SIMD_NEON(WidenQuantized);

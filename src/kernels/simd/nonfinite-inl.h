@@ -2,8 +2,9 @@
 // "Non-finite inputs"; the rules are in kernels/nonfinite.hpp and docs/design.md "Numerics").
 //
 // Two things in the flash kernels would otherwise hide a NaN:
-//   * Highway's Exp returns 0 for a NaN argument (its range check `x >= -104` is false for NaN),
-//     so a NaN score became a weight of 0. ExpNaN fixes that with one vmaxps per element.
+//   * The kernels' exp (SoftmaxExp, exp-inl.h) returns 0 for a NaN argument on AVX-512 (its
+//     range compare is false for NaN), so a NaN score would become a weight of 0. ExpNaN fixes
+//     that with one vmaxps per element.
 //   * The products P·V (forward) and dS·K, Pᵀ·dO, dSᵀ·Q (backward) run over every key of a tile
 //     that crosses the causal diagonal, with P = 0 for the lanes that do not see a key — and
 //     0 · NaN = NaN, so a NaN or ±∞ stored in a masked key's row leaked into rows that must not
@@ -24,25 +25,26 @@
 #include <cmath>
 #include <cstdint>
 
-#include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
+#include "kernels/simd/exp-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace tokenmix::kernels::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// e^x that is NaN for NaN x. For every other argument the kernels pass (x ≤ ~88: a score minus
-// the row maximum or minus L) e^x > x, so Max(Exp(x), x) = Exp(x) bit for bit, and e^{−∞} = 0.
-// For NaN x the result is x: x86's vmaxps returns its second operand when either is NaN (one op
-// per element). Elsewhere Highway's Max may drop a NaN (NEON's FMAXNM does), so other targets
-// select it explicitly (two ops). test_nonfinite checks it on every path.
+// e^x (SoftmaxExp, exp-inl.h) that is NaN for NaN x. For every other argument the kernels pass
+// (x ≤ ~88: a score minus the row maximum or minus L) e^x > x, so Max(SoftmaxExp(x), x) =
+// SoftmaxExp(x) bit for bit, and e^{−∞} = 0. For NaN x the result is x: x86's vmaxps returns its
+// second operand when either is NaN (one op per element). Elsewhere Highway's Max may drop a NaN
+// (NEON's FMAXNM does), so other targets select it explicitly (two ops). test_nonfinite checks it
+// on every path.
 template <class D, class V>
 HWY_INLINE V ExpNaN(D d, V x) {
 #if HWY_ARCH_X86
-  return hn::Max(hn::Exp(d, x), x);  // vmaxps returns its second operand if either is NaN
+  return hn::Max(SoftmaxExp(d, x), x);  // vmaxps returns its second operand if either is NaN
 #else
   // Highway's Max on NEON is FMAXNM (the non-NaN operand wins): select the NaN explicitly.
-  return hn::IfThenElse(hn::IsNaN(x), x, hn::Exp(d, x));
+  return hn::IfThenElse(hn::IsNaN(x), x, SoftmaxExp(d, x));
 #endif
 }
 

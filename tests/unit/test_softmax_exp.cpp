@@ -49,13 +49,6 @@ kernels::ExpKernel exp_of(Isa isa) {
   }
 }
 
-// |y − r| in ULP of r's float binade.
-double ulp_error(float y, double r) {
-  int e = 0;
-  std::frexp(std::fabs(r), &e);  // |r| = m·2^e, m ∈ [0.5, 1)
-  return std::fabs(static_cast<double>(y) - r) / std::ldexp(1.0, e - 24);
-}
-
 // fp32 in the order of the reals as an unsigned key (−0 just below +0) and back.
 std::uint32_t order_key(float v) {
   const std::uint32_t u = std::bit_cast<std::uint32_t>(v);
@@ -90,21 +83,13 @@ TEST_P(SoftmaxExp, WithinBoundOfFloat64OverTheNormalRange) {
   ASSERT_GT(n, 4'000'000);  // the strided sweep alone: about 2.24·10^9 / 509 values
   std::vector<float> y(x.size(), kPoison);
   fn(x.data(), y.data(), n);
-  double worst = 0.0;
-  float worst_x = 0.0f;
+  const WorstUlp worst = worst_ulp(x, y, [](double v) { return std::exp(v); });
   std::int64_t subnormal = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    const double e = ulp_error(y[i], std::exp(static_cast<double>(x[i])));
-    if (!(e <= worst)) {  // NaN counts as worst
-      worst = e;
-      worst_x = x[i];
-    }
-    subnormal += std::fpclassify(y[i]) == FP_SUBNORMAL;
-  }
-  EXPECT_LE(worst, kMaxUlp) << "at x = " << worst_x;
+  for (const float v : y) subnormal += std::fpclassify(v) == FP_SUBNORMAL;
+  EXPECT_LE(worst.ulp, kMaxUlp) << "at x = " << worst.x;
   EXPECT_EQ(subnormal, 0) << "e^x ≥ 2^−126 here: no subnormal result";
   std::printf("[ %s ] softmax exp: max error %.2f ULP over %lld inputs (x = %.9g)\n",
-              to_string(GetParam()), worst, static_cast<long long>(n), worst_x);
+              to_string(GetParam()), worst.ulp, static_cast<long long>(n), worst.x);
 }
 
 TEST_P(SoftmaxExp, SpecialValues) {

@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -37,6 +38,30 @@ using testkit::StridedTensor;
 template <class A, class B>
 double rel_err_flat(const A& x, const B& r) {
   return testkit::rel_err(x, r);
+}
+
+/// |y − r| in ULP of r's float binade (subnormal ULP below the normal range): the accuracy
+/// measure of the SIMD kernels' element-wise functions (test_softcap_tanh, test_softmax_exp).
+inline double ulp_error(float y, double r) {
+  int e = 0;
+  std::frexp(std::fabs(r), &e);  // |r| = m·2^e, m ∈ [0.5, 1)
+  return std::fabs(static_cast<double>(y) - r) / std::ldexp(1.0, std::max(e - 24, -149));
+}
+
+/// The largest ulp_error(y[i], f64(x[i])) over i and the x[i] where it is (NaN counts as worst):
+/// an element-wise fp32 function's outputs y against its float64 counterpart f64.
+struct WorstUlp {
+  double ulp = 0.0;
+  float x = 0.0f;
+};
+template <class F64>
+WorstUlp worst_ulp(const std::vector<float>& x, const std::vector<float>& y, F64 f64) {
+  WorstUlp worst;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double e = ulp_error(y[i], f64(static_cast<double>(x[i])));
+    if (!(e <= worst.ulp)) worst = {e, x[i]};
+  }
+  return worst;
 }
 
 /// Fixture of the tests run once per concrete kernel path, each forced in turn:

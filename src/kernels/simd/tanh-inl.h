@@ -19,7 +19,9 @@
 // y = y0 − r·(Q·y0 − N) with y0 = N·r: no vector division (one per 16 scores issues every ~10
 // cycles). The operand order keeps −0 (−0 − r·(+0) = −0).
 // Special values: NaN → NaN (the clamp is Min(9.1, Max(−9.1, x)), whose x86 forms return the
-// second operand, x, when it is NaN; NEON's return NaN), ±∞ → ±1, ±0 → ±0, tiny x → x.
+// second operand, x, when it is NaN; Highway's NEON Min / Max are FMINNM / FMAXNM, which return
+// the number, so there the NaN is selected back at the end: one compare and one select),
+// ±∞ → ±1, ±0 → ±0, tiny x → x.
 //
 // Highway "-inl" header: included once per target from a foreach_target translation unit.
 #if defined(TOKENMIX_KERNELS_SIMD_TANH_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -63,7 +65,12 @@ HWY_INLINE V TanhRational(D d, V x) {
   V r = hn::ApproximateReciprocal(q);
   for (int i = 0; i < kTanhRcpSteps; ++i) r = hn::Mul(r, hn::NegMulAdd(q, r, hn::Set(d, 2.0f)));
   const V y0 = hn::Mul(num, r);
-  return hn::NegMulAdd(r, hn::MulSub(q, y0, num), y0);
+  const V y = hn::NegMulAdd(r, hn::MulSub(q, y0, num), y0);
+#if HWY_ARCH_X86
+  return y;  // a NaN x passed the clamp (the second operand of vminps / vmaxps)
+#else
+  return hn::IfThenElse(hn::IsNaN(x), x, y);  // NEON's Min / Max (FMINNM / FMAXNM) drop a NaN
+#endif
 }
 
 }  // namespace tokenmix::kernels::HWY_NAMESPACE

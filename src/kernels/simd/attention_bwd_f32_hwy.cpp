@@ -39,7 +39,6 @@
 #define HWY_TARGET_INCLUDE "kernels/simd/attention_bwd_f32_hwy.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
-#include "hwy/contrib/math/math-inl.h"
 #include "kernels/simd/microkernel-inl.h"
 #include "kernels/simd/nonfinite-inl.h"
 #include "kernels/simd/variants-inl.h"

@@ -20,7 +20,7 @@
 // per row (4.4): mask keys outside [visible_begin(r), visible_end(r)) to −∞ (4.3 and the sliding
 // window), m' = max(m, max S), P = e^{S − m'}, l ← l e^{m − m'} + Σ P, Õ ← Õ e^{m − m'} (only
 // when m grows). With a window, tiles before the first row's window start are not read.
-// exp: Highway's contrib Exp (1 ULP), exactly 0 for −∞.
+// exp: SoftmaxExp (exp-inl.h, through ExpNaN), 0.85 ULP, exactly 0 for −∞.
 // Highway's per-target re-inclusion: these includes must follow foreach_target.h, in order.
 // clang-format off
 #undef HWY_TARGET_INCLUDE
@@ -28,7 +28,6 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // clang-format: the includes below must follow foreach_target.h
 #include "hwy/highway.h"
-#include "hwy/contrib/math/math-inl.h"
 #include "kernels/simd/microkernel-inl.h"
 #include "kernels/simd/nonfinite-inl.h"
 #include "kernels/simd/tanh-inl.h"

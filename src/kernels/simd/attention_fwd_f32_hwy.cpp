@@ -26,9 +26,9 @@
 // (with soft-capping, scale·Q is (s / c)·Q, so the pass starts from z / c: ScoreScale); sinks
 // start each lane's online softmax at m = σ_h, l = 1 (so L = log(e^{σ_h} + Σ e^S)).
 //
-// exp: Highway's contrib Exp, max error 1 ULP on float32, returns exactly 0 below its range
-// (so e^{−∞} = 0 and masked keys contribute exactly nothing); through ExpNaN, so a NaN score
-// gives a NaN weight (nonfinite-inl.h). Non-finite inputs (SPEC 4.3): a NaN or +∞ score makes
+// exp: SoftmaxExp (exp-inl.h), 0.85 ULP, exactly 0 below −87.34 (so e^{−∞} = 0 and masked
+// keys contribute exactly nothing); through ExpNaN, so a NaN score gives a NaN weight
+// (nonfinite-inl.h). Non-finite inputs (SPEC 4.3): a NaN or +∞ score makes
 // the lane's l NaN, hence O and L NaN; keys a lane does not see take no part (selected away).
 // Highway's per-target re-inclusion: these includes must follow foreach_target.h, in order.
 // clang-format off
@@ -36,7 +36,6 @@
 #define HWY_TARGET_INCLUDE "kernels/simd/attention_fwd_f32_hwy.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
-#include "hwy/contrib/math/math-inl.h"
 #include "kernels/simd/microkernel-inl.h"
 #include "kernels/simd/nonfinite-inl.h"
 #include "kernels/simd/variants-inl.h"

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "api/decode_internal.hpp"
+#include "dispatch/cpu_cap.hpp"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kv_element.hpp"
 #include "kernels/nonfinite.hpp"
@@ -217,6 +218,7 @@ Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, s
   if (o.softcap) a.var.softcap = static_cast<float>(*o.softcap);
   a.ring = ring;
   a.dtype = cc.dtype;
+  a.fp8_direct = cc.dtype == DType::fp8_e4m3 && detail::fp8_direct_widening(fn);
   const std::int64_t g = a.group();
   a.qblock = std::max<std::int64_t>(1, std::min(a.tnew, kMaxRows / g));
   a.qblocks = (a.tnew + a.qblock - 1) / a.qblock;

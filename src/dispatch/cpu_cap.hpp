@@ -13,4 +13,12 @@ Isa cpu_cap(const char* fn);
 /// cpu_features() under the cap read now (one read per call; errors name `fn`).
 const CpuFeatures& cpu_features(const char* fn);
 
+/// Decode over an fp8 E4M3 cache on AVX-512: widen the codes straight into fp32 bits
+/// (kernels::DecodeArgs::fp8_direct; no conversion instruction, subnormal fp32 operands) rather
+/// than through f16 bits. TOKENMIX_FP8_WIDEN, read now: `direct` or `f16` forces the choice;
+/// unset or empty: direct on the CPUs it was measured faster on (AMD family 19h with AVX-512,
+/// Zen 4: docs/performance.md), f16 elsewhere. Other paths (portable, AVX2, NEON) always read
+/// f16 bits or the scalar decoding. ArgumentError naming `fn` on another value.
+bool fp8_direct_widening(const char* fn);
+
 }  // namespace tokenmix::detail

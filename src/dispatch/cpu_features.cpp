@@ -151,6 +151,33 @@ Isa cpu_cap(const char* fn) {
                           env + "'");
 }
 
+bool fp8_direct_widening(const char* fn) {
+  const char* env = std::getenv("TOKENMIX_FP8_WIDEN");
+  if (env != nullptr && *env != '\0') {
+    if (std::strcmp(env, "direct") == 0) return true;
+    if (std::strcmp(env, "f16") == 0) return false;
+    throw ArgumentError(ErrorCode::invalid_argument,
+                        std::string(fn) +
+                            ": environment variable TOKENMIX_FP8_WIDEN must be one of direct, f16 "
+                            "(or unset/empty for the automatic choice); got '" +
+                            env + "'");
+  }
+#ifdef TOKENMIX_X86
+  // AMD family 19h (Zen 3 and Zen 4; only Zen 4 has AVX-512, where the choice matters).
+  static const bool amd_family_19h = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+    const unsigned base = (a >> 8) & 0xfu, ext = (a >> 20) & 0xffu;
+    return (base == 0xfu ? base + ext : base) == 0x19u;
+  }();
+  return amd_family_19h;
+#else
+  return false;
+#endif
+}
+
 const CpuFeatures& cpu_features(const char* fn) {
   // One immutable copy per cap (index = the Isa value; automatic = no cap), built once.
   static const std::array<CpuFeatures, 4> by_cap = {capped(Isa::automatic), capped(Isa::portable),
@@ -166,6 +193,10 @@ const CpuFeatures& cpu_features() {
 
 Isa cpu_cap() {
   return detail::cpu_cap("cpu_cap");
+}
+
+bool fp8_direct_widening() {
+  return detail::fp8_direct_widening("fp8_direct_widening");
 }
 
 }  // namespace tokenmix

@@ -231,6 +231,10 @@ struct DecodeArgs {
   DecodeScratch slots;                    // per-worker buffers ...
   WorkerScratch scratch;                  // ... in these regions (worker w: scratch.at(slot, w))
   int threads = 1;
+  /// fp8 E4M3 cache on AVX-512: read the codes straight as fp32 bits where the kernel can
+  /// (simd/attention_decode_hwy.cpp, kDirectBuilt; detail::fp8_direct_widening decides). Same
+  /// results as false while no product is subnormal; other kernels ignore it.
+  bool fp8_direct = false;
   /// Batches of mixed lengths: chunk_first[b] = Σ_{b' < b} chunks_of(b') ([batch + 1] entries,
   /// each sequence ≥ 1 chunk), so units exist only for the chunks a sequence has (work follows
   /// the keys, not B × the longest). nullptr: every sequence has `chunks` chunks.
@@ -398,11 +402,12 @@ extern const TanhKernel softcap_tanh_avx2, softcap_tanh_avx512, softcap_tanh_neo
 using ExpKernel = TanhKernel;  // y[i] = f(x[i]), i < n
 extern const ExpKernel softmax_exp_avx2, softmax_exp_avx512, softmax_exp_neon;
 // Test hook: the SIMD microkernel's widening of quantized KV-cache elements (LoadB / LoadBRow,
-// simd/microkernel-inl.h): n int8 or fp8 E4M3 bytes (dtype) → fp32 q · kLoadBUnit (2^−8 for fp8,
-// 1 for int8), one vector at a time into by_vector and four at a time into by_row; per target
-// (null where not built), for tests/unit/test_kv_quant.cpp.
-using WidenKernel = void (*)(DType dtype, const std::uint8_t* q, std::int64_t n, float* by_vector,
-                             float* by_row);
+// simd/microkernel-inl.h): n int8 or fp8 E4M3 bytes (dtype) → fp32 q · kLoadBUnit (2^−8 for fp8
+// through f16 bits, 2^−120 for fp8 read directly as fp32 bits (fp8_direct), 1 for int8), one
+// vector at a time into by_vector and four at a time into by_row; per target (null where not
+// built), for tests/unit/test_kv_quant.cpp.
+using WidenKernel = void (*)(DType dtype, bool fp8_direct, const std::uint8_t* q, std::int64_t n,
+                             float* by_vector, float* by_row);
 extern const WidenKernel widen_quantized_avx2, widen_quantized_avx512, widen_quantized_neon;
 
 }  // namespace tokenmix::kernels

@@ -20,6 +20,7 @@
 #include "kernels/kv_tile_layout.hpp"
 #include "kernels/registry.hpp"
 #include "kernels/scratch_arena.hpp"
+#include "test_util.hpp"
 #include "tokenmix/tokenmix.hpp"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -32,36 +33,6 @@ extern "C" const char* __asan_default_options() {
 
 namespace tokenmix::testing {
 namespace {
-
-// Sets (or, with nullptr, unsets) an environment variable for one scope, restoring it after.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) {
-      had_ = true;
-      old_ = old;
-    }
-    if (value != nullptr) {
-      ::setenv(name, value, 1);
-    } else {
-      ::unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      ::setenv(name_, old_.c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
 
 template <class E, class F>
 void expect_error(F&& f, ErrorCode code, std::initializer_list<std::string> parts) {
@@ -447,6 +418,21 @@ TEST(Dispatch, InvalidCpuCapIsAnArgumentErrorNamingTheVariable) {
   expect_error<ArgumentError>([&] { (void)decode_once(Isa::automatic, DType::f32); },
                               ErrorCode::invalid_argument,
                               {"attention_decode", "TOKENMIX_CPU_CAP"});
+}
+
+// TOKENMIX_FP8_WIDEN (detail::fp8_direct_widening) is read by decode over an fp8 E4M3 cache:
+// direct / f16 / unset / empty are accepted, anything else is an ArgumentError naming the entry
+// point, the variable, what it may be and what it was. Other cache dtypes do not read it.
+TEST(Dispatch, InvalidFp8WideningIsAnArgumentErrorNamingTheVariable) {
+  for (const char* ok : {"direct", "f16", "", static_cast<const char*>(nullptr)}) {
+    const ScopedEnv env("TOKENMIX_FP8_WIDEN", ok);
+    EXPECT_NO_THROW((void)decode_once(Isa::automatic, DType::fp8_e4m3)) << (ok ? ok : "unset");
+  }
+  const ScopedEnv env("TOKENMIX_FP8_WIDEN", "bf16");
+  expect_error<ArgumentError>([] { (void)decode_once(Isa::automatic, DType::fp8_e4m3); },
+                              ErrorCode::invalid_argument,
+                              {"attention_decode", "TOKENMIX_FP8_WIDEN", "direct, f16", "'bf16'"});
+  EXPECT_NO_THROW((void)decode_once(Isa::automatic, DType::int8));
 }
 
 // ---- ResourceError ---------------------------------------------------------------------------

@@ -21,6 +21,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr (ScopedFlushSubnormals)
+#endif
+
 #include "api/decode_internal.hpp"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kv_element.hpp"
@@ -31,6 +35,15 @@ namespace tokenmix::testing {
 namespace {
 
 constexpr DType kQuantTypes[] = {DType::int8, DType::fp8_e4m3};
+// The decode kernels' readings of a quantized cache: int8, and fp8 E4M3 through f16 bits or
+// directly as fp32 bits (TOKENMIX_FP8_WIDEN=direct: the AVX-512 kernel; other paths ignore it),
+// each forced, so that no CPU's automatic choice leaves one untested.
+struct QuantReading {
+  DType dt;
+  const char* fp8_widen;
+};
+constexpr QuantReading kQuantReadings[] = {
+    {DType::int8, "f16"}, {DType::fp8_e4m3, "f16"}, {DType::fp8_e4m3, "direct"}};
 
 // ---- element formats ----
 
@@ -111,11 +124,12 @@ TEST(KVQuantElements, QuantizerNeverEmitsNaNCodes) {
 // The widening of stored elements to fp32 on every kernel path, for all 256 byte values at every
 // lane position of the widest vector row (byte i of the input is (i + i / 256) mod 256, so each
 // block of 256 shifts the codes by one lane): the SIMD microkernel's LoadB (one vector) and
-// LoadBRow<4> (fp8: paired f16-bit widening) through the test hook kernels::widen_quantized_<isa>
-// must give q · kLoadBUnit bitwise — int8: q; fp8 E4M3: the format's value (SPEC "Quantized KV
-// cache") times 2^−8, with normal and subnormal codes alike — and the portable kernel's element
-// read (load_element) q itself. NaN codes (never stored, QuantizerNeverEmitsNaNCodes) are left
-// out of the fp8 comparison.
+// LoadBRow<4> (fp8: paired widening) through the test hook kernels::widen_quantized_<isa> must
+// give q · kLoadBUnit bitwise — int8: q; fp8 E4M3: the format's value (SPEC "Quantized KV
+// cache") times 2^−8 through f16 bits, or times 2^−120 read directly as fp32 bits (subnormal
+// fp32 for the subnormal codes; the decode kernel's fp8_direct reading) — with normal and
+// subnormal codes alike, and the portable kernel's element read (load_element) q itself. NaN
+// codes (never stored, QuantizerNeverEmitsNaNCodes) are left out of the fp8 comparison.
 class KVQuantWiden : public PerIsaTest {};
 
 TEST_P(KVQuantWiden, AllByteValuesBitwiseAsTheScalarDecoding) {
@@ -128,32 +142,43 @@ TEST_P(KVQuantWiden, AllByteValuesBitwiseAsTheScalarDecoding) {
   const std::int64_t n = 256 * 64 + 5;  // + a partial vector
   std::vector<std::uint8_t> bytes(static_cast<std::size_t>(n));
   for (std::int64_t i = 0; i < n; ++i) bytes[static_cast<std::size_t>(i)] = (i + i / 256) % 256;
-  for (DType dt : kQuantTypes) {
+  struct Reading {
+    DType dt;
+    bool direct;
+  };
+  for (const Reading reading : {Reading{DType::int8, false}, Reading{DType::fp8_e4m3, false},
+                                Reading{DType::fp8_e4m3, true}}) {
+    const DType dt = reading.dt;
     const bool fp8 = dt == DType::fp8_e4m3;
+    const float unit = !fp8 ? 1.0f : reading.direct ? 0x1.0p-120f : 0x1.0p-8f;
     std::vector<float> by_vector(bytes.size(), std::nanf("")), by_row(bytes.size(), std::nanf(""));
     if (fn != nullptr) {
-      fn(dt, bytes.data(), n, by_vector.data(), by_row.data());
+      fn(dt, reading.direct, bytes.data(), n, by_vector.data(), by_row.data());
     } else {  // the portable kernel: the stored element q read one at a time (load_element)
       for (std::int64_t i = 0; i < n; ++i) {
-        const float v = kernels::load_element(dt, bytes.data(), i) * (fp8 ? 0x1.0p-8f : 1.0f);
+        const float v = kernels::load_element(dt, bytes.data(), i) * unit;
         by_vector[static_cast<std::size_t>(i)] = by_row[static_cast<std::size_t>(i)] = v;
       }
     }
-    const float unit = fp8 ? 0x1.0p-8f : 1.0f;
+    const std::string what = std::string(to_string(dt)) + (reading.direct ? " (direct)" : "");
+    int subnormal_fp32 = 0;  // direct: the subnormal codes' fp32 values are subnormal
     for (std::int64_t i = 0; i < n; ++i) {
       const std::uint8_t b = bytes[static_cast<std::size_t>(i)];
       if (fp8 && (b & 0x7f) == 0x7f) continue;  // NaN code: never stored
-      const float want =
-          (fp8 ? kernels::e4m3_to_f32(b) : static_cast<float>(std::int8_t(b))) * unit;
       const double value = fp8 ? reference::e4m3_value(b) : static_cast<double>(std::int8_t(b));
-      ASSERT_EQ(static_cast<double>(want), value * unit) << "byte " << int(b);
+      const double want_d = value * static_cast<double>(unit);
+      const auto want = static_cast<float>(want_d);
+      ASSERT_EQ(static_cast<double>(want), want_d) << what << " byte " << int(b);  // exact
+      subnormal_fp32 += want != 0.0f && std::fpclassify(want) == FP_SUBNORMAL;
       const float got_v = by_vector[static_cast<std::size_t>(i)];
       const float got_r = by_row[static_cast<std::size_t>(i)];
       ASSERT_EQ(std::bit_cast<std::uint32_t>(got_v), std::bit_cast<std::uint32_t>(want))
-          << to_string(dt) << " byte " << int(b) << " at " << i << ": " << got_v << " vs " << want;
+          << what << " byte " << int(b) << " at " << i << ": " << got_v << " vs " << want;
       ASSERT_EQ(std::bit_cast<std::uint32_t>(got_r), std::bit_cast<std::uint32_t>(want))
-          << to_string(dt) << " (row) byte " << int(b) << " at " << i << ": " << got_r;
+          << what << " (row) byte " << int(b) << " at " << i << ": " << got_r;
     }
+    // 14 subnormal codes (±1..7 · 2^−9) in each of the 64 shifted blocks
+    EXPECT_EQ(subnormal_fp32, reading.direct ? 14 * 64 : 0) << what;
   }
 }
 INSTANTIATE_TEST_SUITE_P(AllIsas, KVQuantWiden, AllIsas(), IsaName);
@@ -478,13 +503,15 @@ class KVQuantDecode : public PerIsaTest {};
 TEST_P(KVQuantDecode, MatchesFloat64OracleOverDequantizedCache) {
   std::mt19937_64 rng(2024);
   for (const QuantCase& qc : quant_cases())
-    for (DType dt : kQuantTypes)
+    for (const QuantReading& reading : kQuantReadings)
       for (std::int64_t block : {0, 128}) {
-        SCOPED_TRACE("L0=" + std::to_string(qc.lengths[0]) +
-                     " L1=" + std::to_string(qc.lengths[1]) + " T_new=" + std::to_string(qc.tnew) +
-                     " H_q=" + std::to_string(qc.hq) + " H_kv=" + std::to_string(qc.hkv) +
-                     " d_h=" + std::to_string(qc.dh) + " dtype=" + to_string(dt) +
-                     " block=" + std::to_string(block));
+        const DType dt = reading.dt;
+        const ScopedEnv widen("TOKENMIX_FP8_WIDEN", reading.fp8_widen);
+        SCOPED_TRACE(std::string("reading=") + reading.fp8_widen + " L0=" +
+                     std::to_string(qc.lengths[0]) + " L1=" + std::to_string(qc.lengths[1]) +
+                     " T_new=" + std::to_string(qc.tnew) + " H_q=" + std::to_string(qc.hq) +
+                     " H_kv=" + std::to_string(qc.hkv) + " d_h=" + std::to_string(qc.dh) +
+                     " dtype=" + to_string(dt) + " block=" + std::to_string(block));
         const std::int64_t B = static_cast<std::int64_t>(qc.lengths.size());
         KVCache cache({2, B, qc.hkv, qc.dh, 2200, dt, block, 0});
         fill(cache, 1, qc.lengths, rng);
@@ -512,9 +539,12 @@ TEST_P(KVQuantDecode, VariantsAndRollingCacheMatchOracle) {
     slopes.push_back(0.01f * static_cast<float>(h + 1));
     sinks.push_back(0.3f * static_cast<float>(h) - 1.0f);
   }
-  for (DType dt : kQuantTypes)
+  for (const QuantReading& reading : kQuantReadings)
     for (std::int64_t rolling : {0, 1}) {
-      SCOPED_TRACE(std::string(to_string(dt)) + (rolling ? " rolling" : " full"));
+      const DType dt = reading.dt;
+      const ScopedEnv widen("TOKENMIX_FP8_WIDEN", reading.fp8_widen);
+      SCOPED_TRACE(std::string(to_string(dt)) + " " + reading.fp8_widen +
+                   (rolling ? " rolling" : " full"));
       const std::int64_t W = 300;
       KVCache cache({1, 2, hkv, dh, 3000, dt, rolling ? 64 : 0, 0, rolling ? W : 0});
       fill(cache, 0, {1500, 700}, rng);
@@ -543,7 +573,9 @@ TEST_P(KVQuantDecode, VariantsAndRollingCacheMatchOracle) {
 // The chunk split and merge order do not depend on the thread count: bitwise identical results.
 TEST_P(KVQuantDecode, BitwiseIdenticalAcrossThreadCounts) {
   std::mt19937_64 rng(7);
-  for (DType dt : kQuantTypes) {
+  for (const QuantReading& reading : kQuantReadings) {
+    const DType dt = reading.dt;
+    const ScopedEnv widen("TOKENMIX_FP8_WIDEN", reading.fp8_widen);
     KVCache cache({1, 2, 1, 64, 4500, dt, 0, 0});
     fill(cache, 0, {4500, 1500}, rng);
     StridedTensor q(2, 2, 8, 64, Layout::bthd);
@@ -564,6 +596,133 @@ TEST_P(KVQuantDecode, BitwiseIdenticalAcrossThreadCounts) {
       EXPECT_EQ(0, std::memcmp(lses[0].data(), lses[i].data(), lses[0].size() * sizeof(float)));
     }
   }
+}
+
+// fp8 E4M3 read directly as fp32 bits (subnormal fp32 for the subnormal codes, scale·Q
+// prescaled by 2^sh, the unit 2^−120 folded into the scales; simd/attention_decode_hwy.cpp)
+// gives the same bits as the f16 reading wherever no product is subnormal, and both match the
+// oracle: on caches whose elements span 2^−14 of their row's largest (about one code in eight
+// subnormal), over shapes across tile edges, d_h tails and the tall blocking (T_new > 1). And its
+// guards: a tile whose V scales reach 2^7 (rows ×2·10^5 in keys [64, 128)) and queries whose
+// largest |scale·q| is outside [2^−60, 2^61) (×1e−20, ×3e20) are read through f16 bits — the
+// same bits again — and so is every unit of a call whose workers flush subnormals (MXCSR DAZ and
+// FTZ, as under -ffast-math or torch.set_flush_denormal(True)), where the direct reading would
+// take the subnormal codes for 0.
+// MXCSR's DAZ and FTZ set (subnormal operands read as 0, subnormal results flushed) on the
+// calling thread and on each thread of an OpenMP team of `threads` (the pool the next parallel
+// region of that size reuses) for one scope, cleared again after (x86; elsewhere no MXCSR:
+// kSupported is false and nothing is set).
+class ScopedFlushSubnormals {
+ public:
+#if defined(__x86_64__)
+  static constexpr bool kSupported = true;
+#else
+  static constexpr bool kSupported = false;
+#endif
+  ScopedFlushSubnormals(bool on, int threads) : on_(on && kSupported), threads_(threads) {
+    if (on_) set(true);
+  }
+  ~ScopedFlushSubnormals() {
+    if (on_) set(false);
+  }
+  ScopedFlushSubnormals(const ScopedFlushSubnormals&) = delete;
+  ScopedFlushSubnormals& operator=(const ScopedFlushSubnormals&) = delete;
+
+ private:
+  void set([[maybe_unused]] bool flush) const {
+#if defined(__x86_64__)
+    constexpr unsigned kDazFtz = 0x8040u;
+    const auto apply = [flush] {
+      _mm_setcsr(flush ? _mm_getcsr() | kDazFtz : _mm_getcsr() & ~kDazFtz);
+    };
+    apply();
+#pragma omp parallel num_threads(threads_)
+    apply();
+#endif
+  }
+  bool on_;
+  int threads_;
+};
+
+void fill_wide_range(KVCache& c, std::int64_t seq, std::int64_t n, std::mt19937_64& rng) {
+  const std::int64_t H = c.config().heads_kv, D = c.config().head_dim;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> octave(0, 14);
+  std::vector<float> k(static_cast<std::size_t>(n * H * D)), v(k.size());
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    k[i] = std::ldexp(normal(rng), -octave(rng));
+    v[i] = std::ldexp(normal(rng), -octave(rng));
+    const std::int64_t u = static_cast<std::int64_t>(i) / (H * D);
+    if (u >= 64 && u < 128) v[i] *= 2e5f;  // V scales ≥ 2^7 in that tile
+  }
+  c.append(0, seq, ConstTensorView::bthd(k.data(), 1, n, H, D),
+           ConstTensorView::bthd(v.data(), 1, n, H, D));
+}
+
+TEST_P(KVQuantDecode, Fp8DirectReadingSameBitsAsF16) {
+  std::mt19937_64 rng(815);
+  struct Shape {
+    std::int64_t len, tnew, hq, hkv, dh;
+  };
+  const Shape shapes[] = {{2100, 1, 8, 2, 128},
+                          {700, 5, 8, 2, 40},
+                          {300, 13, 4, 1, 7},
+                          {130, 2, 6, 3, 64},
+                          {64, 1, 4, 4, 16}};
+  std::int64_t subnormal_codes = 0;
+  for (const Shape& sh : shapes) {
+    KVCache cache({1, 1, sh.hkv, sh.dh, sh.len, DType::fp8_e4m3, 0, 0});
+    fill_wide_range(cache, 0, sh.len, rng);
+    for (std::int64_t u = 0; u < sh.len; ++u)  // the codes the cache holds (kv_oracle.hpp)
+      for (std::int64_t h = 0; h < sh.hkv; ++h)
+        for (const bool value : {false, true})
+          for (const std::uint8_t b : stored_row(cache, 0, 0, u, h, value).q)
+            subnormal_codes += (b & 0x78) == 0 && (b & 0x07) != 0;
+    for (const float q_scale : {1.0f, 1e-20f, 3e20f}) {
+      SCOPED_TRACE("T_k=" + std::to_string(sh.len) + " T_new=" + std::to_string(sh.tnew) +
+                   " H_q=" + std::to_string(sh.hq) + " H_kv=" + std::to_string(sh.hkv) +
+                   " d_h=" + std::to_string(sh.dh) + " q scale " + std::to_string(q_scale));
+      StridedTensor q(1, sh.tnew, sh.hq, sh.dh, Layout::strided);
+      q.fill_random(rng);
+      for (float& x : q.storage) x *= q_scale;
+      const std::vector<reference::ForwardResult> refs{cache_oracle(q, 0, cache, 0)};
+      // One call into out (poisoned: NaN) and lse; the tensors are not copied (views).
+      struct Result {
+        StridedTensor out;
+        std::vector<float> lse;
+      };
+      const auto run = [&](Result& r, const char* widen, bool flush_subnormals) {
+        const ScopedEnv env("TOKENMIX_FP8_WIDEN", widen);
+        DecodeOptions o;
+        o.isa = GetParam();
+        o.threads = 2;
+        const ScopedFlushSubnormals flush(flush_subnormals, o.threads);
+        attention_decode(q.view, cache, 0, r.out.view,
+                         TensorView::bht(r.lse.data(), 1, sh.hq, sh.tnew), o);
+      };
+      const auto fresh = [&] {
+        return Result{StridedTensor(1, sh.tnew, sh.hq, sh.dh, Layout::bthd),
+                      std::vector<float>(static_cast<std::size_t>(sh.hq * sh.tnew), kPoison)};
+      };
+      Result f16 = fresh(), direct = fresh(), flushed = fresh();
+      run(f16, "f16", false);
+      run(direct, "direct", false);
+      expect_decode_matches(f16.out, f16.lse, refs);
+      expect_decode_matches(direct.out, direct.lse, refs);
+      const auto same_bits = [](const Result& x, const Result& y) {
+        return std::memcmp(x.out.storage.data(), y.out.storage.data(),
+                           x.out.storage.size() * sizeof(float)) == 0 &&
+               std::memcmp(x.lse.data(), y.lse.data(), x.lse.size() * sizeof(float)) == 0;
+      };
+      EXPECT_TRUE(same_bits(f16, direct));
+      if (ScopedFlushSubnormals::kSupported) {
+        run(flushed, "direct", true);
+        expect_decode_matches(flushed.out, flushed.lse, refs);
+        EXPECT_TRUE(same_bits(f16, flushed));
+      }
+    }
+  }
+  EXPECT_GT(subnormal_codes, 10000);  // the data this test is for
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, KVQuantDecode, AllIsas(), IsaName);

@@ -1,5 +1,6 @@
 // tools/cli/cmd_info.cpp — `tokenmix info`: version, CPU, ISA features, kernel paths, threads.
 #include <CLI/CLI.hpp>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 
@@ -10,6 +11,7 @@ namespace {
 
 int run_info() {
   const Isa chosen = resolve_isa(Isa::automatic);  // may throw (bad TOKENMIX_ISA): before output
+  (void)fp8_direct_widening();                     // may throw (bad TOKENMIX_FP8_WIDEN): ditto
   const CpuFeatures& cpu = cpu_features();
   std::cout << "tokenmix " << version() << "\n";
   std::cout << "cpu:             " << (cpu.model.empty() ? "(unknown)" : cpu.model) << "\n";
@@ -30,6 +32,13 @@ int run_info() {
                     ? std::string(", TOKENMIX_ISA=") + std::getenv("TOKENMIX_ISA")
                     : std::string())
             << ") - " << describe_kernel(chosen) << "\n";
+  const char* widen_env = std::getenv("TOKENMIX_FP8_WIDEN");
+  const bool widen_forced = widen_env != nullptr && *widen_env != '\0';
+  std::cout << "fp8 cache:       " << (fp8_direct_widening() ? "direct" : "f16")
+            << " widening on avx512 ("
+            << (widen_forced ? std::string("TOKENMIX_FP8_WIDEN=") + widen_env
+                             : std::string("automatic"))
+            << ")\n";
   std::cout << "threads:         " << default_threads() << " (default; --threads overrides)\n";
   return kExitOk;
 }

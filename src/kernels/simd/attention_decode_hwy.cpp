@@ -124,7 +124,31 @@ void DecodeUnits(const DecodeArgs& a) {
   // LoadB returns q · kLoadBUnit (2^−8 for fp8): the scales are multiplied by 1 / kLoadBUnit
   // (exact, a power of two), and the scalar tail reads q · kLoadBUnit too.
   constexpr bool kQuant = std::is_same_v<TB, std::int8_t> || std::is_same_v<TB, fp8_e4m3_t>;
+  constexpr bool kFp8 = std::is_same_v<TB, fp8_e4m3_t>;
   constexpr float kUnit = kLoadBUnit<TB>;
+  // fp8 E4M3 on AVX-512 has a second widening, straight into fp32 bits (fp8_e4m3_direct_t,
+  // microkernel-inl.h: no conversion instruction, LoadB returns q · 2^−120, subnormal fp32 for
+  // subnormal codes), used when the call asks for it (DecodeArgs::fp8_direct) and this worker's
+  // MXCSR has DAZ and FTZ clear (a subnormal operand read as 0 would be a wrong answer). Its
+  // unit 2^−120 is folded where 2^−8 is otherwise, with two guards that keep every product
+  // normal and every factor finite:
+  //   K: the unit's scale·Q rows are multiplied by 2^sh (exact) so that their largest |element|
+  //      lies in [2^64, 2^65): the score products q'·(k·2^−120) stay far above 2^−126; the score
+  //      is then (S'·2^(120−sh))·δ_u. Only where max |scale·q| is finite, non-zero and in
+  //      [2^−60, 2^61); otherwise the unit reads K through the f16 bits (sh = 0).
+  //   V: P_u·(δ_u·2^120) needs δ_u < 2^8: a tile whose V scales are not all below 2^7 is read
+  //      through the f16 bits.
+  // Both readings multiply the same products by exact powers of two, so they give the same
+  // bits while no product is subnormal (tests/unit/test_kv_quant.cpp compares them bitwise).
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  constexpr bool kDirectBuilt = kFp8;
+  const bool direct_ok = kDirectBuilt && a.fp8_direct && (_mm_getcsr() & 0x8040u) == 0;
+#else
+  constexpr bool kDirectBuilt = false;
+  const bool direct_ok = false;
+#endif
+  using TD = std::conditional_t<kDirectBuilt, fp8_e4m3_direct_t, TB>;  // the direct element
+  constexpr float kDirectUnit = kLoadBUnit<TD>;
   const hn::ScalableTag<float> d;
   const hn::RebindToSigned<decltype(d)> di;
   using VF = hn::Vec<decltype(d)>;
@@ -188,9 +212,27 @@ void DecodeUnits(const DecodeArgs& a) {
     // long T_new —, a sequence with no key yet, or before a window): out before any per-row
     // work. The merge reads no part of it.
     if (kb >= k1) continue;
+    float q_max = 0.0f;  // max |scale·q| of the unit's rows (NaN elements pass over)
     for (std::int64_t r = 0; r < nrows; ++r) {
       const float* q = a.q.row(b, t0 + r / g, j * g + r % g);
-      for (std::int64_t x = 0; x < dh; ++x) qs[r * dh + x] = a.scale * q[x * a.q.s3];
+      for (std::int64_t x = 0; x < dh; ++x) {
+        qs[r * dh + x] = a.scale * q[x * a.q.s3];
+        q_max = std::max(q_max, std::fabs(qs[r * dh + x]));
+      }
+    }
+    // K read directly (see kDirectBuilt): scale·Q ← 2^sh · scale·Q, the scores' factor 2^(120−sh).
+    bool k_direct = false;
+    float k_post = 1.0f / kUnit;
+    if (direct_ok && std::isfinite(q_max) && q_max > 0.0f) {
+      int e = 0;
+      std::frexp(q_max, &e);  // q_max ∈ [2^(e−1), 2^e)
+      if (e - 1 >= -60 && e - 1 <= 60) {
+        const int sh = 64 - (e - 1);
+        const float up = std::ldexp(1.0f, sh);
+        for (std::int64_t i = 0; i < nrows * dh; ++i) qs[i] *= up;
+        k_direct = true;
+        k_post = std::ldexp(1.0f, 120 - sh);
+      }
     }
     std::fill(acc, acc + nrows * dh, 0.0f);
     const bool capped = a.var.softcap > 0.0f;
@@ -236,21 +278,29 @@ void DecodeUnits(const DecodeArgs& a) {
       // last tile) are computed and passed over below: a short last tile (or a call with fewer
       // than 64 keys) costs its keys, not the tile. Lanes [nt, nv) are masked (partial is true).
       const std::int64_t nv = (nt + N - 1) / N * N;
-      std::int64_t c0 = 0;
-      if (tall) {
-        for (; c0 + WT <= nv; c0 += WT) {
-          GemmRows<kRT, kVT>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false,
-                             nullptr, kt_next != nullptr ? kt_next + c0 : nullptr, cur);
+      // kk: the K tile as TB or (k_direct) as TD, kn: the prefetched one (or null).
+      const auto s_product = [&](const auto* kk, const auto* kn) {
+        std::int64_t c0 = 0;
+        if (tall) {
+          for (; c0 + WT <= nv; c0 += WT) {
+            GemmRows<kRT, kVT>(d, nrows, qs, dh, 1, kk + c0, kKeyTile, dh, st + c0, kKeyTile, false,
+                               nullptr, kn != nullptr ? kn + c0 : nullptr, cur);
+          }
+          for (; c0 < nv; c0 += N)
+            GemmRows<kRT, 1>(d, nrows, qs, dh, 1, kk + c0, kKeyTile, dh, st + c0, kKeyTile, false);
+        } else {
+          for (; c0 + W <= nv; c0 += W) {
+            GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kk + c0, kKeyTile, dh, st + c0, kKeyTile, false,
+                               nullptr, kn != nullptr ? kn + c0 : nullptr, cur);
+          }
+          for (; c0 < nv; c0 += N)
+            GemmRows<kRD, 1>(d, nrows, qs, dh, 1, kk + c0, kKeyTile, dh, st + c0, kKeyTile, false);
         }
-        for (; c0 < nv; c0 += N)
-          GemmRows<kRT, 1>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false);
+      };
+      if (kDirectBuilt && k_direct) {
+        s_product(reinterpret_cast<const TD*>(kt), reinterpret_cast<const TD*>(kt_next));
       } else {
-        for (; c0 + W <= nv; c0 += W) {
-          GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false,
-                             nullptr, kt_next != nullptr ? kt_next + c0 : nullptr, cur);
-        }
-        for (; c0 < nv; c0 += N)
-          GemmRows<kRD, 1>(d, nrows, qs, dh, 1, kt + c0, kKeyTile, dh, st + c0, kKeyTile, false);
+        s_product(kt, kt_next);
       }
       // Tile crosses some row's end or window start: the mask pass below runs.
       const bool partial = u0 + kKeyTile > kfull || u0 < kfull_begin;
@@ -258,17 +308,33 @@ void DecodeUnits(const DecodeArgs& a) {
       // when no variant or mask pass comes first (the same products), else a pass of its own.
       const float* ks = reinterpret_cast<const float*>(kt + a.layout.tile_elems());
       const bool fuse_ks = kQuant && !capped && a.var.alibi == nullptr && !partial;
-      const VF k_unit = hn::Set(d, 1.0f / kUnit);
+      // S_u · δ_u for int8; (S_u · k_post) · δ_u for fp8 (k_post a power of two: the same bits
+      // as S_u · (δ_u · k_post) wherever that product is finite, and no overflow of it).
+      const VF kpost = hn::Set(d, k_post);
+      const auto scale_scores = [&](VF s_u, VF delta) {
+        if constexpr (kFp8) return hn::Mul(hn::Mul(s_u, kpost), delta);
+        return hn::Mul(s_u, delta);  // int8: kUnit = 1
+      };
       // V's row scales: P_u ← P_u · δ_u in the exp pass (after l takes the unscaled P).
       const float* vs =
           kQuant ? reinterpret_cast<const float*>(vt + a.layout.tile_elems()) : nullptr;
-      const VF v_unit = k_unit;
+      // V read directly (see kDirectBuilt) if every scale of the tile is below 2^7.
+      bool v_direct = false;
+      if (kDirectBuilt && direct_ok) {
+        VF vmax_scale = hn::LoadU(d, vs);
+        for (std::int64_t i = N; i < nv; i += N)
+          vmax_scale = hn::Max(vmax_scale, hn::LoadU(d, vs + i));
+        v_direct = hn::GetLane(hn::MaxOfLanes(d, vmax_scale)) < 0x1.0p7f;
+      }
+      const float v_elem_unit = v_direct ? kDirectUnit : kUnit;  // what V's LoadB returns per q
+      const VF v_unit = hn::Set(d, 1.0f / v_elem_unit);
       if (kQuant && !fuse_ks) {
-        const VF unit = k_unit;
         for (std::int64_t i = 0; i < nv; i += N) {
-          const VF delta = hn::Mul(hn::LoadU(d, ks + i), unit);
-          for (std::int64_t r = 0; r < nrows; ++r)
-            hn::Store(hn::Mul(hn::Load(d, st + r * kKeyTile + i), delta), d, st + r * kKeyTile + i);
+          const VF delta = hn::LoadU(d, ks + i);
+          for (std::int64_t r = 0; r < nrows; ++r) {
+            hn::Store(scale_scores(hn::Load(d, st + r * kKeyTile + i), delta), d,
+                      st + r * kKeyTile + i);
+          }
         }
       }
 
@@ -308,7 +374,7 @@ void DecodeUnits(const DecodeArgs& a) {
         // The row's max (same order of Max either way); fuse_ks: S_u ← δ_u · S_u on the way.
         const auto scaled = [&](std::int64_t i) {
           if (!fuse_ks) return hn::Load(d, score + i);
-          const VF z = hn::Mul(hn::Load(d, score + i), hn::Mul(hn::LoadU(d, ks + i), k_unit));
+          const VF z = scale_scores(hn::Load(d, score + i), hn::LoadU(d, ks + i));
           hn::Store(z, d, score + i);
           return z;
         };
@@ -384,22 +450,31 @@ void DecodeUnits(const DecodeArgs& a) {
           }
           continue;
         }
-        if (tall) {
-          for (x0 = 0; x0 < dh_tall; x0 += WT) {
-            GemmRows<kRT, kVT>(d, nrows, st + k0, kKeyTile, 1, vk + x0, vld, nk, acc + x0, dh, true,
-                               nullptr, vt_next != nullptr ? vt_next + k0 * vld + x0 : nullptr,
-                               cur);
+        // vv: the V sub-tile as TB or (v_direct) as TD, vn: the prefetched one (or null).
+        const auto pv_product = [&](const auto* vv, const auto* vn) {
+          if (tall) {
+            for (x0 = 0; x0 < dh_tall; x0 += WT) {
+              GemmRows<kRT, kVT>(d, nrows, st + k0, kKeyTile, 1, vv + x0, vld, nk, acc + x0, dh,
+                                 true, nullptr, vn != nullptr ? vn + x0 : nullptr, cur);
+            }
+            for (; x0 < dh_vec; x0 += N)
+              GemmRows<kRT, 1>(d, nrows, st + k0, kKeyTile, 1, vv + x0, vld, nk, acc + x0, dh,
+                               true);
+          } else {
+            for (x0 = 0; x0 < dh_full; x0 += W) {
+              GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vv + x0, vld, nk, acc + x0, dh,
+                                 true, nullptr, vn != nullptr ? vn + x0 : nullptr, cur);
+            }
+            for (; x0 < dh_vec; x0 += N)
+              GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vv + x0, vld, nk, acc + x0, dh,
+                               true);
           }
-          for (; x0 < dh_vec; x0 += N)
-            GemmRows<kRT, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, vld, nk, acc + x0, dh, true);
+        };
+        const TB* vk_next = vt_next != nullptr ? vt_next + k0 * vld : nullptr;
+        if (kDirectBuilt && v_direct) {
+          pv_product(reinterpret_cast<const TD*>(vk), reinterpret_cast<const TD*>(vk_next));
         } else {
-          for (x0 = 0; x0 < dh_full; x0 += W) {
-            GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vk + x0, vld, nk, acc + x0, dh, true,
-                               nullptr, vt_next != nullptr ? vt_next + k0 * vld + x0 : nullptr,
-                               cur);
-          }
-          for (; x0 < dh_vec; x0 += N)
-            GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vk + x0, vld, nk, acc + x0, dh, true);
+          pv_product(vk, vk_next);
         }
       }
       if (x0 < dh) {
@@ -408,7 +483,7 @@ void DecodeUnits(const DecodeArgs& a) {
                u < std::min(nt, a.visible_end(b, t0 + r / g) - u0); ++u) {
             const float p = st[r * kKeyTile + u];
             for (std::int64_t x = x0; x < dh; ++x)
-              acc[r * dh + x] += p * (load_element(a.dtype, vt, u * vld + x) * kUnit);
+              acc[r * dh + x] += p * (load_element(a.dtype, vt, u * vld + x) * v_elem_unit);
           }
       }
     }

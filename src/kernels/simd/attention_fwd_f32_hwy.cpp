@@ -391,8 +391,8 @@ void SoftmaxExpNaN(const float* x, float* y, std::int64_t n) {
 // elements q[i] (int8 or fp8 E4M3 bytes, dtype) to fp32, as the decode kernel's products read
 // them: one vector at a time (LoadB, the VN = 1 products) into by_vector and kVD = 4 vectors at
 // a time (LoadBRow<4>, fp8 E4M3's paired widening) into by_row. Both hold q · kLoadBUnit.
-void WidenQuantized(DType dtype, const std::uint8_t* q, std::int64_t n, float* by_vector,
-                    float* by_row) {
+void WidenQuantized(DType dtype, bool fp8_direct, const std::uint8_t* q, std::int64_t n,
+                    float* by_vector, float* by_row) {
   const hn::ScalableTag<float> d;
   constexpr int kRow = 4;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), W = kRow * N;
@@ -409,6 +409,8 @@ void WidenQuantized(DType dtype, const std::uint8_t* q, std::int64_t n, float* b
   };
   if (dtype == DType::int8) {
     run(reinterpret_cast<const std::int8_t*>(in.data()));
+  } else if (fp8_direct) {
+    run(reinterpret_cast<const fp8_e4m3_direct_t*>(in.data()));
   } else {
     run(reinterpret_cast<const fp8_e4m3_t*>(in.data()));
   }

@@ -38,6 +38,9 @@ void bind_runtime(nb::module_& m) {
     if (cap == tmx::Isa::automatic) return std::nullopt;
     return std::string(tmx::to_string(cap));
   });
+  // How the avx512 decode kernel widens an fp8 E4M3 cache (TOKENMIX_FP8_WIDEN, read at each
+  // call): True = straight into fp32 bits, False = through f16 bits.
+  m.def("fp8_direct_widening", [] { return tmx::fp8_direct_widening(); });
   m.def("cpu_features", [] {
     const tmx::CpuFeatures& f = tmx::cpu_features();
     nb::dict d;

@@ -225,3 +225,37 @@ def test_cpu_cap_follows_the_environment(monkeypatch):
     assert e.value.code == "invalid_argument" and "TOKENMIX_CPU_CAP" in str(e.value)
     monkeypatch.delenv("TOKENMIX_CPU_CAP")
     assert tm.available_isas() == uncapped
+
+
+# --- TOKENMIX_FP8_WIDEN ---------------------------------------------------------------------------
+
+
+def test_fp8_widening_follows_the_environment_and_gives_the_same_results(monkeypatch):
+    """fp8_direct_widening() follows TOKENMIX_FP8_WIDEN; decode over an fp8 cache gives the same
+    bits either way (the readings differ only where a product is subnormal); another value is an
+    ArgumentError naming the variable."""
+    monkeypatch.setenv("TOKENMIX_FP8_WIDEN", "direct")
+    assert tm.fp8_direct_widening() is True
+    monkeypatch.setenv("TOKENMIX_FP8_WIDEN", "f16")
+    assert tm.fp8_direct_widening() is False
+    monkeypatch.setenv("TOKENMIX_FP8_WIDEN", "")
+    automatic = tm.fp8_direct_widening()
+    monkeypatch.delenv("TOKENMIX_FP8_WIDEN")
+    assert tm.fp8_direct_widening() == automatic
+    rng = np.random.default_rng(5)
+    cache = tm.KVCache(layers=1, batch=1, heads_kv=2, head_dim=64, capacity=300, dtype="fp8_e4m3")
+    k = rng.standard_normal((1, 300, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 300, 2, 64)).astype(np.float32)
+    cache.append(0, k, v)
+    q = rng.standard_normal((1, 1, 8, 64)).astype(np.float32)
+    outs = {}
+    for widen in ("direct", "f16"):
+        monkeypatch.setenv("TOKENMIX_FP8_WIDEN", widen)
+        outs[widen] = tm.attention_decode(q, cache, 0)
+    np.testing.assert_array_equal(outs["direct"], outs["f16"])
+    monkeypatch.setenv("TOKENMIX_FP8_WIDEN", "fp16")
+    with pytest.raises(tm.ArgumentError) as e:
+        tm.fp8_direct_widening()
+    assert e.value.code == "invalid_argument" and "TOKENMIX_FP8_WIDEN" in str(e.value)
+    with pytest.raises(tm.ArgumentError):
+        tm.attention_decode(q, cache, 0)

@@ -76,6 +76,7 @@ from ._ops import (
 from ._runtime import (
     available_isas,
     cpu_cap,
+    fp8_direct_widening,
     cpu_features,
     default_threads,
     describe_kernel,
@@ -111,6 +112,7 @@ __all__ = [
     "version",
     "cpu_features",
     "cpu_cap",
+    "fp8_direct_widening",
     "available_isas",
     "resolve_isa",
     "default_threads",

@@ -11,6 +11,9 @@ available_isas = _C.available_isas
 default_threads = _C.default_threads
 describe_kernel = _C.describe_kernel
 cpu_cap = _C.cpu_cap  # None, or the TOKENMIX_CPU_CAP cap in effect ("portable"/"avx2"/"avx512")
+# True if the avx512 decode kernel reads an fp8 E4M3 cache straight as fp32 bits, False if through
+# f16 bits (TOKENMIX_FP8_WIDEN=direct|f16; automatic: direct on AMD Zen 4). Same results either way.
+fp8_direct_widening = _C.fp8_direct_widening
 
 
 def resolve_isa(isa: str = "auto") -> str:

@@ -115,6 +115,27 @@ bool NonFiniteIn(const TB* p, std::int64_t lo, std::int64_t hi) {
   return bad != 0;
 }
 
+// One product over a tile's columns (S: keys, Õ: features): C[rows][x] (+)= A B[·][x], A's rows
+// a_row apart, for x in whole blocks of VN vectors (the R × VN register blocking; pf: the same
+// columns of a later tile prefetched) and then single vectors, up to vec (a multiple of Lanes).
+// Returns the first column not computed.
+template <int R, int VN, class D, class TB>
+HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std::int64_t a_row,
+                                     const TB* b, std::int64_t ldb, std::int64_t K, float* c,
+                                     std::int64_t ldc, bool accumulate, std::int64_t vec,
+                                     const TB* pf, PrefetchCursor* cursor) {
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), W = VN * N;
+  std::int64_t x = 0;
+  for (; x + W <= vec; x += W) {
+    GemmRows<R, VN>(d, rows, a, a_row, 1, b + x, ldb, K, c + x, ldc, accumulate, nullptr,
+                    pf != nullptr ? pf + x : nullptr, cursor);
+  }
+  for (; x + N <= vec; x += N) {
+    GemmRows<R, 1>(d, rows, a, a_row, 1, b + x, ldb, K, c + x, ldc, accumulate);
+  }
+  return x;
+}
+
 template <class TB>
 void DecodeUnits(const DecodeArgs& a) {
   // Quantized caches (SPEC "Quantized KV cache"): K's row scales δ_u multiply the score lanes
@@ -186,7 +207,6 @@ void DecodeUnits(const DecodeArgs& a) {
   const std::int64_t ahead_tiles =
       std::max<std::int64_t>(1, (kAheadBytes + pair_bytes - 1) / pair_bytes);
   const std::int64_t dh_full = dh / W * W, dh_vec = dh / N * N;  // d_h: chunks, whole vectors, tail
-  const std::int64_t WT = kVT * N, dh_tall = dh / WT * WT;       // the same for the tall blocking
 
 #pragma omp for schedule(dynamic, 1)
   for (std::int64_t unit = 0; unit < units; ++unit) {
@@ -280,21 +300,12 @@ void DecodeUnits(const DecodeArgs& a) {
       const std::int64_t nv = (nt + N - 1) / N * N;
       // kk: the K tile as TB or (k_direct) as TD, kn: the prefetched one (or null).
       const auto s_product = [&](const auto* kk, const auto* kn) {
-        std::int64_t c0 = 0;
         if (tall) {
-          for (; c0 + WT <= nv; c0 += WT) {
-            GemmRows<kRT, kVT>(d, nrows, qs, dh, 1, kk + c0, kKeyTile, dh, st + c0, kKeyTile, false,
-                               nullptr, kn != nullptr ? kn + c0 : nullptr, cur);
-          }
-          for (; c0 < nv; c0 += N)
-            GemmRows<kRT, 1>(d, nrows, qs, dh, 1, kk + c0, kKeyTile, dh, st + c0, kKeyTile, false);
+          ColumnBlocks<kRT, kVT>(d, nrows, qs, dh, kk, kKeyTile, dh, st, kKeyTile, false, nv, kn,
+                                 cur);
         } else {
-          for (; c0 + W <= nv; c0 += W) {
-            GemmRows<kRD, kVD>(d, nrows, qs, dh, 1, kk + c0, kKeyTile, dh, st + c0, kKeyTile, false,
-                               nullptr, kn != nullptr ? kn + c0 : nullptr, cur);
-          }
-          for (; c0 < nv; c0 += N)
-            GemmRows<kRD, 1>(d, nrows, qs, dh, 1, kk + c0, kKeyTile, dh, st + c0, kKeyTile, false);
+          ColumnBlocks<kRD, kVD>(d, nrows, qs, dh, kk, kKeyTile, dh, st, kKeyTile, false, nv, kn,
+                                 cur);
         }
       };
       if (kDirectBuilt && k_direct) {
@@ -452,23 +463,10 @@ void DecodeUnits(const DecodeArgs& a) {
         }
         // vv: the V sub-tile as TB or (v_direct) as TD, vn: the prefetched one (or null).
         const auto pv_product = [&](const auto* vv, const auto* vn) {
-          if (tall) {
-            for (x0 = 0; x0 < dh_tall; x0 += WT) {
-              GemmRows<kRT, kVT>(d, nrows, st + k0, kKeyTile, 1, vv + x0, vld, nk, acc + x0, dh,
-                                 true, nullptr, vn != nullptr ? vn + x0 : nullptr, cur);
-            }
-            for (; x0 < dh_vec; x0 += N)
-              GemmRows<kRT, 1>(d, nrows, st + k0, kKeyTile, 1, vv + x0, vld, nk, acc + x0, dh,
-                               true);
-          } else {
-            for (x0 = 0; x0 < dh_full; x0 += W) {
-              GemmRows<kRD, kVD>(d, nrows, st + k0, kKeyTile, 1, vv + x0, vld, nk, acc + x0, dh,
-                                 true, nullptr, vn != nullptr ? vn + x0 : nullptr, cur);
-            }
-            for (; x0 < dh_vec; x0 += N)
-              GemmRows<kRD, 1>(d, nrows, st + k0, kKeyTile, 1, vv + x0, vld, nk, acc + x0, dh,
-                               true);
-          }
+          x0 = tall ? ColumnBlocks<kRT, kVT>(d, nrows, st + k0, kKeyTile, vv, vld, nk, acc, dh,
+                                             true, dh_vec, vn, cur)
+                    : ColumnBlocks<kRD, kVD>(d, nrows, st + k0, kKeyTile, vv, vld, nk, acc, dh,
+                                             true, dh_vec, vn, cur);
         };
         const TB* vk_next = vt_next != nullptr ? vt_next + k0 * vld : nullptr;
         if (kDirectBuilt && v_direct) {

@@ -17,7 +17,7 @@ import tokenmix._tokenmix as _C
 
 # Every public name of `tokenmix` before the split (its __all__ then), in one explicit list, plus
 # those added since: ResourceError, backward_flops, cpu_cap, attention_forward_varlen,
-# attention_backward_varlen.
+# attention_backward_varlen, fp8_direct_widening.
 PUBLIC_NAMES = [
     "ArgumentError",
     "CausalSelfAttention",
@@ -38,6 +38,7 @@ PUBLIC_NAMES = [
     "default_threads",
     "describe_kernel",
     "forward_flops",
+    "fp8_direct_widening",
     "kv_cache_bytes",
     "logsumexp",
     "merge_partials",
@@ -81,6 +82,7 @@ def test_objects_present_themselves_as_tokenmix():
     # The native parts are the extension's, the errors tokenmix.<Name> as documented.
     assert tokenmix.KVCache is _C.KVCache and tokenmix.version is _C.version
     assert tokenmix.cpu_cap is _C.cpu_cap
+    assert tokenmix.fp8_direct_widening is _C.fp8_direct_widening
     for err, base in ((tokenmix.ArgumentError, ValueError),
                       (tokenmix.UnsupportedError, NotImplementedError),
                       (tokenmix.FileError, OSError),

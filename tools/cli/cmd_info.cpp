@@ -11,7 +11,7 @@ namespace {
 
 int run_info() {
   const Isa chosen = resolve_isa(Isa::automatic);  // may throw (bad TOKENMIX_ISA): before output
-  (void)fp8_direct_widening();                     // may throw (bad TOKENMIX_FP8_WIDEN): ditto
+  const bool fp8_direct = fp8_direct_widening();   // may throw (bad TOKENMIX_FP8_WIDEN): ditto
   const CpuFeatures& cpu = cpu_features();
   std::cout << "tokenmix " << version() << "\n";
   std::cout << "cpu:             " << (cpu.model.empty() ? "(unknown)" : cpu.model) << "\n";
@@ -34,8 +34,7 @@ int run_info() {
             << ") - " << describe_kernel(chosen) << "\n";
   const char* widen_env = std::getenv("TOKENMIX_FP8_WIDEN");
   const bool widen_forced = widen_env != nullptr && *widen_env != '\0';
-  std::cout << "fp8 cache:       " << (fp8_direct_widening() ? "direct" : "f16")
-            << " widening on avx512 ("
+  std::cout << "fp8 cache:       " << (fp8_direct ? "direct" : "f16") << " widening on avx512 ("
             << (widen_forced ? std::string("TOKENMIX_FP8_WIDEN=") + widen_env
                              : std::string("automatic"))
             << ")\n";

@@ -232,17 +232,17 @@ void DecodeUnits(const DecodeArgs& a) {
     // long T_new —, a sequence with no key yet, or before a window): out before any per-row
     // work. The merge reads no part of it.
     if (kb >= k1) continue;
-    float q_max = 0.0f;  // max |scale·q| of the unit's rows (NaN elements pass over)
     for (std::int64_t r = 0; r < nrows; ++r) {
       const float* q = a.q.row(b, t0 + r / g, j * g + r % g);
-      for (std::int64_t x = 0; x < dh; ++x) {
-        qs[r * dh + x] = a.scale * q[x * a.q.s3];
-        q_max = std::max(q_max, std::fabs(qs[r * dh + x]));
-      }
+      for (std::int64_t x = 0; x < dh; ++x) qs[r * dh + x] = a.scale * q[x * a.q.s3];
     }
     // K read directly (see kDirectBuilt): scale·Q ← 2^sh · scale·Q, the scores' factor 2^(120−sh).
     bool k_direct = false;
     float k_post = 1.0f / kUnit;
+    float q_max = 0.0f;  // max |scale·q| of the unit's rows (NaN elements pass over)
+    if (direct_ok) {
+      for (std::int64_t i = 0; i < nrows * dh; ++i) q_max = std::max(q_max, std::fabs(qs[i]));
+    }
     if (direct_ok && std::isfinite(q_max) && q_max > 0.0f) {
       int e = 0;
       std::frexp(q_max, &e);  // q_max ∈ [2^(e−1), 2^e)

@@ -119,19 +119,20 @@ bool NonFiniteIn(const TB* p, std::int64_t lo, std::int64_t hi) {
 // a_row apart, for x in whole blocks of VN vectors (the R × VN register blocking; pf: the same
 // columns of a later tile prefetched) and then single vectors, up to vec (a multiple of Lanes).
 // Returns the first column not computed.
-template <int R, int VN, class D, class TB>
-HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std::int64_t a_row,
+// A's element (r, k) is at a[r·kARow + k·a_k]: the compile-time row stride of MicroKernel.
+template <int R, int VN, std::int64_t kARow, class D, class TB>
+HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std::int64_t a_k,
                                      const TB* b, std::int64_t ldb, std::int64_t K, float* c,
                                      std::int64_t ldc, bool accumulate, std::int64_t vec,
                                      const TB* pf, PrefetchCursor* cursor) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), W = VN * N;
   std::int64_t x = 0;
   for (; x + W <= vec; x += W) {
-    GemmRows<R, VN>(d, rows, a, a_row, 1, b + x, ldb, K, c + x, ldc, accumulate, nullptr,
-                    pf != nullptr ? pf + x : nullptr, cursor);
+    GemmRows<R, VN, true, kARow>(d, rows, a, kARow, a_k, b + x, ldb, K, c + x, ldc, accumulate,
+                                 nullptr, pf != nullptr ? pf + x : nullptr, cursor);
   }
   for (; x + N <= vec; x += N) {
-    GemmRows<R, 1>(d, rows, a, a_row, 1, b + x, ldb, K, c + x, ldc, accumulate);
+    GemmRows<R, 1, true, kARow>(d, rows, a, kARow, a_k, b + x, ldb, K, c + x, ldc, accumulate);
   }
   return x;
 }
@@ -170,10 +171,16 @@ void DecodeUnits(const DecodeArgs& a) {
 #endif
   using TD = std::conditional_t<kDirectBuilt, fp8_e4m3_direct_t, TB>;  // the direct element
   constexpr float kDirectUnit = kLoadBUnit<TD>;
+  // A bf16 cache is read by the products through bf16_split_t (microkernel-inl.h) where the
+  // target has it: each pair of B vectors as even / odd columns, two instructions per 2·Lanes
+  // elements; the products' columns are put back in order once they are complete (S after the
+  // tile's Q Kᵀ, Õ at the end of the unit: UnsplitPairs), so every element is the same bits.
+  constexpr bool kSplit = kBf16SplitBuilt && std::is_same_v<TB, hwy::bfloat16_t>;
+  using TP = std::conditional_t<kSplit, bf16_split_t, TB>;  // what the products read
   const hn::ScalableTag<float> d;
   const hn::RebindToSigned<decltype(d)> di;
   using VF = hn::Vec<decltype(d)>;
-  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), W = kVD * N;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   constexpr std::int64_t kKeyTile = kDecodeKeyTile;  // keys per cache tile
   const std::int64_t units = a.units(), rows = a.rows_max(), dh = a.dh, g = a.group();
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -206,13 +213,13 @@ void DecodeUnits(const DecodeArgs& a) {
   const std::int64_t pair_bytes = 2 * a.layout.tile_span() * static_cast<std::int64_t>(sizeof(TB));
   const std::int64_t ahead_tiles =
       std::max<std::int64_t>(1, (kAheadBytes + pair_bytes - 1) / pair_bytes);
-  const std::int64_t dh_full = dh / W * W, dh_vec = dh / N * N;  // d_h: chunks, whole vectors, tail
+  const std::int64_t dh_vec = dh / N * N;  // d_h in whole vectors (then a scalar tail)
 
 #pragma omp for schedule(dynamic, 1)
   for (std::int64_t unit = 0; unit < units; ++unit) {
     const auto [c, qb, j, b] = a.unit_at(unit);
     const int worker = omp_get_thread_num();
-    float* qs = a.scratch.at(a.slots.q_scaled, worker);  // scale·Q [rows][d_h]
+    float* qs = a.scratch.at(a.slots.q_scaled, worker);  // scale·Q, transposed: [d_h][nrows]
     float* st = a.scratch.at(a.slots.scores, worker);    // S, then P [rows][64]
     float* acc = a.part_acc + unit * rows * dh;          // Õ [rows][d_h]
     float* m_run = a.part_m + unit * rows;
@@ -234,7 +241,7 @@ void DecodeUnits(const DecodeArgs& a) {
     if (kb >= k1) continue;
     for (std::int64_t r = 0; r < nrows; ++r) {
       const float* q = a.q.row(b, t0 + r / g, j * g + r % g);
-      for (std::int64_t x = 0; x < dh; ++x) qs[r * dh + x] = a.scale * q[x * a.q.s3];
+      for (std::int64_t x = 0; x < dh; ++x) qs[x * nrows + r] = a.scale * q[x * a.q.s3];
     }
     // K read directly (see kDirectBuilt): scale·Q ← 2^sh · scale·Q, the scores' factor 2^(120−sh).
     bool k_direct = false;
@@ -257,6 +264,9 @@ void DecodeUnits(const DecodeArgs& a) {
     std::fill(acc, acc + nrows * dh, 0.0f);
     const bool capped = a.var.softcap > 0.0f;
     const bool tall = nrows > kRD;  // several row blocks: the tall blocking (see kRT)
+    // Columns of a product in register blocks (ColumnBlocks: [0, floor(columns / w_blk) · w_blk)),
+    // which the split bf16 reading computes as even / odd pairs.
+    const std::int64_t w_blk = (tall ? kVT : kVD) * N;
     const VF cap = hn::Set(d, a.var.softcap), inv_cap = hn::Set(d, 1.0f / a.var.softcap);
 
     for (std::int64_t u0 = kb; u0 < k1; u0 += kKeyTile) {
@@ -300,19 +310,21 @@ void DecodeUnits(const DecodeArgs& a) {
       const std::int64_t nv = (nt + N - 1) / N * N;
       // kk: the K tile as TB or (k_direct) as TD, kn: the prefetched one (or null).
       const auto s_product = [&](const auto* kk, const auto* kn) {
+        // A = (scale·Q)ᵀ: row r of a block at qs + r, k (a feature) nrows floats on.
         if (tall) {
-          ColumnBlocks<kRT, kVT>(d, nrows, qs, dh, kk, kKeyTile, dh, st, kKeyTile, false, nv, kn,
-                                 cur);
+          ColumnBlocks<kRT, kVT, 1>(d, nrows, qs, nrows, kk, kKeyTile, dh, st, kKeyTile, false, nv,
+                                    kn, cur);
         } else {
-          ColumnBlocks<kRD, kVD>(d, nrows, qs, dh, kk, kKeyTile, dh, st, kKeyTile, false, nv, kn,
-                                 cur);
+          ColumnBlocks<kRD, kVD, 1>(d, nrows, qs, nrows, kk, kKeyTile, dh, st, kKeyTile, false, nv,
+                                    kn, cur);
         }
       };
       if (kDirectBuilt && k_direct) {
         s_product(reinterpret_cast<const TD*>(kt), reinterpret_cast<const TD*>(kt_next));
       } else {
-        s_product(kt, kt_next);
+        s_product(reinterpret_cast<const TP*>(kt), reinterpret_cast<const TP*>(kt_next));
       }
+      if constexpr (kSplit) UnsplitPairs(st, kKeyTile, nrows, nv / w_blk * w_blk);
       // Tile crosses some row's end or window start: the mask pass below runs.
       const bool partial = u0 + kKeyTile > kfull || u0 < kfull_begin;
       // S_u ← δ_u · S_u (the K tile's row scales follow it): fused into the row max pass below
@@ -417,7 +429,7 @@ void DecodeUnits(const DecodeArgs& a) {
         m_run[r] = m_new;
       }
 
-      // Õ += P V over the tile's nt keys, d_h in chunks of W lanes, then single vectors, then
+      // Õ += P V over the tile's nt keys, d_h in register blocks, then single vectors, then
       // a scalar tail (d_h % Lanes)  (4.5)
       std::int64_t x0 = 0;
       // The V tile is consumed in sub-tiles of kSub keys, all d_h chunks of a sub-tile before the
@@ -446,33 +458,35 @@ void DecodeUnits(const DecodeArgs& a) {
             const std::int64_t lo = std::clamp<std::int64_t>(from, 0, nk);
             const std::int64_t nk_r = std::clamp<std::int64_t>(seen, 0, nk) - lo;
             const float* p_r = st + r * kKeyTile + k0 + lo;
-            const TB* v_r = vk + lo * vld;
+            const TP* v_r = reinterpret_cast<const TP*>(vk + lo * vld);
             float* o_r = acc + r * dh;
             if (nk_r <= 0) {
               x0 = dh_vec;  // nothing visible in this sub-tile (the tail loop checks per key)
               continue;
             }
-            for (x0 = 0; x0 < dh_full; x0 += W) {
-              GemmRows<1, kVD>(d, 1, p_r, kKeyTile, 1, v_r + x0, vld, nk_r, o_r + x0, dh, true);
-            }
-            for (; x0 < dh_vec; x0 += N) {
-              GemmRows<1, 1>(d, 1, p_r, kKeyTile, 1, v_r + x0, vld, nk_r, o_r + x0, dh, true);
-            }
+            // The unit's column blocking (w_blk), as the other tiles' products: Õ's columns
+            // are in the same (split) order in every tile.
+            constexpr const TP* kNoPrefetch = nullptr;
+            x0 = tall ? ColumnBlocks<1, kVT, kKeyTile>(d, 1, p_r, 1, v_r, vld, nk_r, o_r, dh, true,
+                                                       dh_vec, kNoPrefetch, nullptr)
+                      : ColumnBlocks<1, kVD, kKeyTile>(d, 1, p_r, 1, v_r, vld, nk_r, o_r, dh, true,
+                                                       dh_vec, kNoPrefetch, nullptr);
           }
           continue;
         }
         // vv: the V sub-tile as TB or (v_direct) as TD, vn: the prefetched one (or null).
         const auto pv_product = [&](const auto* vv, const auto* vn) {
-          x0 = tall ? ColumnBlocks<kRT, kVT>(d, nrows, st + k0, kKeyTile, vv, vld, nk, acc, dh,
-                                             true, dh_vec, vn, cur)
-                    : ColumnBlocks<kRD, kVD>(d, nrows, st + k0, kKeyTile, vv, vld, nk, acc, dh,
-                                             true, dh_vec, vn, cur);
+          // A = P: row r at st + r·64 (kKeyTile), k (a key) the next float.
+          x0 = tall ? ColumnBlocks<kRT, kVT, kKeyTile>(d, nrows, st + k0, 1, vv, vld, nk, acc, dh,
+                                                       true, dh_vec, vn, cur)
+                    : ColumnBlocks<kRD, kVD, kKeyTile>(d, nrows, st + k0, 1, vv, vld, nk, acc, dh,
+                                                       true, dh_vec, vn, cur);
         };
         const TB* vk_next = vt_next != nullptr ? vt_next + k0 * vld : nullptr;
         if (kDirectBuilt && v_direct) {
           pv_product(reinterpret_cast<const TD*>(vk), reinterpret_cast<const TD*>(vk_next));
         } else {
-          pv_product(vk, vk_next);
+          pv_product(reinterpret_cast<const TP*>(vk), reinterpret_cast<const TP*>(vk_next));
         }
       }
       if (x0 < dh) {
@@ -485,6 +499,8 @@ void DecodeUnits(const DecodeArgs& a) {
           }
       }
     }
+    // Õ's blocked columns back in order (the split bf16 reading; the scalar tail is in order).
+    if constexpr (kSplit) UnsplitPairs(acc, dh, nrows, dh_vec / w_blk * w_blk);
   }
 }
 

@@ -117,6 +117,60 @@ HWY_INLINE hn::Vec<D> LoadB(D d, const fp8_e4m3_direct_t* HWY_RESTRICT p) {
   return hn::BitCast(d, bits);
 }
 
+// bf16 read a second way (the "split" reading, decode's products): the same bytes as
+// hwy::bfloat16_t. LoadB is the plain widening (one vector, columns in order); LoadBRow reads a
+// pair of vectors (2·Lanes columns from x) as Lanes 32-bit words and gives the even columns
+// (the low halves shifted left by 16) and then the odd ones (the high halves, low bits
+// cleared): 2 instructions per 2·Lanes elements, no shuffle, against 4 for the widening in
+// order (zero-extend, shift; twice). The products then hold each pair's columns as
+// [x, x+2, …, x+2·Lanes−2 | x+1, x+3, …]; UnsplitPairs puts them back in order (each output
+// element's k loop is unchanged: the same bits). A k loop of 4 rows × 4 vectors (8 × 2,
+// 12 × 2) on AMD Zen 4: 0.29 → 0.275 (0.30 → 0.29, 0.30 → 0.285) ns per zmm FMA; AVX2 4 × 2
+// and 6 × 2 there 5–10 % faster (docs/performance.md, 2026-12-02).
+struct bf16_split_t {
+  std::uint16_t bits;
+};
+template <class D>
+HWY_INLINE hn::Vec<D> LoadB(D d, const bf16_split_t* HWY_RESTRICT p) {
+  return LoadB(d, reinterpret_cast<const hwy::bfloat16_t*>(p));
+}
+// x86 only (NEON's bf16 widening is one instruction per vector already).
+constexpr bool kBf16SplitBuilt =
+    HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2;
+
+// Rows of C whose columns [0, ext) were computed through bf16_split_t pairs (ext a multiple of
+// 2·Lanes) back to column order, in place: each group of 2·Lanes floats holds the even columns
+// of the group, then the odd ones.
+HWY_INLINE void UnsplitPairs(float* HWY_RESTRICT c, std::int64_t ldc, std::int64_t rows,
+                             std::int64_t ext) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t x = 0; x < ext; x += 32) {
+      float* g = c + r * ldc + x;
+      const __m512 even = _mm512_loadu_ps(g), odd = _mm512_loadu_ps(g + 16);
+      _mm512_storeu_ps(g, _mm512_permutex2var_ps(even, lo, odd));
+      _mm512_storeu_ps(g + 16, _mm512_permutex2var_ps(even, hi, odd));
+    }
+  }
+#elif HWY_TARGET == HWY_AVX2
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t x = 0; x < ext; x += 16) {
+      float* g = c + r * ldc + x;
+      const __m256 even = _mm256_loadu_ps(g), odd = _mm256_loadu_ps(g + 8);
+      const __m256 a = _mm256_unpacklo_ps(even, odd);  // columns 0–3 | 8–11
+      const __m256 b = _mm256_unpackhi_ps(even, odd);  // columns 4–7 | 12–15
+      _mm256_storeu_ps(g, _mm256_permute2f128_ps(a, b, 0x20));
+      _mm256_storeu_ps(g + 8, _mm256_permute2f128_ps(a, b, 0x31));
+    }
+  }
+#else
+  (void)c, (void)ldc, (void)rows, (void)ext;  // never called: kBf16SplitBuilt is false
+#endif
+}
+
 // VN consecutive vectors of B (one k row of the microkernel) widened to fp32. fp8 E4M3 pairs
 // its vectors: one sign-extending load, shift and mask at full 16-bit width for 2·Lanes bytes,
 // then each half widened f16 → f32 — the same values as LoadB (same bits), fewer instructions
@@ -167,6 +221,18 @@ HWY_INLINE void LoadBRow(D d, const TB* HWY_RESTRICT p, hn::Vec<D>* bv) {
     return;
   }
 #endif
+  if constexpr (std::is_same_v<TB, bf16_split_t> && kBf16SplitBuilt && VN % 2 == 0) {
+    const hn::RebindToUnsigned<D> du;
+    const hn::Repartition<std::uint8_t, D> d8;  // bytes: no typed access to 2-byte aligned data
+    const auto high = hn::Set(du, 0xffff0000u);
+    for (int v = 0; v < VN; v += 2) {
+      const auto w =
+          hn::BitCast(du, hn::LoadU(d8, reinterpret_cast<const std::uint8_t*>(p + v * N)));
+      bv[v] = hn::BitCast(d, hn::ShiftLeft<16>(w));  // columns x, x+2, …: the low halves
+      bv[v + 1] = hn::BitCast(d, hn::And(w, high));  // columns x+1, x+3, …: the high halves
+    }
+    return;
+  }
   for (int v = 0; v < VN; ++v) bv[v] = LoadB(d, p + v * N);
 }
 
@@ -194,7 +260,11 @@ struct VecWiden {
   }
 };
 
-template <int R, int VN = kV, class TB = float, class D>
+// kARow: A's row stride when the caller knows it at compile time (0: a_row, known at run time). A
+// constant stride lets the R broadcasts of a k step share one base register (displacements);
+// with a run-time one each row needs its own, and 8 rows with the decode prefetch pointers
+// exceed the x86 general registers (the compiler parks pointers in vector registers).
+template <int R, int VN = kV, std::int64_t kARow = 0, class TB = float, class D>
 HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row, std::int64_t a_k,
                             const TB* HWY_RESTRICT b, std::int64_t ldb, std::int64_t K,
                             float* HWY_RESTRICT c, std::int64_t ldc, bool accumulate,
@@ -202,6 +272,7 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
                             PrefetchCursor* cursor = nullptr) {
   using V = hn::Vec<D>;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+  if constexpr (kARow != 0) a_row = kARow;
   V acc[R][VN];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < VN; ++v)
@@ -231,8 +302,9 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
     }
     V bv[VN];
     LoadBRow<VN>(d, b + k * ldb, bv);
+    const float* HWY_RESTRICT ak = a + k * a_k;  // A[·][k]
     for (int r = 0; r < R; ++r) {
-      const V ar = hn::Set(d, a[r * a_row + k * a_k]);
+      const V ar = hn::Set(d, ak[r * a_row]);
       for (int v = 0; v < VN; ++v) acc[r][v] = hn::MulAdd(ar, bv[v], acc[r][v]);
     }
   }
@@ -249,22 +321,26 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
 // memory reads overlap this tile's FMAs (the later blocks re-read B from cache: no prefetch).
 // With cursor, the first block's k loop instead prefetches the cursor's range in address order,
 // row_bytes of it per k (as fast as the block reads B), and advances it.
-template <int R = kR, int VN = kV, bool kTop = true, class TB = float, class D>
+// kARow as for MicroKernel (then a_row must equal it).
+template <int R = kR, int VN = kV, bool kTop = true, std::int64_t kARow = 0, class TB = float,
+          class D>
 HWY_INLINE void GemmRows(D d, std::int64_t rows, const float* a, std::int64_t a_row,
                          std::int64_t a_k, const TB* b, std::int64_t ldb, std::int64_t K, float* c,
                          std::int64_t ldc, bool accumulate, const float* c_scale = nullptr,
                          const TB* pf = nullptr, PrefetchCursor* cursor = nullptr) {
   if constexpr (kTop) {
     for (; rows >= R; rows -= R, a += R * a_row, c += R * ldc, pf = nullptr, cursor = nullptr) {
-      MicroKernel<R, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale, pf, cursor);
+      MicroKernel<R, VN, kARow>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale, pf,
+                                cursor);
     }
   }
   if constexpr (R > 1) {
     if (rows == R - 1) {
-      MicroKernel<R - 1, VN>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale, pf, cursor);
+      MicroKernel<R - 1, VN, kARow>(d, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale, pf,
+                                    cursor);
     } else {
-      GemmRows<R - 1, VN, false>(d, rows, a, a_row, a_k, b, ldb, K, c, ldc, accumulate, c_scale, pf,
-                                 cursor);
+      GemmRows<R - 1, VN, false, kARow>(d, rows, a, a_row, a_k, b, ldb, K, c, ldc, accumulate,
+                                        c_scale, pf, cursor);
     }
   }
 }

@@ -21,11 +21,13 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "api/decode_internal.hpp"
+#include "kernels/kv_element.hpp"
 #include "kv_oracle.hpp"
 #include "test_util.hpp"
 
@@ -231,6 +233,75 @@ TEST_P(DecodeMulti, UnitsFollowEachSequencesKeys) {
     EXPECT_EQ(
         0, std::memcmp(&all.at(b, 0, 0, 0), one.storage.data(), one.storage.size() * sizeof(float)))
         << "sequence " << b;
+  }
+}
+
+// A bf16 cache is widened by the products in their own way (on x86 each pair of B vectors as
+// even / odd columns, bf16_split_t, whose columns are put back in order after each product), but
+// every output element's k loop is the one an fp32 cache gets: on values that bf16 holds exactly,
+// a bf16 and an f32 cache give bitwise the same O and L (4.2–4.5). T_new from 1 to 33 covers the
+// blockings (4 to 132 rows: one block, the tall one, several query blocks), d_h 128, 96, 72 and 40
+// the column pairs and single vectors, 7 the scalar tail; two chunks and a partial last tile.
+// With one V element +∞ at key L − 2 (seen only by the last two query rows, so its tile is read
+// row by row from T_new = 3 on), those rows' column 3 is +∞ or NaN in both, bitwise alike.
+TEST_P(DecodeMulti, Bf16CacheBitwiseEqualsF32CacheOfTheSameValues) {
+  std::mt19937_64 rng(600);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  struct Shape {
+    std::int64_t tnew, hq, hkv, dh;
+  };
+  for (const Shape s : {Shape{1, 8, 2, 128}, Shape{2, 8, 2, 96}, Shape{3, 8, 1, 40},
+                        Shape{5, 4, 1, 7}, Shape{17, 8, 1, 128}, Shape{33, 4, 1, 72}}) {
+    for (const bool inf_v : {false, true}) {
+      const std::int64_t L = 1100 + s.tnew, H = s.hkv, D = s.dh;
+      SCOPED_TRACE("T_new=" + std::to_string(s.tnew) + " H_q=" + std::to_string(s.hq) +
+                   " H_kv=" + std::to_string(H) + " d_h=" + std::to_string(D) +
+                   (inf_v ? " with +inf in V" : ""));
+      std::vector<float> k(static_cast<std::size_t>(L * H * D)), v(k.size());
+      for (std::vector<float>* x : {&k, &v})
+        for (float& e : *x) e = kernels::bf16_to_f32(kernels::f32_to_bf16(normal(rng)));
+      if (inf_v)
+        v[static_cast<std::size_t>((L - 2) * H * D + 3)] = std::numeric_limits<float>::infinity();
+      KVCache c32({1, 1, H, D, L, DType::f32, 0, 0}), c16({1, 1, H, D, L, DType::bf16, 0, 0});
+      for (KVCache* c : {&c32, &c16})
+        c->append(0, 0, ConstTensorView::bthd(k.data(), 1, L, H, D),
+                  ConstTensorView::bthd(v.data(), 1, L, H, D));
+      StridedTensor q(1, s.tnew, s.hq, D, Layout::strided);
+      q.fill_random(rng);
+      std::array<StridedTensor, 2> outs{StridedTensor(1, s.tnew, s.hq, D, Layout::strided),
+                                        StridedTensor(1, s.tnew, s.hq, D, Layout::strided)};
+      std::array<std::vector<float>, 2> lses;
+      DecodeOptions o;
+      o.isa = GetParam();
+      for (int i = 0; i < 2; ++i) {
+        lses[i].assign(static_cast<std::size_t>(s.hq * s.tnew), kPoison);
+        attention_decode(q.view, i == 0 ? c32 : c16, 0, outs[i].view,
+                         TensorView::bht(lses[i].data(), 1, s.hq, s.tnew), o);
+      }
+      // The same bits, or NaN in both (outputs, their poisoned padding, L).
+      const auto same = [](float x, float y) {
+        return std::memcmp(&x, &y, sizeof(float)) == 0 || (std::isnan(x) && std::isnan(y));
+      };
+      std::int64_t differ = 0;
+      for (std::size_t e = 0; e < outs[0].storage.size(); ++e)
+        differ += same(outs[0].storage[e], outs[1].storage[e]) ? 0 : 1;
+      EXPECT_EQ(differ, 0);
+      for (std::size_t e = 0; e < lses[0].size(); ++e)
+        EXPECT_TRUE(same(lses[0][e], lses[1][e])) << "lse " << e;
+      // Every output was written (poisoned with NaN before); the +∞ reaches only column 3 of
+      // the last two query positions of KV head 0's group.
+      std::int64_t nonfinite = 0;
+      for (std::int64_t t = 0; t < s.tnew; ++t)
+        for (std::int64_t h = 0; h < s.hq; ++h)
+          for (std::int64_t x = 0; x < D; ++x)
+            nonfinite += std::isfinite(outs[1].at(0, t, h, x)) ? 0 : 1;
+      if (inf_v) {
+        EXPECT_GT(nonfinite, 0);
+        EXPECT_LE(nonfinite, 2 * s.hq / H);
+      } else {
+        EXPECT_EQ(nonfinite, 0);
+      }
+    }
   }
 }
 

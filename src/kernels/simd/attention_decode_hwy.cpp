@@ -69,6 +69,17 @@ constexpr int kRT = kRD, kVT = kVD;
 #endif
 
 constexpr std::int64_t kSub = 16;  // keys per V sub-tile in the P·V product
+// The P·V product of a regular (not tall) unit over the whole 64-key V tile per call, not kSub
+// keys: Õ's accumulators are then loaded and stored once per tile instead of four times. AVX-512,
+// for caches of 1- and 2-byte elements, whose tile pair is in L2 by then (PrefetchStream): on AMD
+// Zen 4, T_new = 1, one thread, T_k = 32768, 7.7 → 6.4 ms (bf16) and 6.7 → 6.3 ms (int8), hot
+// 6–7 % for bf16, int8 and fp8; f32 (32 KiB V tiles) was 2–3 % slower, and AVX2 measured within
+// noise there (docs/performance.md, 2026-12-02).
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr bool kWholeTilePVNarrow = true;
+#else
+constexpr bool kWholeTilePVNarrow = false;
+#endif
 // Bytes of a unit's stream between the tile computed on and the one prefetched (whole tile
 // pairs of K and V, at least one). AVX-512: 32 KiB (measured on AMD Zen 4: 16, 32, 64 and
 // 128 KiB within noise for bf16, 32 best for int8); other targets: the next tile pair, as
@@ -446,8 +457,10 @@ void DecodeUnits(const DecodeArgs& a) {
         v_bad = v_nonfinite(vt, 0, last_partial) || v_nonfinite(vt, first_partial, nt);
       }
       // The tall blocking is bound by FMAs, not by the stream (several query rows per key): it
-      // takes the whole tile per call, so Õ is loaded and stored once per tile, not per kSub.
-      const std::int64_t sub = tall ? kKeyTile : kSub;
+      // takes the whole tile per call, so Õ is loaded and stored once per tile, not per kSub; so
+      // does every unit of a narrow cache on AVX-512 (kWholeTilePVNarrow). The same k order for
+      // every element of Õ either way (the same bits).
+      const std::int64_t sub = tall || (kWholeTilePVNarrow && sizeof(TB) < 4) ? kKeyTile : kSub;
       for (std::int64_t k0 = 0; k0 < nt; k0 += sub) {
         const std::int64_t nk = std::min(sub, nt - k0);
         const TB* vk = vt + k0 * vld;

@@ -75,11 +75,7 @@ constexpr std::int64_t kSub = 16;  // keys per V sub-tile in the P·V product
 // Zen 4, T_new = 1, one thread, T_k = 32768, 7.7 → 6.4 ms (bf16) and 6.7 → 6.3 ms (int8), hot
 // 6–7 % for bf16, int8 and fp8; f32 (32 KiB V tiles) was 2–3 % slower, and AVX2 measured within
 // noise there (docs/performance.md, 2026-12-02).
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-constexpr bool kWholeTilePVNarrow = true;
-#else
-constexpr bool kWholeTilePVNarrow = false;
-#endif
+constexpr bool kWholeTilePVNarrow = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL;
 // Bytes of a unit's stream between the tile computed on and the one prefetched (whole tile
 // pairs of K and V, at least one). AVX-512: 32 KiB (measured on AMD Zen 4: 16, 32, 64 and
 // 128 KiB within noise for bf16, 32 best for int8); other targets: the next tile pair, as

@@ -88,7 +88,7 @@ constexpr std::int64_t kAheadBytes = 0;
 
 // How a later tile pair of a unit's stream (kAheadBytes on) is prefetched while the current one is
 // computed on. Same position (false): with each B row the microkernel reads, the same row of that
-// tile (into L2 on AVX-512: PrefetchStream), so the prefetches follow the products' order. Linear
+// tile (into L2 on x86: PrefetchStream), so the prefetches follow the products' order. Linear
 // (true): the next K tile and V tile as one byte range, front to back, at the pace the first row
 // block reads B (PrefetchCursor). Where a column block is narrower than a tile row (AVX2: 16 or 32
 // of 64 keys, and of d_h) the products visit a tile in row-strided column passes, and prefetches in

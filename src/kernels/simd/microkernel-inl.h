@@ -37,13 +37,16 @@ struct PrefetchCursor {
   const std::uint8_t* end = nullptr;
 };
 
-// Prefetch of one cache line of decode's forward stream (MicroKernel's pf rows). AVX-512: into L2
-// (PREFETCHT1), not L1: on AMD Zen 4 the T_new = 1 step (bf16 cache, T_k = 32768, one thread)
-// took 12.3 ms prefetching into L1 and 7.8 ms into L2 (no software prefetch: 8.3 ms); the lines
-// reach L1 on the loads, a tile later (docs/performance.md, 2026-12-02). Other targets: L1, as
-// measured before (AVX2 prefetches through the cursor; NEON not measured).
+// Prefetch of one cache line of decode's forward stream (MicroKernel's pf rows and cursor). x86:
+// into L2 (PREFETCHT1), not L1; the lines reach L1 on the loads, a tile later. On AMD Zen 4 the
+// T_new = 1 step (bf16 cache, T_k = 32768, one thread) took 12.3 ms prefetching into L1 and
+// 7.8 ms into L2 on AVX-512 (no software prefetch: 8.3 ms); the AVX2 path there (forced), whose
+// cursor prefetched into L1: f32 21.7 → 12.3–13.6 ms, bf16 10.0 → 8.8, int8 8.2 → 6.8 (on AMD
+// Zen 3 a PREFETCHT2 cursor had measured within noise of L1). docs/performance.md, 2026-12-02
+// and 2026-12-03. NEON: L1 (not measured).
 HWY_INLINE void PrefetchStream(const std::uint8_t* p) {
-#if (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL) && !defined(HWY_DISABLE_CACHE_CONTROL)
+#if (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2) && \
+    !defined(HWY_DISABLE_CACHE_CONTROL)
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
 #else
   hwy::Prefetch(p);
@@ -298,7 +301,7 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
       for (std::int64_t o = 0; o < row_bytes; o += kLine) PrefetchStream(line + o);
     }
     if (cur < cur_end && k % cur_every == 0) {
-      for (std::int64_t i = 0; i < cur_lines; ++i, cur += kLine) hwy::Prefetch(cur);
+      for (std::int64_t i = 0; i < cur_lines; ++i, cur += kLine) PrefetchStream(cur);
     }
     V bv[VN];
     LoadBRow<VN>(d, b + k * ldb, bv);

@@ -289,10 +289,12 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
   // Bytes of B read per k, in whole cache lines (the prefetch below covers them all).
   constexpr std::int64_t kLine = 64;
   const std::int64_t row_bytes = VN * N * static_cast<std::int64_t>(sizeof(TB));
-  // With a cursor: row_bytes of its range per k on average, the pace at which this block reads B
-  // (a line every cur_every k when a B row is shorter than a line).
-  const std::int64_t cur_every = row_bytes >= kLine ? 1 : kLine / row_bytes;  // k per line
-  const std::int64_t cur_lines = row_bytes >= kLine ? row_bytes / kLine : 1;  // lines per k
+  // With a cursor: about row_bytes of its range per k, the pace at which this block reads B. A B
+  // row shorter than a line: the line holding the cursor, each k (so each line is asked for
+  // kLine / row_bytes times), not one line every kLine / row_bytes k: that test of k's residue
+  // cost 12 % of a hot bf16 step on AVX2 (T_new = 1, AMD Zen 4; docs/performance.md, 2026-12-03).
+  const std::int64_t cur_lines = row_bytes >= kLine ? row_bytes / kLine : 1;         // lines per k
+  const std::int64_t cur_step = row_bytes >= kLine ? cur_lines * kLine : row_bytes;  // bytes per k
   const std::uint8_t* cur = cursor != nullptr ? cursor->next : nullptr;
   const std::uint8_t* const cur_end = cursor != nullptr ? cursor->end : nullptr;
   for (std::int64_t k = 0; k < K; ++k) {
@@ -300,8 +302,9 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
       const auto* line = reinterpret_cast<const std::uint8_t*>(pf + k * ldb);
       for (std::int64_t o = 0; o < row_bytes; o += kLine) PrefetchStream(line + o);
     }
-    if (cur < cur_end && k % cur_every == 0) {
-      for (std::int64_t i = 0; i < cur_lines; ++i, cur += kLine) PrefetchStream(cur);
+    if (cur < cur_end) {
+      for (std::int64_t i = 0; i < cur_lines; ++i) PrefetchStream(cur + i * kLine);
+      cur += cur_step;
     }
     V bv[VN];
     LoadBRow<VN>(d, b + k * ldb, bv);

@@ -60,12 +60,13 @@ const CpuFeatures& cpu_features();
 /// path whose CPU features the library may see. Throws ArgumentError on an invalid value.
 Isa cpu_cap();
 
-/// How decode over an fp8 E4M3 KV cache widens its codes on the avx512 path: true = straight
-/// into fp32 bits (no conversion instruction; subnormal fp32 operands, so a worker thread whose
-/// MXCSR sets DAZ or FTZ reads through f16 bits instead), false = through f16 bits (F16C). Same
-/// results either way (bitwise while no product is subnormal). TOKENMIX_FP8_WIDEN=direct|f16
-/// forces it; unset or empty: direct on AMD family 19h (Zen 4, where it was measured faster),
-/// f16 elsewhere. Other paths ignore it. Throws ArgumentError on another value.
+/// How decode over an fp8 E4M3 KV cache widens its codes on the avx512 and avx2 paths: true =
+/// straight into fp32 bits (no conversion instruction; subnormal fp32 operands, so a worker thread
+/// whose MXCSR sets DAZ or FTZ reads through f16 bits instead), false = through f16 bits (F16C).
+/// Same results either way (bitwise while no product is subnormal). TOKENMIX_FP8_WIDEN=direct|f16
+/// forces it; unset or empty: direct on AMD family 19h (Zen 3 and Zen 4; measured faster on
+/// Zen 4, on both paths), f16 elsewhere. portable and neon ignore it. Throws ArgumentError on
+/// another value.
 bool fp8_direct_widening();
 
 /// Paths compiled into this build and runnable on this CPU, lowest first (always has portable).

@@ -85,7 +85,7 @@ tokenmix_cli_test(bench_help_variants ARGS bench --help
 tokenmix_cli_test(check_help ARGS check --help STDOUT "--isa")
 tokenmix_cli_test(info_help ARGS info --help STDOUT "info")
 tokenmix_cli_test(info ARGS info
-                  STDOUT "tokenmix [0-9]+\\.[0-9]+\\.[0-9]+.*cpu:.*available paths: portable.*kernel path: .*fp8 cache: +(direct|f16) widening on avx512 \\((automatic|TOKENMIX_FP8_WIDEN=[a-z0-9]+)\\).*threads: +[1-9]")
+                  STDOUT "tokenmix [0-9]+\\.[0-9]+\\.[0-9]+.*cpu:.*available paths: portable.*kernel path: .*fp8 cache: +(direct|f16) widening on avx512/avx2 \\((automatic|TOKENMIX_FP8_WIDEN=[a-z0-9]+)\\).*threads: +[1-9]")
 tokenmix_cli_test(check ARGS check STDOUT "PASS .*PASS .*[0-9]+ of [0-9]+ checks passed"
                   STDOUT_NOT "FAIL" TIMEOUT 600)
 tokenmix_cli_test(run_small ARGS run --seq 64 --seed 7

@@ -36,8 +36,8 @@ namespace {
 
 constexpr DType kQuantTypes[] = {DType::int8, DType::fp8_e4m3};
 // The decode kernels' readings of a quantized cache: int8, and fp8 E4M3 through f16 bits or
-// directly as fp32 bits (TOKENMIX_FP8_WIDEN=direct: the AVX-512 kernel; other paths ignore it),
-// each forced, so that no CPU's automatic choice leaves one untested.
+// directly as fp32 bits (TOKENMIX_FP8_WIDEN=direct: the AVX-512 and AVX2 kernels; portable and NEON
+// ignore it), each forced, so that no CPU's automatic choice leaves one untested.
 struct QuantReading {
   DType dt;
   const char* fp8_widen;

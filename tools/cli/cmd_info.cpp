@@ -34,7 +34,8 @@ int run_info() {
             << ") - " << describe_kernel(chosen) << "\n";
   const char* widen_env = std::getenv("TOKENMIX_FP8_WIDEN");
   const bool widen_forced = widen_env != nullptr && *widen_env != '\0';
-  std::cout << "fp8 cache:       " << (fp8_direct ? "direct" : "f16") << " widening on avx512 ("
+  std::cout << "fp8 cache:       " << (fp8_direct ? "direct" : "f16")
+            << " widening on avx512/avx2 ("
             << (widen_forced ? std::string("TOKENMIX_FP8_WIDEN=") + widen_env
                              : std::string("automatic"))
             << ")\n";

@@ -155,7 +155,7 @@ void DecodeUnits(const DecodeArgs& a) {
   constexpr bool kQuant = std::is_same_v<TB, std::int8_t> || std::is_same_v<TB, fp8_e4m3_t>;
   constexpr bool kFp8 = std::is_same_v<TB, fp8_e4m3_t>;
   constexpr float kUnit = kLoadBUnit<TB>;
-  // fp8 E4M3 on AVX-512 has a second widening, straight into fp32 bits (fp8_e4m3_direct_t,
+  // fp8 E4M3 on AVX-512 and AVX2 has a second widening, straight into fp32 bits (fp8_e4m3_direct_t,
   // microkernel-inl.h: no conversion instruction, LoadB returns q · 2^−120, subnormal fp32 for
   // subnormal codes), used when the call asks for it (DecodeArgs::fp8_direct) and this worker's
   // MXCSR has DAZ and FTZ clear (a subnormal operand read as 0 would be a wrong answer). Its
@@ -169,7 +169,9 @@ void DecodeUnits(const DecodeArgs& a) {
   //      through the f16 bits.
   // Both readings multiply the same products by exact powers of two, so they give the same
   // bits while no product is subnormal (tests/unit/test_kv_quant.cpp compares them bitwise).
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2
+  // (AVX2: LoadB per vector, 3 integer instructions, no conversion; on AMD Zen 4 with the path
+  // forced, steps 10–17 % faster than through f16 bits; docs/performance.md, 2026-12-03.)
   constexpr bool kDirectBuilt = kFp8;
   const bool direct_ok = kDirectBuilt && a.fp8_direct && (_mm_getcsr() & 0x8040u) == 0;
 #else

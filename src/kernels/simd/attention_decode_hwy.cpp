@@ -127,6 +127,10 @@ bool NonFiniteIn(const TB* p, std::int64_t lo, std::int64_t hi) {
 // columns of a later tile prefetched) and then single vectors, up to vec (a multiple of Lanes).
 // Returns the first column not computed.
 // A's element (r, k) is at a[r·kARow + k·a_k]: the compile-time row stride of MicroKernel.
+// The rows go in ceil(rows / R) blocks of sizes that differ by at most one (8 rows at R = 6:
+// 4 + 4, not 6 + 2, whose 2-row block keeps 4 FMA chains where the latency needs 8 on AVX2):
+// AVX2 on AMD Zen 4, T_new = 2 hot, 4–9 % faster (docs/performance.md, 2026-12-03). Each
+// element's k loop is the same whatever the blocks (the same bits).
 template <int R, int VN, std::int64_t kARow, class D, class TB>
 HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std::int64_t a_k,
                                      const TB* b, std::int64_t ldb, std::int64_t K, float* c,
@@ -134,9 +138,16 @@ HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std
                                      const TB* pf, PrefetchCursor* cursor) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), W = VN * N;
   std::int64_t x = 0;
+  const std::int64_t blocks = (rows + R - 1) / R;
   for (; x + W <= vec; x += W) {
-    GemmRows<R, VN, true, kARow>(d, rows, a, kARow, a_k, b + x, ldb, K, c + x, ldc, accumulate,
-                                 nullptr, pf != nullptr ? pf + x : nullptr, cursor);
+    const TB* pfx = pf != nullptr ? pf + x : nullptr;
+    PrefetchCursor* cur = cursor;
+    for (std::int64_t i = 0, r0 = 0; i < blocks; ++i) {
+      const std::int64_t n = rows / blocks + (i < rows % blocks ? 1 : 0);  // this block's rows
+      GemmRows<R, VN, true, kARow>(d, n, a + r0 * kARow, kARow, a_k, b + x, ldb, K,
+                                   c + r0 * ldc + x, ldc, accumulate, nullptr, pfx, cur);
+      r0 += n, pfx = nullptr, cur = nullptr;
+    }
   }
   for (; x + N <= vec; x += N) {
     GemmRows<R, 1, true, kARow>(d, rows, a, kARow, a_k, b + x, ldb, K, c + x, ldc, accumulate);

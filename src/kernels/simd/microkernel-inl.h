@@ -174,15 +174,24 @@ HWY_INLINE void UnsplitPairs(float* HWY_RESTRICT c, std::int64_t ldc, std::int64
 #endif
 }
 
+// Rows of B at least this many vectors wide widen fp8 E4M3 in pairs of vectors (LoadBRow). AVX-512:
+// 4, because its decode tall blocks (2 vectors, 8–12 rows: each row's broadcast feeds 2 FMAs) ran
+// faster widening per vector, 3–4 instructions per 16 elements with fewer shuffles. On AMD Zen 4,
+// hot decode at T_new = 2 and 4 was 4–5 % faster through both the direct and the f16 widening
+// (an 8 × 2 k loop with its broadcasts: 0.34 → 0.32 ns per FMA, direct). AVX2: 2 (its tall blocks
+// measured 2–3 % slower per vector there, f16 widening). docs/performance.md, 2026-12-03.
+constexpr int kFp8PairVectors = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL ? 4 : 2;
+
 // VN consecutive vectors of B (one k row of the microkernel) widened to fp32. fp8 E4M3 pairs
-// its vectors: one sign-extending load, shift and mask at full 16-bit width for 2·Lanes bytes,
-// then each half widened f16 → f32 — the same values as LoadB (same bits), fewer instructions
-// per element (4 instead of 5 on x86). Other element types: LoadB per vector.
+// its vectors (VN a multiple of kFp8PairVectors): one sign-extending load, shift and mask at full
+// 16-bit width for 2·Lanes bytes, then each half widened f16 → f32 — the same values as LoadB
+// (same bits), fewer instructions per element (4 instead of 5 on x86). Otherwise, and for other
+// element types: LoadB per vector.
 template <int VN, class D, class TB>
 HWY_INLINE void LoadBRow(D d, const TB* HWY_RESTRICT p, hn::Vec<D>* bv) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
 #if HWY_TARGET != HWY_SCALAR  // (one lane: no halves)
-  if constexpr (std::is_same_v<TB, fp8_e4m3_t> && VN % 2 == 0) {
+  if constexpr (std::is_same_v<TB, fp8_e4m3_t> && VN % kFp8PairVectors == 0) {
     const hn::Repartition<std::int16_t, D> d16;  // 2·Lanes 16-bit lanes (D: a full vector)
     const hn::Half<decltype(d16)> d16h;          // Lanes 16-bit lanes
     const hn::Rebind<hwy::float16_t, D> dh;
@@ -205,7 +214,8 @@ HWY_INLINE void LoadBRow(D d, const TB* HWY_RESTRICT p, hn::Vec<D>* bv) {
   // permutation made bytes 0–15, the high half bytes 16–31). The same bits as LoadB; 6
   // instructions per 32 elements, none of them a conversion: on AMD Zen 4 a 4-row k loop ran at
   // 0.35 ns per FMA against 0.43 with the f16 pairs (int8: 0.32; docs/performance.md).
-  if constexpr (std::is_same_v<TB, fp8_e4m3_direct_t> && VN % 2 == 0) {
+  // Only rows of kFp8PairVectors (4) vectors or more: see there.
+  if constexpr (std::is_same_v<TB, fp8_e4m3_direct_t> && VN % kFp8PairVectors == 0) {
     const hn::Repartition<std::int16_t, D> d16;              // 2·Lanes 16-bit lanes
     const hn::Rebind<std::int8_t, decltype(d16)> d8;         // 2·Lanes bytes (half a vector)
     const hn::Repartition<std::int32_t, decltype(d8)> d8x4;  // the same bytes as 4-byte groups

@@ -8,7 +8,8 @@
 // Per group of G ≤ 8 reduction rows: for each row m of A and each vector of columns j, P[m][j] is
 // loaded, the G terms fl(A[m][k] · B[k][j]) are added to it one after the other, in k order, and
 // it is stored. From kBlockRows rows of A on, a block of columns' B vectors is loaded once for all
-// rows (AddRowsBlock); below, the B rows stream through once per m (AddRows). Multiply and add are
+// rows (AddRowsBlock); below, the B rows stream through once per m (AddRows). Both prefetch the
+// next group's lines into L2 as they read a group's (PrefetchAhead). Multiply and add are
 // separate instructions and this file is compiled with -ffp-contract=off (src/CMakeLists.txt),
 // so no FMA fuses them: the same operations as the portable loop, element by element.
 // Highway's per-target re-inclusion: these includes must follow foreach_target.h, in order.

@@ -7,6 +7,7 @@
 #include <array>
 #include <climits>
 #include <cmath>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -66,10 +67,13 @@ std::vector<float>& gemm_scratch() {
   return scratch;
 }
 
-// Elements of the partial products small_gemm keeps for M rows, reduction length K and the
-// products' widths summed to n_total.
-std::size_t small_gemm_scratch(std::int64_t M, std::int64_t K, std::int64_t n_total) {
-  return static_cast<std::size_t>((K + kChunkK - 1) / kChunkK * M * n_total);
+// Elements of the partial products small_gemm keeps for M rows, reduction length K and products
+// of the widths ns (each partial's rows kernels::small_gemm_row_stride apart).
+std::size_t small_gemm_scratch(std::int64_t M, std::int64_t K,
+                               std::initializer_list<std::int64_t> ns) {
+  std::int64_t ld_total = 0;
+  for (std::int64_t n : ns) ld_total += kernels::small_gemm_row_stride(n);
+  return static_cast<std::size_t>((K + kChunkK - 1) / kChunkK * M * ld_total);
 }
 
 // C_p = A B_p for every product p, M <= kSmallRows rows of A shared (a decode step's Q, K and V
@@ -84,18 +88,22 @@ void small_gemm(std::int64_t M, std::int64_t K, const float* A, std::span<const 
   const std::int64_t chunks = (K + kChunkK - 1) / kChunkK;
   // Per product: where its partials start, its first unit of the final sum (nothing here
   // allocates but a growing scratch: after prefill reserved it, this cannot fail).
+  // Each partial P_{p,c} is [M][ldp[p]] (kernels::small_gemm_row_stride: rows not 4 KiB apart).
   std::array<std::int64_t, kMaxProducts + 1> offset{}, reduce_first{};
-  std::int64_t n_total = 0, reduce_units = 0;
+  std::array<std::int64_t, kMaxProducts> ldp{};
+  std::int64_t n_total = 0, ld_total = 0, reduce_units = 0;
   for (std::size_t i = 0; i < ps.size(); ++i) {
-    offset[i] = chunks * M * n_total;
+    ldp[i] = kernels::small_gemm_row_stride(ps[i].n);
+    offset[i] = chunks * M * ld_total;
     reduce_first[i] = reduce_units;
     n_total += ps[i].n;
+    ld_total += ldp[i];
     reduce_units += M * ((ps[i].n + kReduceCols - 1) / kReduceCols);
   }
   reduce_first[ps.size()] = reduce_units;
   std::vector<float>& scratch = gemm_scratch();
-  if (scratch.size() < small_gemm_scratch(M, K, n_total))
-    scratch.resize(small_gemm_scratch(M, K, n_total));
+  const std::size_t need = static_cast<std::size_t>(chunks * M * ld_total);
+  if (scratch.size() < need) scratch.resize(need);
   float* const part = scratch.data();
   const std::int64_t units = static_cast<std::int64_t>(ps.size()) * chunks;
   const int team = kernels::team_size(
@@ -110,7 +118,8 @@ void small_gemm(std::int64_t M, std::int64_t K, const float* A, std::span<const 
       const std::size_t pi = static_cast<std::size_t>(unit / chunks);
       const std::int64_t c = unit % chunks, n = ps[pi].n;
       const std::int64_t k0 = c * kChunkK, k1 = std::min(K, k0 + kChunkK);
-      chunk(M, K, A, ps[pi].b, n, k0, k1, part + offset[pi] + c * M * n);  // P_{p,c} [M, n]
+      chunk(M, K, A, ps[pi].b, n, k0, k1, part + offset[pi] + c * M * ldp[pi],
+            ldp[pi]);  // P_{p,c} [M, n], rows ldp apart
     }
 #pragma omp for schedule(static)
     for (std::int64_t unit = 0; unit < reduce_units; ++unit) {
@@ -121,10 +130,10 @@ void small_gemm(std::int64_t M, std::int64_t K, const float* A, std::span<const 
       const std::int64_t j0 = (unit - reduce_first[pi]) % blocks * kReduceCols;
       const std::int64_t j1 = std::min(n, j0 + kReduceCols);
       float* __restrict cm = ps[pi].c + m * n;
-      const float* p0 = part + offset[pi] + m * n;
+      const float* p0 = part + offset[pi] + m * ldp[pi];
       for (std::int64_t j = j0; j < j1; ++j) cm[j] = p0[j];
       for (std::int64_t c = 1; c < chunks; ++c) {
-        const float* __restrict pc = p0 + c * M * n;
+        const float* __restrict pc = p0 + c * M * ldp[pi];
         for (std::int64_t j = j0; j < j1; ++j) cm[j] = cm[j] + pc[j];
       }
     }
@@ -540,8 +549,8 @@ void CausalSelfAttention::prefill(std::span<const float> u, std::int64_t batch, 
     // Q, K, V = U [W_Q | W_K | W_V] (4.1) in one pass over the three weights, on the layer's
     // threads. The W_O product's partials are reserved too, before the cache changes.
     std::vector<float>& scratch = gemm_scratch();
-    const std::size_t need = std::max(small_gemm_scratch(rows, c.d_model, qw + 2 * kw),
-                                      small_gemm_scratch(rows, qw, c.d_model));
+    const std::size_t need = std::max(small_gemm_scratch(rows, c.d_model, {qw, kw, kw}),
+                                      small_gemm_scratch(rows, qw, {c.d_model}));
     if (scratch.size() < need) scratch.resize(need);
     const Product qkv[] = {
         {w_q_.data(), qw, q.data()}, {w_k_.data(), kw, k.data()}, {w_v_.data(), kw, v.data()}};

@@ -3,8 +3,9 @@
 // order, no fused multiply-add), and the float64 product at fp32 rounding level, over row counts
 // 1..8 (below and from the SIMD path's 4-row block on), widths that straddle every vector width
 // and its 2-vector column blocks (a scalar tail), and reduction ranges that straddle the SIMD
-// path's 8-row and the portable loop's 4-row groups. P is poisoned first: the chunk writes
-// it whole.
+// path's 8-row and the portable loop's 4-row groups; P's rows n floats apart and
+// small_gemm_row_stride(n) apart (the layer's). P is poisoned first: the chunk writes the first
+// n elements of each row, and the padding after them must stay poisoned.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -29,39 +30,69 @@ TEST_P(SmallGemmChunk, BitwisePortableAndFloat64AtFp32Level) {
       const std::vector<float> B = testkit::random_normal(static_cast<std::size_t>(K * n), 8);
       // [k0, k1): empty, shorter than a group, exact groups, groups plus a remainder.
       for (auto [k0, k1] : {std::pair{0, 0}, {0, 1}, {3, 6}, {0, 8}, {5, 18}, {0, 45}, {2, 45}}) {
-        SCOPED_TRACE("M=" + std::to_string(M) + " n=" + std::to_string(n) + " k=[" +
-                     std::to_string(k0) + "," + std::to_string(k1) + ")");
-        std::vector<float> got(static_cast<std::size_t>(M * n), kPoison);
-        std::vector<float> want(got.size(), kPoison);
-        simd(M, K, A.data(), B.data(), n, k0, k1, got.data());
-        kernels::small_gemm_chunk_portable(M, K, A.data(), B.data(), n, k0, k1, want.data());
-        double max_err = 0.0, max_ref = 0.0;
-        for (std::int64_t m = 0; m < M; ++m) {
-          for (std::int64_t j = 0; j < n; ++j) {
-            const std::size_t i = static_cast<std::size_t>(m * n + j);
-            ASSERT_EQ(std::bit_cast<std::uint32_t>(got[i]), std::bit_cast<std::uint32_t>(want[i]))
-                << "element (" << m << ", " << j << "): " << got[i] << " vs portable " << want[i];
-            double ref = 0.0, mag = 0.0;
-            for (std::int64_t k = k0; k < k1; ++k) {
-              const double t = double(A[static_cast<std::size_t>(m * K + k)]) *
-                               double(B[static_cast<std::size_t>(k * n + j)]);
-              ref += t;
-              mag += std::fabs(t);
+        for (const std::int64_t ldp : {n, kernels::small_gemm_row_stride(n)}) {
+          SCOPED_TRACE("M=" + std::to_string(M) + " n=" + std::to_string(n) +
+                       " ldp=" + std::to_string(ldp) + " k=[" + std::to_string(k0) + "," +
+                       std::to_string(k1) + ")");
+          std::vector<float> got(static_cast<std::size_t>(M * ldp), kPoison);
+          std::vector<float> want(got.size(), kPoison);
+          simd(M, K, A.data(), B.data(), n, k0, k1, got.data(), ldp);
+          kernels::small_gemm_chunk_portable(M, K, A.data(), B.data(), n, k0, k1, want.data(), ldp);
+          double max_err = 0.0, max_ref = 0.0;
+          for (std::int64_t m = 0; m < M; ++m) {
+            for (std::int64_t j = n; j < ldp; ++j) {  // the padding: never written
+              const std::size_t i = static_cast<std::size_t>(m * ldp + j);
+              ASSERT_EQ(std::bit_cast<std::uint32_t>(got[i]), std::bit_cast<std::uint32_t>(kPoison))
+                  << "padding (" << m << ", " << j << ") written";
+              ASSERT_EQ(std::bit_cast<std::uint32_t>(want[i]),
+                        std::bit_cast<std::uint32_t>(kPoison))
+                  << "padding (" << m << ", " << j << ") written by the portable loop";
             }
-            // fp32 summation of k1 − k0 terms: within (k1 − k0 + 1) · 2^−24 of Σ|terms|.
-            EXPECT_LE(std::fabs(got[i] - ref), (k1 - k0 + 1) * 0x1.0p-24 * mag + 1e-30)
-                << "element (" << m << ", " << j << ")";
-            max_err = std::max(max_err, std::fabs(got[i] - ref));
-            max_ref = std::max(max_ref, std::fabs(ref));
+            for (std::int64_t j = 0; j < n; ++j) {
+              const std::size_t i = static_cast<std::size_t>(m * ldp + j);
+              ASSERT_EQ(std::bit_cast<std::uint32_t>(got[i]), std::bit_cast<std::uint32_t>(want[i]))
+                  << "element (" << m << ", " << j << "): " << got[i] << " vs portable " << want[i];
+              double ref = 0.0, mag = 0.0;
+              for (std::int64_t k = k0; k < k1; ++k) {
+                const double t = double(A[static_cast<std::size_t>(m * K + k)]) *
+                                 double(B[static_cast<std::size_t>(k * n + j)]);
+                ref += t;
+                mag += std::fabs(t);
+              }
+              // fp32 summation of k1 − k0 terms: within (k1 − k0 + 1) · 2^−24 of Σ|terms|.
+              EXPECT_LE(std::fabs(got[i] - ref), (k1 - k0 + 1) * 0x1.0p-24 * mag + 1e-30)
+                  << "element (" << m << ", " << j << ")";
+              max_err = std::max(max_err, std::fabs(got[i] - ref));
+              max_ref = std::max(max_ref, std::fabs(ref));
+            }
+          }
+          if (k1 > k0) {
+            EXPECT_LE(max_err, 1e-5 * max_ref);
           }
         }
-        if (k1 > k0) EXPECT_LE(max_err, 1e-5 * max_ref);
       }
     }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, SmallGemmChunk, AllIsas(), IsaName);
+
+// The layer's row stride for P: whole lines, never a multiple of 1 KiB (rows 4 KiB apart alias).
+TEST(SmallGemmRowStride, WholeLinesNeverAMultipleOfOneKiB) {
+  EXPECT_EQ(kernels::small_gemm_row_stride(1), 16);
+  EXPECT_EQ(kernels::small_gemm_row_stride(16), 16);
+  EXPECT_EQ(kernels::small_gemm_row_stride(131), 144);
+  EXPECT_EQ(kernels::small_gemm_row_stride(256), 272);
+  EXPECT_EQ(kernels::small_gemm_row_stride(1024), 1040);
+  EXPECT_EQ(kernels::small_gemm_row_stride(4096), 4112);
+  for (std::int64_t n = 1; n <= 5000; ++n) {
+    const std::int64_t ldp = kernels::small_gemm_row_stride(n);
+    ASSERT_GE(ldp, n);
+    ASSERT_EQ(ldp % 16, 0) << n;
+    ASSERT_NE(ldp % 256, 0) << n;
+    ASSERT_LE(ldp - n, 31) << n;
+  }
+}
 
 TEST(SmallGemmChunkErrors, AutomaticIsNotAPath) {
   EXPECT_THROW(kernels::small_gemm_chunk(Isa::automatic), UnsupportedError);

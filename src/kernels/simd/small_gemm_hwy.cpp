@@ -56,15 +56,16 @@ HWY_INLINE void PrefetchAhead(const float* row, std::uintptr_t bytes) {
 }
 
 // P[m][j] ← P[m][j] + Σ_{r < g} fl(a[m · K + r] · B[r][j]) for the columns [j0, n) one at a
-// time, every row m < M of P (the vector loops' scalar tail, n % Lanes columns).
+// time, every row m < M of P (row m at p + m · ldp; the vector loops' scalar tail, n % Lanes
+// columns).
 inline void AddColumnsScalar(std::int64_t M, std::int64_t K, const float* HWY_RESTRICT a,
                              const float* HWY_RESTRICT b, std::int64_t n, std::int64_t g,
-                             std::int64_t j0, float* HWY_RESTRICT p) {
+                             std::int64_t j0, float* HWY_RESTRICT p, std::int64_t ldp) {
   for (std::int64_t m = 0; m < M; ++m) {
     for (std::int64_t j = j0; j < n; ++j) {
-      float acc = p[m * n + j];
+      float acc = p[m * ldp + j];
       for (std::int64_t r = 0; r < g; ++r) acc = acc + a[m * K + r] * b[r * n + j];
-      p[m * n + j] = acc;
+      p[m * ldp + j] = acc;
     }
   }
 }
@@ -93,7 +94,7 @@ HWY_INLINE void AddRows(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b
     }
     hn::StoreU(acc, d, p + j);
   }
-  AddColumnsScalar(1, 0, a, b, n, rows, j, p);
+  AddColumnsScalar(1, 0, a, b, n, rows, j, p, n);
 }
 
 // The same sums for every row m < M of P at once, over the VB·N columns from j: the G·VB vectors
@@ -104,7 +105,7 @@ HWY_INLINE void AddRows(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b
 template <int G, int VB, class D>
 HWY_INLINE void AddRowsBlock(D d, std::int64_t M, std::int64_t K, const float* HWY_RESTRICT a,
                              const float* HWY_RESTRICT b, std::int64_t n, std::int64_t j,
-                             float* HWY_RESTRICT p) {
+                             float* HWY_RESTRICT p, std::int64_t ldp) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   const std::uintptr_t next_group = static_cast<std::uintptr_t>(G * n) * sizeof(float);  // bytes
   hn::Vec<D> bv[G][VB];
@@ -117,20 +118,21 @@ HWY_INLINE void AddRowsBlock(D d, std::int64_t M, std::int64_t K, const float* H
   }
   for (std::int64_t m = 0; m < M; ++m) {
     hn::Vec<D> acc[VB];
-    for (int v = 0; v < VB; ++v) acc[v] = hn::LoadU(d, p + m * n + j + v * N);
+    for (int v = 0; v < VB; ++v) acc[v] = hn::LoadU(d, p + m * ldp + j + v * N);
     for (int r = 0; r < G; ++r) {
       const auto ar = hn::Set(d, a[m * K + r]);
       for (int v = 0; v < VB; ++v) acc[v] = hn::Add(acc[v], hn::Mul(ar, bv[r][v]));
     }
-    for (int v = 0; v < VB; ++v) hn::StoreU(acc[v], d, p + m * n + j + v * N);
+    for (int v = 0; v < VB; ++v) hn::StoreU(acc[v], d, p + m * ldp + j + v * N);
   }
 }
 
 void SmallGemmChunkSimd(std::int64_t M, std::int64_t K, const float* A, const float* B,
-                        std::int64_t n, std::int64_t k0, std::int64_t k1, float* P) {
+                        std::int64_t n, std::int64_t k0, std::int64_t k1, float* P,
+                        std::int64_t ldp) {
   const hn::ScalableTag<float> d;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
-  std::fill(P, P + M * n, 0.0f);
+  for (std::int64_t m = 0; m < M; ++m) std::fill(P + m * ldp, P + m * ldp + n, 0.0f);
   for (std::int64_t k = k0; k < k1; k += kGroup) {
     const std::int64_t g = std::min(kGroup, k1 - k);
     if (g == kGroup && M >= kBlockRows) {
@@ -138,16 +140,16 @@ void SmallGemmChunkSimd(std::int64_t M, std::int64_t K, const float* A, const fl
       const float* b = B + k * n;
       std::int64_t j = 0;
       for (; j + kBlock * N <= n; j += kBlock * N)
-        AddRowsBlock<kGroup, kBlock>(d, M, K, a, b, n, j, P);
-      for (; j + N <= n; j += N) AddRowsBlock<kGroup, 1>(d, M, K, a, b, n, j, P);
-      AddColumnsScalar(M, K, a, b, n, g, j, P);
+        AddRowsBlock<kGroup, kBlock>(d, M, K, a, b, n, j, P, ldp);
+      for (; j + N <= n; j += N) AddRowsBlock<kGroup, 1>(d, M, K, a, b, n, j, P, ldp);
+      AddColumnsScalar(M, K, a, b, n, g, j, P, ldp);
       continue;
     }
     for (std::int64_t m = 0; m < M; ++m) {
       if (g == kGroup) {
-        AddRows<kGroup>(A + m * K + k, B + k * n, n, g, P + m * n);
+        AddRows<kGroup>(A + m * K + k, B + k * n, n, g, P + m * ldp);
       } else {
-        AddRows<0>(A + m * K + k, B + k * n, n, g, P + m * n);
+        AddRows<0>(A + m * K + k, B + k * n, n, g, P + m * ldp);
       }
     }
   }
@@ -160,13 +162,14 @@ HWY_AFTER_NAMESPACE();
 namespace tokenmix::kernels {
 
 void small_gemm_chunk_portable(std::int64_t M, std::int64_t K, const float* A, const float* B,
-                               std::int64_t n, std::int64_t k0, std::int64_t k1, float* P) {
-  std::fill(P, P + M * n, 0.0f);
+                               std::int64_t n, std::int64_t k0, std::int64_t k1, float* P,
+                               std::int64_t ldp) {
+  for (std::int64_t m = 0; m < M; ++m) std::fill(P + m * ldp, P + m * ldp + n, 0.0f);
   for (std::int64_t k = k0; k < k1; k += 4) {
     const float* b0 = B + k * n;
     for (std::int64_t m = 0; m < M; ++m) {
       const float* a = A + m * K + k;
-      float* __restrict pm = P + m * n;
+      float* __restrict pm = P + m * ldp;
       if (k + 4 <= k1) {  // four rows per pass over P's row: the same sums as one by one
         const float a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
         const float* __restrict r0 = b0;

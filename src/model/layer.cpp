@@ -67,13 +67,19 @@ std::vector<float>& gemm_scratch() {
   return scratch;
 }
 
-// Elements of the partial products small_gemm keeps for M rows, reduction length K and products
-// of the widths ns (each partial's rows kernels::small_gemm_row_stride apart).
+// Elements of the partial products small_gemm keeps for M rows and reduction length K: every
+// chunk's M rows of each product, ld_total = the products' row strides summed.
+std::size_t partial_elems(std::int64_t M, std::int64_t K, std::int64_t ld_total) {
+  return static_cast<std::size_t>((K + kChunkK - 1) / kChunkK * M * ld_total);
+}
+
+// The same for products of the widths ns (each partial's rows kernels::small_gemm_row_stride
+// apart): what a call of small_gemm on them needs.
 std::size_t small_gemm_scratch(std::int64_t M, std::int64_t K,
                                std::initializer_list<std::int64_t> ns) {
   std::int64_t ld_total = 0;
   for (std::int64_t n : ns) ld_total += kernels::small_gemm_row_stride(n);
-  return static_cast<std::size_t>((K + kChunkK - 1) / kChunkK * M * ld_total);
+  return partial_elems(M, K, ld_total);
 }
 
 // C_p = A B_p for every product p, M <= kSmallRows rows of A shared (a decode step's Q, K and V
@@ -102,7 +108,7 @@ void small_gemm(std::int64_t M, std::int64_t K, const float* A, std::span<const 
   }
   reduce_first[ps.size()] = reduce_units;
   std::vector<float>& scratch = gemm_scratch();
-  const std::size_t need = static_cast<std::size_t>(chunks * M * ld_total);
+  const std::size_t need = partial_elems(M, K, ld_total);
   if (scratch.size() < need) scratch.resize(need);
   float* const part = scratch.data();
   const std::int64_t units = static_cast<std::int64_t>(ps.size()) * chunks;

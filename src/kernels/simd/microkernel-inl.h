@@ -178,8 +178,9 @@ HWY_INLINE void UnsplitPairs(float* HWY_RESTRICT c, std::int64_t ldc, std::int64
 // 4, because its decode tall blocks (2 vectors, 8–12 rows: each row's broadcast feeds 2 FMAs) ran
 // faster widening per vector, 3–4 instructions per 16 elements with fewer shuffles. On AMD Zen 4,
 // hot decode at T_new = 2 and 4 was 4–5 % faster through both the direct and the f16 widening
-// (an 8 × 2 k loop with its broadcasts: 0.34 → 0.32 ns per FMA, direct). AVX2: 2 (its tall blocks
-// measured 2–3 % slower per vector there, f16 widening). docs/performance.md, 2026-12-03.
+// (an 8 × 2 k loop with its broadcasts: 0.34 → 0.32 ns per FMA, direct). Other targets: 2 (AVX2's
+// tall blocks measured 2–3 % slower per vector there, f16 widening). docs/performance.md,
+// 2026-12-03.
 constexpr int kFp8PairVectors = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL ? 4 : 2;
 
 // VN consecutive vectors of B (one k row of the microkernel) widened to fp32. fp8 E4M3 pairs

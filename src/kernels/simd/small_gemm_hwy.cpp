@@ -6,9 +6,10 @@
 // arithmetic (docs/performance.md, 2026-12-01).
 //
 // Per group of G ≤ 8 reduction rows: for each row m of A and each vector of columns j, P[m][j] is
-// loaded, the G terms fl(A[m][k] · B[k][j]) are added to it one after the other, in k order, and
-// it is stored. From kBlockRows rows of A on, a block of columns' B vectors is loaded once for all
-// rows (AddRowsBlock); below, the B rows stream through once per m (AddRows). Both prefetch the
+// loaded (the chunk's first group: taken as 0), the G terms fl(A[m][k] · B[k][j]) are added to it
+// one after the other, in k order, and it is stored. From kBlockRows rows of A on, a block of
+// columns' B vectors is loaded once for all rows (AddRowsBlock), with A's part copied to a small
+// panel first (APanel); below, the B rows stream through once per m (AddRows). Both prefetch the
 // next group's lines into L2 as they read a group's (PrefetchAhead). Multiply and add are
 // separate instructions and this file is compiled with -ffp-contract=off (src/CMakeLists.txt),
 // so no FMA fuses them: the same operations as the portable loop, element by element.
@@ -57,13 +58,13 @@ HWY_INLINE void PrefetchAhead(const float* row, std::uintptr_t bytes) {
 
 // P[m][j] ← P[m][j] + Σ_{r < g} fl(a[m · K + r] · B[r][j]) for the columns [j0, n) one at a
 // time, every row m < M of P (row m at p + m · ldp; the vector loops' scalar tail, n % Lanes
-// columns).
+// columns). first: the chunk's first group, P taken as 0 (not read).
 inline void AddColumnsScalar(std::int64_t M, std::int64_t K, const float* HWY_RESTRICT a,
                              const float* HWY_RESTRICT b, std::int64_t n, std::int64_t g,
-                             std::int64_t j0, float* HWY_RESTRICT p, std::int64_t ldp) {
+                             std::int64_t j0, float* HWY_RESTRICT p, std::int64_t ldp, bool first) {
   for (std::int64_t m = 0; m < M; ++m) {
     for (std::int64_t j = j0; j < n; ++j) {
-      float acc = p[m * ldp + j];
+      float acc = first ? 0.0f : p[m * ldp + j];
       for (std::int64_t r = 0; r < g; ++r) acc = acc + a[m * K + r] * b[r * n + j];
       p[m * ldp + j] = acc;
     }
@@ -71,22 +72,22 @@ inline void AddColumnsScalar(std::int64_t M, std::int64_t K, const float* HWY_RE
 }
 
 // P[m][j] ← P[m][j] + Σ_{r < G} fl(a[r] · B[r][j]), term by term in r order, for one row m of P
-// (G = 0: g rows, known at run time). Each B vector's line of the next group (the rows G·n floats
-// on, same columns) is prefetched into L2 as it is read: the group's G row streams are more than
-// the hardware prefetchers keep ahead of. The one-token step of a Llama-3-8B-shaped layer on AMD
-// Zen 4 (M = 1, 168 MB of weights), best step of each round: one thread 9.4–10.3 → 7.1–8.1 ms
-// (AVX-512) and 8.8–9.2 → 7.4–7.8 ms (AVX2), two threads 5–8 % faster (docs/performance.md,
-// 2026-12-03).
+// (G = 0: g rows, known at run time; first: P taken as 0). Each B vector's line of the next group
+// (the rows G·n floats on, same columns) is prefetched into L2 as it is read: the group's G row
+// streams are more than the hardware prefetchers keep ahead of. The one-token step of a
+// Llama-3-8B-shaped layer on AMD Zen 4 (M = 1, 168 MB of weights), best step of each round: one
+// thread 9.4–10.3 → 7.1–8.1 ms (AVX-512) and 8.8–9.2 → 7.4–7.8 ms (AVX2), two threads 5–8 %
+// faster (docs/performance.md, 2026-12-03).
 template <int G>
 HWY_INLINE void AddRows(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, std::int64_t n,
-                        std::int64_t g, float* HWY_RESTRICT p) {
+                        std::int64_t g, float* HWY_RESTRICT p, bool first) {
   const hn::ScalableTag<float> d;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   const std::int64_t rows = G > 0 ? G : g;
   std::int64_t j = 0;
   const std::uintptr_t next_group = static_cast<std::uintptr_t>(rows * n) * sizeof(float);  // bytes
   for (; j + N <= n; j += N) {
-    auto acc = hn::LoadU(d, p + j);
+    auto acc = first ? hn::Zero(d) : hn::LoadU(d, p + j);
     for (std::int64_t r = 0; r < rows; ++r) {
       const float* row = b + r * n + j;
       PrefetchAhead(row, next_group);
@@ -94,18 +95,19 @@ HWY_INLINE void AddRows(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b
     }
     hn::StoreU(acc, d, p + j);
   }
-  AddColumnsScalar(1, 0, a, b, n, rows, j, p, n);
+  AddColumnsScalar(1, 0, a, b, n, rows, j, p, n, first);
 }
 
 // The same sums for every row m < M of P at once, over the VB·N columns from j: the G·VB vectors
-// of B are loaded once and serve all M rows (a[m · K + r] = A[m][k + r]). With several rows the
-// arithmetic per B byte keeps the loads from running ahead, so the next group's rows (G·n floats
-// on) are prefetched into L2 meanwhile, at the same columns: on one AMD Zen 5 core, M = 8 read
-// the weights at 8–10 GB/s without either (B re-read per row, no prefetch) and 15–19 with both.
+// of B are loaded once and serve all M rows (a[m · ka + r] = A[m][k + r]; first: P taken as 0).
+// With several rows the arithmetic per B byte keeps the loads from running ahead, so the next
+// group's rows (G·n floats on) are prefetched into L2 meanwhile, at the same columns: on one AMD
+// Zen 5 core, M = 8 read the weights at 8–10 GB/s without either (B re-read per row, no
+// prefetch) and 15–19 with both.
 template <int G, int VB, class D>
-HWY_INLINE void AddRowsBlock(D d, std::int64_t M, std::int64_t K, const float* HWY_RESTRICT a,
+HWY_INLINE void AddRowsBlock(D d, std::int64_t M, std::int64_t ka, const float* HWY_RESTRICT a,
                              const float* HWY_RESTRICT b, std::int64_t n, std::int64_t j,
-                             float* HWY_RESTRICT p, std::int64_t ldp) {
+                             float* HWY_RESTRICT p, std::int64_t ldp, bool first) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   const std::uintptr_t next_group = static_cast<std::uintptr_t>(G * n) * sizeof(float);  // bytes
   hn::Vec<D> bv[G][VB];
@@ -118,12 +120,57 @@ HWY_INLINE void AddRowsBlock(D d, std::int64_t M, std::int64_t K, const float* H
   }
   for (std::int64_t m = 0; m < M; ++m) {
     hn::Vec<D> acc[VB];
-    for (int v = 0; v < VB; ++v) acc[v] = hn::LoadU(d, p + m * ldp + j + v * N);
+    for (int v = 0; v < VB; ++v)
+      acc[v] = first ? hn::Zero(d) : hn::LoadU(d, p + m * ldp + j + v * N);
     for (int r = 0; r < G; ++r) {
-      const auto ar = hn::Set(d, a[m * K + r]);
+      const auto ar = hn::Set(d, a[m * ka + r]);
       for (int v = 0; v < VB; ++v) acc[v] = hn::Add(acc[v], hn::Mul(ar, bv[r][v]));
     }
     for (int v = 0; v < VB; ++v) hn::StoreU(acc[v], d, p + m * ldp + j + v * N);
+  }
+}
+
+// Rows of P per pass of the block path, and reduction rows of A copied per pass (APanel).
+constexpr std::int64_t kPanelRows = 8;
+constexpr std::int64_t kPanelK = 128;
+
+// A[0 : rows, ks : ks + len) copied to rows kPanelK floats (512 bytes) apart. A's own rows are K
+// floats apart (the layer's 4096: 16 KiB), which puts the M elements the block path broadcasts
+// for one k in the same L1 set, with the B rows (16 KiB apart as well): the copy's rows fall in
+// distinct sets. In a model k loop on AMD Zen 4 (8 rows × 3 vectors of mul + add pairs, each
+// row's element of A broadcast), A rows 16 KiB apart took 0.69–0.96 ns per pair and 16.06 KiB
+// apart 0.38–0.43; the layer's step of 8 sequences, 2 threads: 12.0–17.6 → 9.7–12.7 ms
+// (docs/performance.md, 2026-12-03).
+struct APanel {
+  alignas(64) float a[kPanelRows * kPanelK];
+  void copy(std::int64_t rows, std::int64_t K, const float* A, std::int64_t ks, std::int64_t len) {
+    for (std::int64_t m = 0; m < rows; ++m)
+      std::copy(A + m * K + ks, A + m * K + ks + len, a + m * kPanelK);
+  }
+};
+
+// The block path for rows [0, M) of P (M ≤ kPanelRows) and reduction rows [ks, ks + len) of A
+// (len ≤ kPanelK), A's part in `panel`; first: the chunk's first rows (P taken as 0 at first).
+template <class D>
+void AddPanel(D d, std::int64_t M, const APanel& panel, const float* B, std::int64_t n,
+              std::int64_t ks, std::int64_t len, float* P, std::int64_t ldp, bool first) {
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+  for (std::int64_t r0 = 0; r0 < len; r0 += kGroup) {
+    const std::int64_t g = std::min(kGroup, len - r0);
+    const bool first_group = first && r0 == 0;
+    const float* a = panel.a + r0;
+    const float* b = B + (ks + r0) * n;
+    if (g < kGroup) {  // the last, short group: row by row
+      for (std::int64_t m = 0; m < M; ++m)
+        AddRows<0>(a + m * kPanelK, b, n, g, P + m * ldp, first_group);
+      continue;
+    }
+    std::int64_t j = 0;
+    for (; j + kBlock * N <= n; j += kBlock * N)
+      AddRowsBlock<kGroup, kBlock>(d, M, kPanelK, a, b, n, j, P, ldp, first_group);
+    for (; j + N <= n; j += N)
+      AddRowsBlock<kGroup, 1>(d, M, kPanelK, a, b, n, j, P, ldp, first_group);
+    AddColumnsScalar(M, kPanelK, a, b, n, g, j, P, ldp, first_group);
   }
 }
 
@@ -131,25 +178,31 @@ void SmallGemmChunkSimd(std::int64_t M, std::int64_t K, const float* A, const fl
                         std::int64_t n, std::int64_t k0, std::int64_t k1, float* P,
                         std::int64_t ldp) {
   const hn::ScalableTag<float> d;
-  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
-  for (std::int64_t m = 0; m < M; ++m) std::fill(P + m * ldp, P + m * ldp + n, 0.0f);
-  for (std::int64_t k = k0; k < k1; k += kGroup) {
-    const std::int64_t g = std::min(kGroup, k1 - k);
-    if (g == kGroup && M >= kBlockRows) {
-      const float* a = A + k;
-      const float* b = B + k * n;
-      std::int64_t j = 0;
-      for (; j + kBlock * N <= n; j += kBlock * N)
-        AddRowsBlock<kGroup, kBlock>(d, M, K, a, b, n, j, P, ldp);
-      for (; j + N <= n; j += N) AddRowsBlock<kGroup, 1>(d, M, K, a, b, n, j, P, ldp);
-      AddColumnsScalar(M, K, a, b, n, g, j, P, ldp);
+  if (k1 <= k0) {
+    for (std::int64_t m = 0; m < M; ++m) std::fill(P + m * ldp, P + m * ldp + n, 0.0f);
+    return;
+  }
+  for (std::int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
+    const std::int64_t rows = std::min(kPanelRows, M - m0);
+    const float* A_rows = A + m0 * K;
+    float* P_rows = P + m0 * ldp;
+    if (rows >= kBlockRows) {
+      APanel panel;
+      for (std::int64_t ks = k0; ks < k1; ks += kPanelK) {
+        const std::int64_t len = std::min(kPanelK, k1 - ks);
+        panel.copy(rows, K, A_rows, ks, len);
+        AddPanel(d, rows, panel, B, n, ks, len, P_rows, ldp, ks == k0);
+      }
       continue;
     }
-    for (std::int64_t m = 0; m < M; ++m) {
-      if (g == kGroup) {
-        AddRows<kGroup>(A + m * K + k, B + k * n, n, g, P + m * ldp);
-      } else {
-        AddRows<0>(A + m * K + k, B + k * n, n, g, P + m * ldp);
+    for (std::int64_t k = k0; k < k1; k += kGroup) {
+      const std::int64_t g = std::min(kGroup, k1 - k);
+      for (std::int64_t m = 0; m < rows; ++m) {
+        if (g == kGroup) {
+          AddRows<kGroup>(A_rows + m * K + k, B + k * n, n, g, P_rows + m * ldp, k == k0);
+        } else {
+          AddRows<0>(A_rows + m * K + k, B + k * n, n, g, P_rows + m * ldp, k == k0);
+        }
       }
     }
   }

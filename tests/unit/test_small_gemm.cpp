@@ -1,9 +1,10 @@
 // tests/unit/test_small_gemm.cpp — the layer's few-row projection chunk (kernels/small_gemm.hpp)
 // on every ISA path: bitwise the portable loop's result (the same multiplies and adds in the same
 // order, no fused multiply-add), and the float64 product at fp32 rounding level, over row counts
-// 1..8 (below and from the SIMD path's 4-row block on), widths that straddle every vector width
-// and its 2-vector column blocks (a scalar tail), and reduction ranges that straddle the SIMD
-// path's 8-row and the portable loop's 4-row groups; P's rows n floats apart and
+// 1..13 (below and from the SIMD path's 4-row block on, past its 8-row panels of A), widths that
+// straddle every vector width and its 2-vector column blocks (a scalar tail), and reduction ranges
+// that straddle the SIMD path's 8-row groups and 128-row panels and the portable loop's 4-row
+// groups; P's rows n floats apart and
 // small_gemm_row_stride(n) apart (the layer's). P is poisoned first: the chunk writes the first
 // n elements of each row, and the padding after them must stay poisoned.
 #include <gtest/gtest.h>

@@ -14,7 +14,8 @@
 //     ratio = gbps / ceiling_gbps, gbps = kv_bytes / seconds, gflops = flops / seconds,
 //     ratio_gflops = gflops / ceiling_gflops, tokens_per_s = batch · tq / seconds,
 //     roofline_ms = 1e3 · max(kv_bytes / ceiling_gbps, flops / ceiling_gflops) (GB/s, GFLOP/s),
-//     ratio_roofline = roofline_ms / (1e3 · seconds), ceiling_kind is forward's sgemm;
+//     ratio_roofline = roofline_ms / (1e3 · seconds), ceiling_kind is forward's sgemm,
+//     0 < seconds_min ≤ seconds ≤ seconds_max (the median between the fastest and slowest call);
 //     without a window and with an unquantized cache: kv_bytes = 2 · Σ L_b · H_kv · d_h ·
 //     sizeof(cache dtype) (SPEC "Useful-work counts", decode bytes); with T_new = 1 and no
 //     window: flops = 4 · d_h · H_q · Σ L_b; with equal lengths and no window: flops =
@@ -186,6 +187,8 @@ void check_decode(const Line& l, const std::string& lengths) {
                           "flops",
                           "roofline_ms",
                           "ratio_roofline",
+                          "seconds_min",
+                          "seconds_max",
                           "cache_tokens_total",
                           "cache_tokens_min",
                           "cache_tokens_max"})
@@ -206,6 +209,10 @@ void check_decode(const Line& l, const std::string& lengths) {
   const double roof = 1e3 * std::max(bytes / (gbps_c * 1e9), flops / (gflops_c * 1e9));
   check_close(l, "roofline_ms", l.num("roofline_ms"), roof);
   check_close(l, "ratio_roofline", l.num("ratio_roofline"), l.num("roofline_ms") / (s * 1e3), 2e-5);
+  // The median lies between the fastest and the slowest call (6 significant digits each).
+  const double s_min = l.num("seconds_min"), s_max = l.num("seconds_max");
+  if (!(s_min > 0 && s_min <= s * (1 + 1e-5) && s <= s_max * (1 + 1e-5)))
+    fail("seconds_min <= seconds <= seconds_max, all > 0, does not hold: " + l.text);
 
   const double B = l.num("batch"), Tn = l.num("tq"), Tk = l.num("tk"), H_q = l.num("hq"),
                H_kv = l.num("hkv"), D = l.num("dh"), total = l.num("cache_tokens_total"),

@@ -475,7 +475,8 @@ std::string to_json(const BenchResult& r) {
        << r.ceiling_gbps_kind << "\", \"ratio_gflops\": " << r.ratio_gflops
        << ", \"kv_bytes\": " << r.kv_bytes << ", \"flops\": " << std::setprecision(17) << r.flops
        << std::setprecision(6) << ", \"roofline_ms\": " << r.roofline_ms
-       << ", \"ratio_roofline\": " << r.ratio_roofline << ", \"lengths\": \"" << r.lengths
+       << ", \"ratio_roofline\": " << r.ratio_roofline << ", \"seconds_min\": " << r.seconds_min
+       << ", \"seconds_max\": " << r.seconds_max << ", \"lengths\": \"" << r.lengths
        << "\", \"cache_tokens_total\": " << r.cache_tokens_total
        << ", \"cache_tokens_min\": " << r.cache_tokens_min
        << ", \"cache_tokens_max\": " << r.cache_tokens_max;
@@ -701,6 +702,8 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     res.causal = true;
     res.align = "bottom-right";
     res.seconds = median(times);
+    res.seconds_min = *std::min_element(times.begin(), times.end());
+    res.seconds_max = *std::max_element(times.begin(), times.end());
     res.lengths = cfg.lengths;
     res.cache_tokens_total = 0;
     for (std::int64_t len : lengths) res.cache_tokens_total += len;

@@ -133,7 +133,10 @@ struct BenchResult {
   /// decode: the roofline time of the step, 1e3 · max(kv_bytes / (ceiling_gbps · 1e9),
   /// flops / (ceiling_gflops · 1e9)): the least time the binding ceiling allows
   double roofline_ms = 0.0;
-  double ratio_roofline = 0.0;    ///< decode: roofline_ms / (1e3 · seconds); 1 = at the roofline
+  double ratio_roofline = 0.0;  ///< decode: roofline_ms / (1e3 · seconds); 1 = at the roofline
+  /// decode: the fastest and the slowest of the timed calls (seconds is their median): how much a
+  /// shared machine moved the figure within this case
+  double seconds_min = 0.0, seconds_max = 0.0;
   std::string lengths = "equal";  ///< decode: BenchConfig::lengths of the case
   /// decode: Σ_b L_b, min_b L_b and max_b L_b of the cached positions (tk is the nominal T_k)
   std::int64_t cache_tokens_total = 0, cache_tokens_min = 0, cache_tokens_max = 0;

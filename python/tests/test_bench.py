@@ -153,6 +153,7 @@ def test_bench_decode_all_cache_dtypes_side_by_side(capsys):
     for r in lines:
         assert r["tk"] == 65 and r["op"] == "decode" and r["ratio"] == r["gbps"] / r["ceiling_gbps"]
         assert r["tokens_per_s"] == 1.0 / (r["ms"] / 1e3)
+        assert 0 < r["ms_min"] <= r["ms"] <= r["ms_max"]  # the median between the extremes
     assert lines[1]["tokens_per_s_vs_bf16"] == 1.0 and lines[1]["cache_bytes_vs_bf16"] == 1.0
     assert lines[0]["err_vs_unquantized"] > 0
 

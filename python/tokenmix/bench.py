@@ -581,6 +581,7 @@ def run_decode_case(T_k: int, args: argparse.Namespace, dtypes: List[str], buf: 
     res = {}
     for dt in dtypes:
         res[dt] = {"seconds": statistics.median(times[dt]),
+                   "seconds_min": min(times[dt]), "seconds_max": max(times[dt]),
                    "bytes": float(caches[dt].decode_bytes(0, 0, B)),
                    "storage_bytes": float(caches[dt].storage_bytes),
                    "ceiling_gbps": statistics.median(ceiling), "out": outs[dt]}
@@ -595,7 +596,8 @@ def decode_main(args: argparse.Namespace) -> int:
     (B / time), tokens/s and cache bytes (storage) relative to the bf16 cache, and the largest
     |O − O_f32| against the fp32 cache's output on the same K/V (the error of storing K/V in
     the dtype). The f32 and bf16 caches are run whether listed or not (the references); only
-    the listed dtypes are printed."""
+    the listed dtypes are printed. ``--json`` rows also give the fastest and slowest round
+    (``ms_min``, ``ms_max``): how far a shared machine moved the figure in this run."""
     bad = [dt for dt in args.cache_dtype if dt not in CACHE_DTYPES]
     if bad or not args.cache_dtype:
         print(f"python -m tokenmix.bench: error: --cache-dtype must be among "
@@ -633,7 +635,9 @@ def decode_main(args: argparse.Namespace) -> int:
             row = {"op": "decode", "cache_dtype": dt, "batch": args.batch, "tnew": 1,
                    "tk": T_k, "hq": args.heads_q, "hkv": args.heads_kv, "dh": args.head_dim,
                    "threads": threads, "isa": tokenmix.resolve_isa(),
-                   "ms": r["seconds"] * 1e3, "gbps": gbps, "ceiling_gbps": r["ceiling_gbps"],
+                   "ms": r["seconds"] * 1e3, "ms_min": r["seconds_min"] * 1e3,
+                   "ms_max": r["seconds_max"] * 1e3, "gbps": gbps,
+                   "ceiling_gbps": r["ceiling_gbps"],
                    "ceiling_kind": ceiling_kind, "ratio": gbps / r["ceiling_gbps"],
                    "tokens_per_s": tps, "tokens_per_s_vs_bf16": tps / tps_bf16,
                    "cache_bytes": int(r["storage_bytes"]),

@@ -702,8 +702,9 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     res.causal = true;
     res.align = "bottom-right";
     res.seconds = median(times);
-    res.seconds_min = *std::min_element(times.begin(), times.end());
-    res.seconds_max = *std::max_element(times.begin(), times.end());
+    const auto [fastest, slowest] = std::minmax_element(times.begin(), times.end());
+    res.seconds_min = *fastest;
+    res.seconds_max = *slowest;
     res.lengths = cfg.lengths;
     res.cache_tokens_total = 0;
     for (std::int64_t len : lengths) res.cache_tokens_total += len;

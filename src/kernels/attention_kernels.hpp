@@ -401,12 +401,17 @@ extern const TanhKernel softcap_tanh_avx2, softcap_tanh_avx512, softcap_tanh_neo
 // y[i] = e^x[i], i < n, per target (null where not built), for tests/unit/test_softmax_exp.cpp.
 using ExpKernel = TanhKernel;  // y[i] = f(x[i]), i < n
 extern const ExpKernel softmax_exp_avx2, softmax_exp_avx512, softmax_exp_neon;
+// The readings of fp8 E4M3 cache elements the widening test hook exercises (int8 has one):
+// through f16 bits (fp8_e4m3_t, q · 2^−8), directly as fp32 bits (fp8_e4m3_direct_t, q · 2^−120;
+// four vectors at a time as fp8_e4m3_quad_t) and the quad reading at the f16 unit
+// (fp8_e4m3_quad_f16unit_t, q · 2^−8).
+enum class Fp8Reading { f16, direct, quad_f16unit };
 // Test hook: the SIMD microkernel's widening of quantized KV-cache elements (LoadB / LoadBRow,
-// simd/microkernel-inl.h): n int8 or fp8 E4M3 bytes (dtype) → fp32 q · kLoadBUnit (2^−8 for fp8
-// through f16 bits, 2^−120 for fp8 read directly as fp32 bits (fp8_direct), 1 for int8), one
-// vector at a time into by_vector and four at a time into by_row; per target (null where not
+// simd/microkernel-inl.h): n int8 or fp8 E4M3 bytes (dtype) → fp32 q · kLoadBUnit (the unit of
+// the reading: 1 for int8), one vector at a time into by_vector and four at a time into by_row
+// (a split reading's columns put back in order: UnsplitQuads); per target (null where not
 // built), for tests/unit/test_kv_quant.cpp.
-using WidenKernel = void (*)(DType dtype, bool fp8_direct, const std::uint8_t* q, std::int64_t n,
+using WidenKernel = void (*)(DType dtype, Fp8Reading reading, const std::uint8_t* q, std::int64_t n,
                              float* by_vector, float* by_row);
 extern const WidenKernel widen_quantized_avx2, widen_quantized_avx512, widen_quantized_neon;
 

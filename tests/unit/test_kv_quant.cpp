@@ -124,10 +124,12 @@ TEST(KVQuantElements, QuantizerNeverEmitsNaNCodes) {
 // The widening of stored elements to fp32 on every kernel path, for all 256 byte values at every
 // lane position of the widest vector row (byte i of the input is (i + i / 256) mod 256, so each
 // block of 256 shifts the codes by one lane): the SIMD microkernel's LoadB (one vector) and
-// LoadBRow<4> (fp8: paired widening) through the test hook kernels::widen_quantized_<isa> must
-// give q · kLoadBUnit bitwise — int8: q; fp8 E4M3: the format's value (SPEC "Quantized KV
-// cache") times 2^−8 through f16 bits, or times 2^−120 read directly as fp32 bits (subnormal
-// fp32 for the subnormal codes; the decode kernel's fp8_direct reading) — with normal and
+// LoadBRow<4> (fp8: paired widening through f16 bits, or the quad reading with its columns put
+// back in order by UnsplitQuads) through the test hook kernels::widen_quantized_<isa> must give
+// q · kLoadBUnit bitwise — int8: q; fp8 E4M3: the format's value (SPEC "Quantized KV cache")
+// times 2^−8 through f16 bits, times 2^−120 read directly as fp32 bits (subnormal fp32 for the
+// subnormal codes; the decode kernel's fp8_direct reading), or times 2^−8 again from the quad
+// reading rescaled (the decode kernel's V tiles whose scales rule out 2^−120) — with normal and
 // subnormal codes alike, and the portable kernel's element read (load_element) q itself. NaN
 // codes (never stored, QuantizerNeverEmitsNaNCodes) are left out of the fp8 comparison.
 class KVQuantWiden : public PerIsaTest {};
@@ -142,25 +144,34 @@ TEST_P(KVQuantWiden, AllByteValuesBitwiseAsTheScalarDecoding) {
   const std::int64_t n = 256 * 64 + 5;  // + a partial vector
   std::vector<std::uint8_t> bytes(static_cast<std::size_t>(n));
   for (std::int64_t i = 0; i < n; ++i) bytes[static_cast<std::size_t>(i)] = (i + i / 256) % 256;
+  using kernels::Fp8Reading;
   struct Reading {
     DType dt;
-    bool direct;
+    Fp8Reading fp8_reading;
   };
-  for (const Reading reading : {Reading{DType::int8, false}, Reading{DType::fp8_e4m3, false},
-                                Reading{DType::fp8_e4m3, true}}) {
+  for (const Reading reading :
+       {Reading{DType::int8, Fp8Reading::f16}, Reading{DType::fp8_e4m3, Fp8Reading::f16},
+        Reading{DType::fp8_e4m3, Fp8Reading::direct},
+        Reading{DType::fp8_e4m3, Fp8Reading::quad_f16unit}}) {
     const DType dt = reading.dt;
     const bool fp8 = dt == DType::fp8_e4m3;
-    const float unit = !fp8 ? 1.0f : reading.direct ? 0x1.0p-120f : 0x1.0p-8f;
+    const bool direct = fp8 && reading.fp8_reading == Fp8Reading::direct;
+    const float unit = !fp8 ? 1.0f : direct ? 0x1.0p-120f : 0x1.0p-8f;
     std::vector<float> by_vector(bytes.size(), std::nanf("")), by_row(bytes.size(), std::nanf(""));
     if (fn != nullptr) {
-      fn(dt, reading.direct, bytes.data(), n, by_vector.data(), by_row.data());
+      fn(dt, reading.fp8_reading, bytes.data(), n, by_vector.data(), by_row.data());
     } else {  // the portable kernel: the stored element q read one at a time (load_element)
       for (std::int64_t i = 0; i < n; ++i) {
         const float v = kernels::load_element(dt, bytes.data(), i) * unit;
         by_vector[static_cast<std::size_t>(i)] = by_row[static_cast<std::size_t>(i)] = v;
       }
     }
-    const std::string what = std::string(to_string(dt)) + (reading.direct ? " (direct)" : "");
+    const std::string what =
+        std::string(to_string(dt)) +
+        (!fp8                                              ? ""
+         : reading.fp8_reading == Fp8Reading::direct       ? " (direct, quad rows)"
+         : reading.fp8_reading == Fp8Reading::quad_f16unit ? " (quad rows at the f16 unit)"
+                                                           : " (f16)");
     int subnormal_fp32 = 0;  // direct: the subnormal codes' fp32 values are subnormal
     for (std::int64_t i = 0; i < n; ++i) {
       const std::uint8_t b = bytes[static_cast<std::size_t>(i)];
@@ -178,7 +189,7 @@ TEST_P(KVQuantWiden, AllByteValuesBitwiseAsTheScalarDecoding) {
           << what << " (row) byte " << int(b) << " at " << i << ": " << got_r;
     }
     // 14 subnormal codes (±1..7 · 2^−9) in each of the 64 shifted blocks
-    EXPECT_EQ(subnormal_fp32, reading.direct ? 14 * 64 : 0) << what;
+    EXPECT_EQ(subnormal_fp32, direct ? 14 * 64 : 0) << what;
   }
 }
 INSTANTIATE_TEST_SUITE_P(AllIsas, KVQuantWiden, AllIsas(), IsaName);

@@ -191,11 +191,20 @@ void DecodeUnits(const DecodeArgs& a) {
 #endif
   using TD = std::conditional_t<kDirectBuilt, fp8_e4m3_direct_t, TB>;  // the direct element
   constexpr float kDirectUnit = kLoadBUnit<TD>;
+  // The regular blocks (kVD vectors, a multiple of 4) read the direct bits four columns to a
+  // word (fp8_e4m3_quad_t, microkernel-inl.h): their products' columns come out in groups of
+  // 4·Lanes as columns 4i, 4i + 1, 4i + 2, 4i + 3 and are put back in order once complete (S
+  // after the tile's Q Kᵀ, Õ at the end of the unit: UnsplitQuads), as the bf16 split reading.
+  // A V tile the direct unit cannot take (v_direct false) is then read through
+  // fp8_e4m3_quad_f16unit_t, the f16 reading's values in the same column order.
+  constexpr bool kQuadBuilt = kDirectBuilt && kSplitBuilt && kVD % 4 == 0;
+  using TQ = std::conditional_t<kQuadBuilt, fp8_e4m3_quad_t, TB>;
+  using TQ16 = std::conditional_t<kQuadBuilt, fp8_e4m3_quad_f16unit_t, TB>;
   // A bf16 cache is read by the products through bf16_split_t (microkernel-inl.h) where the
   // target has it: each pair of B vectors as even / odd columns, two instructions per 2·Lanes
   // elements; the products' columns are put back in order once they are complete (S after the
   // tile's Q Kᵀ, Õ at the end of the unit: UnsplitPairs), so every element is the same bits.
-  constexpr bool kSplit = kBf16SplitBuilt && std::is_same_v<TB, hwy::bfloat16_t>;
+  constexpr bool kSplit = kSplitBuilt && std::is_same_v<TB, hwy::bfloat16_t>;
   using TP = std::conditional_t<kSplit, bf16_split_t, TB>;  // what the products read
   const hn::ScalableTag<float> d;
   const hn::RebindToSigned<decltype(d)> di;
@@ -285,8 +294,10 @@ void DecodeUnits(const DecodeArgs& a) {
     const bool capped = a.var.softcap > 0.0f;
     const bool tall = nrows > kRD;  // several row blocks: the tall blocking (see kRT)
     // Columns of a product in register blocks (ColumnBlocks: [0, floor(columns / w_blk) · w_blk)),
-    // which the split bf16 reading computes as even / odd pairs.
+    // which the split readings compute in their own column order (bf16 pairs, fp8 quads).
     const std::int64_t w_blk = (tall ? kVT : kVD) * N;
+    // The quad reading (kQuadBuilt) in this unit: fp8 read directly, the regular blocking.
+    const bool quad = kQuadBuilt && direct_ok && !tall;
     const VF cap = hn::Set(d, a.var.softcap), inv_cap = hn::Set(d, 1.0f / a.var.softcap);
 
     for (std::int64_t u0 = kb; u0 < k1; u0 += kKeyTile) {
@@ -339,7 +350,10 @@ void DecodeUnits(const DecodeArgs& a) {
                                     kn, cur);
         }
       };
-      if (kDirectBuilt && k_direct) {
+      if (kQuadBuilt && k_direct && quad) {
+        s_product(reinterpret_cast<const TQ*>(kt), reinterpret_cast<const TQ*>(kt_next));
+        UnsplitQuads(st, kKeyTile, nrows, nv / w_blk * w_blk);
+      } else if (kDirectBuilt && k_direct) {
         s_product(reinterpret_cast<const TD*>(kt), reinterpret_cast<const TD*>(kt_next));
       } else {
         s_product(reinterpret_cast<const TP*>(kt), reinterpret_cast<const TP*>(kt_next));
@@ -505,7 +519,11 @@ void DecodeUnits(const DecodeArgs& a) {
                                                        true, dh_vec, vn, cur);
         };
         const TB* vk_next = vt_next != nullptr ? vt_next + k0 * vld : nullptr;
-        if (kDirectBuilt && v_direct) {
+        if (kQuadBuilt && quad && v_direct) {
+          pv_product(reinterpret_cast<const TQ*>(vk), reinterpret_cast<const TQ*>(vk_next));
+        } else if (kQuadBuilt && quad) {
+          pv_product(reinterpret_cast<const TQ16*>(vk), reinterpret_cast<const TQ16*>(vk_next));
+        } else if (kDirectBuilt && v_direct) {
           pv_product(reinterpret_cast<const TD*>(vk), reinterpret_cast<const TD*>(vk_next));
         } else {
           pv_product(reinterpret_cast<const TP*>(vk), reinterpret_cast<const TP*>(vk_next));
@@ -521,8 +539,9 @@ void DecodeUnits(const DecodeArgs& a) {
           }
       }
     }
-    // Õ's blocked columns back in order (the split bf16 reading; the scalar tail is in order).
+    // Õ's blocked columns back in order (the split readings; the scalar tail is in order).
     if constexpr (kSplit) UnsplitPairs(acc, dh, nrows, dh_vec / w_blk * w_blk);
+    if (quad) UnsplitQuads(acc, dh, nrows, dh_vec / w_blk * w_blk);
   }
 }
 

@@ -46,6 +46,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "kernels/attention_kernels.hpp"
 #include "kernels/nonfinite.hpp"
@@ -388,10 +389,12 @@ void SoftmaxExpNaN(const float* x, float* y, std::int64_t n) {
   MapVectors(x, y, n, [](auto d, auto v) { return ExpNaN(d, v); });
 }
 // Test hook (tests/unit/test_kv_quant.cpp): the microkernel's widening of n quantized KV-cache
-// elements q[i] (int8 or fp8 E4M3 bytes, dtype) to fp32, as the decode kernel's products read
-// them: one vector at a time (LoadB, the VN = 1 products) into by_vector and kVD = 4 vectors at
-// a time (LoadBRow<4>, fp8 E4M3's paired widening) into by_row. Both hold q · kLoadBUnit.
-void WidenQuantized(DType dtype, bool fp8_direct, const std::uint8_t* q, std::int64_t n,
+// elements q[i] (int8 or fp8 E4M3 bytes, dtype; fp8 in the given reading) to fp32, as the decode
+// kernel's products read them: one vector at a time (LoadB, the VN = 1 products) into by_vector
+// and kVD = 4 vectors at a time (LoadBRow<4>: fp8's paired or quad widening) into by_row, the
+// quad reading's columns put back in order as the decode kernel does (UnsplitQuads). Both hold
+// q · kLoadBUnit.
+void WidenQuantized(DType dtype, Fp8Reading reading, const std::uint8_t* q, std::int64_t n,
                     float* by_vector, float* by_row) {
   const hn::ScalableTag<float> d;
   constexpr int kRow = 4;
@@ -400,17 +403,23 @@ void WidenQuantized(DType dtype, bool fp8_direct, const std::uint8_t* q, std::in
   std::copy(q, q + n, in.begin());
   std::vector<float> out_v(in.size()), out_r(in.size());
   const auto run = [&](const auto* p) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(p)>>;
+    constexpr bool kQuad =
+        std::is_same_v<T, fp8_e4m3_quad_t> || std::is_same_v<T, fp8_e4m3_quad_f16unit_t>;
     for (std::int64_t i = 0; i < static_cast<std::int64_t>(in.size()); i += W) {
       for (int v = 0; v < kRow; ++v) hn::StoreU(LoadB(d, p + i + v * N), d, &out_v[i + v * N]);
       hn::Vec<decltype(d)> bv[kRow];
       LoadBRow<kRow>(d, p + i, bv);
       for (int v = 0; v < kRow; ++v) hn::StoreU(bv[v], d, &out_r[i + v * N]);
+      if constexpr (kQuad && kSplitBuilt) UnsplitQuads(&out_r[i], W, 1, W);
     }
   };
   if (dtype == DType::int8) {
     run(reinterpret_cast<const std::int8_t*>(in.data()));
-  } else if (fp8_direct) {
-    run(reinterpret_cast<const fp8_e4m3_direct_t*>(in.data()));
+  } else if (reading == Fp8Reading::direct) {
+    run(reinterpret_cast<const fp8_e4m3_quad_t*>(in.data()));  // LoadB: the direct widening
+  } else if (reading == Fp8Reading::quad_f16unit) {
+    run(reinterpret_cast<const fp8_e4m3_quad_f16unit_t*>(in.data()));
   } else {
     run(reinterpret_cast<const fp8_e4m3_t*>(in.data()));
   }

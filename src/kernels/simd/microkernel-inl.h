@@ -120,6 +120,37 @@ HWY_INLINE hn::Vec<D> LoadB(D d, const fp8_e4m3_direct_t* HWY_RESTRICT p) {
   return hn::BitCast(d, bits);
 }
 
+// fp8 E4M3 read directly as fp32 bits four columns to a 32-bit word (the "quad" reading, decode's
+// regular blocks: attention_decode_hwy.cpp): the same bytes as fp8_e4m3_t. LoadB is the direct
+// widening (one vector, columns in order, q · 2^−120); LoadBRow reads each group of four vectors
+// (4·Lanes columns from x) as 2·Lanes 16-bit words, byte 2i + 1 in bits 8–15 of word i: an
+// arithmetic shift right by 4 puts that byte's sign in bit 15 and its eeee mmm in bits 4–10,
+// which in a 32-bit word's upper half is the direct fp32 bits s 0000eeee mmm000…0 once masked
+// (columns x + 4i + 3), and after a shift left by 16 those of its lower half (x + 4i + 1); the
+// even bytes take one more shift (left by 8, first). 9 integer instructions per 4·Lanes
+// elements against the direct pairs' 12 (3 of them shuffles); the four vectors hold columns
+// x + 4i, x + 4i + 1, x + 4i + 2, x + 4i + 3 (i < Lanes), and UnsplitQuads puts the products'
+// columns back in order. A 4-row k loop of 4 zmm vectors on AMD Zen 4: 0.33 → 0.29 ns per FMA
+// (int8: 0.30).
+struct fp8_e4m3_quad_t {
+  std::uint8_t bits;
+};
+template <class D>
+HWY_INLINE hn::Vec<D> LoadB(D d, const fp8_e4m3_quad_t* HWY_RESTRICT p) {
+  return LoadB(d, reinterpret_cast<const fp8_e4m3_direct_t*>(p));
+}
+// The quad reading times 2^112 (exact: DAZ clear), i.e. q · 2^−8, the f16 reading's values in
+// the quad reading's column order; LoadB is the f16 widening. The decode kernel reads a V tile
+// whose scales rule out the direct unit (see there) through this type, so that Õ's columns are
+// in one order for every tile of a unit.
+struct fp8_e4m3_quad_f16unit_t {
+  std::uint8_t bits;
+};
+template <class D>
+HWY_INLINE hn::Vec<D> LoadB(D d, const fp8_e4m3_quad_f16unit_t* HWY_RESTRICT p) {
+  return LoadB(d, reinterpret_cast<const fp8_e4m3_t*>(p));
+}
+
 // bf16 read a second way (the "split" reading, decode's products): the same bytes as
 // hwy::bfloat16_t. LoadB is the plain widening (one vector, columns in order); LoadBRow reads a
 // pair of vectors (2·Lanes columns from x) as Lanes 32-bit words and gives the even columns
@@ -137,44 +168,99 @@ template <class D>
 HWY_INLINE hn::Vec<D> LoadB(D d, const bf16_split_t* HWY_RESTRICT p) {
   return LoadB(d, reinterpret_cast<const hwy::bfloat16_t*>(p));
 }
-// x86 only (NEON's bf16 widening is one instruction per vector already).
-constexpr bool kBf16SplitBuilt =
+// The split readings (bf16_split_t, fp8_e4m3_quad_t) are built for x86 only (NEON's bf16
+// widening is one instruction per vector already; fp8 is read directly on x86 only).
+constexpr bool kSplitBuilt =
     HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2;
+
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+using SplitVec = __m512;
+#elif HWY_TARGET == HWY_AVX2
+using SplitVec = __m256;
+#endif
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2
+// Two vectors x, y (Lanes floats each) interleaved: x0 y0 x1 y1 … into lo (the first Lanes) and
+// hi. Intrinsics: Highway 1.0.3 has no two-table lane permutation.
+HWY_INLINE void Interleave(SplitVec x, SplitVec y, SplitVec& lo, SplitVec& hi) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  lo = _mm512_permutex2var_ps(x, first, y);
+  hi = _mm512_permutex2var_ps(x, second, y);
+#else
+  const __m256 a = _mm256_unpacklo_ps(x, y);  // x0 y0 x1 y1 | x4 y4 x5 y5
+  const __m256 b = _mm256_unpackhi_ps(x, y);  // x2 y2 x3 y3 | x6 y6 x7 y7
+  lo = _mm256_permute2f128_ps(a, b, 0x20);
+  hi = _mm256_permute2f128_ps(a, b, 0x31);
+#endif
+}
+HWY_INLINE SplitVec LoadSplit(const float* p) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  return _mm512_loadu_ps(p);
+#else
+  return _mm256_loadu_ps(p);
+#endif
+}
+HWY_INLINE void StoreSplit(SplitVec v, float* p) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  _mm512_storeu_ps(p, v);
+#else
+  _mm256_storeu_ps(p, v);
+#endif
+}
+#endif
 
 // Rows of C whose columns [0, ext) were computed through bf16_split_t pairs (ext a multiple of
 // 2·Lanes) back to column order, in place: each group of 2·Lanes floats holds the even columns
-// of the group, then the odd ones. Intrinsics: Highway 1.0.3 has no two-table lane permutation.
+// of the group, then the odd ones.
 HWY_INLINE void UnsplitPairs(float* HWY_RESTRICT c, std::int64_t ldc, std::int64_t rows,
                              std::int64_t ext) {
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi =
-      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2
+  constexpr std::int64_t N = sizeof(SplitVec) / sizeof(float);
   for (std::int64_t r = 0; r < rows; ++r) {
-    for (std::int64_t x = 0; x < ext; x += 32) {
+    for (std::int64_t x = 0; x < ext; x += 2 * N) {
       float* g = c + r * ldc + x;
-      const __m512 even = _mm512_loadu_ps(g), odd = _mm512_loadu_ps(g + 16);
-      _mm512_storeu_ps(g, _mm512_permutex2var_ps(even, lo, odd));
-      _mm512_storeu_ps(g + 16, _mm512_permutex2var_ps(even, hi, odd));
-    }
-  }
-#elif HWY_TARGET == HWY_AVX2
-  for (std::int64_t r = 0; r < rows; ++r) {
-    for (std::int64_t x = 0; x < ext; x += 16) {
-      float* g = c + r * ldc + x;
-      const __m256 even = _mm256_loadu_ps(g), odd = _mm256_loadu_ps(g + 8);
-      const __m256 a = _mm256_unpacklo_ps(even, odd);  // columns 0–3 | 8–11
-      const __m256 b = _mm256_unpackhi_ps(even, odd);  // columns 4–7 | 12–15
-      _mm256_storeu_ps(g, _mm256_permute2f128_ps(a, b, 0x20));
-      _mm256_storeu_ps(g + 8, _mm256_permute2f128_ps(a, b, 0x31));
+      SplitVec lo, hi;
+      Interleave(LoadSplit(g), LoadSplit(g + N), lo, hi);
+      StoreSplit(lo, g);
+      StoreSplit(hi, g + N);
     }
   }
 #else
-  (void)c, (void)ldc, (void)rows, (void)ext;  // never called: kBf16SplitBuilt is false
+  (void)c, (void)ldc, (void)rows, (void)ext;  // never called: kSplitBuilt is false
 #endif
 }
 
-// Rows of B at least this many vectors wide widen fp8 E4M3 in pairs of vectors (LoadBRow). AVX-512:
+// Rows of C whose columns [0, ext) were computed through fp8_e4m3_quad_t groups (ext a multiple
+// of 4·Lanes) back to column order, in place: each group of 4·Lanes floats holds its columns
+// 4i, then 4i + 1, 4i + 2 and 4i + 3 (i < Lanes). Columns 4i and 4i + 2 interleaved, 4i + 1 and
+// 4i + 3 likewise, then those two: 8 two-vector permutations per group.
+HWY_INLINE void UnsplitQuads(float* HWY_RESTRICT c, std::int64_t ldc, std::int64_t rows,
+                             std::int64_t ext) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2
+  constexpr std::int64_t N = sizeof(SplitVec) / sizeof(float);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t x = 0; x < ext; x += 4 * N) {
+      float* g = c + r * ldc + x;
+      SplitVec even_lo, even_hi, odd_lo, odd_hi, o0, o1, o2, o3;
+      Interleave(LoadSplit(g), LoadSplit(g + 2 * N), even_lo, even_hi);    // 4i, 4i + 2
+      Interleave(LoadSplit(g + N), LoadSplit(g + 3 * N), odd_lo, odd_hi);  // 4i + 1, 4i + 3
+      Interleave(even_lo, odd_lo, o0, o1);
+      Interleave(even_hi, odd_hi, o2, o3);
+      StoreSplit(o0, g);
+      StoreSplit(o1, g + N);
+      StoreSplit(o2, g + 2 * N);
+      StoreSplit(o3, g + 3 * N);
+    }
+  }
+#else
+  (void)c, (void)ldc, (void)rows, (void)ext;  // never called: kSplitBuilt is false
+#endif
+}
+
+// Rows of B at least this many vectors wide widen fp8 E4M3 through f16 bits in pairs of vectors
+// (LoadBRow; the direct bits are read per vector, or as quads in the regular blocks). AVX-512:
 // 4, because its decode tall blocks (2 vectors, 8–12 rows: each row's broadcast feeds 2 FMAs) ran
 // faster widening per vector, 3–4 instructions per 16 elements with fewer shuffles. On AMD Zen 4,
 // hot decode at T_new = 2 and 4 was 4–5 % faster through both the direct and the f16 widening
@@ -186,8 +272,9 @@ constexpr int kFp8PairVectors = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3
 // VN consecutive vectors of B (one k row of the microkernel) widened to fp32. fp8 E4M3 pairs
 // its vectors (VN a multiple of kFp8PairVectors): one sign-extending load, shift and mask at full
 // 16-bit width for 2·Lanes bytes, then each half widened f16 → f32 — the same values as LoadB
-// (same bits), fewer instructions per element (4 instead of 5 on x86). Otherwise, and for other
-// element types: LoadB per vector.
+// (same bits), fewer instructions per element (4 instead of 5 on x86). The split readings
+// (fp8_e4m3_quad_t, fp8_e4m3_quad_f16unit_t: VN a multiple of 4; bf16_split_t: of 2) give their
+// columns in another order, see there. Otherwise, and for other element types: LoadB per vector.
 template <int VN, class D, class TB>
 HWY_INLINE void LoadBRow(D d, const TB* HWY_RESTRICT p, hn::Vec<D>* bv) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
@@ -207,35 +294,30 @@ HWY_INLINE void LoadBRow(D d, const TB* HWY_RESTRICT p, hn::Vec<D>* bv) {
     return;
   }
 #endif
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  // The direct fp8 widening, 2·16 bytes at a time: the 32 bytes' 4-byte groups permuted
-  // (0 4 1 5 2 6 3 7: one VPERMD), sign-extended to 16 bits, shifted left by 4 and masked
-  // (s 0000eeee mmm0000 = the fp32 value's upper half), then interleaved with zeros per 128-bit
-  // block (VPUNPCKLWD / VPUNPCKHWD: the low half takes groups 0–3 of each block, which the
-  // permutation made bytes 0–15, the high half bytes 16–31). The same bits as LoadB; 6
-  // instructions per 32 elements, none of them a conversion: on AMD Zen 4 a 4-row k loop ran at
-  // 0.35 ns per FMA against 0.43 with the f16 pairs (int8: 0.32; docs/performance.md).
-  // Only rows of kFp8PairVectors (4) vectors or more: see there.
-  if constexpr (std::is_same_v<TB, fp8_e4m3_direct_t> && VN % kFp8PairVectors == 0) {
-    const hn::Repartition<std::int16_t, D> d16;              // 2·Lanes 16-bit lanes
-    const hn::Rebind<std::int8_t, decltype(d16)> d8;         // 2·Lanes bytes (half a vector)
-    const hn::Repartition<std::int32_t, decltype(d8)> d8x4;  // the same bytes as 4-byte groups
+  constexpr bool kQuad =
+      std::is_same_v<TB, fp8_e4m3_quad_t> || std::is_same_v<TB, fp8_e4m3_quad_f16unit_t>;
+  if constexpr (kQuad && kSplitBuilt && VN % 4 == 0) {
+    const hn::Repartition<std::int16_t, D> d16;  // 2·Lanes words: 4·Lanes bytes
+    const hn::Repartition<std::uint8_t, D> d8;   // bytes: no typed access to 1-byte aligned data
     const hn::RebindToSigned<D> di;
-    alignas(32) static constexpr std::int32_t kGroups[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-    const auto groups = hn::SetTableIndices(d8x4, kGroups);
-    const auto mask = hn::Set(d16, static_cast<std::int16_t>(0x87f0));
-    for (int v = 0; v < VN; v += 2) {
-      const auto raw =
-          hn::BitCast(d8x4, hn::LoadU(d8, reinterpret_cast<const std::int8_t*>(p + v * N)));
-      const auto w = hn::PromoteTo(d16, hn::BitCast(d8, hn::TableLookupLanes(raw, groups)));
-      const auto h = hn::And(hn::ShiftLeft<4>(w), mask);
-      bv[v] = hn::BitCast(d, hn::ZipLower(di, hn::Zero(d16), h));
-      bv[v + 1] = hn::BitCast(d, hn::ZipUpper(di, hn::Zero(d16), h));
+    const auto mask = hn::Set(di, static_cast<std::int32_t>(0x87f00000));
+    for (int v = 0; v < VN; v += 4) {
+      const auto w =
+          hn::BitCast(d16, hn::LoadU(d8, reinterpret_cast<const std::uint8_t*>(p + v * N)));
+      const auto odd = hn::BitCast(di, hn::ShiftRight<4>(w));  // bytes 4i + 1, 4i + 3
+      const auto even = hn::BitCast(di, hn::ShiftRight<4>(hn::ShiftLeft<8>(w)));  // 4i, 4i + 2
+      bv[v] = hn::BitCast(d, hn::And(hn::ShiftLeft<16>(even), mask));
+      bv[v + 1] = hn::BitCast(d, hn::And(hn::ShiftLeft<16>(odd), mask));
+      bv[v + 2] = hn::BitCast(d, hn::And(even, mask));
+      bv[v + 3] = hn::BitCast(d, hn::And(odd, mask));
+      if constexpr (std::is_same_v<TB, fp8_e4m3_quad_f16unit_t>) {
+        const auto to_f16_unit = hn::Set(d, 0x1.0p112f);  // q · 2^−120 → q · 2^−8, exact
+        for (int i = 0; i < 4; ++i) bv[v + i] = hn::Mul(bv[v + i], to_f16_unit);
+      }
     }
     return;
   }
-#endif
-  if constexpr (std::is_same_v<TB, bf16_split_t> && kBf16SplitBuilt && VN % 2 == 0) {
+  if constexpr (std::is_same_v<TB, bf16_split_t> && kSplitBuilt && VN % 2 == 0) {
     const hn::RebindToUnsigned<D> du;
     const hn::Repartition<std::uint8_t, D> d8;  // bytes: no typed access to 2-byte aligned data
     const auto high = hn::Set(du, 0xffff0000u);
@@ -253,9 +335,10 @@ HWY_INLINE void LoadBRow(D d, const TB* HWY_RESTRICT p, hn::Vec<D>* bv) {
 /// What LoadB returns is the stored q times this: 2^−8 for fp8 E4M3 (f16 bits), 2^−120 for the
 /// direct fp8 widening, 1 otherwise.
 template <class TB>
-inline constexpr float kLoadBUnit = std::is_same_v<TB, fp8_e4m3_t>          ? 0x1.0p-8f
-                                    : std::is_same_v<TB, fp8_e4m3_direct_t> ? 0x1.0p-120f
-                                                                            : 1.0f;
+inline constexpr float kLoadBUnit =
+    std::is_same_v<TB, fp8_e4m3_t> || std::is_same_v<TB, fp8_e4m3_quad_f16unit_t>  ? 0x1.0p-8f
+    : std::is_same_v<TB, fp8_e4m3_direct_t> || std::is_same_v<TB, fp8_e4m3_quad_t> ? 0x1.0p-120f
+                                                                                   : 1.0f;
 
 // Widens n contiguous bf16/f16 activation elements (kernels::bf16_t / f16_t) to fp32 with the
 // target's exact vector promotion (bf16: a shift; f16: F16C on x86, FCVTL on NEON), for the

@@ -64,9 +64,9 @@ Isa cpu_cap();
 /// straight into fp32 bits (no conversion instruction; subnormal fp32 operands, so a worker thread
 /// whose MXCSR sets DAZ or FTZ reads through f16 bits instead), false = through f16 bits (F16C).
 /// Same results either way (bitwise while no product is subnormal). TOKENMIX_FP8_WIDEN=direct|f16
-/// forces it; unset or empty: direct on AMD family 19h (Zen 3 and Zen 4; measured faster on
-/// Zen 4, on both paths), f16 elsewhere. portable and neon ignore it. Throws ArgumentError on
-/// another value.
+/// forces it; unset or empty: direct on AMD family 19h and 1Ah (Zen 3, Zen 4 and Zen 5; measured
+/// faster on Zen 4 and Zen 5, on both paths), f16 elsewhere. portable and neon ignore it. Throws
+/// ArgumentError on another value.
 bool fp8_direct_widening();
 
 /// Paths compiled into this build and runnable on this CPU, lowest first (always has portable).

@@ -109,7 +109,7 @@ def cpu_cap() -> Optional[str]:
 def fp8_direct_widening() -> bool:
     """True if the avx512 and avx2 decode kernels read an fp8 E4M3 cache straight as fp32 bits,
     False if through f16 bits (TOKENMIX_FP8_WIDEN=direct|f16, read at each call; automatic: direct
-    on AMD family 19h). Same results either way."""
+    on AMD families 19h and 1Ah: Zen 3, Zen 4, Zen 5). Same results either way."""
 def cpu_features() -> dict[str, Any]:
     """{"model": str, "avx2_fma": bool, "avx512f": bool, "avx512_bf16": bool, "amx_tile": bool,
     "neon": bool, "flags": list[str]}"""

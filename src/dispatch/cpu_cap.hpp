@@ -16,9 +16,15 @@ const CpuFeatures& cpu_features(const char* fn);
 /// Decode over an fp8 E4M3 cache on AVX-512: widen the codes straight into fp32 bits
 /// (kernels::DecodeArgs::fp8_direct; no conversion instruction, subnormal fp32 operands) rather
 /// than through f16 bits. TOKENMIX_FP8_WIDEN, read now: `direct` or `f16` forces the choice;
-/// unset or empty: direct on the CPUs it was measured faster on (AMD family 19h with AVX-512,
-/// Zen 4: docs/performance.md), f16 elsewhere. Other paths (portable, AVX2, NEON) always read
-/// f16 bits or the scalar decoding. ArgumentError naming `fn` on another value.
+/// unset or empty: fp8_direct_preferred for this CPU's vendor and family. The portable and NEON
+/// paths always read f16 bits or the scalar decoding. ArgumentError naming `fn` on another value.
 bool fp8_direct_widening(const char* fn);
+
+/// The automatic choice of fp8_direct_widening for a CPU (`amd`: vendor AuthenticAMD; `family`:
+/// CPUID's display family, base + extended): true on the CPUs the direct reading was measured
+/// faster on, AMD family 19h (Zen 4, both x86 paths) and 1Ah (Zen 5, both x86 paths;
+/// docs/performance.md). Zen 3 (19h, AVX2 only) was not measured; Intel keeps the f16 reading
+/// (subnormal FMA operands not measured there).
+bool fp8_direct_preferred(bool amd, unsigned family);
 
 }  // namespace tokenmix::detail

@@ -151,6 +151,13 @@ Isa cpu_cap(const char* fn) {
                           env + "'");
 }
 
+bool fp8_direct_preferred(bool amd, unsigned family) {
+  // AMD family 19h (Zen 3, Zen 4) and 1Ah (Zen 5): measured faster on Zen 4's avx512 path and its
+  // avx2 path forced (2026-12-02/03), and on Zen 5's (T_new = 1, one thread, hot: 0.200 → 0.170 ms
+  // on avx512, 0.367 → 0.336 on avx2; 2026-12-04). Zen 3 (AVX2 only) not measured.
+  return amd && (family == 0x19u || family == 0x1Au);
+}
+
 bool fp8_direct_widening(const char* fn) {
   const char* env = std::getenv("TOKENMIX_FP8_WIDEN");
   if (env != nullptr && *env != '\0') {
@@ -163,17 +170,15 @@ bool fp8_direct_widening(const char* fn) {
                             env + "'");
   }
 #ifdef TOKENMIX_X86
-  // AMD family 19h (Zen 3 and Zen 4; measured faster on Zen 4's avx512 path and on its avx2 path
-  // forced; Zen 3, AVX2 only, not measured).
-  static const bool amd_family_19h = [] {
+  static const bool preferred = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
     const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
-    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
     const unsigned base = (a >> 8) & 0xfu, ext = (a >> 20) & 0xffu;
-    return (base == 0xfu ? base + ext : base) == 0x19u;
+    return fp8_direct_preferred(amd, base == 0xfu ? base + ext : base);
   }();
-  return amd_family_19h;
+  return preferred;
 #else
   return false;
 #endif

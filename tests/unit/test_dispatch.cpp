@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "dispatch/cpu_cap.hpp"
 #include "kernels/kv_tile_layout.hpp"
 #include "kernels/registry.hpp"
 #include "kernels/scratch_arena.hpp"
@@ -433,6 +434,23 @@ TEST(Dispatch, InvalidFp8WideningIsAnArgumentErrorNamingTheVariable) {
                               ErrorCode::invalid_argument,
                               {"attention_decode", "TOKENMIX_FP8_WIDEN", "direct, f16", "'bf16'"});
   EXPECT_NO_THROW((void)decode_once(Isa::automatic, DType::int8));
+}
+
+// The automatic fp8 widening (TOKENMIX_FP8_WIDEN unset) as a function of the CPU alone, so the
+// table holds on every machine: direct on AMD family 19h (Zen 3, Zen 4) and 1Ah (Zen 5), where
+// it was measured faster (docs/performance.md); f16 bits on every other family and vendor.
+TEST(Dispatch, Fp8DirectWideningIsPreferredOnAmdZen4AndZen5Only) {
+  struct Cpu {
+    bool amd;
+    unsigned family;
+    bool direct;
+  };
+  for (const Cpu& c : {Cpu{true, 0x19u, true}, Cpu{true, 0x1Au, true}, Cpu{true, 0x17u, false},
+                       Cpu{true, 0x1Bu, false}, Cpu{true, 0x0Fu, false}, Cpu{false, 0x06u, false},
+                       Cpu{false, 0x19u, false}, Cpu{false, 0x1Au, false}}) {
+    EXPECT_EQ(detail::fp8_direct_preferred(c.amd, c.family), c.direct)
+        << (c.amd ? "AMD" : "other vendor") << " family 0x" << std::hex << c.family;
+  }
 }
 
 // ---- ResourceError ---------------------------------------------------------------------------

@@ -251,6 +251,17 @@ struct DecodeArgs {
     return chunk_first != nullptr ? chunk_first[b] : b * chunks;
   }
   std::int64_t units() const { return first_chunk(batch) * hkv * qblocks; }
+  /// Units a worker takes at a time in the SIMD decode kernels' schedule (`schedule(dynamic,
+  /// run)`: runs [k·run, (k + 1)·run)). Consecutive units are consecutive chunks of one
+  /// (sequence, KV head, query block), the next stretch of the same forward K/V stream, so within
+  /// a run a worker's stream (and its software prefetch, which runs on into the next chunk) goes
+  /// on where the last chunk ended instead of jumping a chunk per worker ahead. At most 16 units,
+  /// and at least 4 runs per worker so that the dynamic schedule still balances (1 for small
+  /// calls). Which worker computes a unit never changes its result.
+  static constexpr std::int64_t run_units(std::int64_t units, std::int64_t workers) {
+    const std::int64_t per_worker = units / (4 * (workers > 1 ? workers : 1));
+    return per_worker < 1 ? 1 : per_worker > 16 ? 16 : per_worker;
+  }
   std::int64_t unit_index(std::int64_t b, std::int64_t j, std::int64_t qb, std::int64_t c) const {
     return first_chunk(b) * hkv * qblocks + (j * qblocks + qb) * chunks_of(b) + c;
   }

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "api/decode_internal.hpp"
+#include "kernels/attention_kernels.hpp"
 #include "kernels/kv_element.hpp"
 #include "kv_oracle.hpp"
 #include "test_util.hpp"
@@ -199,6 +200,52 @@ TEST_P(DecodeMulti, ShortSequenceAloneEqualsInMixedBatch) {
       EXPECT_EQ(0, std::memcmp(&all.at(b, 0, 0, 0), one.storage.data(),
                                one.storage.size() * sizeof(float)))
           << "sequence " << b;
+    }
+  }
+}
+
+// The SIMD kernels hand each worker runs of consecutive units (DecodeArgs::run_units): at most
+// 16, at least 4 runs per worker, 1 when there are too few units (a zero worker count reads as 1).
+TEST(DecodeRuns, RunLengthFollowsUnitsAndWorkers) {
+  using kernels::DecodeArgs;
+  EXPECT_EQ(DecodeArgs::run_units(256, 2), 16);   // B = 1, T_k = 32768, H_kv = 8
+  EXPECT_EQ(DecodeArgs::run_units(4096, 2), 16);  // capped
+  EXPECT_EQ(DecodeArgs::run_units(32, 2), 4);     // T_k = 4096: 8 runs for 2 workers
+  EXPECT_EQ(DecodeArgs::run_units(40, 1), 10);
+  EXPECT_EQ(DecodeArgs::run_units(40, 3), 3);
+  EXPECT_EQ(DecodeArgs::run_units(7, 2), 1);
+  EXPECT_EQ(DecodeArgs::run_units(1, 1), 1);
+  EXPECT_EQ(DecodeArgs::run_units(64, 0), 16);
+}
+
+// Runs that end inside a stream and streams that end inside a run: two sequences of 4100 and
+// 2500 keys (5 and 3 chunks), 2 KV heads, T_new = 20 with g = 8 (two query blocks of 16 and 4
+// positions): 32 units, runs of 8, 4 and 2 units on 1, 2 and 3 threads, so a run's next unit is
+// sometimes the same stream's next chunk (the prefetch runs on into it) and sometimes another
+// query block, head or sequence. Against the oracle, and bitwise equal for 1, 2 and 3 threads,
+// on an int8 and a bf16 cache, contiguous and paged.
+TEST_P(DecodeMulti, RunsAcrossChunksHeadsAndSequences) {
+  std::uint64_t seed = 450;
+  for (DType dt : {DType::int8, DType::bf16}) {
+    for (std::int64_t block : {0, 192}) {
+      run_case({{4100, 2500}, 20, 16, 2, 40, dt, block}, GetParam(), ++seed);
+      const MultiCase c{{4100, 2500}, 20, 16, 2, 40, dt, block};
+      SCOPED_TRACE(describe(c));
+      std::mt19937_64 rng(seed);
+      KVCache cache({1, 2, c.hkv, c.dh, 4100, c.dtype, c.block, 0});
+      fill(cache, 0, c.lengths, rng);
+      StridedTensor q(2, c.tnew, c.hq, c.dh, Layout::strided);
+      q.fill_random(rng);
+      std::vector<std::vector<float>> outs;
+      for (int threads : {1, 3}) {
+        StridedTensor out(2, c.tnew, c.hq, c.dh, Layout::bthd);
+        DecodeOptions o;
+        o.isa = GetParam();
+        o.threads = threads;
+        attention_decode(q.view, cache, 0, out.view, {}, o);
+        outs.push_back(out.storage);
+      }
+      EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(float)));
     }
   }
 }

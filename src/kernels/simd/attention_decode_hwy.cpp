@@ -6,7 +6,9 @@
 //
 // A unit is (sequence b, KV head j, query block, chunk of ≤ 1024 keys). Its rows are all g query
 // heads of group j × the block's query positions (r = t_local · g + h_local), so each K/V tile is
-// read from memory once for the whole group (GQA: bytes do not grow with g). Per 64-key tile,
+// read from memory once for the whole group (GQA: bytes do not grow with g). Workers take runs of
+// consecutive units (DecodeArgs::run_units), i.e. consecutive chunks of one stream, so each
+// worker's reads go on front to back and the prefetch runs on into its next chunk. Per 64-key tile,
 // both products are the shared register-blocked microkernel (microkernel-inl.h), with the cache
 // element type (fp32 / bf16 / f16) as its B operand, widened to fp32 in registers:
 //   S[r][u]  = Σ_x (scale·q_r)[x] · Kᵀ[x][u]   A = scale·Q rows, B = K tile [d_h][64]  (4.2)
@@ -244,9 +246,20 @@ void DecodeUnits(const DecodeArgs& a) {
       std::max<std::int64_t>(1, (kAheadBytes + pair_bytes - 1) / pair_bytes);
   const std::int64_t dh_vec = dh / N * N;  // d_h in whole vectors (then a scalar tail)
 
-#pragma omp for schedule(dynamic, 1)
+  // Runs of consecutive units per worker (DecodeArgs::run_units): on AMD Zen 5, T_k = 32768,
+  // T_new = 1, two threads, int8 1.94–2.00 → 1.43 ms, bf16 T_new = 4 5.6–7.6 → 5.1–5.2 ms
+  // (docs/performance.md, 2026-12-04).
+  const std::int64_t run = DecodeArgs::run_units(units, omp_get_num_threads());
+#pragma omp for schedule(dynamic, run)
   for (std::int64_t unit = 0; unit < units; ++unit) {
     const auto [c, qb, j, b] = a.unit_at(unit);
+    // The next unit is this worker's (same run) and the next chunk of the same stream: the
+    // prefetch runs on into it (stream_end) instead of stopping at this chunk's end.
+    bool next_chunk_mine = false;
+    if ((unit + 1) % run != 0 && unit + 1 < units) {
+      const DecodeArgs::Unit nx = a.unit_at(unit + 1);
+      next_chunk_mine = nx.b == b && nx.j == j && nx.qb == qb && nx.c == c + 1;
+    }
     const int worker = omp_get_thread_num();
     float* qs = a.scratch.at(a.slots.q_scaled, worker);  // scale·Q, transposed: [d_h][nrows]
     float* st = a.scratch.at(a.slots.scores, worker);    // S, then P [rows][64]
@@ -260,6 +273,7 @@ void DecodeUnits(const DecodeArgs& a) {
     const std::int64_t kend = keys.end, kfull = keys.full_end, kbegin = keys.begin,
                        kfull_begin = keys.full_begin;
     const std::int64_t k0 = a.chunk_base(b) + c * a.chunk, k1 = std::min(k0 + a.chunk, kend);
+    const std::int64_t stream_end = next_chunk_mine ? std::min(k1 + a.chunk, kend) : k1;
     // From the tile holding the first visible key (a window's start) on.
     const std::int64_t kb = std::max(k0, kbegin / kKeyTile * kKeyTile);
     std::fill(m_run, m_run + nrows, kNegInf);  // m = −∞, l = 0: the part is empty until a key
@@ -305,11 +319,12 @@ void DecodeUnits(const DecodeArgs& a) {
       const std::int64_t tile = a.tile_offset(b, j, u0);
       const TB* kt = k_layer + tile;  // Kᵀ tile [d_h][64]
       const TB* vt = v_in_place ? v_rows + a.v_row(b, j, u0) : v_layer + tile;  // V [nt][d_h]
-      // The tile ahead_tiles on in this chunk (none in its last ones): the microkernels prefetch
-      // it row by row while they compute on this one, so a unit's one forward stream is read
-      // ahead by at least kAheadBytes.
+      // The tile ahead_tiles on in this chunk, or in the next one where this worker takes it next
+      // (stream_end; none in the stream's last tiles): the microkernels prefetch it row by row
+      // while they compute on this one, so a worker's forward stream is read ahead by at least
+      // kAheadBytes.
       const std::int64_t u_ahead = u0 + ahead_tiles * kKeyTile;
-      const bool has_next = u_ahead < k1;
+      const bool has_next = u_ahead < stream_end;
       const std::int64_t next = has_next ? a.tile_offset(b, j, u_ahead) : 0;
       // kLinearPrefetch (V tiles in the cache, not rows in place): the whole next pair through the
       // cursor (the pf pointers are then null). Not for int8 / fp8: their widening makes a step

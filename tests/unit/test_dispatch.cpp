@@ -439,7 +439,7 @@ TEST(Dispatch, InvalidFp8WideningIsAnArgumentErrorNamingTheVariable) {
 // The automatic fp8 widening (TOKENMIX_FP8_WIDEN unset) as a function of the CPU alone, so the
 // table holds on every machine: direct on AMD family 19h (Zen 3, Zen 4) and 1Ah (Zen 5), where
 // it was measured faster (docs/performance.md); f16 bits on every other family and vendor.
-TEST(Dispatch, Fp8DirectWideningIsPreferredOnAmdZen4AndZen5Only) {
+TEST(Dispatch, Fp8DirectWideningIsPreferredOnAmdFamilies19hAnd1AhOnly) {
   struct Cpu {
     bool amd;
     unsigned family;

@@ -259,8 +259,7 @@ struct DecodeArgs {
   /// and at least 4 runs per worker so that the dynamic schedule still balances (1 for small
   /// calls). Which worker computes a unit never changes its result.
   static constexpr std::int64_t run_units(std::int64_t units, std::int64_t workers) {
-    const std::int64_t per_worker = units / (4 * (workers > 1 ? workers : 1));
-    return per_worker < 1 ? 1 : per_worker > 16 ? 16 : per_worker;
+    return std::clamp<std::int64_t>(units / (4 * std::max<std::int64_t>(workers, 1)), 1, 16);
   }
   std::int64_t unit_index(std::int64_t b, std::int64_t j, std::int64_t qb, std::int64_t c) const {
     return first_chunk(b) * hkv * qblocks + (j * qblocks + qb) * chunks_of(b) + c;

@@ -253,13 +253,10 @@ void DecodeUnits(const DecodeArgs& a) {
 #pragma omp for schedule(dynamic, run)
   for (std::int64_t unit = 0; unit < units; ++unit) {
     const auto [c, qb, j, b] = a.unit_at(unit);
-    // The next unit is this worker's (same run) and the next chunk of the same stream: the
-    // prefetch runs on into it (stream_end) instead of stopping at this chunk's end.
-    bool next_chunk_mine = false;
-    if ((unit + 1) % run != 0 && unit + 1 < units) {
-      const DecodeArgs::Unit nx = a.unit_at(unit + 1);
-      next_chunk_mine = nx.b == b && nx.j == j && nx.qb == qb && nx.c == c + 1;
-    }
+    // The next unit is this worker's (same run) and the next chunk of the same stream (units of
+    // a (b, j, qb) are numbered by chunk: DecodeArgs::unit_index): the prefetch runs on into it
+    // (stream_end) instead of stopping at this chunk's end.
+    const bool next_chunk_mine = (unit + 1) % run != 0 && c + 1 < a.chunks_of(b);
     const int worker = omp_get_thread_num();
     float* qs = a.scratch.at(a.slots.q_scaled, worker);  // scale·Q, transposed: [d_h][nrows]
     float* st = a.scratch.at(a.slots.scores, worker);    // S, then P [rows][64]

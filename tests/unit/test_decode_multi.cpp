@@ -176,6 +176,36 @@ TEST_P(DecodeMulti, MixedLengthsEveryDtypeAndCache) {
       run_case({{5, 700, 2100}, 2, 4, 1, 40, dt, block}, GetParam(), ++seed);
 }
 
+// Units whose row blocks hold at most 4 rows (T_new · g = 3, 4, 7, 8: AVX2 computes an int8
+// cache's products there in 3-vector column blocks, 24 + 24 + 16 keys of a tile) over head widths
+// that split into 3- and 2-vector blocks in every way (8, 16, 24, 40, 48, 56, 72, 128, 136) or
+// leave a scalar tail (7, 30), and tiles cut at every 8 keys (a sequence's last tile of 1, 9, …,
+// 57 keys: the vectors computed, nv, take every value). Every ISA; int8, fp8 E4M3 (read directly:
+// AVX2 takes these blocks for both) and f32.
+TEST_P(DecodeMulti, RowBlocksOfAtMostFourRowsEveryColumnSplit) {
+  struct Shape {
+    std::int64_t tnew, g;
+  };
+  const Shape shapes[] = {{1, 4}, {2, 4}, {1, 3}, {1, 8}, {1, 7}, {3, 1}, {2, 2}, {8, 1}};
+  const std::int64_t widths[] = {8, 16, 24, 40, 48, 56, 72, 128, 136, 7, 30};
+  std::uint64_t seed = 400;
+  for (std::size_t i = 0; i < std::size(widths); ++i) {
+    const Shape s = shapes[i % std::size(shapes)];
+    const std::int64_t cut = 1 + 8 * static_cast<std::int64_t>(i % 8);  // the last tile's keys
+    const DType dt = i % 4 == 3 ? DType::fp8_e4m3 : i % 4 == 1 ? DType::f32 : DType::int8;
+    // fp8: its direct reading (the 3-vector blocks' type there) whatever this CPU's default.
+    const ScopedEnv widen("TOKENMIX_FP8_WIDEN", "direct");
+    run_case({{128 + cut, 64 + (cut + 8) % 64 + 1, s.tnew},
+              s.tnew,
+              2 * s.g,
+              2,
+              widths[i],
+              dt,
+              i % 2 == 0 ? 0 : 64},
+             GetParam(), ++seed);
+  }
+}
+
 // One realistic shape: 32 query heads over 8 KV heads (g = 4), d_h = 128, T_new = 2, lengths
 // 5, 700 and 2100, a paged bf16 cache.
 TEST_P(DecodeMulti, MixedLengthsRealisticShape) {

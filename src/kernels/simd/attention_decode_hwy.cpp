@@ -133,6 +133,26 @@ bool NonFiniteIn(const TB* p, std::int64_t lo, std::int64_t hi) {
 // 4 + 4, not 6 + 2, whose 2-row block keeps 4 FMA chains where the latency needs 8 on AVX2):
 // AVX2 on AMD Zen 4, T_new = 2 hot, 4–9 % faster (docs/performance.md, 2026-12-03). Each
 // element's k loop is the same whatever the blocks (the same bits).
+// AVX2, an int8 cache or fp8 read directly: tall units whose row blocks hold at most 4 rows
+// (T_new · g = 3, 4, 7 or 8; e.g. T_new = 1 or 2 at g = 4) take 3 vectors of columns (4 × 3: 12
+// accumulators, all 16 ymm registers with the widened B vectors and the broadcast) where 4 × 2
+// kept only the 8 FMA chains its latency needs, so any stall cost throughput. The columns go in
+// blocks of 3 vectors while the rest stays a multiple of 2 (64 keys: 24 + 24 + 16; d_h = 128:
+// 4 · 24 + 2 · 16), each element's k loop unchanged (the same bits). AMD Zen 5, the AVX2 path
+// forced, T_new = 1 / 2, hot (T_k = 2048, one thread): int8 0.325 → 0.295 / 0.63 → 0.59 ms, fp8
+// 0.34 → 0.32 / 0.66 → 0.63 (its mask read from memory: LoadBRow); int8 at T_k = 32768 from
+// memory, two threads, 2.74–2.87 → 2.49–2.54 / 5.25–5.59 → 4.88–4.95 ms. Not for f32 (the
+// linear prefetch's pace is per 2-vector block), the bf16 split reading (its column order is per
+// block width) or fp8 through f16 bits. docs/performance.md, 2026-12-04.
+#if HWY_TARGET == HWY_AVX2
+template <class TB>
+constexpr bool kThreeVectorSmallBlocks =
+    std::is_same_v<TB, std::int8_t> || std::is_same_v<TB, fp8_e4m3_direct_t>;
+#else
+template <class TB>
+constexpr bool kThreeVectorSmallBlocks = false;
+#endif
+
 template <int R, int VN, std::int64_t kARow, class D, class TB>
 HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std::int64_t a_k,
                                      const TB* b, std::int64_t ldb, std::int64_t K, float* c,
@@ -141,6 +161,22 @@ HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), W = VN * N;
   std::int64_t x = 0;
   const std::int64_t blocks = (rows + R - 1) / R;
+  if constexpr (kThreeVectorSmallBlocks<TB> && VN == 2) {
+    if ((rows + blocks - 1) / blocks <= 4) {  // every row block: at most 4 rows
+      const std::int64_t W3 = 3 * N;
+      std::int64_t blocks3 = vec / W3;  // 3-vector blocks, leaving a multiple of W columns
+      while (blocks3 > 0 && (vec - blocks3 * W3) % W != 0) --blocks3;
+      for (std::int64_t j = 0; j < blocks3; ++j, x += W3) {
+        const TB* pfx = pf != nullptr ? pf + x : nullptr;
+        for (std::int64_t i = 0, r0 = 0; i < blocks; ++i) {
+          const std::int64_t n = rows / blocks + (i < rows % blocks ? 1 : 0);  // this block's rows
+          GemmRows<4, 3, true, kARow>(d, n, a + r0 * kARow, kARow, a_k, b + x, ldb, K,
+                                      c + r0 * ldc + x, ldc, accumulate, nullptr, pfx, nullptr);
+          r0 += n, pfx = nullptr;
+        }
+      }
+    }
+  }
   for (; x + W <= vec; x += W) {
     const TB* pfx = pf != nullptr ? pf + x : nullptr;
     PrefetchCursor* cur = cursor;

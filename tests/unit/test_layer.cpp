@@ -434,7 +434,9 @@ TEST_P(LayerVariantsIsa, PrefillAndStepsMatchFloat64) {
         }
         for (int b = 0; b < 2; ++b) {
           EXPECT_EQ(cache.length(b), P[b] + chunk + steps);
-          if (rolling) EXPECT_EQ(cache.first_position(b), P[b] + chunk + steps - 128);
+          if (rolling) {
+            EXPECT_EQ(cache.first_position(b), P[b] + chunk + steps - 128);
+          }
           const std::size_t from = static_cast<std::size_t>(P[b] * d);
           const std::vector<float> g(got[b].begin() + from, got[b].end());
           const std::vector<double> r(ref[b].out.begin() + from, ref[b].out.end());

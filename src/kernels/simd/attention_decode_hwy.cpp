@@ -99,12 +99,28 @@ constexpr std::int64_t kAheadBytes = 0;
 // prefetching in the products' order and 17.6–17.9 in address order (19.3 reading linearly). The
 // kernel: T_new = 1 from 14.8 to 10.8 ms (bf16) and 33.6 to 21.3 ms (f32), 1 thread, T_k = 32768
 // (docs/performance.md, 2026-12-01). AVX-512's 64-lane blocks read K rows whole: same position
-// there (its L2 target and distance measured on AMD Zen 4, docs/performance.md, 2026-12-02).
+// there for 1- and 2-byte caches (its L2 target and distance measured on AMD Zen 4,
+// docs/performance.md, 2026-12-02), linear for f32, with the cursor shared by all row blocks of a
+// tall unit (kCursorAcrossRowBlocks): AMD Zen 5, two threads, T_k = 32768, B = 1, T_new = 4
+// 8.5–8.7 → 6.9–8.0 ms, T_new = 16 23.6–24.1 → 21.1–21.2, B = 32 mixed lengths around 4096,
+// T_new = 4 35.8–37.2 → 30.2–31.0; T_new = 1 and 64 unchanged (docs/performance.md, 2026-12-04,
+// fourth session).
 #if HWY_TARGET == HWY_AVX2
+template <class TB>
 constexpr bool kLinearPrefetch = true;
+#elif HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+template <class TB>
+constexpr bool kLinearPrefetch = std::is_same_v<TB, float>;
 #else
+template <class TB>
 constexpr bool kLinearPrefetch = false;
 #endif
+// A tall unit's row blocks each read the same B columns; the first one alone advancing the cursor
+// (at its own pace) prefetches a tile pair in bursts, in the first block's k loops, and none in
+// the others'. AVX-512: every row block advances it, each by 1 / blocks of its B row per k, so the
+// prefetches are spread over the whole tile's products (ColumnBlocks). AVX2 (its blocks read one
+// line of B per k, the cursor's least step) keeps the first block's pace.
+constexpr bool kCursorAcrossRowBlocks = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL;
 // The S tile is computed in column blocks of kVD vectors: they must tile the cache's key tile.
 static_assert(kDecodeKeyTile % (kVD * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
 static_assert(kDecodeKeyTile % (kVT * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
@@ -177,14 +193,23 @@ HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std
       }
     }
   }
+  // The cursor: advanced by the first row block, or (kCursorAcrossRowBlocks) by the first
+  // `sharers` of them, as many as a B row has cache lines at most: each then asks for whole lines,
+  // none twice (at 64 rows, 6 blocks sharing 2 lines per k made a compute-bound step 2–3 % slower).
+  std::int64_t sharers = 1;
+  if (kCursorAcrossRowBlocks && cursor != nullptr) {
+    const std::int64_t lines = W * static_cast<std::int64_t>(sizeof(TB)) / 64;
+    sharers = std::clamp<std::int64_t>(lines, 1, blocks);
+    cursor->sharers = sharers;
+  }
   for (; x + W <= vec; x += W) {
     const TB* pfx = pf != nullptr ? pf + x : nullptr;
-    PrefetchCursor* cur = cursor;
     for (std::int64_t i = 0, r0 = 0; i < blocks; ++i) {
       const std::int64_t n = rows / blocks + (i < rows % blocks ? 1 : 0);  // this block's rows
       GemmRows<R, VN, true, kARow>(d, n, a + r0 * kARow, kARow, a_k, b + x, ldb, K,
-                                   c + r0 * ldc + x, ldc, accumulate, nullptr, pfx, cur);
-      r0 += n, pfx = nullptr, cur = nullptr;
+                                   c + r0 * ldc + x, ldc, accumulate, nullptr, pfx,
+                                   i < sharers ? cursor : nullptr);
+      r0 += n, pfx = nullptr;
     }
   }
   for (; x + N <= vec; x += N) {
@@ -362,7 +387,7 @@ void DecodeUnits(const DecodeArgs& a) {
       // kLinearPrefetch (V tiles in the cache, not rows in place): the whole next pair through the
       // cursor (the pf pointers are then null). Not for int8 / fp8: their widening makes a step
       // compute-bound, and the cursor's bookkeeping measured 3–7 % slower there (Zen 3).
-      const bool linear = kLinearPrefetch && !kQuant && !v_in_place;
+      const bool linear = kLinearPrefetch<TB> && !kQuant && !v_in_place;
       PrefetchCursor cursor;
       if (linear && has_next) {
         cursor.next = reinterpret_cast<const std::uint8_t*>(k_layer + next);

@@ -17,6 +17,7 @@
 #define TOKENMIX_KERNELS_SIMD_MICROKERNEL_INL_H_
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -32,9 +33,12 @@ namespace hn = hwy::HWY_NAMESPACE;
 // A byte range prefetched front to back, a cache line at a time, while a microkernel computes
 // (decode: the next K/V tile pair, in address order whatever order the products read the current
 // one; see attention_decode_hwy.cpp, kLinearPrefetch). next advances past what was prefetched.
+// sharers: how many row blocks over the same B columns advance it (each by row_bytes / sharers
+// per k), so that the range is prefetched across all of their k loops, not the first one's only.
 struct PrefetchCursor {
   const std::uint8_t* next = nullptr;
   const std::uint8_t* end = nullptr;
+  std::int64_t sharers = 1;
 };
 
 // Prefetch of one cache line of decode's forward stream (MicroKernel's pf rows and cursor). x86:
@@ -406,12 +410,15 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
   // Bytes of B read per k, in whole cache lines (the prefetch below covers them all).
   constexpr std::int64_t kLine = 64;
   const std::int64_t row_bytes = VN * N * static_cast<std::int64_t>(sizeof(TB));
-  // With a cursor: about row_bytes of its range per k, the pace at which this block reads B. A B
-  // row shorter than a line: the line holding the cursor, each k (so each line is asked for
-  // kLine / row_bytes times), not one line every kLine / row_bytes k: that test of k's residue
-  // cost 12 % of a hot bf16 step on AVX2 (T_new = 1, AMD Zen 4; docs/performance.md, 2026-12-03).
-  const std::int64_t cur_lines = row_bytes >= kLine ? row_bytes / kLine : 1;         // lines per k
-  const std::int64_t cur_step = row_bytes >= kLine ? cur_lines * kLine : row_bytes;  // bytes per k
+  // With a cursor: about row_bytes / sharers of its range per k (the pace at which this block
+  // reads B, shared among the blocks that advance the cursor in turn). A step shorter than a
+  // line: the line holding the cursor, each k (so each line is asked for kLine / step times), not
+  // one line every kLine / step k: that test of k's residue cost 12 % of a hot bf16 step on AVX2
+  // (T_new = 1, AMD Zen 4; docs/performance.md, 2026-12-03).
+  const std::int64_t step =
+      cursor != nullptr ? std::max<std::int64_t>(1, row_bytes / cursor->sharers) : row_bytes;
+  const std::int64_t cur_lines = step >= kLine ? step / kLine : 1;         // lines per k
+  const std::int64_t cur_step = step >= kLine ? cur_lines * kLine : step;  // bytes per k
   const std::uint8_t* cur = cursor != nullptr ? cursor->next : nullptr;
   const std::uint8_t* const cur_end = cursor != nullptr ? cursor->end : nullptr;
   for (std::int64_t k = 0; k < K; ++k) {
@@ -443,7 +450,8 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
 // pf (same ldb, same width): the decode kernel passes a later tile of its stream, so the
 // memory reads overlap this tile's FMAs (the later blocks re-read B from cache: no prefetch).
 // With cursor, the first block's k loop instead prefetches the cursor's range in address order,
-// row_bytes of it per k (as fast as the block reads B), and advances it.
+// row_bytes / cursor->sharers of it per k, and advances it (the caller may pass the same cursor to
+// the other row blocks of these columns too: ColumnBlocks).
 // kARow as for MicroKernel (then a_row must equal it).
 template <int R = kR, int VN = kV, bool kTop = true, std::int64_t kARow = 0, class TB = float,
           class D>

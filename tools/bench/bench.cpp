@@ -19,6 +19,7 @@
 #include <optional>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #ifdef TOKENMIX_HAVE_ONEDNN
 #include <oneapi/dnnl/dnnl.hpp>
@@ -83,13 +84,17 @@ void SgemmCeiling::run_once() {
 }
 
 double SgemmCeiling::best_gflops(int threads, int repeats) {
+  (void)pass_gflops(threads, 1);  // warm-up
+  return pass_gflops(threads, repeats);
+}
+
+double SgemmCeiling::pass_gflops(int threads, int calls) {
   openblas_set_num_threads(threads);
   double best = 0.0;
-  for (int r = 0; r < repeats + 1; ++r) {  // first run is a warm-up
+  for (int r = 0; r < calls; ++r) {
     const auto t0 = Clock::now();
     run_once();
-    const double s = seconds_since(t0);
-    if (r > 0) best = std::max(best, flops() / s * 1e-9);
+    best = std::max(best, flops() / seconds_since(t0) * 1e-9);
   }
   openblas_set_num_threads(default_threads());
   return best;
@@ -532,22 +537,16 @@ void check_positive_list(const char* name, const std::vector<std::int64_t>& valu
           std::string("bench: ") + name + " values must be >= 1; got " + std::to_string(v));
 }
 
-// The sgemm 2048³ ceiling of forward, once per thread count (measured on first use).
-double sgemm_ceiling_cached(std::map<int, double>& ceilings, int threads, bool progress) {
-  if (!ceilings.count(threads)) {
-    if (progress)
-      std::cerr << "[bench] measuring sgemm 2048^3 ceiling, " << threads << " thread(s)\n";
-    ceilings[threads] = sgemm_ceiling_gflops(threads);
-  }
-  return ceilings[threads];
-}
-
 // `tokenmix bench decode`: one attention_decode step (T_new queries per sequence) against a
 // contiguous KVCache holding L_b positions in sequence b (all T_k, or decode_lengths' mixed
 // ones), for each (B, T_new, T_k, cache dtype, threads, isa). Reports K/V bytes read per second
-// next to the streaming read bandwidth measured in the same run (a pass before each step), the
-// useful GFLOP/s next to forward's sgemm ceiling, the roofline time of the two, and the max
-// relative error of the group of KV head 0 (sequence 0) vs float64.
+// next to the streaming read bandwidth and the useful GFLOP/s next to forward's sgemm ceiling,
+// both measured in passes interleaved with the timed steps (an sgemm pass, a read pass, a step;
+// the median of each), the roofline time of the two, and the max relative error of the group of
+// KV head 0 (sequence 0) vs float64. The sgemm ceiling was once measured when a thread count was
+// first used, so a case minutes later was set against the machine as it had been then: on a
+// shared 2-vCPU Xeon the two-thread sgemm read 300 to 449 GFLOP/s within one session, the FMA
+// peak of a core 155 to 222 (docs/performance.md, 2026-12-05), and ratio_roofline moved with it.
 std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   check_positive_list("--tnew", cfg.tnew);
   check_positive_list("--cache-tokens", cfg.cache_tokens);
@@ -598,8 +597,9 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   const std::int64_t Hq = cfg.hq, Hkv = cfg.hkv, D = cfg.dh, g = Hq / Hkv;
   std::vector<BenchResult> results;
   std::optional<StreamRead> stream;     // 1 GiB, allocated once
-  std::map<int, double> sgemm;          // the fp32 GEMM ceiling per thread count
+  std::optional<SgemmCeiling> sgemm;    // the fp32 GEMM ceiling's operands, allocated once
   constexpr std::int64_t kFill = 4096;  // positions appended per call while filling the cache
+  constexpr int kAfterSgemmMs = 200;    // pause after each sgemm pass (see the timed loop)
   // K/V rows [B, kFill, H_kv, d_h] (regenerated when B changes; sequence b's rows are the same
   // for any B) and the queries [B, T_new, H_q, d_h] (when B or T_new changes).
   std::int64_t B = 0, Tn = 0;
@@ -630,11 +630,14 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
         q[i] = kernels::load_element(qdt, q16.data(), static_cast<std::int64_t>(i));
       }
     }
-    const double ceiling_gflops = sgemm_ceiling_cached(sgemm, c.threads, cfg.progress);
     if (!stream) {
       if (cfg.progress)
         std::cerr << "[bench] allocating the 1 GiB streaming-read buffer (the ceiling)\n";
       stream.emplace();
+      // The ceiling's warning (a kernel without AVX-512), once, after the arguments were checked.
+      const std::string warning = sgemm_ceiling_warning();
+      if (!warning.empty()) std::cerr << "[bench] warning: " << warning << "\n";
+      sgemm.emplace();
     }
     if (cfg.progress) {
       std::cerr << "[bench] decode B=" << B << " T_new=" << Tn << " T_k=" << c.tk
@@ -678,11 +681,18 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     }
     const auto L = TensorView::bht(lse.data(), B, Hq, Tn);
     attention_decode(Q, cache, 0, O, L, opt);  // warm-up
+    (void)sgemm->pass_gflops(c.threads, 1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(kAfterSgemmMs));
     (void)stream->pass_gbps(c.threads);
     const std::int64_t rss_before = status_kib("VmRSS:");
     const bool peak_ok = reset_peak_rss();
-    std::vector<double> times, ceiling;
-    for (int r = 0; r < cfg.repeats; ++r) {  // a ceiling pass, then a step: same conditions
+    std::vector<double> times, ceiling, ceiling_gflops;
+    for (int r = 0; r < cfg.repeats; ++r) {  // the ceilings' passes, then a step: same conditions
+      ceiling_gflops.push_back(sgemm->pass_gflops(c.threads, 2));
+      // OpenBLAS's worker threads spin for up to 2^28 TSC cycles after a call (0.13 s at
+      // 2.1 GHz) before they sleep; a read pass right after the sgemm once measured 17.8 GB/s
+      // against 34.8 for its neighbours (Intel Xeon, docs/performance.md, 2026-12-05).
+      std::this_thread::sleep_for(std::chrono::milliseconds(kAfterSgemmMs));
       ceiling.push_back(stream->pass_gbps(c.threads));
       const auto t0 = Clock::now();
       attention_decode(Q, cache, 0, O, L, opt);
@@ -718,7 +728,7 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
       pairs += windowed_pairs(Tn, len, true, CausalAlign::bottom_right, cfg.variants.window);
     res.flops = 4.0 * static_cast<double>(D) * static_cast<double>(Hq) * static_cast<double>(pairs);
     res.gflops = res.flops / res.seconds * 1e-9;
-    res.ceiling_gflops = ceiling_gflops;
+    res.ceiling_gflops = median(ceiling_gflops);
     res.ratio_gflops = res.gflops / res.ceiling_gflops;
     res.dtype = to_string(qdt);
     res.ceiling_kind = "openblas_sgemm_2048";

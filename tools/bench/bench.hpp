@@ -106,17 +106,18 @@ struct BenchResult {
   std::string align;
   std::string dtype = "f32";                         ///< activations (decode: the queries)
   std::string ceiling_kind = "openblas_sgemm_2048";  ///< what ceiling_gflops measured
-  std::string sgemm_core;    ///< OpenBLAS's kernel family for sgemm (sgemm_core()), every op
-  double seconds;            ///< median wall time of one call
-  double gflops;             ///< useful GFLOP/s
-  double ceiling_gflops;     ///< SgemmCeiling, best of several, same thread count
-  double ratio;              ///< gflops / ceiling_gflops
-  double max_rel_err;        ///< vs float64 reference on a slice: max|x − r| / max|r|
+  std::string sgemm_core;  ///< OpenBLAS's kernel family for sgemm (sgemm_core()), every op
+  double seconds;          ///< median wall time of one call
+  double gflops;           ///< useful GFLOP/s
+  double ceiling_gflops;   ///< SgemmCeiling, best of several, same thread count (decode: see there)
+  double ratio;            ///< gflops / ceiling_gflops
+  double max_rel_err;      ///< vs float64 reference on a slice: max|x − r| / max|r|
   std::int64_t extra_bytes;  ///< peak resident memory growth during the call
   // decode only (to_json writes them for op "decode"; there gflops counts the useful FLOPs
   // 4·d_h·H_q·Σ_b pairs_b (the (query, key) pairs each sequence's T_new queries see, bottom-right
   // causal, window-aware: SPEC "Useful-work counts"), ceiling_gflops is forward's sgemm ceiling
-  // (ceiling_kind), and ratio = gbps / ceiling_gbps):
+  // (ceiling_kind) measured in passes interleaved with the steps, the median of the passes (each
+  // the best of two calls), and ratio = gbps / ceiling_gbps):
   std::string cache_dtype;  ///< element type of the KV cache
   double gbps = 0.0;        ///< K/V bytes read per second (SPEC "decode bytes") / 1e9
   double ceiling_gbps =
@@ -154,6 +155,9 @@ class SgemmCeiling {
   /// Best GFLOP/s of `repeats` calls after a warm-up, with `threads` OpenBLAS threads (OpenBLAS's
   /// two-thread rate varies a lot from run to run on a shared VM: take enough).
   double best_gflops(int threads, int repeats = 10);
+  /// Best GFLOP/s of `calls` calls with `threads` OpenBLAS threads, no warm-up: one pass of the
+  /// decode bench's ceiling, interleaved with its timed steps like StreamRead::pass_gbps.
+  double pass_gflops(int threads, int calls);
 
  private:
   std::vector<float> a_, b_, c_;

@@ -219,6 +219,7 @@ Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, s
   a.ring = ring;
   a.dtype = cc.dtype;
   a.fp8_direct = cc.dtype == DType::fp8_e4m3 && detail::fp8_direct_widening(fn);
+  a.linear_prefetch = detail::linear_decode_prefetch(fn);
   const std::int64_t g = a.group();
   a.qblock = std::max<std::int64_t>(1, std::min(a.tnew, kMaxRows / g));
   a.qblocks = (a.tnew + a.qblock - 1) / a.qblock;

@@ -206,6 +206,42 @@ TEST_P(DecodeMulti, RowBlocksOfAtMostFourRowsEveryColumnSplit) {
   }
 }
 
+// The AVX-512 kernel's prefetch order (TOKENMIX_LINEAR_PREFETCH, DecodeArgs::linear_prefetch:
+// every cache dtype's next tile pair in address order, or only the fp32 cache's) changes what is
+// prefetched, never what is computed: for every cache dtype, contiguous and paged, T_new = 1
+// (regular units) and 5 (tall units: the cursor shared by their row blocks), with sequences of
+// several chunks (runs of units carry the cursor's stream on into the next chunk) and one that
+// ends mid-tile, each order against the oracle on 1 and 2 threads and the two bitwise equal.
+// Every ISA (the others ignore the setting: the same check).
+TEST_P(DecodeMulti, PrefetchOrderChangesNoBit) {
+  std::uint64_t seed = 500;
+  for (const DType dt : kCacheTypes) {
+    for (const std::int64_t tnew : {1, 5}) {
+      const MultiCase c{{2100, 77}, tnew, 8, 2, 64, dt, dt == DType::bf16 ? 128 : 0};
+      ++seed;
+      std::vector<std::vector<float>> outs;
+      for (const char* order : {"all", "f32"}) {
+        const ScopedEnv env("TOKENMIX_LINEAR_PREFETCH", order);
+        SCOPED_TRACE(std::string("TOKENMIX_LINEAR_PREFETCH=") + order);
+        run_case(c, GetParam(), seed);  // oracle, threads, poisoned padding
+        std::mt19937_64 rng(seed);      // the same inputs as run_case's
+        KVCache cache({1, 2, c.hkv, c.dh, 2100, dt, c.block, 0});
+        fill(cache, 0, c.lengths, rng);
+        StridedTensor q(2, tnew, c.hq, c.dh, Layout::strided);
+        q.fill_random(rng);
+        StridedTensor out(2, tnew, c.hq, c.dh, Layout::strided);
+        DecodeOptions o;
+        o.isa = GetParam();
+        attention_decode(q.view, cache, 0, out.view, {}, o);
+        outs.push_back(out.storage);
+      }
+      SCOPED_TRACE(std::string(to_string(dt)) + " T_new=" + std::to_string(tnew));
+      ASSERT_EQ(outs[0].size(), outs[1].size());
+      EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(float)));
+    }
+  }
+}
+
 // One realistic shape: 32 query heads over 8 KV heads (g = 4), d_h = 128, T_new = 2, lengths
 // 5, 700 and 2100, a paged bf16 cache.
 TEST_P(DecodeMulti, MixedLengthsRealisticShape) {

@@ -12,6 +12,7 @@ namespace {
 int run_info() {
   const Isa chosen = resolve_isa(Isa::automatic);  // may throw (bad TOKENMIX_ISA): before output
   const bool fp8_direct = fp8_direct_widening();   // may throw (bad TOKENMIX_FP8_WIDEN): ditto
+  const bool linear = linear_decode_prefetch();    // may throw (bad TOKENMIX_LINEAR_PREFETCH)
   const CpuFeatures& cpu = cpu_features();
   std::cout << "tokenmix " << version() << "\n";
   std::cout << "cpu:             " << (cpu.model.empty() ? "(unknown)" : cpu.model) << "\n";
@@ -38,6 +39,14 @@ int run_info() {
             << " widening on avx512/avx2 ("
             << (widen_forced ? std::string("TOKENMIX_FP8_WIDEN=") + widen_env
                              : std::string("automatic"))
+            << ")\n";
+  const char* linear_env = std::getenv("TOKENMIX_LINEAR_PREFETCH");
+  const bool linear_forced = linear_env != nullptr && *linear_env != '\0';
+  std::cout << "decode prefetch: address order for "
+            << (linear ? "every cache dtype" : "the f32 cache (the others row by row)")
+            << " on avx512 ("
+            << (linear_forced ? std::string("TOKENMIX_LINEAR_PREFETCH=") + linear_env
+                              : std::string("automatic"))
             << ")\n";
   std::cout << "threads:         " << default_threads() << " (default; --threads overrides)\n";
   return kExitOk;

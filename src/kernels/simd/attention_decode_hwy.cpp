@@ -105,6 +105,11 @@ constexpr std::int64_t kAheadBytes = 0;
 // 8.5–8.7 → 6.9–8.0 ms, T_new = 16 23.6–24.1 → 21.1–21.2, B = 32 mixed lengths around 4096,
 // T_new = 4 35.8–37.2 → 30.2–31.0; T_new = 1 and 64 unchanged (docs/performance.md, 2026-12-04,
 // fourth session).
+// Per call (DecodeArgs::linear_prefetch, AVX-512 only): every cache dtype linear. On an Intel Xeon
+// (family 6 model 207), two threads, T_k = 32768: bf16 T_new = 2 6.05 → 4.89 ms, T_new = 4 8.8 →
+// 7.84, f16 T_new = 2 5.97 → 4.91, fp8 T_new = 1 3.15 → 2.94, int8 T_new = 1 2.78 → 2.71 (its
+// scales are in the cursor's byte range); on AMD Zen 5 the cursor was slower for int8 and fp8
+// (docs/performance.md, 2026-12-04 and 2026-12-05): detail::linear_prefetch_preferred.
 #if HWY_TARGET == HWY_AVX2
 template <class TB>
 constexpr bool kLinearPrefetch = true;
@@ -121,6 +126,10 @@ constexpr bool kLinearPrefetch = false;
 // prefetches are spread over the whole tile's products (ColumnBlocks). AVX2 (its blocks read one
 // line of B per k, the cursor's least step) keeps the first block's pace.
 constexpr bool kCursorAcrossRowBlocks = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL;
+// Targets on which DecodeArgs::linear_prefetch makes every cache dtype linear (see above). Not
+// AVX2: its quantized units' 4 × 3 blocks (kThreeVectorSmallBlocks) do not advance the cursor
+// (an int8 step there, Intel, T_new = 1: 4.16 → 5.68 ms linear).
+constexpr bool kLinearByCall = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL;
 // The S tile is computed in column blocks of kVD vectors: they must tile the cache's key tile.
 static_assert(kDecodeKeyTile % (kVD * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
 static_assert(kDecodeKeyTile % (kVT * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
@@ -385,9 +394,11 @@ void DecodeUnits(const DecodeArgs& a) {
       const bool has_next = u_ahead < stream_end;
       const std::int64_t next = has_next ? a.tile_offset(b, j, u_ahead) : 0;
       // kLinearPrefetch (V tiles in the cache, not rows in place): the whole next pair through the
-      // cursor (the pf pointers are then null). Not for int8 / fp8: their widening makes a step
-      // compute-bound, and the cursor's bookkeeping measured 3–7 % slower there (Zen 3).
-      const bool linear = kLinearPrefetch<TB> && !kQuant && !v_in_place;
+      // cursor (the pf pointers are then null), a quantized pair's scales included. Not for int8 /
+      // fp8 by default: their widening makes a step compute-bound, and the cursor's bookkeeping
+      // measured 3–7 % slower there (Zen 3); per call on AVX-512 (kLinearByCall) every dtype.
+      const bool linear =
+          !v_in_place && ((kLinearPrefetch<TB> && !kQuant) || (kLinearByCall && a.linear_prefetch));
       PrefetchCursor cursor;
       if (linear && has_next) {
         cursor.next = reinterpret_cast<const std::uint8_t*>(k_layer + next);
@@ -398,7 +409,7 @@ void DecodeUnits(const DecodeArgs& a) {
       const TB* vt_next = !has_next || linear ? nullptr
                           : v_in_place        ? v_rows + a.v_row(b, j, u_ahead)
                                               : v_layer + next;
-      if (kQuant && has_next) {  // that tile's K and V scales (64 floats each; never linear)
+      if (kQuant && has_next && !linear) {  // that tile's K and V scales (64 floats each)
         for (std::int64_t o = 0; o < kKeyTile * 4; o += 64) {
           PrefetchStream(reinterpret_cast<const std::uint8_t*>(kt_next + a.layout.tile_elems()) +
                          o);

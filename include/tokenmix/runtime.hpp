@@ -69,14 +69,14 @@ Isa cpu_cap();
 /// ArgumentError on another value.
 bool fp8_direct_widening();
 
-/// Which KV caches the avx512 decode kernel prefetches in address order (the next K and V tile
-/// pair front to back as one byte range) rather than row by row at the positions its products
-/// read: true = every cache dtype, false = the fp32 cache only (bf16, f16, int8 and fp8 row by
-/// row). Same results either way (only the prefetches differ). TOKENMIX_LINEAR_PREFETCH=all|f32
-/// forces it; unset or empty: all on Intel CPUs (measured faster there: bf16 and f16 several
-/// tokens per step 5–19 %, fp8 and int8 one token 2–5 %), f32 elsewhere (AMD: measured no
-/// better or slower for the 1- and 2-byte caches). avx2, portable and neon ignore it. Throws
-/// ArgumentError on another value.
+/// Which KV caches the avx512 and avx2 decode kernels prefetch in address order (the next K and V
+/// tile pair front to back as one byte range) rather than row by row where their products read:
+/// true = every cache dtype, false = each path's per-dtype choice (avx512: the fp32 cache only;
+/// avx2: all but int8 and fp8). Same results either way (only the prefetches differ).
+/// TOKENMIX_LINEAR_PREFETCH=all|per-dtype forces it; unset or empty: all on Intel CPUs (measured
+/// faster there: avx512 bf16 and f16 steps of several tokens 5–19 %, one-token fp8 and int8 steps
+/// 2–5 %; avx2 int8 and fp8 one-token steps 20 %), per-dtype elsewhere (AMD: the cursor measured
+/// slower for int8 and fp8). portable and neon ignore it. Throws ArgumentError on another value.
 bool linear_decode_prefetch();
 
 /// Paths compiled into this build and runnable on this CPU, lowest first (always has portable).

@@ -27,16 +27,17 @@ bool fp8_direct_widening(const char* fn);
 /// (subnormal FMA operands not measured there).
 bool fp8_direct_preferred(bool amd, unsigned family);
 
-/// Decode on AVX-512: prefetch every cache dtype's next tile pair in address order
-/// (kernels::DecodeArgs::linear_prefetch), not only the fp32 cache's. TOKENMIX_LINEAR_PREFETCH,
-/// read now: `all` or `f32` forces the choice; unset or empty: linear_prefetch_preferred for this
-/// CPU's vendor. ArgumentError naming `fn` on another value.
+/// Decode on AVX-512 and AVX2: prefetch every cache dtype's next tile pair in address order
+/// (kernels::DecodeArgs::linear_prefetch), not only those the path's per-dtype choice takes that
+/// way. TOKENMIX_LINEAR_PREFETCH, read now: `all` or `per-dtype` forces the choice; unset or
+/// empty: linear_prefetch_preferred for this CPU's vendor. ArgumentError naming `fn` on another
+/// value.
 bool linear_decode_prefetch(const char* fn);
 
 /// The automatic choice of linear_decode_prefetch (`intel`: vendor GenuineIntel): true on Intel,
-/// where address order measured faster for every cache dtype on the AVX-512 path (a Xeon of
-/// family 6 model 207, docs/performance.md, 2026-12-05); false elsewhere (AMD Zen 4 and Zen 5:
-/// the 1- and 2-byte caches row by row, as measured there).
+/// where address order measured faster for every cache dtype on both x86 paths (a Xeon of family
+/// 6 model 207, docs/performance.md, 2026-12-05); false elsewhere (AMD Zen 3, Zen 4 and Zen 5:
+/// the per-dtype choices measured there).
 bool linear_prefetch_preferred(bool intel);
 
 }  // namespace tokenmix::detail

@@ -188,7 +188,9 @@ bool linear_prefetch_preferred(bool intel) {
   // Intel Xeon (family 6 model 207), two threads, T_k = 32768, the cache read from memory, fastest
   // of 7 steps in three interleaved rounds: bf16 T_new = 2 / 4 / 8 / 16 6.05 → 4.89, 8.8 → 7.84,
   // 14.2 → 13.3, 26.5 → 25.3 ms; f16 T_new = 2 5.97 → 4.91; fp8 T_new = 1 3.15 → 2.94; int8
-  // T_new = 1 / 4 2.78 → 2.71, 7.35 → 7.33; T_new = 1 bf16 and f16 within noise (2026-12-05).
+  // T_new = 1 / 4 2.78 → 2.71, 7.35 → 7.33; T_new = 1 bf16 and f16 within noise. The AVX2 path
+  // forced: int8 T_new = 1 / 2 / 4 4.25 → 3.40, 7.35 → 6.41, 13.05 → 12.22 ms, fp8 T_new = 1 / 4
+  // 4.91 → 3.97, 14.95 → 14.17 (2026-12-05).
   return intel;
 }
 
@@ -196,11 +198,11 @@ bool linear_decode_prefetch(const char* fn) {
   const char* env = std::getenv("TOKENMIX_LINEAR_PREFETCH");
   if (env != nullptr && *env != '\0') {
     if (std::strcmp(env, "all") == 0) return true;
-    if (std::strcmp(env, "f32") == 0) return false;
+    if (std::strcmp(env, "per-dtype") == 0) return false;
     throw ArgumentError(ErrorCode::invalid_argument,
                         std::string(fn) +
                             ": environment variable TOKENMIX_LINEAR_PREFETCH must be one of all, "
-                            "f32 (or unset/empty for the automatic choice); got '" +
+                            "per-dtype (or unset/empty for the automatic choice); got '" +
                             env + "'");
   }
 #ifdef TOKENMIX_X86

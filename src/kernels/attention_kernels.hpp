@@ -235,9 +235,10 @@ struct DecodeArgs {
   /// (simd/attention_decode_hwy.cpp, kDirectBuilt; detail::fp8_direct_widening decides). Same
   /// results as false while no product is subnormal; other kernels ignore it.
   bool fp8_direct = false;
-  /// AVX-512: prefetch the next K/V tile pair in address order for every cache dtype, not only
-  /// fp32 (simd/attention_decode_hwy.cpp, kLinearPrefetch; detail::linear_decode_prefetch
-  /// decides). The same results either way; other kernels ignore it.
+  /// AVX-512 and AVX2: prefetch the next K/V tile pair in address order for every cache dtype,
+  /// not only those of the path's per-dtype choice (simd/attention_decode_hwy.cpp, kLinearPrefetch;
+  /// detail::linear_decode_prefetch decides). The same results either way; other kernels ignore
+  /// it.
   bool linear_prefetch = false;
   /// Batches of mixed lengths: chunk_first[b] = Σ_{b' < b} chunks_of(b') ([batch + 1] entries,
   /// each sequence ≥ 1 chunk), so units exist only for the chunks a sequence has (work follows

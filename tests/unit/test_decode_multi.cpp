@@ -25,6 +25,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api/decode_internal.hpp"
@@ -206,21 +207,27 @@ TEST_P(DecodeMulti, RowBlocksOfAtMostFourRowsEveryColumnSplit) {
   }
 }
 
-// The AVX-512 kernel's prefetch order (TOKENMIX_LINEAR_PREFETCH, DecodeArgs::linear_prefetch:
-// every cache dtype's next tile pair in address order, or only the fp32 cache's) changes what is
-// prefetched, never what is computed: for every cache dtype, contiguous and paged, T_new = 1
-// (regular units) and 5 (tall units: the cursor shared by their row blocks), with sequences of
-// several chunks (runs of units carry the cursor's stream on into the next chunk) and one that
-// ends mid-tile, each order against the oracle on 1 and 2 threads and the two bitwise equal.
-// Every ISA (the others ignore the setting: the same check).
+// The x86 kernels' prefetch order (TOKENMIX_LINEAR_PREFETCH, DecodeArgs::linear_prefetch: every
+// cache dtype's next tile pair in address order, or the path's per-dtype choice) changes what is
+// prefetched, never what is computed: for every cache dtype (fp8 through both of its readings),
+// contiguous and paged, T_new = 1 (AVX-512's regular units; AVX2's int8 and direct fp8 4 × 3
+// blocks, 24 + 24 + 16 keys, which then advance the cursor too) and 5 (tall units: the cursor
+// shared by their row blocks), with sequences of several chunks (runs of units carry the
+// cursor's stream on into the next chunk) and one that ends mid-tile, each order against the
+// oracle on 1 and 2 threads and the two bitwise equal. Every ISA (portable and NEON ignore the
+// setting: the same check).
 TEST_P(DecodeMulti, PrefetchOrderChangesNoBit) {
   std::uint64_t seed = 500;
-  for (const DType dt : kCacheTypes) {
+  const std::vector<std::pair<DType, const char*>> readings = {
+      {DType::f32, ""},  {DType::bf16, ""},           {DType::f16, ""},
+      {DType::int8, ""}, {DType::fp8_e4m3, "direct"}, {DType::fp8_e4m3, "f16"}};
+  for (const auto& [dt, widen] : readings) {
+    const ScopedEnv fp8_widen("TOKENMIX_FP8_WIDEN", widen);
     for (const std::int64_t tnew : {1, 5}) {
       const MultiCase c{{2100, 77}, tnew, 8, 2, 64, dt, dt == DType::bf16 ? 128 : 0};
       ++seed;
       std::vector<std::vector<float>> outs;
-      for (const char* order : {"all", "f32"}) {
+      for (const char* order : {"all", "per-dtype"}) {
         const ScopedEnv env("TOKENMIX_LINEAR_PREFETCH", order);
         SCOPED_TRACE(std::string("TOKENMIX_LINEAR_PREFETCH=") + order);
         run_case(c, GetParam(), seed);  // oracle, threads, poisoned padding
@@ -235,7 +242,7 @@ TEST_P(DecodeMulti, PrefetchOrderChangesNoBit) {
         attention_decode(q.view, cache, 0, out.view, {}, o);
         outs.push_back(out.storage);
       }
-      SCOPED_TRACE(std::string(to_string(dt)) + " T_new=" + std::to_string(tnew));
+      SCOPED_TRACE(std::string(to_string(dt)) + " T_new=" + std::to_string(tnew) + " fp8 " + widen);
       ASSERT_EQ(outs[0].size(), outs[1].size());
       EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(float)));
     }

@@ -454,11 +454,11 @@ TEST(Dispatch, Fp8DirectWideningIsPreferredOnAmdFamilies19hAnd1AhOnly) {
 }
 
 // TOKENMIX_LINEAR_PREFETCH (detail::linear_decode_prefetch) is read by every decode call (any
-// cache dtype): all / f32 / unset / empty are accepted and linear_decode_prefetch() follows
+// cache dtype): all / per-dtype / unset / empty are accepted and linear_decode_prefetch() follows
 // them; anything else is an ArgumentError naming the entry point, the variable, what it may be
 // and what it was.
 TEST(Dispatch, InvalidLinearPrefetchIsAnArgumentErrorNamingTheVariable) {
-  for (const char* ok : {"all", "f32", "", static_cast<const char*>(nullptr)}) {
+  for (const char* ok : {"all", "per-dtype", "", static_cast<const char*>(nullptr)}) {
     const ScopedEnv env("TOKENMIX_LINEAR_PREFETCH", ok);
     EXPECT_NO_THROW((void)decode_once(Isa::automatic, DType::bf16)) << (ok ? ok : "unset");
   }
@@ -467,14 +467,14 @@ TEST(Dispatch, InvalidLinearPrefetchIsAnArgumentErrorNamingTheVariable) {
     EXPECT_TRUE(linear_decode_prefetch());
   }
   {
-    const ScopedEnv env("TOKENMIX_LINEAR_PREFETCH", "f32");
+    const ScopedEnv env("TOKENMIX_LINEAR_PREFETCH", "per-dtype");
     EXPECT_FALSE(linear_decode_prefetch());
   }
   const ScopedEnv env("TOKENMIX_LINEAR_PREFETCH", "rows");
   for (const DType dt : {DType::f32, DType::int8}) {
     expect_error<ArgumentError>(
         [dt] { (void)decode_once(Isa::automatic, dt); }, ErrorCode::invalid_argument,
-        {"attention_decode", "TOKENMIX_LINEAR_PREFETCH", "all, f32", "'rows'"});
+        {"attention_decode", "TOKENMIX_LINEAR_PREFETCH", "all, per-dtype", "'rows'"});
   }
   expect_error<ArgumentError>([] { (void)linear_decode_prefetch(); }, ErrorCode::invalid_argument,
                               {"linear_decode_prefetch", "TOKENMIX_LINEAR_PREFETCH"});
@@ -482,7 +482,8 @@ TEST(Dispatch, InvalidLinearPrefetchIsAnArgumentErrorNamingTheVariable) {
 
 // The automatic prefetch order (TOKENMIX_LINEAR_PREFETCH unset) as a function of the CPU's vendor
 // alone, so the table holds on every machine: every cache dtype in address order on Intel, where
-// it was measured faster (docs/performance.md, 2026-12-05); the fp32 cache only elsewhere.
+// it was measured faster (docs/performance.md, 2026-12-05); each path's per-dtype choice
+// elsewhere.
 TEST(Dispatch, LinearPrefetchForEveryCacheDtypeIsPreferredOnIntelOnly) {
   EXPECT_TRUE(detail::linear_prefetch_preferred(true));
   EXPECT_FALSE(detail::linear_prefetch_preferred(false));

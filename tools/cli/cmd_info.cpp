@@ -43,8 +43,9 @@ int run_info() {
   const char* linear_env = std::getenv("TOKENMIX_LINEAR_PREFETCH");
   const bool linear_forced = linear_env != nullptr && *linear_env != '\0';
   std::cout << "decode prefetch: address order for "
-            << (linear ? "every cache dtype" : "the f32 cache (the others row by row)")
-            << " on avx512 ("
+            << (linear ? "every cache dtype"
+                       : "f32 on avx512, all but int8/fp8 on avx2 (the others row by row)")
+            << " ("
             << (linear_forced ? std::string("TOKENMIX_LINEAR_PREFETCH=") + linear_env
                               : std::string("automatic"))
             << ")\n";

@@ -105,11 +105,12 @@ constexpr std::int64_t kAheadBytes = 0;
 // 8.5–8.7 → 6.9–8.0 ms, T_new = 16 23.6–24.1 → 21.1–21.2, B = 32 mixed lengths around 4096,
 // T_new = 4 35.8–37.2 → 30.2–31.0; T_new = 1 and 64 unchanged (docs/performance.md, 2026-12-04,
 // fourth session).
-// Per call (DecodeArgs::linear_prefetch, AVX-512 only): every cache dtype linear. On an Intel Xeon
-// (family 6 model 207), two threads, T_k = 32768: bf16 T_new = 2 6.05 → 4.89 ms, T_new = 4 8.8 →
-// 7.84, f16 T_new = 2 5.97 → 4.91, fp8 T_new = 1 3.15 → 2.94, int8 T_new = 1 2.78 → 2.71 (its
-// scales are in the cursor's byte range); on AMD Zen 5 the cursor was slower for int8 and fp8
-// (docs/performance.md, 2026-12-04 and 2026-12-05): detail::linear_prefetch_preferred.
+// Per call (DecodeArgs::linear_prefetch, AVX-512 and AVX2): every cache dtype linear. On an Intel
+// Xeon (family 6 model 207), two threads, T_k = 32768: AVX-512 bf16 T_new = 2 6.05 → 4.89 ms,
+// T_new = 4 8.8 → 7.84, f16 T_new = 2 5.97 → 4.91, fp8 T_new = 1 3.15 → 2.94, int8 T_new = 1
+// 2.78 → 2.71 (its scales are in the cursor's byte range); AVX2 int8 T_new = 1 4.25 → 3.40, fp8
+// 4.91 → 3.97; on AMD Zen 5 the cursor was slower for int8 and fp8 (docs/performance.md,
+// 2026-12-04 and 2026-12-05): detail::linear_prefetch_preferred.
 #if HWY_TARGET == HWY_AVX2
 template <class TB>
 constexpr bool kLinearPrefetch = true;
@@ -126,10 +127,11 @@ constexpr bool kLinearPrefetch = false;
 // prefetches are spread over the whole tile's products (ColumnBlocks). AVX2 (its blocks read one
 // line of B per k, the cursor's least step) keeps the first block's pace.
 constexpr bool kCursorAcrossRowBlocks = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL;
-// Targets on which DecodeArgs::linear_prefetch makes every cache dtype linear (see above). Not
-// AVX2: its quantized units' 4 × 3 blocks (kThreeVectorSmallBlocks) do not advance the cursor
-// (an int8 step there, Intel, T_new = 1: 4.16 → 5.68 ms linear).
-constexpr bool kLinearByCall = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL;
+// Targets on which DecodeArgs::linear_prefetch makes every cache dtype linear (see above); on
+// AVX2 the quantized caches too (its others are linear anyway), their 4 × 3 blocks advancing the
+// cursor in their first row block as the 2-vector blocks do.
+constexpr bool kLinearByCall =
+    HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2;
 // The S tile is computed in column blocks of kVD vectors: they must tile the cache's key tile.
 static_assert(kDecodeKeyTile % (kVD * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
 static_assert(kDecodeKeyTile % (kVT * static_cast<std::int64_t>(HWY_LANES(float))) == 0);
@@ -196,7 +198,8 @@ HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std
         for (std::int64_t i = 0, r0 = 0; i < blocks; ++i) {
           const std::int64_t n = rows / blocks + (i < rows % blocks ? 1 : 0);  // this block's rows
           GemmRows<4, 3, true, kARow>(d, n, a + r0 * kARow, kARow, a_k, b + x, ldb, K,
-                                      c + r0 * ldc + x, ldc, accumulate, nullptr, pfx, nullptr);
+                                      c + r0 * ldc + x, ldc, accumulate, nullptr, pfx,
+                                      i == 0 ? cursor : nullptr);
           r0 += n, pfx = nullptr;
         }
       }

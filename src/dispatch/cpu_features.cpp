@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <string>
 
 #include "dispatch/cpu_cap.hpp"
@@ -134,6 +135,44 @@ CpuFeatures capped(Isa cap) {
   return f;
 }
 
+// A two-valued environment switch: `on` → true, `off` → false, unset or empty → nullopt (the
+// automatic choice); anything else an ArgumentError naming `fn`, the variable, its values and
+// what it was.
+std::optional<bool> env_switch(const char* fn, const char* var, const char* on, const char* off) {
+  const char* env = std::getenv(var);
+  if (env == nullptr || *env == '\0') return std::nullopt;
+  if (std::strcmp(env, on) == 0) return true;
+  if (std::strcmp(env, off) == 0) return false;
+  throw ArgumentError(ErrorCode::invalid_argument,
+                      std::string(fn) + ": environment variable " + var + " must be one of " + on +
+                          ", " + off + " (or unset/empty for the automatic choice); got '" + env +
+                          "'");
+}
+
+// CPUID's vendor (leaf 0) and display family (leaf 1: base + extended), read once; all false and
+// 0 off x86 or where CPUID fails.
+struct CpuVendor {
+  bool amd = false, intel = false;
+  unsigned family = 0;
+};
+
+const CpuVendor& cpu_vendor() {
+  static const CpuVendor vendor = [] {
+    CpuVendor v;
+#ifdef TOKENMIX_X86
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return v;
+    v.amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;    // "AuthenticAMD"
+    v.intel = b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;  // "GenuineIntel"
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return v;
+    const unsigned base = (a >> 8) & 0xfu, ext = (a >> 20) & 0xffu;
+    v.family = base == 0xfu ? base + ext : base;
+#endif
+    return v;
+  }();
+  return vendor;
+}
+
 }  // namespace
 
 namespace detail {
@@ -159,29 +198,8 @@ bool fp8_direct_preferred(bool amd, unsigned family) {
 }
 
 bool fp8_direct_widening(const char* fn) {
-  const char* env = std::getenv("TOKENMIX_FP8_WIDEN");
-  if (env != nullptr && *env != '\0') {
-    if (std::strcmp(env, "direct") == 0) return true;
-    if (std::strcmp(env, "f16") == 0) return false;
-    throw ArgumentError(ErrorCode::invalid_argument,
-                        std::string(fn) +
-                            ": environment variable TOKENMIX_FP8_WIDEN must be one of direct, f16 "
-                            "(or unset/empty for the automatic choice); got '" +
-                            env + "'");
-  }
-#ifdef TOKENMIX_X86
-  static const bool preferred = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-    const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
-    const unsigned base = (a >> 8) & 0xfu, ext = (a >> 20) & 0xffu;
-    return fp8_direct_preferred(amd, base == 0xfu ? base + ext : base);
-  }();
-  return preferred;
-#else
-  return false;
-#endif
+  if (const auto forced = env_switch(fn, "TOKENMIX_FP8_WIDEN", "direct", "f16")) return *forced;
+  return fp8_direct_preferred(cpu_vendor().amd, cpu_vendor().family);
 }
 
 bool linear_prefetch_preferred(bool intel) {
@@ -195,27 +213,10 @@ bool linear_prefetch_preferred(bool intel) {
 }
 
 bool linear_decode_prefetch(const char* fn) {
-  const char* env = std::getenv("TOKENMIX_LINEAR_PREFETCH");
-  if (env != nullptr && *env != '\0') {
-    if (std::strcmp(env, "all") == 0) return true;
-    if (std::strcmp(env, "per-dtype") == 0) return false;
-    throw ArgumentError(ErrorCode::invalid_argument,
-                        std::string(fn) +
-                            ": environment variable TOKENMIX_LINEAR_PREFETCH must be one of all, "
-                            "per-dtype (or unset/empty for the automatic choice); got '" +
-                            env + "'");
+  if (const auto forced = env_switch(fn, "TOKENMIX_LINEAR_PREFETCH", "all", "per-dtype")) {
+    return *forced;
   }
-#ifdef TOKENMIX_X86
-  static const bool preferred = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-    // "GenuineIntel"
-    return linear_prefetch_preferred(b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu);
-  }();
-  return preferred;
-#else
-  return false;
-#endif
+  return linear_prefetch_preferred(cpu_vendor().intel);
 }
 
 const CpuFeatures& cpu_features(const char* fn) {

@@ -85,7 +85,20 @@ tokenmix_cli_test(bench_help_variants ARGS bench --help
 tokenmix_cli_test(check_help ARGS check --help STDOUT "--isa")
 tokenmix_cli_test(info_help ARGS info --help STDOUT "info")
 tokenmix_cli_test(info ARGS info
-                  STDOUT "tokenmix [0-9]+\\.[0-9]+\\.[0-9]+.*cpu:.*available paths: portable.*kernel path: .*fp8 cache: +(direct|f16) widening on avx512/avx2 \\((automatic|TOKENMIX_FP8_WIDEN=[a-z0-9]+)\\).*threads: +[1-9]")
+                  STDOUT "tokenmix [0-9]+\\.[0-9]+\\.[0-9]+.*cpu:.*available paths: portable.*kernel path: .*fp8 cache: +(direct|f16) widening on avx512/avx2 \\((automatic|TOKENMIX_FP8_WIDEN=[a-z0-9]+)\\).*decode prefetch: address order for (every cache dtype|f32 on avx512, all but int8/fp8 on avx2 \\(the others row by row\\)) \\((automatic|TOKENMIX_LINEAR_PREFETCH=[a-z-]+)\\).*threads: +[1-9]")
+# TOKENMIX_LINEAR_PREFETCH: `tokenmix info` names a forced choice; a bad value is one line on
+# stderr and exit 2, before any output.
+tokenmix_cli_test(info_linear_prefetch_forced ARGS info
+                  STDOUT "decode prefetch: address order for f32 on avx512, all but int8/fp8 on avx2 \\(the others row by row\\) \\(TOKENMIX_LINEAR_PREFETCH=per-dtype\\)")
+set_tests_properties(cli_info_linear_prefetch_forced PROPERTIES
+                     ENVIRONMENT "TOKENMIX_LINEAR_PREFETCH=per-dtype")
+tokenmix_cli_test(info_linear_prefetch_all ARGS info
+                  STDOUT "decode prefetch: address order for every cache dtype \\(TOKENMIX_LINEAR_PREFETCH=all\\)")
+set_tests_properties(cli_info_linear_prefetch_all PROPERTIES ENVIRONMENT "TOKENMIX_LINEAR_PREFETCH=all")
+tokenmix_cli_test(info_bad_linear_prefetch ARGS info EXPECT_RC 2 ONE_LINE_ERROR
+                  STDOUT_NOT "tokenmix [0-9]"
+                  STDERR "TOKENMIX_LINEAR_PREFETCH must be one of all, per-dtype.*got 'rows'")
+set_tests_properties(cli_info_bad_linear_prefetch PROPERTIES ENVIRONMENT "TOKENMIX_LINEAR_PREFETCH=rows")
 tokenmix_cli_test(check ARGS check STDOUT "PASS .*PASS .*[0-9]+ of [0-9]+ checks passed"
                   STDOUT_NOT "FAIL" TIMEOUT 600)
 tokenmix_cli_test(run_small ARGS run --seq 64 --seed 7

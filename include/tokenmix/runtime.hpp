@@ -65,8 +65,9 @@ Isa cpu_cap();
 /// whose MXCSR sets DAZ or FTZ reads through f16 bits instead), false = through f16 bits (F16C).
 /// Same results either way (bitwise while no product is subnormal). TOKENMIX_FP8_WIDEN=direct|f16
 /// forces it; unset or empty: direct on AMD family 19h and 1Ah (Zen 3, Zen 4 and Zen 5; measured
-/// faster on Zen 4 and Zen 5, on both paths), f16 elsewhere. portable and neon ignore it. Throws
-/// ArgumentError on another value.
+/// faster on Zen 4 and Zen 5, on both paths), f16 elsewhere (on Intel an FMA with a subnormal
+/// operand takes a microcode assist: a cache of mostly subnormal codes read directly ran 100×
+/// slower). portable and neon ignore it. Throws ArgumentError on another value.
 bool fp8_direct_widening();
 
 /// Which KV caches the avx512 and avx2 decode kernels prefetch in address order (the next K and V

@@ -41,6 +41,10 @@ void bind_runtime(nb::module_& m) {
   // How the avx512 decode kernel widens an fp8 E4M3 cache (TOKENMIX_FP8_WIDEN, read at each
   // call): True = straight into fp32 bits, False = through f16 bits.
   m.def("fp8_direct_widening", [] { return tmx::fp8_direct_widening(); });
+  // Which caches the avx512 / avx2 decode kernels prefetch in address order
+  // (TOKENMIX_LINEAR_PREFETCH, read at each call): True = every cache dtype, False = each path's
+  // per-dtype choice.
+  m.def("linear_decode_prefetch", [] { return tmx::linear_decode_prefetch(); });
   m.def("cpu_features", [] {
     const tmx::CpuFeatures& f = tmx::cpu_features();
     nb::dict d;

@@ -227,6 +227,42 @@ def test_cpu_cap_follows_the_environment(monkeypatch):
     assert tm.available_isas() == uncapped
 
 
+# --- TOKENMIX_LINEAR_PREFETCH ---------------------------------------------------------------------
+
+
+def test_linear_prefetch_follows_the_environment_and_gives_the_same_results(monkeypatch):
+    """linear_decode_prefetch() follows TOKENMIX_LINEAR_PREFETCH; decode over every cache dtype
+    gives the same bits with every cache dtype prefetched in address order and with each path's
+    per-dtype choice (only the prefetches differ); another value is an ArgumentError naming the
+    variable, from the query and from decode alike."""
+    monkeypatch.setenv("TOKENMIX_LINEAR_PREFETCH", "all")
+    assert tm.linear_decode_prefetch() is True
+    monkeypatch.setenv("TOKENMIX_LINEAR_PREFETCH", "per-dtype")
+    assert tm.linear_decode_prefetch() is False
+    monkeypatch.setenv("TOKENMIX_LINEAR_PREFETCH", "")
+    automatic = tm.linear_decode_prefetch()
+    monkeypatch.delenv("TOKENMIX_LINEAR_PREFETCH")
+    assert tm.linear_decode_prefetch() == automatic
+    rng = np.random.default_rng(6)
+    k = rng.standard_normal((1, 1100, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 1100, 2, 64)).astype(np.float32)
+    q = rng.standard_normal((1, 3, 8, 64)).astype(np.float32)
+    for dtype in ("f32", "bf16", "f16", "int8", "fp8_e4m3"):
+        cache = tm.KVCache(layers=1, batch=1, heads_kv=2, head_dim=64, capacity=1100, dtype=dtype)
+        cache.append(0, k, v)
+        outs = {}
+        for order in ("all", "per-dtype"):
+            monkeypatch.setenv("TOKENMIX_LINEAR_PREFETCH", order)
+            outs[order] = tm.attention_decode(q, cache, 0)
+        np.testing.assert_array_equal(outs["all"], outs["per-dtype"], err_msg=dtype)
+    monkeypatch.setenv("TOKENMIX_LINEAR_PREFETCH", "rows")
+    with pytest.raises(tm.ArgumentError) as e:
+        tm.linear_decode_prefetch()
+    assert e.value.code == "invalid_argument" and "TOKENMIX_LINEAR_PREFETCH" in str(e.value)
+    with pytest.raises(tm.ArgumentError):
+        tm.attention_decode(q, cache, 0)
+
+
 # --- TOKENMIX_FP8_WIDEN ---------------------------------------------------------------------------
 
 

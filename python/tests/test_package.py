@@ -17,7 +17,7 @@ import tokenmix._tokenmix as _C
 
 # Every public name of `tokenmix` before the split (its __all__ then), in one explicit list, plus
 # those added since: ResourceError, backward_flops, cpu_cap, attention_forward_varlen,
-# attention_backward_varlen, fp8_direct_widening.
+# attention_backward_varlen, fp8_direct_widening, linear_decode_prefetch.
 PUBLIC_NAMES = [
     "ArgumentError",
     "CausalSelfAttention",
@@ -40,6 +40,7 @@ PUBLIC_NAMES = [
     "forward_flops",
     "fp8_direct_widening",
     "kv_cache_bytes",
+    "linear_decode_prefetch",
     "logsumexp",
     "merge_partials",
     "resolve_isa",
@@ -83,6 +84,7 @@ def test_objects_present_themselves_as_tokenmix():
     assert tokenmix.KVCache is _C.KVCache and tokenmix.version is _C.version
     assert tokenmix.cpu_cap is _C.cpu_cap
     assert tokenmix.fp8_direct_widening is _C.fp8_direct_widening
+    assert tokenmix.linear_decode_prefetch is _C.linear_decode_prefetch
     for err, base in ((tokenmix.ArgumentError, ValueError),
                       (tokenmix.UnsupportedError, NotImplementedError),
                       (tokenmix.FileError, OSError),

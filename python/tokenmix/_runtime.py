@@ -14,6 +14,10 @@ cpu_cap = _C.cpu_cap  # None, or the TOKENMIX_CPU_CAP cap in effect ("portable"/
 # True if the avx512 decode kernel reads an fp8 E4M3 cache straight as fp32 bits, False if through
 # f16 bits (TOKENMIX_FP8_WIDEN=direct|f16; automatic: direct on AMD Zen 4). Same results either way.
 fp8_direct_widening = _C.fp8_direct_widening
+# True if the avx512 / avx2 decode kernels prefetch every cache dtype's next tile pair in address
+# order, False if each path's per-dtype choice (TOKENMIX_LINEAR_PREFETCH=all|per-dtype; automatic:
+# all on Intel). Same results either way.
+linear_decode_prefetch = _C.linear_decode_prefetch
 
 
 def resolve_isa(isa: str = "auto") -> str:

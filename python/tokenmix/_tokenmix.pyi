@@ -110,6 +110,10 @@ def fp8_direct_widening() -> bool:
     """True if the avx512 and avx2 decode kernels read an fp8 E4M3 cache straight as fp32 bits,
     False if through f16 bits (TOKENMIX_FP8_WIDEN=direct|f16, read at each call; automatic: direct
     on AMD families 19h and 1Ah: Zen 3, Zen 4, Zen 5). Same results either way."""
+def linear_decode_prefetch() -> bool:
+    """True if the avx512 and avx2 decode kernels prefetch every cache dtype's next tile pair in
+    address order, False if each path's per-dtype choice (TOKENMIX_LINEAR_PREFETCH=all|per-dtype,
+    read at each call; automatic: all on Intel). Same results either way."""
 def cpu_features() -> dict[str, Any]:
     """{"model": str, "avx2_fma": bool, "avx512f": bool, "avx512_bf16": bool, "amx_tile": bool,
     "neon": bool, "flags": list[str]}"""

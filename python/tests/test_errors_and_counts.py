@@ -227,71 +227,50 @@ def test_cpu_cap_follows_the_environment(monkeypatch):
     assert tm.available_isas() == uncapped
 
 
-# --- TOKENMIX_LINEAR_PREFETCH ---------------------------------------------------------------------
+# --- TOKENMIX_LINEAR_PREFETCH, TOKENMIX_FP8_WIDEN: two-valued decode switches ----------------------
 
 
-def test_linear_prefetch_follows_the_environment_and_gives_the_same_results(monkeypatch):
-    """linear_decode_prefetch() follows TOKENMIX_LINEAR_PREFETCH; decode over every cache dtype
-    gives the same bits with every cache dtype prefetched in address order and with each path's
-    per-dtype choice (only the prefetches differ); another value is an ArgumentError naming the
-    variable, from the query and from decode alike."""
-    monkeypatch.setenv("TOKENMIX_LINEAR_PREFETCH", "all")
-    assert tm.linear_decode_prefetch() is True
-    monkeypatch.setenv("TOKENMIX_LINEAR_PREFETCH", "per-dtype")
-    assert tm.linear_decode_prefetch() is False
-    monkeypatch.setenv("TOKENMIX_LINEAR_PREFETCH", "")
-    automatic = tm.linear_decode_prefetch()
-    monkeypatch.delenv("TOKENMIX_LINEAR_PREFETCH")
-    assert tm.linear_decode_prefetch() == automatic
-    rng = np.random.default_rng(6)
+def check_decode_switch(monkeypatch, var, query, on, off, bad, dtypes, tnew):
+    """query() follows `var` (on: True, off: False, empty and unset: the same automatic choice);
+    decode over a cache of each of `dtypes` gives the same bits either way; `bad` is an
+    ArgumentError naming `var`, from query() and from decode alike."""
+    monkeypatch.setenv(var, on)
+    assert query() is True
+    monkeypatch.setenv(var, off)
+    assert query() is False
+    monkeypatch.setenv(var, "")
+    automatic = query()
+    monkeypatch.delenv(var)
+    assert query() == automatic
+    rng = np.random.default_rng(5)
     k = rng.standard_normal((1, 1100, 2, 64)).astype(np.float32)
     v = rng.standard_normal((1, 1100, 2, 64)).astype(np.float32)
-    q = rng.standard_normal((1, 3, 8, 64)).astype(np.float32)
-    for dtype in ("f32", "bf16", "f16", "int8", "fp8_e4m3"):
+    q = rng.standard_normal((1, tnew, 8, 64)).astype(np.float32)
+    for dtype in dtypes:
         cache = tm.KVCache(layers=1, batch=1, heads_kv=2, head_dim=64, capacity=1100, dtype=dtype)
         cache.append(0, k, v)
         outs = {}
-        for order in ("all", "per-dtype"):
-            monkeypatch.setenv("TOKENMIX_LINEAR_PREFETCH", order)
-            outs[order] = tm.attention_decode(q, cache, 0)
-        np.testing.assert_array_equal(outs["all"], outs["per-dtype"], err_msg=dtype)
-    monkeypatch.setenv("TOKENMIX_LINEAR_PREFETCH", "rows")
+        for value in (on, off):
+            monkeypatch.setenv(var, value)
+            outs[value] = tm.attention_decode(q, cache, 0)
+        np.testing.assert_array_equal(outs[on], outs[off], err_msg=dtype)
+    monkeypatch.setenv(var, bad)
     with pytest.raises(tm.ArgumentError) as e:
-        tm.linear_decode_prefetch()
-    assert e.value.code == "invalid_argument" and "TOKENMIX_LINEAR_PREFETCH" in str(e.value)
+        query()
+    assert e.value.code == "invalid_argument" and var in str(e.value)
     with pytest.raises(tm.ArgumentError):
         tm.attention_decode(q, cache, 0)
 
 
-# --- TOKENMIX_FP8_WIDEN ---------------------------------------------------------------------------
+def test_linear_prefetch_follows_the_environment_and_gives_the_same_results(monkeypatch):
+    """TOKENMIX_LINEAR_PREFETCH: every cache dtype prefetched in address order, or each path's
+    per-dtype choice; only the prefetches differ, for every cache dtype (T_new = 3: tall units)."""
+    check_decode_switch(monkeypatch, "TOKENMIX_LINEAR_PREFETCH", tm.linear_decode_prefetch, "all",
+                        "per-dtype", "rows", ("f32", "bf16", "f16", "int8", "fp8_e4m3"), 3)
 
 
 def test_fp8_widening_follows_the_environment_and_gives_the_same_results(monkeypatch):
-    """fp8_direct_widening() follows TOKENMIX_FP8_WIDEN; decode over an fp8 cache gives the same
-    bits either way (the readings differ only where a product is subnormal); another value is an
-    ArgumentError naming the variable."""
-    monkeypatch.setenv("TOKENMIX_FP8_WIDEN", "direct")
-    assert tm.fp8_direct_widening() is True
-    monkeypatch.setenv("TOKENMIX_FP8_WIDEN", "f16")
-    assert tm.fp8_direct_widening() is False
-    monkeypatch.setenv("TOKENMIX_FP8_WIDEN", "")
-    automatic = tm.fp8_direct_widening()
-    monkeypatch.delenv("TOKENMIX_FP8_WIDEN")
-    assert tm.fp8_direct_widening() == automatic
-    rng = np.random.default_rng(5)
-    cache = tm.KVCache(layers=1, batch=1, heads_kv=2, head_dim=64, capacity=300, dtype="fp8_e4m3")
-    k = rng.standard_normal((1, 300, 2, 64)).astype(np.float32)
-    v = rng.standard_normal((1, 300, 2, 64)).astype(np.float32)
-    cache.append(0, k, v)
-    q = rng.standard_normal((1, 1, 8, 64)).astype(np.float32)
-    outs = {}
-    for widen in ("direct", "f16"):
-        monkeypatch.setenv("TOKENMIX_FP8_WIDEN", widen)
-        outs[widen] = tm.attention_decode(q, cache, 0)
-    np.testing.assert_array_equal(outs["direct"], outs["f16"])
-    monkeypatch.setenv("TOKENMIX_FP8_WIDEN", "fp16")
-    with pytest.raises(tm.ArgumentError) as e:
-        tm.fp8_direct_widening()
-    assert e.value.code == "invalid_argument" and "TOKENMIX_FP8_WIDEN" in str(e.value)
-    with pytest.raises(tm.ArgumentError):
-        tm.attention_decode(q, cache, 0)
+    """TOKENMIX_FP8_WIDEN: an fp8 cache read straight as fp32 bits or through f16 bits; the same
+    bits either way (the readings differ only where a product is subnormal)."""
+    check_decode_switch(monkeypatch, "TOKENMIX_FP8_WIDEN", tm.fp8_direct_widening, "direct", "f16",
+                        "fp16", ("fp8_e4m3",), 1)

@@ -399,7 +399,8 @@ void DecodeUnits(const DecodeArgs& a) {
       // kLinearPrefetch (V tiles in the cache, not rows in place): the whole next pair through the
       // cursor (the pf pointers are then null), a quantized pair's scales included. Not for int8 /
       // fp8 by default: their widening makes a step compute-bound, and the cursor's bookkeeping
-      // measured 3–7 % slower there (Zen 3); per call on AVX-512 (kLinearByCall) every dtype.
+      // measured 3–7 % slower there (Zen 3); per call on AVX-512 and AVX2 (kLinearByCall) every
+      // dtype.
       const bool linear =
           !v_in_place && ((kLinearPrefetch<TB> && !kQuant) || (kLinearByCall && a.linear_prefetch));
       PrefetchCursor cursor;

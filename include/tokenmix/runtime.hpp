@@ -48,6 +48,7 @@ struct CpuFeatures {
   bool avx512_bf16 = false;
   bool amx_tile =
       false;  ///< AMX-TILE reported by CPUID (use also needs a Linux permission request)
+  bool amx_int8 = false;  ///< amx_tile + AMX-INT8 + AVX-512 F/BW/DQ/VL (CPUID), tile state saved
   /// AArch64 Advanced SIMD (HWCAP_ASIMD) and the AES/PMULL/SHA1/SHA2 "crypto" extension
   /// (HWCAP_AES|PMULL|SHA1|SHA2) that Highway's NEON target is compiled with.
   bool neon = false;
@@ -79,6 +80,21 @@ bool fp8_direct_widening();
 /// 2–5 %; avx2 int8 and fp8 one-token steps 20 %), per-dtype elsewhere (AMD: the cursor measured
 /// slower for int8 and fp8). portable and neon ignore it. Throws ArgumentError on another value.
 bool linear_decode_prefetch();
+
+/// Whether decode over an int8 KV cache on the avx512 paths runs its per-tile products
+/// (S = Q Kᵀ, Õ += P V) on AMX-INT8 tiles (TDPBSSD / TDPBUSD) in work units of at least 16 rows
+/// (query positions × the heads of a KV group, e.g. T_new ≥ 4 at 4 query heads per KV head; d_h
+/// a multiple of 64 up to 256). The fp32 query rows and the probabilities are written as sums of
+/// integer planes (per row: within 2^−27 of the row's largest |element| for Q, 2^−23 for P); the
+/// products of the planes with the stored int8 elements are exact int32 sums, so results agree
+/// with the FMA products at fp32 rounding level, not bitwise. A unit whose query rows hold a
+/// non-finite element, or whose largest |element| is outside [2^−60, 2^60), takes the FMA
+/// products. TOKENMIX_DECODE_AMX=on|off forces it (`on` throws UnsupportedError from a call
+/// that cannot use it: no AMX-INT8, no Linux grant, or a path other than avx512); unset or
+/// empty: on where the CPU has AMX-INT8, the OS saves tile state, TOKENMIX_CPU_CAP does not hide
+/// it, and Linux grants the process the tile data (requested by this call, once). Throws
+/// ArgumentError on another value.
+bool decode_amx();
 
 /// Paths compiled into this build and runnable on this CPU, lowest first (always has portable).
 std::vector<Isa> available_isas();

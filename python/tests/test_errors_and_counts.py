@@ -269,6 +269,42 @@ def test_linear_prefetch_follows_the_environment_and_gives_the_same_results(monk
                         "per-dtype", "rows", ("f32", "bf16", "f16", "int8", "fp8_e4m3"), 3)
 
 
+def test_decode_amx_follows_the_environment(monkeypatch):
+    """TOKENMIX_DECODE_AMX: an int8 cache's units of >= 16 rows (T_new 4 x 4 query heads per KV
+    head) on AMX-INT8 tiles or on FMAs: the same results at fp32 rounding level, not the same bits
+    (the tile path ran). Where AMX cannot run, `on` raises UnsupportedError from the call; another
+    value raises ArgumentError."""
+    var = "TOKENMIX_DECODE_AMX"
+    monkeypatch.setenv(var, "off")
+    assert tm.decode_amx() is False
+    monkeypatch.delenv(var, raising=False)
+    usable = tm.decode_amx()
+    assert usable == (tm.decode_amx() and tm.cpu_features()["amx_int8"])
+    rng = np.random.default_rng(9)
+    k = rng.standard_normal((1, 1100, 2, 128)).astype(np.float32)
+    v = rng.standard_normal((1, 1100, 2, 128)).astype(np.float32)
+    q = rng.standard_normal((1, 4, 8, 128)).astype(np.float32)
+    cache = tm.KVCache(layers=1, batch=1, heads_kv=2, head_dim=128, capacity=1100, dtype="int8")
+    cache.append(0, k, v)
+    monkeypatch.setenv(var, "off")
+    off = tm.attention_decode(q, cache, 0)
+    monkeypatch.setenv(var, "on")
+    if usable:
+        on = tm.attention_decode(q, cache, 0)
+        np.testing.assert_allclose(on, off, rtol=0, atol=2e-5 * float(np.abs(off).max()))
+        assert not np.array_equal(on, off)
+    else:
+        with pytest.raises(tm.UnsupportedError) as e:
+            tm.attention_decode(q, cache, 0)
+        assert var in str(e.value)
+    monkeypatch.setenv(var, "sometimes")
+    with pytest.raises(tm.ArgumentError) as e:
+        tm.decode_amx()
+    assert e.value.code == "invalid_argument" and var in str(e.value)
+    with pytest.raises(tm.ArgumentError):
+        tm.attention_decode(q, cache, 0)
+
+
 def test_fp8_widening_follows_the_environment_and_gives_the_same_results(monkeypatch):
     """TOKENMIX_FP8_WIDEN: an fp8 cache read straight as fp32 bits or through f16 bits; the same
     bits either way (the readings differ only where a product is subnormal)."""

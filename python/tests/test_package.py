@@ -17,7 +17,7 @@ import tokenmix._tokenmix as _C
 
 # Every public name of `tokenmix` before the split (its __all__ then), in one explicit list, plus
 # those added since: ResourceError, backward_flops, cpu_cap, attention_forward_varlen,
-# attention_backward_varlen, fp8_direct_widening, linear_decode_prefetch.
+# attention_backward_varlen, fp8_direct_widening, linear_decode_prefetch, decode_amx.
 PUBLIC_NAMES = [
     "ArgumentError",
     "CausalSelfAttention",
@@ -35,6 +35,7 @@ PUBLIC_NAMES = [
     "backward_flops",
     "cpu_cap",
     "cpu_features",
+    "decode_amx",
     "default_threads",
     "describe_kernel",
     "forward_flops",

@@ -220,6 +220,9 @@ Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, s
   a.dtype = cc.dtype;
   a.fp8_direct = cc.dtype == DType::fp8_e4m3 && detail::fp8_direct_widening(fn);
   a.linear_prefetch = detail::linear_decode_prefetch(fn);
+  // AMX-INT8 products for an int8 cache, on the avx512 paths (kernels/simd/amx_int8.hpp).
+  a.amx = cc.dtype == DType::int8 &&
+          detail::decode_amx(fn, isa == Isa::avx512 || isa == Isa::avx512_bf16, to_string(isa));
   const std::int64_t g = a.group();
   a.qblock = std::max<std::int64_t>(1, std::min(a.tnew, kMaxRows / g));
   a.qblocks = (a.tnew + a.qblock - 1) / a.qblock;
@@ -371,6 +374,8 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   const std::int64_t groups = a.batch * a.hkv * a.qblocks;
   // One parallel region per call (waking workers is the costly part on a busy machine): the
   // kernel shares out the units (its `omp for` ends with a barrier), then the merge.
+  std::atomic<bool> amx_refused{false};
+  a.amx_refused = &amx_refused;
 #pragma omp parallel num_threads(plan.team)
   {
     kernel(a);
@@ -379,6 +384,12 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
 #pragma omp for schedule(static)
     for (std::int64_t grp = 0; grp < groups; ++grp)
       detail::merge_decode_group(a, grp, acc, plan.act, out, lse);
+  }
+  if (amx_refused.load()) {
+    throw UnsupportedError(std::string(fn) +
+                           ": Linux refused a worker thread the AMX tile data (arch_prctl) that "
+                           "it had granted the process; out and lse are not valid. "
+                           "TOKENMIX_DECODE_AMX=off avoids AMX");
   }
 }
 

@@ -25,6 +25,8 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define TOKENMIX_X86 1
 #elif defined(__aarch64__) && defined(__linux__)
 #include <asm/hwcap.h>
@@ -72,13 +74,14 @@ CpuFeatures detect() {
   const bool avx2 = (b >> 5) & 1;
   const bool avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1, avx512bw = (b >> 30) & 1,
              avx512vl = (b >> 31) & 1;
-  const bool amx_tile = (d >> 24) & 1;
+  const bool amx_tile = (d >> 24) & 1, amx_int8 = (d >> 25) & 1;
   f.avx2_fma = ymm_state && avx2 && fma;
   f.avx512f = f.avx2_fma && zmm_state && avx512f && avx512dq && avx512bw && avx512vl;
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
   __cpuid_count(7, 1, a1, b1, c1, d1);
   f.avx512_bf16 = f.avx512f && ((a1 >> 5) & 1);
   f.amx_tile = tile_state && amx_tile;
+  f.amx_int8 = f.amx_tile && amx_int8 && f.avx512f;
   return f;
 }
 #else
@@ -112,6 +115,7 @@ std::vector<std::string> CpuFeatures::flags() const {
   if (avx512f) out.emplace_back("avx512f/bw/dq/vl");
   if (avx512_bf16) out.emplace_back("avx512_bf16");
   if (amx_tile) out.emplace_back("amx-tile");
+  if (amx_int8) out.emplace_back("amx-int8");
   if (neon) out.emplace_back("neon(asimd+crypto)");
   return out;
 }
@@ -126,7 +130,7 @@ const CpuFeatures& detected() {
 CpuFeatures capped(Isa cap) {
   CpuFeatures f = detected();
   if (cap == Isa::automatic) return f;
-  f.amx_tile = false;
+  f.amx_tile = f.amx_int8 = false;
   if (cap == Isa::avx512) return f;
   f.avx512f = f.avx512_bf16 = false;
   if (cap == Isa::avx2) return f;
@@ -171,6 +175,18 @@ const CpuVendor& cpu_vendor() {
     return v;
   }();
   return vendor;
+}
+
+// Linux gives a process the AMX tile data only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, 18; granted per process). Asked once, the first time decode would use AMX,
+// not at detection: the grant enlarges the process's signal frames.
+bool amx_permission() {
+#if defined(TOKENMIX_X86) && defined(__linux__)
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -219,6 +235,27 @@ bool linear_decode_prefetch(const char* fn) {
   return linear_prefetch_preferred(cpu_vendor().intel);
 }
 
+bool decode_amx(const char* fn, bool path_has_amx, const char* path) {
+  const auto forced = env_switch(fn, "TOKENMIX_DECODE_AMX", "on", "off");
+  if (forced && !*forced) return false;
+  if (!path_has_amx) {
+    if (forced) {
+      throw UnsupportedError(std::string(fn) + ": TOKENMIX_DECODE_AMX=on, but this call runs the " +
+                             path + " path (AMX-INT8 products exist on the avx512 paths only)");
+    }
+    return false;
+  }
+  const bool usable = cpu_features(fn).amx_int8 && amx_permission();
+  if (forced && !usable) {
+    throw UnsupportedError(
+        std::string(fn) + ": TOKENMIX_DECODE_AMX=on, but AMX-INT8 cannot run here (" +
+        (cpu_features(fn).amx_int8 ? "Linux refused this process the AMX tile data (arch_prctl)"
+                                   : "the CPU, the OS or TOKENMIX_CPU_CAP gives no AMX-INT8") +
+        ")");
+  }
+  return usable;
+}
+
 const CpuFeatures& cpu_features(const char* fn) {
   // One immutable copy per cap (index = the Isa value; automatic = no cap), built once.
   static const std::array<CpuFeatures, 4> by_cap = {capped(Isa::automatic), capped(Isa::portable),
@@ -242,6 +279,10 @@ bool fp8_direct_widening() {
 
 bool linear_decode_prefetch() {
   return detail::linear_decode_prefetch("linear_decode_prefetch");
+}
+
+bool decode_amx() {
+  return detail::decode_amx("decode_amx", true, "avx512");
 }
 
 }  // namespace tokenmix

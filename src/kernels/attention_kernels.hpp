@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -240,6 +241,13 @@ struct DecodeArgs {
   /// detail::linear_decode_prefetch decides). The same results either way; other kernels ignore
   /// it.
   bool linear_prefetch = false;
+  /// AVX-512, int8 cache: each tile's two products on AMX-INT8 tiles (simd/amx_int8.hpp;
+  /// detail::decode_amx decides, having asked Linux for the tile data). The same results at fp32
+  /// rounding level, not bitwise; other kernels ignore it. A worker thread
+  /// Linux refuses the tile data sets *amx_refused and takes the FMA products; the caller then
+  /// throws (a call's results never depend on which worker ran where).
+  bool amx = false;
+  std::atomic<bool>* amx_refused = nullptr;
   /// Batches of mixed lengths: chunk_first[b] = Σ_{b' < b} chunks_of(b') ([batch + 1] entries,
   /// each sequence ≥ 1 chunk), so units exist only for the chunks a sequence has (work follows
   /// the keys, not B × the longest). nullptr: every sequence has `chunks` chunks.

@@ -99,6 +99,20 @@ tokenmix_cli_test(info_bad_linear_prefetch ARGS info EXPECT_RC 2 ONE_LINE_ERROR
                   STDOUT_NOT "tokenmix [0-9]"
                   STDERR "TOKENMIX_LINEAR_PREFETCH must be one of all, per-dtype.*got 'rows'")
 set_tests_properties(cli_info_bad_linear_prefetch PROPERTIES ENVIRONMENT "TOKENMIX_LINEAR_PREFETCH=rows")
+# TOKENMIX_DECODE_AMX: `off` is shown as such on every CPU; a bad value, and `on` under a CPU cap
+# that hides AMX, are one line on stderr and exit 2, before any output.
+tokenmix_cli_test(info_decode_amx_off ARGS info
+                  STDOUT "int8 decode:     FMA products \\(no AMX-INT8 tile products\\) \\(TOKENMIX_DECODE_AMX=off\\)")
+set_tests_properties(cli_info_decode_amx_off PROPERTIES ENVIRONMENT "TOKENMIX_DECODE_AMX=off")
+tokenmix_cli_test(info_bad_decode_amx ARGS info EXPECT_RC 2 ONE_LINE_ERROR
+                  STDOUT_NOT "tokenmix [0-9]"
+                  STDERR "TOKENMIX_DECODE_AMX must be one of on, off.*got 'sometimes'")
+set_tests_properties(cli_info_bad_decode_amx PROPERTIES ENVIRONMENT "TOKENMIX_DECODE_AMX=sometimes")
+tokenmix_cli_test(info_decode_amx_on_hidden ARGS info EXPECT_RC 2 ONE_LINE_ERROR
+                  STDOUT_NOT "tokenmix [0-9]"
+                  STDERR "TOKENMIX_DECODE_AMX=on, but AMX-INT8 cannot run here")
+set_tests_properties(cli_info_decode_amx_on_hidden PROPERTIES
+                     ENVIRONMENT "TOKENMIX_DECODE_AMX=on;TOKENMIX_CPU_CAP=portable")
 tokenmix_cli_test(check ARGS check STDOUT "PASS .*PASS .*[0-9]+ of [0-9]+ checks passed"
                   STDOUT_NOT "FAIL" TIMEOUT 600)
 tokenmix_cli_test(run_small ARGS run --seq 64 --seed 7

@@ -738,5 +738,201 @@ TEST_P(KVQuantDecode, Fp8DirectReadingSameBitsAsF16) {
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, KVQuantDecode, AllIsas(), IsaName);
 
+// ---- AMX-INT8 tile products for the int8 cache (kernels/simd/amx_int8.hpp) ----
+// Units of ≥ 16 rows (query positions × the heads of a KV group) on the avx512 paths, where the
+// CPU has AMX-INT8 and Linux grants the tile data. With TOKENMIX_DECODE_AMX=on they match the
+// float64 oracle over the dequantized cache at the FMA products' bound, and differ from the FMA
+// products' bits (the planes' sums are rounded in another order): the tile path ran. Where AMX
+// cannot run (another CPU, TOKENMIX_CPU_CAP), forcing it on is refused with UnsupportedError.
+
+// Whether this process can run the tile products (decode_amx() with the switch unset).
+bool amx_usable() {
+  const ScopedEnv unset("TOKENMIX_DECODE_AMX", nullptr);
+  return decode_amx();
+}
+
+// Where AMX-INT8 cannot run: TOKENMIX_DECODE_AMX=on refuses a decode call that would use it.
+void expect_amx_refused() {
+  std::mt19937_64 rng(4);
+  KVCache cache({1, 1, 1, 64, 100, DType::int8, 0, 0});
+  const auto k = test_rows(80, 64, rng), v = test_rows(80, 64, rng);
+  cache.append(0, 0, ConstTensorView::bthd(k.data(), 1, 80, 1, 64),
+               ConstTensorView::bthd(v.data(), 1, 80, 1, 64));
+  StridedTensor q(1, 4, 4, 64, Layout::bthd), out(1, 4, 4, 64, Layout::bthd);
+  q.fill_random(rng);
+  std::vector<float> lse(16, kPoison);
+  const ScopedEnv on("TOKENMIX_DECODE_AMX", "on");
+  try {
+    attention_decode(q.view, cache, 0, out.view, TensorView::bht(lse.data(), 1, 4, 4));
+    ADD_FAILURE() << "TOKENMIX_DECODE_AMX=on ran where AMX-INT8 cannot";
+  } catch (const UnsupportedError& e) {
+    EXPECT_NE(std::string(e.what()).find("TOKENMIX_DECODE_AMX=on"), std::string::npos) << e.what();
+  }
+}
+
+struct AmxCase {
+  std::vector<std::int64_t> lengths;
+  std::int64_t tnew, hq, hkv, dh;
+};
+
+// Decode of q against layer 1 of `cache` with the switch at `amx` ("on" / "off").
+void decode_int8(const StridedTensor& q, const KVCache& cache, const char* amx, StridedTensor& out,
+                 std::vector<float>& lse, const DecodeOptions& o = {}) {
+  const ScopedEnv sw("TOKENMIX_DECODE_AMX", amx);
+  attention_decode(q.view, cache, 1, out.view,
+                   TensorView::bht(lse.data(), q.view.shape[0], q.view.shape[2], q.view.shape[1]),
+                   o);
+}
+
+TEST(KVQuantAmx, ForcedOnMatchesOracleOrIsRefused) {
+  const bool usable = amx_usable();
+  std::mt19937_64 rng(31);
+  // Rows per unit: 16 (T_new 4, g 4), 20, 68 and 128 + 32 (T_new 40, g 4: two query blocks);
+  // d_h 64, 128, 256; lengths across tiles and chunks, T_new > L (rows that see no key), paged.
+  const std::vector<AmxCase> cases = {
+      {{1, 63}, 4, 8, 2, 128},     {{64, 65}, 5, 8, 2, 64},  {{1025, 130}, 17, 8, 2, 128},
+      {{2100, 700}, 4, 4, 1, 256}, {{300, 3}, 40, 4, 1, 64}, {{129, 1100}, 2, 16, 2, 128},
+  };
+  for (const AmxCase& c : cases)
+    for (std::int64_t block : {0, 128}) {
+      SCOPED_TRACE("L0=" + std::to_string(c.lengths[0]) + " L1=" + std::to_string(c.lengths[1]) +
+                   " T_new=" + std::to_string(c.tnew) + " H_q=" + std::to_string(c.hq) +
+                   " H_kv=" + std::to_string(c.hkv) + " d_h=" + std::to_string(c.dh) +
+                   " block=" + std::to_string(block));
+      const std::int64_t B = static_cast<std::int64_t>(c.lengths.size());
+      KVCache cache({2, B, c.hkv, c.dh, 2200, DType::int8, block, 0});
+      fill(cache, 1, c.lengths, rng);
+      StridedTensor q(B, c.tnew, c.hq, c.dh, Layout::strided);
+      q.fill_random(rng);
+      StridedTensor on(B, c.tnew, c.hq, c.dh, Layout::bthd),
+          off(B, c.tnew, c.hq, c.dh, Layout::bthd);
+      std::vector<float> lse_on(static_cast<std::size_t>(B * c.hq * c.tnew), kPoison);
+      std::vector<float> lse_off = lse_on;
+      if (!usable) {
+        expect_amx_refused();
+        continue;
+      }
+      decode_int8(q, cache, "on", on, lse_on);
+      decode_int8(q, cache, "off", off, lse_off);
+      std::vector<reference::ForwardResult> refs;
+      for (std::int64_t b = 0; b < B; ++b) refs.push_back(cache_oracle(q, b, cache, 1));
+      expect_decode_matches(on, lse_on, refs);
+      expect_decode_matches(off, lse_off, refs);
+      EXPECT_NE(
+          0, std::memcmp(on.storage.data(), off.storage.data(), on.storage.size() * sizeof(float)))
+          << "the same bits as the FMA products: the tile products did not run";
+    }
+}
+
+// Window, soft-capping, ALiBi and sinks (applied to the scores between the two tile products),
+// and a rolling cache, on the tile products.
+TEST(KVQuantAmx, VariantsAndRollingCacheMatchOracle) {
+  if (!amx_usable()) return expect_amx_refused();
+  std::mt19937_64 rng(78);
+  const std::int64_t hq = 8, hkv = 2, dh = 128, tnew = 6, W = 300;
+  std::vector<float> slopes, sinks;
+  for (std::int64_t h = 0; h < hq; ++h) {
+    slopes.push_back(0.01f * static_cast<float>(h + 1));
+    sinks.push_back(0.3f * static_cast<float>(h) - 1.0f);
+  }
+  for (std::int64_t rolling : {0, 1}) {
+    SCOPED_TRACE(rolling ? "rolling" : "full");
+    KVCache cache({2, 2, hkv, dh, 3000, DType::int8, rolling ? 64 : 0, 0, rolling ? W : 0});
+    fill(cache, 1, {1500, 700}, rng);
+    StridedTensor q(2, tnew, hq, dh, Layout::bhtd);
+    q.fill_random(rng);
+    DecodeOptions o;
+    o.window = W;
+    o.softcap = 5.0;
+    o.alibi_slopes = ConstTensorView{slopes.data(), DType::f32, 1, {hq, 1, 1, 1}, {1, 0, 0, 0}};
+    o.sinks = ConstTensorView{sinks.data(), DType::f32, 1, {hq, 1, 1, 1}, {1, 0, 0, 0}};
+    reference::Options ro;
+    ro.window = W;
+    ro.softcap = 5.0;
+    ro.alibi_slopes.assign(slopes.begin(), slopes.end());
+    ro.sinks.assign(sinks.begin(), sinks.end());
+    std::vector<reference::ForwardResult> refs;
+    for (std::int64_t b = 0; b < 2; ++b) refs.push_back(cache_oracle(q, b, cache, 1, ro));
+    StridedTensor out(2, tnew, hq, dh, Layout::strided);
+    std::vector<float> lse(static_cast<std::size_t>(2 * hq * tnew), kPoison);
+    decode_int8(q, cache, "on", out, lse, o);
+    expect_decode_matches(out, lse, refs);
+  }
+}
+
+// A unit whose query rows hold a NaN takes the FMA products (no planes of a NaN): the NaN row's
+// output is NaN, the unit's other rows are the FMA products' bits, and the other units (other KV
+// heads) still match the oracle.
+TEST(KVQuantAmx, NonFiniteQueryUnitTakesTheFmaProducts) {
+  if (!amx_usable()) return expect_amx_refused();
+  std::mt19937_64 rng(90);
+  const std::int64_t hq = 8, hkv = 2, dh = 64, tnew = 4;
+  KVCache cache({2, 1, hkv, dh, 1000, DType::int8, 0, 0});
+  fill(cache, 1, {900}, rng);
+  StridedTensor q(1, tnew, hq, dh, Layout::bthd);
+  q.fill_random(rng);
+  q.storage[(2 * hq + 1) * dh + 5] = std::numeric_limits<float>::quiet_NaN();  // t 2, head 1
+  StridedTensor on(1, tnew, hq, dh, Layout::bthd), off(1, tnew, hq, dh, Layout::bthd);
+  std::vector<float> lse_on(static_cast<std::size_t>(hq * tnew), kPoison), lse_off = lse_on;
+  decode_int8(q, cache, "on", on, lse_on);
+  decode_int8(q, cache, "off", off, lse_off);
+  for (std::int64_t t = 0; t < tnew; ++t)
+    for (std::int64_t h = 0; h < hq; ++h)
+      for (std::int64_t x = 0; x < dh; ++x) {
+        const std::size_t i = static_cast<std::size_t>((t * hq + h) * dh + x);
+        if (t == 2 && h == 1) {
+          EXPECT_TRUE(std::isnan(on.storage[i])) << "t 2 head 1 x " << x;
+        } else if (h < hq / hkv) {  // KV head 0's unit: the FMA products' bits
+          EXPECT_EQ(std::bit_cast<std::uint32_t>(on.storage[i]),
+                    std::bit_cast<std::uint32_t>(off.storage[i]))
+              << "t " << t << " head " << h << " x " << x;
+        }
+      }
+  // KV head 1's unit ran on the tiles: close to the FMA products, not the same bits.
+  double diff = 0.0, scale = 0.0;
+  bool same = true;
+  for (std::int64_t t = 0; t < tnew; ++t)
+    for (std::int64_t h = hq / hkv; h < hq; ++h)
+      for (std::int64_t x = 0; x < dh; ++x) {
+        const std::size_t i = static_cast<std::size_t>((t * hq + h) * dh + x);
+        diff = std::max(diff, static_cast<double>(std::fabs(on.storage[i] - off.storage[i])));
+        scale = std::max(scale, static_cast<double>(std::fabs(off.storage[i])));
+        same = same && on.storage[i] == off.storage[i];
+      }
+  EXPECT_LE(diff, kDecodeBound * scale);
+  EXPECT_FALSE(same) << "KV head 1's unit did not run on the tiles";
+}
+
+// The switch's values, and `on` for a call on another path.
+TEST(KVQuantAmx, SwitchIsCheckedAndOtherPathsRefuseOn) {
+  {
+    const ScopedEnv bad("TOKENMIX_DECODE_AMX", "sometimes");
+    try {
+      (void)decode_amx();
+      ADD_FAILURE() << "TOKENMIX_DECODE_AMX=sometimes accepted";
+    } catch (const ArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find("TOKENMIX_DECODE_AMX"), std::string::npos) << e.what();
+    }
+  }
+  std::mt19937_64 rng(3);
+  KVCache cache({2, 1, 1, 64, 200, DType::int8, 0, 0});
+  fill(cache, 1, {150}, rng);
+  StridedTensor q(1, 4, 4, 64, Layout::bthd);
+  q.fill_random(rng);
+  StridedTensor out(1, 4, 4, 64, Layout::bthd);
+  std::vector<float> lse(16, kPoison);
+  DecodeOptions o;
+  o.isa = Isa::portable;
+  try {
+    decode_int8(q, cache, "on", out, lse, o);
+    ADD_FAILURE() << "TOKENMIX_DECODE_AMX=on accepted on the portable path";
+  } catch (const UnsupportedError& e) {
+    EXPECT_NE(std::string(e.what()).find("portable path"), std::string::npos) << e.what();
+  }
+  decode_int8(q, cache, "off", out, lse, o);  // off: any path
+  const std::vector<reference::ForwardResult> refs = {cache_oracle(q, 0, cache, 1)};
+  expect_decode_matches(out, lse, refs);
+}
+
 }  // namespace
 }  // namespace tokenmix::testing

@@ -13,6 +13,7 @@ int run_info() {
   const Isa chosen = resolve_isa(Isa::automatic);  // may throw (bad TOKENMIX_ISA): before output
   const bool fp8_direct = fp8_direct_widening();   // may throw (bad TOKENMIX_FP8_WIDEN): ditto
   const bool linear = linear_decode_prefetch();    // may throw (bad TOKENMIX_LINEAR_PREFETCH)
+  const bool amx = decode_amx();  // may throw (bad or unusable TOKENMIX_DECODE_AMX)
   const CpuFeatures& cpu = cpu_features();
   std::cout << "tokenmix " << version() << "\n";
   std::cout << "cpu:             " << (cpu.model.empty() ? "(unknown)" : cpu.model) << "\n";
@@ -48,6 +49,15 @@ int run_info() {
             << " ("
             << (linear_forced ? std::string("TOKENMIX_LINEAR_PREFETCH=") + linear_env
                               : std::string("automatic"))
+            << ")\n";
+  const char* amx_env = std::getenv("TOKENMIX_DECODE_AMX");
+  const bool amx_forced = amx_env != nullptr && *amx_env != '\0';
+  std::cout << "int8 decode:     "
+            << (amx ? "AMX-INT8 tile products in units of >= 16 rows on avx512"
+                    : "FMA products (no AMX-INT8 tile products)")
+            << " ("
+            << (amx_forced ? std::string("TOKENMIX_DECODE_AMX=") + amx_env
+                           : std::string("automatic"))
             << ")\n";
   std::cout << "threads:         " << default_threads() << " (default; --threads overrides)\n";
   return kExitOk;

@@ -46,6 +46,9 @@
 #include "kernels/kv_element.hpp"
 #include "kernels/nonfinite.hpp"
 #include "kernels/simd/work_units.hpp"
+#if TOKENMIX_HAVE_AMX
+#include "kernels/simd/amx_int8.hpp"
+#endif
 
 HWY_BEFORE_NAMESPACE();
 namespace tokenmix::kernels::HWY_NAMESPACE {
@@ -281,6 +284,22 @@ void DecodeUnits(const DecodeArgs& a) {
   // tile's Q Kᵀ, Õ at the end of the unit: UnsplitPairs), so every element is the same bits.
   constexpr bool kSplit = kSplitBuilt && std::is_same_v<TB, hwy::bfloat16_t>;
   using TP = std::conditional_t<kSplit, bf16_split_t, TB>;  // what the products read
+  // AMX-INT8 tile products for an int8 cache (DecodeArgs::amx, amx_int8.hpp) in units of at least
+  // kAmxMinRows rows, where d_h is a multiple of 64 up to 256 and the unit's query rows can be
+  // written as planes: every tile's S (in key order) and Õ (in amx_int8's column order until the
+  // unit's end). On an Intel Xeon (family 6 model 207), T_k = 32768, B = 1, g = 4, two threads,
+  // from DRAM, best of 7 calls (docs/performance.md, 2026-12-05, third session): T_new = 4
+  // (16 rows) 7.80 → 6.10 ms, T_new = 16 27.97 → 18.88 ms; T_new = 1 and 2 level
+  // (2.78 / 2.75–2.87, 3.91–3.99 / 3.87–4.09), T_new = 3 slower (5.27 → 5.73: its 12 rows are one
+  // FMA tall block).
+#if TOKENMIX_HAVE_AMX && (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
+  constexpr bool kAmxBuilt = std::is_same_v<TB, std::int8_t>;
+#else
+  constexpr bool kAmxBuilt = false;
+#endif
+#if TOKENMIX_HAVE_AMX
+  constexpr std::int64_t kAmxMinRows = 16;
+#endif
   const hn::ScalableTag<float> d;
   const hn::RebindToSigned<decltype(d)> di;
   using VF = hn::Vec<decltype(d)>;
@@ -323,6 +342,15 @@ void DecodeUnits(const DecodeArgs& a) {
   // T_new = 1, two threads, int8 1.94–2.00 → 1.43 ms, bf16 T_new = 4 5.6–7.6 → 5.1–5.2 ms
   // (docs/performance.md, 2026-12-04).
   const std::int64_t run = DecodeArgs::run_units(units, omp_get_num_threads());
+#if TOKENMIX_HAVE_AMX
+  bool amx_worker = false, amx_configured = false;
+  if constexpr (kAmxBuilt) {
+    if (a.amx && amx::head_dim_supported(dh)) {
+      amx_worker = amx::thread_ready();
+      if (!amx_worker && a.amx_refused != nullptr) a.amx_refused->store(true);
+    }
+  }
+#endif
 #pragma omp for schedule(dynamic, run)
   for (std::int64_t unit = 0; unit < units; ++unit) {
     const auto [c, qb, j, b] = a.unit_at(unit);
@@ -356,6 +384,15 @@ void DecodeUnits(const DecodeArgs& a) {
       const float* q = a.q.row(b, t0 + r / g, j * g + r % g);
       for (std::int64_t x = 0; x < dh; ++x) qs[x * nrows + r] = a.scale * q[x * a.q.s3];
     }
+    bool amx_unit = false;  // this unit's products on AMX tiles (kAmxBuilt)
+#if TOKENMIX_HAVE_AMX
+    if constexpr (kAmxBuilt) {
+      if (amx_worker && nrows >= kAmxMinRows && amx::query_planes(qs, nrows, dh)) {
+        amx::configure();
+        amx_unit = amx_configured = true;
+      }
+    }
+#endif
     // K read directly (see kDirectBuilt): scale·Q ← 2^sh · scale·Q, the scores' factor 2^(120−sh).
     bool k_direct = false;
     float k_post = 1.0f / kUnit;
@@ -402,18 +439,19 @@ void DecodeUnits(const DecodeArgs& a) {
       // measured 3–7 % slower there (Zen 3); per call on AVX-512 and AVX2 (kLinearByCall) every
       // dtype.
       const bool linear =
-          !v_in_place && ((kLinearPrefetch<TB> && !kQuant) || (kLinearByCall && a.linear_prefetch));
+          !v_in_place && !amx_unit &&
+          ((kLinearPrefetch<TB> && !kQuant) || (kLinearByCall && a.linear_prefetch));
       PrefetchCursor cursor;
       if (linear && has_next) {
         cursor.next = reinterpret_cast<const std::uint8_t*>(k_layer + next);
         cursor.end = cursor.next + 2 * a.layout.tile_span() * static_cast<std::int64_t>(sizeof(TB));
       }
       PrefetchCursor* const cur = linear && has_next ? &cursor : nullptr;
-      const TB* kt_next = has_next && !linear ? k_layer + next : nullptr;
-      const TB* vt_next = !has_next || linear ? nullptr
-                          : v_in_place        ? v_rows + a.v_row(b, j, u_ahead)
-                                              : v_layer + next;
-      if (kQuant && has_next && !linear) {  // that tile's K and V scales (64 floats each)
+      const TB* kt_next = has_next && !linear && !amx_unit ? k_layer + next : nullptr;
+      const TB* vt_next = !has_next || linear || amx_unit ? nullptr
+                          : v_in_place                    ? v_rows + a.v_row(b, j, u_ahead)
+                                                          : v_layer + next;
+      if (kQuant && has_next && !linear && !amx_unit) {  // that tile's K and V scales (64 each)
         for (std::int64_t o = 0; o < kKeyTile * 4; o += 64) {
           PrefetchStream(reinterpret_cast<const std::uint8_t*>(kt_next + a.layout.tile_elems()) +
                          o);
@@ -438,7 +476,17 @@ void DecodeUnits(const DecodeArgs& a) {
                                     kn, cur);
         }
       };
-      if (kQuadBuilt && k_direct && quad) {
+      if (amx_unit) {
+#if TOKENMIX_HAVE_AMX
+        // The tile pair ahead (K and V tiles with their scales), front to back, over this tile's
+        // work (amx_int8.cpp: pf_take).
+        const std::uint8_t* const pf_pair =
+            has_next ? reinterpret_cast<const std::uint8_t*>(k_layer + next) : nullptr;
+        const std::int64_t pf_bytes =
+            2 * a.layout.tile_span() * static_cast<std::int64_t>(sizeof(TB));
+        if constexpr (kAmxBuilt) amx::scores(kt, st, pf_pair, pf_bytes);
+#endif
+      } else if (kQuadBuilt && k_direct && quad) {
         s_product(reinterpret_cast<const TQ*>(kt), reinterpret_cast<const TQ*>(kt_next));
         UnsplitQuads(st, kKeyTile, nrows, nv / w_blk * w_blk);
       } else if (kDirectBuilt && k_direct) {
@@ -485,6 +533,11 @@ void DecodeUnits(const DecodeArgs& a) {
 
       // Score variants, mask (4.3, window) and online softmax (4.4), row by row.
       for (std::int64_t r = 0; r < nrows; ++r) {
+#if TOKENMIX_HAVE_AMX
+        if constexpr (kAmxBuilt) {
+          if (amx_unit) amx::keep_awake();
+        }
+#endif
         float* score = st + r * kKeyTile;
         const std::int64_t t = t0 + r / g;
         const std::int64_t end = a.visible_end(b, t), begin = a.visible_begin(b, t);
@@ -572,6 +625,12 @@ void DecodeUnits(const DecodeArgs& a) {
       // does every unit of a narrow cache on AVX-512 (kWholeTilePVNarrow). The same k order for
       // every element of Õ either way (the same bits).
       const std::int64_t sub = tall || (kWholeTilePVNarrow && sizeof(TB) < 4) ? kKeyTile : kSub;
+      if (amx_unit) {
+#if TOKENMIX_HAVE_AMX
+        if constexpr (kAmxBuilt) amx::values(st, nt, vt, acc);
+#endif
+        continue;  // the next tile (d_h % 64 == 0: no scalar tail)
+      }
       for (std::int64_t k0 = 0; k0 < nt; k0 += sub) {
         const std::int64_t nk = std::min(sub, nt - k0);
         const TB* vk = vt + k0 * vld;
@@ -630,7 +689,17 @@ void DecodeUnits(const DecodeArgs& a) {
     // Õ's blocked columns back in order (the split readings; the scalar tail is in order).
     if constexpr (kSplit) UnsplitPairs(acc, dh, nrows, dh_vec / w_blk * w_blk);
     if (quad) UnsplitQuads(acc, dh, nrows, dh_vec / w_blk * w_blk);
+#if TOKENMIX_HAVE_AMX
+    if constexpr (kAmxBuilt) {
+      if (amx_unit) amx::unpermute(acc);
+    }
+#endif
   }
+#if TOKENMIX_HAVE_AMX
+  if constexpr (kAmxBuilt) {
+    if (amx_configured) amx::release();
+  }
+#endif
 }
 
 }  // namespace tokenmix::kernels::HWY_NAMESPACE

@@ -196,6 +196,7 @@ void keep_awake() {
 }
 
 bool query_planes(const float* qs, std::int64_t n, std::int64_t dh) {
+  if (n < 1 || n > kRowsMax || !head_dim_supported(dh)) return false;  // the workspace's sizes
   Workspace& w = workspace();
   w.n = n, w.dh = dh;
   const std::int64_t chunks = dh / 64, blocks = (n + 3) / 4;
@@ -286,17 +287,11 @@ void values(const float* p, std::int64_t nt, const std::int8_t* v_tile, float* a
       pf_take(w, kPfPerVQuad);
       interleave4(v_tile + 4 * i * dh + 64 * c, dh, w.vb + (c * 4 * 16 + i) * 64, 16 * 64);
     }
-  const __mmask16 in_tile[4] = {
-      static_cast<__mmask16>(nt >= 16 ? 0xffff : (1u << std::max<std::int64_t>(nt, 0)) - 1),
-      static_cast<__mmask16>(nt >= 32   ? 0xffff
-                             : nt <= 16 ? 0
-                                        : (1u << (nt - 16)) - 1),
-      static_cast<__mmask16>(nt >= 48   ? 0xffff
-                             : nt <= 32 ? 0
-                                        : (1u << (nt - 32)) - 1),
-      static_cast<__mmask16>(nt >= 64   ? 0xffff
-                             : nt <= 48 ? 0
-                                        : (1u << (nt - 48)) - 1)};
+  __mmask16 in_tile[4];  // the lanes of keys < nt in each 16-key quarter of P's row
+  for (int L = 0; L < 4; ++L) {
+    const std::int64_t keys = std::clamp<std::int64_t>(nt - 16 * L, 0, 16);
+    in_tile[L] = static_cast<__mmask16>((1u << keys) - 1);
+  }
   const __m512 step = _mm512_set1_ps(0x1p-8f), byte = _mm512_set1_ps(256.0f);
   float unit[4] = {}, unit2[4] = {};
   for (std::int64_t rb = 0; rb * 4 < n; ++rb) {

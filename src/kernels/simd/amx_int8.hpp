@@ -45,7 +45,8 @@ constexpr bool head_dim_supported(std::int64_t dh) {
 
 /// The unit's query planes from qs = (scale·Q)ᵀ [dh][n] (the decode kernel's layout), n ≤ 128,
 /// into this thread's workspace. False (nothing to use) where a row's largest |element| is not
-/// finite or lies outside [2^−60, 2^60) (and is not 0): that unit takes the FMA products.
+/// finite or lies outside [2^−60, 2^60) (and is not 0), or n or dh is outside what the workspace
+/// holds: that unit takes the FMA products.
 bool query_planes(const float* qs, std::int64_t n, std::int64_t dh);
 
 /// S[r][0..64) = Σ_x (scale·q_r)[x] K[x][·] for the n rows of the last query_planes, K a tile

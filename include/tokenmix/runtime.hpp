@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "tokenmix/tensor.hpp"
+
 namespace tokenmix {
 
 /// Instruction-set paths. `automatic` means "the best available" (the highest runnable path that is
@@ -49,6 +51,9 @@ struct CpuFeatures {
   bool amx_tile =
       false;  ///< AMX-TILE reported by CPUID (use also needs a Linux permission request)
   bool amx_int8 = false;  ///< amx_tile + AMX-INT8 + AVX-512 F/BW/DQ/VL (CPUID), tile state saved
+  /// amx_int8 + AMX-BF16 + AVX512-BF16 + AVX512-VBMI (CPUID): what decode's tile products over an
+  /// fp8 cache use (decode_amx)
+  bool amx_bf16 = false;
   /// AArch64 Advanced SIMD (HWCAP_ASIMD) and the AES/PMULL/SHA1/SHA2 "crypto" extension
   /// (HWCAP_AES|PMULL|SHA1|SHA2) that Highway's NEON target is compiled with.
   bool neon = false;
@@ -81,20 +86,25 @@ bool fp8_direct_widening();
 /// slower for int8 and fp8). portable and neon ignore it. Throws ArgumentError on another value.
 bool linear_decode_prefetch();
 
-/// Whether decode over an int8 KV cache on the avx512 paths runs its per-tile products
-/// (S = Q Kᵀ, Õ += P V) on AMX-INT8 tiles (TDPBSSD / TDPBUSD) in work units of at least 16 rows
-/// (query positions × the heads of a KV group, e.g. T_new ≥ 4 at 4 query heads per KV head; d_h
-/// a multiple of 64 up to 256). The fp32 query rows and the probabilities are written as sums of
-/// integer planes (per row: within 2^−27 of the row's largest |element| for Q, 2^−23 for P); the
-/// products of the planes with the stored int8 elements are exact int32 sums, so results agree
-/// with the FMA products at fp32 rounding level, not bitwise. A unit whose query rows hold a
-/// non-finite element, or whose largest |element| is outside [2^−60, 2^60), takes the FMA
-/// products. TOKENMIX_DECODE_AMX=on|off forces it (`on` throws UnsupportedError from a call
-/// that cannot use it: no AMX-INT8, no Linux grant, or a path other than avx512); unset or
-/// empty: on where the CPU has AMX-INT8, the OS saves tile state, TOKENMIX_CPU_CAP does not hide
-/// it, and Linux grants the process the tile data (requested by this call, once). Throws
-/// ArgumentError on another value.
-bool decode_amx();
+/// Whether decode over a `cache_dtype` KV cache (int8 or fp8_e4m3) on the avx512 paths runs its
+/// per-tile products (S = Q Kᵀ, Õ += P V) on AMX tiles in work units of at least 16 rows (query
+/// positions × the heads of a KV group, e.g. T_new ≥ 4 at 4 query heads per KV head; d_h a
+/// multiple of 64 up to 256).
+/// - int8 (AMX-INT8, TDPBSSD / TDPBUSD): the fp32 query rows and the probabilities are written as
+///   sums of integer planes (per row: within 2^−27 of the row's largest |element| for Q, 2^−23
+///   for P); their products with the stored int8 elements are exact int32 sums.
+/// - fp8_e4m3 (AMX-BF16, TDPBF16PS): every E4M3 value is a bf16 number, and the fp32 query rows
+///   and probabilities are written exactly as sums of three bf16 planes; each plane's product is
+///   an fp32 sum of exact products.
+/// Either way results agree with the FMA products at fp32 rounding level, not bitwise. A unit
+/// whose query rows hold a non-finite element, or whose largest |element| is outside
+/// [2^−60, 2^60), takes the FMA products. TOKENMIX_DECODE_AMX=on|off forces it (`on` throws
+/// UnsupportedError from a call that cannot use it: the CPU lacks the features, no Linux grant,
+/// or a path other than avx512); unset or empty: on where CpuFeatures::amx_int8 (int8) or
+/// amx_bf16 (fp8) holds, the OS saves tile state, TOKENMIX_CPU_CAP does not hide it, and Linux
+/// grants the process the tile data (requested by this call, once). Throws ArgumentError on
+/// another value, or for another cache_dtype.
+bool decode_amx(DType cache_dtype = DType::int8);
 
 /// Paths compiled into this build and runnable on this CPU, lowest first (always has portable).
 std::vector<Isa> available_isas();

@@ -45,9 +45,12 @@ void bind_runtime(nb::module_& m) {
   // (TOKENMIX_LINEAR_PREFETCH, read at each call): True = every cache dtype, False = each path's
   // per-dtype choice.
   m.def("linear_decode_prefetch", [] { return tmx::linear_decode_prefetch(); });
-  // Whether int8-cache decode on the avx512 paths runs its products on AMX-INT8 tiles
+  // Whether int8- or fp8-cache decode on the avx512 paths runs its products on AMX tiles
   // (TOKENMIX_DECODE_AMX, read at each call; asks Linux for the tile data the first time).
-  m.def("decode_amx", [] { return tmx::decode_amx(); });
+  m.def(
+      "decode_amx",
+      [](const std::string& cache_dtype) { return tmx::decode_amx(parse_dtype(cache_dtype)); },
+      "cache_dtype"_a = "int8");
   m.def("cpu_features", [] {
     const tmx::CpuFeatures& f = tmx::cpu_features();
     nb::dict d;
@@ -57,6 +60,7 @@ void bind_runtime(nb::module_& m) {
     d["avx512_bf16"] = f.avx512_bf16;
     d["amx_tile"] = f.amx_tile;
     d["amx_int8"] = f.amx_int8;
+    d["amx_bf16"] = f.amx_bf16;
     d["neon"] = f.neon;
     d["flags"] = f.flags();
     return d;

@@ -114,14 +114,16 @@ def linear_decode_prefetch() -> bool:
     """True if the avx512 and avx2 decode kernels prefetch every cache dtype's next tile pair in
     address order, False if each path's per-dtype choice (TOKENMIX_LINEAR_PREFETCH=all|per-dtype,
     read at each call; automatic: all on Intel). Same results either way."""
-def decode_amx() -> bool:
-    """True if int8-cache decode on the avx512 paths runs the products of its units of >= 16 rows
-    on AMX-INT8 tiles (TOKENMIX_DECODE_AMX=on|off, read at each call; automatic: where the CPU has
-    AMX-INT8 and Linux grants the tile data). Results agree with the FMA products at fp32 rounding
-    level, not bitwise. Raises UnsupportedError for `on` where AMX-INT8 cannot run."""
+def decode_amx(cache_dtype: str = "int8") -> bool:
+    """True if decode over a `cache_dtype` cache ("int8" or "fp8_e4m3") on the avx512 paths runs
+    the products of its units of >= 16 rows on AMX tiles: AMX-INT8 for int8, AMX-BF16 for fp8
+    (TOKENMIX_DECODE_AMX=on|off, read at each call; automatic: where the CPU has them,
+    cpu_features()["amx_int8"] / ["amx_bf16"], and Linux grants the tile data). Results agree with
+    the FMA products at fp32 rounding level, not bitwise. Raises UnsupportedError for `on` where
+    they cannot run, ArgumentError for another cache dtype."""
 def cpu_features() -> dict[str, Any]:
     """{"model": str, "avx2_fma": bool, "avx512f": bool, "avx512_bf16": bool, "amx_tile": bool,
-    "amx_int8": bool, "neon": bool, "flags": list[str]}"""
+    "amx_int8": bool, "amx_bf16": bool, "neon": bool, "flags": list[str]}"""
 def kv_cache_bytes(n_layers: int, batch: int, tokens: int, heads_kv: int, head_dim: int,
                    element_bytes: int) -> int:
     """2 · n · B · T · H_kv · d_h · sizeof(element) (SPEC 4.8)."""

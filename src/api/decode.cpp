@@ -220,9 +220,10 @@ Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, s
   a.dtype = cc.dtype;
   a.fp8_direct = cc.dtype == DType::fp8_e4m3 && detail::fp8_direct_widening(fn);
   a.linear_prefetch = detail::linear_decode_prefetch(fn);
-  // AMX-INT8 products for an int8 cache, on the avx512 paths (kernels/simd/amx_int8.hpp).
-  a.amx = cc.dtype == DType::int8 &&
-          detail::decode_amx(fn, isa == Isa::avx512 || isa == Isa::avx512_bf16, to_string(isa));
+  // AMX tile products for an int8 or fp8 cache, on the avx512 paths (kernels/simd/amx_decode.hpp).
+  a.amx = (cc.dtype == DType::int8 || cc.dtype == DType::fp8_e4m3) &&
+          detail::decode_amx(fn, isa == Isa::avx512 || isa == Isa::avx512_bf16, to_string(isa),
+                             cc.dtype);
   const std::int64_t g = a.group();
   a.qblock = std::max<std::int64_t>(1, std::min(a.tnew, kMaxRows / g));
   a.qblocks = (a.tnew + a.qblock - 1) / a.qblock;

@@ -74,7 +74,8 @@ CpuFeatures detect() {
   const bool avx2 = (b >> 5) & 1;
   const bool avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1, avx512bw = (b >> 30) & 1,
              avx512vl = (b >> 31) & 1;
-  const bool amx_tile = (d >> 24) & 1, amx_int8 = (d >> 25) & 1;
+  const bool amx_tile = (d >> 24) & 1, amx_int8 = (d >> 25) & 1, amx_bf16 = (d >> 22) & 1;
+  const bool avx512_vbmi = (c >> 1) & 1;
   f.avx2_fma = ymm_state && avx2 && fma;
   f.avx512f = f.avx2_fma && zmm_state && avx512f && avx512dq && avx512bw && avx512vl;
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
@@ -82,6 +83,7 @@ CpuFeatures detect() {
   f.avx512_bf16 = f.avx512f && ((a1 >> 5) & 1);
   f.amx_tile = tile_state && amx_tile;
   f.amx_int8 = f.amx_tile && amx_int8 && f.avx512f;
+  f.amx_bf16 = f.amx_int8 && amx_bf16 && f.avx512_bf16 && avx512_vbmi;
   return f;
 }
 #else
@@ -116,6 +118,7 @@ std::vector<std::string> CpuFeatures::flags() const {
   if (avx512_bf16) out.emplace_back("avx512_bf16");
   if (amx_tile) out.emplace_back("amx-tile");
   if (amx_int8) out.emplace_back("amx-int8");
+  if (amx_bf16) out.emplace_back("amx-bf16");
   if (neon) out.emplace_back("neon(asimd+crypto)");
   return out;
 }
@@ -130,7 +133,7 @@ const CpuFeatures& detected() {
 CpuFeatures capped(Isa cap) {
   CpuFeatures f = detected();
   if (cap == Isa::automatic) return f;
-  f.amx_tile = f.amx_int8 = false;
+  f.amx_tile = f.amx_int8 = f.amx_bf16 = false;
   if (cap == Isa::avx512) return f;
   f.avx512f = f.avx512_bf16 = false;
   if (cap == Isa::avx2) return f;
@@ -235,22 +238,33 @@ bool linear_decode_prefetch(const char* fn) {
   return linear_prefetch_preferred(cpu_vendor().intel);
 }
 
-bool decode_amx(const char* fn, bool path_has_amx, const char* path) {
+bool decode_amx(const char* fn, bool path_has_amx, const char* path, DType cache) {
+  if (cache != DType::int8 && cache != DType::fp8_e4m3) {
+    throw ArgumentError(ErrorCode::invalid_argument,
+                        std::string(fn) +
+                            ": cache_dtype must be int8 or fp8_e4m3 (the caches with AMX tile "
+                            "products); got " +
+                            to_string(cache));
+  }
   const auto forced = env_switch(fn, "TOKENMIX_DECODE_AMX", "on", "off");
   if (forced && !*forced) return false;
+  const bool int8 = cache == DType::int8;
+  const char* features = int8 ? "AMX-INT8" : "AMX-BF16 (with AMX-INT8, AVX512-BF16, AVX512-VBMI)";
   if (!path_has_amx) {
     if (forced) {
       throw UnsupportedError(std::string(fn) + ": TOKENMIX_DECODE_AMX=on, but this call runs the " +
-                             path + " path (AMX-INT8 products exist on the avx512 paths only)");
+                             path + " path (AMX tile products exist on the avx512 paths only)");
     }
     return false;
   }
-  const bool usable = cpu_features(fn).amx_int8 && amx_permission();
+  const bool has = int8 ? cpu_features(fn).amx_int8 : cpu_features(fn).amx_bf16;
+  const bool usable = has && amx_permission();
   if (forced && !usable) {
     throw UnsupportedError(
-        std::string(fn) + ": TOKENMIX_DECODE_AMX=on, but AMX-INT8 cannot run here (" +
-        (cpu_features(fn).amx_int8 ? "Linux refused this process the AMX tile data (arch_prctl)"
-                                   : "the CPU, the OS or TOKENMIX_CPU_CAP gives no AMX-INT8") +
+        std::string(fn) + ": TOKENMIX_DECODE_AMX=on, but " + features + " cannot run here (" +
+        to_string(cache) + " cache: " +
+        (has ? "Linux refused this process the AMX tile data (arch_prctl)"
+             : std::string("the CPU, the OS or TOKENMIX_CPU_CAP gives no ") + features) +
         ")");
   }
   return usable;
@@ -281,8 +295,8 @@ bool linear_decode_prefetch() {
   return detail::linear_decode_prefetch("linear_decode_prefetch");
 }
 
-bool decode_amx() {
-  return detail::decode_amx("decode_amx", true, "avx512");
+bool decode_amx(DType cache_dtype) {
+  return detail::decode_amx("decode_amx", true, "avx512", cache_dtype);
 }
 
 }  // namespace tokenmix

@@ -509,6 +509,28 @@ void fill(KVCache& c, std::int64_t layer, const std::vector<std::int64_t>& lengt
   }
 }
 
+// Window W, soft-capping 5, and an ALiBi slope and a sink per query head: the decode options and
+// the oracle's (the options point into slopes and sinks: not copied).
+struct VariantOptions {
+  std::vector<float> slopes, sinks;
+  DecodeOptions o;
+  reference::Options ro;
+  VariantOptions(std::int64_t hq, std::int64_t W) {
+    for (std::int64_t h = 0; h < hq; ++h) {
+      slopes.push_back(0.01f * static_cast<float>(h + 1));
+      sinks.push_back(0.3f * static_cast<float>(h) - 1.0f);
+    }
+    o.window = ro.window = W;
+    o.softcap = ro.softcap = 5.0;
+    o.alibi_slopes = ConstTensorView{slopes.data(), DType::f32, 1, {hq, 1, 1, 1}, {1, 0, 0, 0}};
+    o.sinks = ConstTensorView{sinks.data(), DType::f32, 1, {hq, 1, 1, 1}, {1, 0, 0, 0}};
+    ro.alibi_slopes.assign(slopes.begin(), slopes.end());
+    ro.sinks.assign(sinks.begin(), sinks.end());
+  }
+  VariantOptions(const VariantOptions&) = delete;
+  VariantOptions& operator=(const VariantOptions&) = delete;
+};
+
 class KVQuantDecode : public PerIsaTest {};
 
 TEST_P(KVQuantDecode, MatchesFloat64OracleOverDequantizedCache) {
@@ -544,39 +566,24 @@ TEST_P(KVQuantDecode, MatchesFloat64OracleOverDequantizedCache) {
 // dequantized scores exactly as for the other dtypes), and a rolling cache.
 TEST_P(KVQuantDecode, VariantsAndRollingCacheMatchOracle) {
   std::mt19937_64 rng(77);
-  const std::int64_t hq = 8, hkv = 2, dh = 40, tnew = 3;
-  std::vector<float> slopes, sinks;
-  for (std::int64_t h = 0; h < hq; ++h) {
-    slopes.push_back(0.01f * static_cast<float>(h + 1));
-    sinks.push_back(0.3f * static_cast<float>(h) - 1.0f);
-  }
+  const std::int64_t hq = 8, hkv = 2, dh = 40, tnew = 3, W = 300;
+  VariantOptions var(hq, W);
+  var.o.isa = GetParam();
   for (const QuantReading& reading : kQuantReadings)
     for (std::int64_t rolling : {0, 1}) {
       const DType dt = reading.dt;
       const ScopedEnv widen("TOKENMIX_FP8_WIDEN", reading.fp8_widen);
       SCOPED_TRACE(std::string(to_string(dt)) + " " + reading.fp8_widen +
                    (rolling ? " rolling" : " full"));
-      const std::int64_t W = 300;
       KVCache cache({1, 2, hkv, dh, 3000, dt, rolling ? 64 : 0, 0, rolling ? W : 0});
       fill(cache, 0, {1500, 700}, rng);
       StridedTensor q(2, tnew, hq, dh, Layout::bhtd);
       q.fill_random(rng);
-      DecodeOptions o;
-      o.isa = GetParam();
-      o.window = W;
-      o.softcap = 5.0;
-      o.alibi_slopes = ConstTensorView{slopes.data(), DType::f32, 1, {hq, 1, 1, 1}, {1, 0, 0, 0}};
-      o.sinks = ConstTensorView{sinks.data(), DType::f32, 1, {hq, 1, 1, 1}, {1, 0, 0, 0}};
-      reference::Options ro;
-      ro.window = W;
-      ro.softcap = 5.0;
-      ro.alibi_slopes.assign(slopes.begin(), slopes.end());
-      ro.sinks.assign(sinks.begin(), sinks.end());
       std::vector<reference::ForwardResult> refs;
-      for (std::int64_t b = 0; b < 2; ++b) refs.push_back(cache_oracle(q, b, cache, 0, ro));
+      for (std::int64_t b = 0; b < 2; ++b) refs.push_back(cache_oracle(q, b, cache, 0, var.ro));
       StridedTensor out(2, tnew, hq, dh, Layout::strided);
       std::vector<float> lse(static_cast<std::size_t>(2 * hq * tnew), kPoison);
-      attention_decode(q.view, cache, 0, out.view, TensorView::bht(lse.data(), 2, hq, tnew), o);
+      attention_decode(q.view, cache, 0, out.view, TensorView::bht(lse.data(), 2, hq, tnew), var.o);
       expect_decode_matches(out, lse, refs);
     }
 }
@@ -738,23 +745,27 @@ TEST_P(KVQuantDecode, Fp8DirectReadingSameBitsAsF16) {
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, KVQuantDecode, AllIsas(), IsaName);
 
-// ---- AMX-INT8 tile products for the int8 cache (kernels/simd/amx_int8.hpp) ----
+// ---- AMX tile products for the int8 and fp8 caches (kernels/simd/amx_decode.hpp) ----
 // Units of ≥ 16 rows (query positions × the heads of a KV group) on the avx512 paths, where the
-// CPU has AMX-INT8 and Linux grants the tile data. With TOKENMIX_DECODE_AMX=on they match the
-// float64 oracle over the dequantized cache at the FMA products' bound, and differ from the FMA
-// products' bits (the planes' sums are rounded in another order): the tile path ran. Where AMX
-// cannot run (another CPU, TOKENMIX_CPU_CAP), forcing it on is refused with UnsupportedError.
+// CPU has AMX-INT8 (int8) or AMX-BF16 (fp8) and Linux grants the tile data. With
+// TOKENMIX_DECODE_AMX=on they match the float64 oracle over the dequantized cache at the FMA
+// products' bound, and differ from the FMA products' bits (the planes' sums are rounded in another
+// order): the tile path ran. Where AMX cannot run (another CPU, TOKENMIX_CPU_CAP), forcing it on
+// is refused with UnsupportedError.
+class KVQuantAmx : public ::testing::TestWithParam<DType> {};
 
-// Whether this process can run the tile products (decode_amx() with the switch unset).
-bool amx_usable() {
+// Whether this process can run the tile products for a `dt` cache (decode_amx with the switch
+// unset).
+bool amx_usable(DType dt) {
   const ScopedEnv unset("TOKENMIX_DECODE_AMX", nullptr);
-  return decode_amx();
+  return decode_amx(dt);
 }
 
-// Where AMX-INT8 cannot run: TOKENMIX_DECODE_AMX=on refuses a decode call that would use it.
-void expect_amx_refused() {
+// Where the tile products cannot run: TOKENMIX_DECODE_AMX=on refuses a decode call over a `dt`
+// cache that would use them.
+void expect_amx_refused(DType dt) {
   std::mt19937_64 rng(4);
-  KVCache cache({1, 1, 1, 64, 100, DType::int8, 0, 0});
+  KVCache cache({1, 1, 1, 64, 100, dt, 0, 0});
   const auto k = test_rows(80, 64, rng), v = test_rows(80, 64, rng);
   cache.append(0, 0, ConstTensorView::bthd(k.data(), 1, 80, 1, 64),
                ConstTensorView::bthd(v.data(), 1, 80, 1, 64));
@@ -764,7 +775,7 @@ void expect_amx_refused() {
   const ScopedEnv on("TOKENMIX_DECODE_AMX", "on");
   try {
     attention_decode(q.view, cache, 0, out.view, TensorView::bht(lse.data(), 1, 4, 4));
-    ADD_FAILURE() << "TOKENMIX_DECODE_AMX=on ran where AMX-INT8 cannot";
+    ADD_FAILURE() << "TOKENMIX_DECODE_AMX=on ran where the tile products cannot";
   } catch (const UnsupportedError& e) {
     EXPECT_NE(std::string(e.what()).find("TOKENMIX_DECODE_AMX=on"), std::string::npos) << e.what();
   }
@@ -775,20 +786,44 @@ struct AmxCase {
   std::int64_t tnew, hq, hkv, dh;
 };
 
-// Decode of q against layer 1 of `cache` with the switch at `amx` ("on" / "off").
-void decode_int8(const StridedTensor& q, const KVCache& cache, const char* amx, StridedTensor& out,
-                 std::vector<float>& lse, const DecodeOptions& o = {}) {
+// Decode of q against `layer` of `cache` with the switch at `amx` ("on" / "off").
+void decode_amx_switch(const StridedTensor& q, const KVCache& cache, std::int64_t layer,
+                       const char* amx, StridedTensor& out, std::vector<float>& lse,
+                       const DecodeOptions& o = {}) {
   const ScopedEnv sw("TOKENMIX_DECODE_AMX", amx);
-  attention_decode(q.view, cache, 1, out.view,
+  attention_decode(q.view, cache, layer, out.view,
                    TensorView::bht(lse.data(), q.view.shape[0], q.view.shape[2], q.view.shape[1]),
                    o);
 }
 
-TEST(KVQuantAmx, ForcedOnMatchesOracleOrIsRefused) {
-  const bool usable = amx_usable();
+// q against `layer` of `cache` with the tile products on and off: both match the oracle, and
+// (other_bits) the bits differ: the tile products ran.
+void expect_amx_matches_oracle(const StridedTensor& q, const KVCache& cache, std::int64_t layer,
+                               bool other_bits = true) {
+  const std::int64_t B = q.view.shape[0], T = q.view.shape[1], H = q.view.shape[2],
+                     D = q.view.shape[3];
+  StridedTensor on(B, T, H, D, Layout::bthd), off(B, T, H, D, Layout::bthd);
+  std::vector<float> lse_on(static_cast<std::size_t>(B * H * T), kPoison);
+  std::vector<float> lse_off = lse_on;
+  decode_amx_switch(q, cache, layer, "on", on, lse_on);
+  decode_amx_switch(q, cache, layer, "off", off, lse_off);
+  std::vector<reference::ForwardResult> refs;
+  for (std::int64_t b = 0; b < B; ++b) refs.push_back(cache_oracle(q, b, cache, layer));
+  expect_decode_matches(on, lse_on, refs);
+  expect_decode_matches(off, lse_off, refs);
+  if (!other_bits) return;
+  EXPECT_NE(0,
+            std::memcmp(on.storage.data(), off.storage.data(), on.storage.size() * sizeof(float)))
+      << "the same bits as the FMA products: the tile products did not run";
+}
+
+TEST_P(KVQuantAmx, ForcedOnMatchesOracleOrIsRefused) {
+  const DType dt = GetParam();
+  if (!amx_usable(dt)) return expect_amx_refused(dt);
   std::mt19937_64 rng(31);
   // Rows per unit: 16 (T_new 4, g 4), 20, 68 and 128 + 32 (T_new 40, g 4: two query blocks);
-  // d_h 64, 128, 256; lengths across tiles and chunks, T_new > L (rows that see no key), paged.
+  // d_h 64, 128, 256; lengths across tiles and chunks (a short last tile: V rows past it not
+  // read), T_new > L (rows that see no key), paged.
   const std::vector<AmxCase> cases = {
       {{1, 63}, 4, 8, 2, 128},     {{64, 65}, 5, 8, 2, 64},  {{1025, 130}, 17, 8, 2, 128},
       {{2100, 700}, 4, 4, 1, 256}, {{300, 3}, 40, 4, 1, 64}, {{129, 1100}, 2, 16, 2, 128},
@@ -800,62 +835,51 @@ TEST(KVQuantAmx, ForcedOnMatchesOracleOrIsRefused) {
                    " H_kv=" + std::to_string(c.hkv) + " d_h=" + std::to_string(c.dh) +
                    " block=" + std::to_string(block));
       const std::int64_t B = static_cast<std::int64_t>(c.lengths.size());
-      KVCache cache({2, B, c.hkv, c.dh, 2200, DType::int8, block, 0});
+      KVCache cache({2, B, c.hkv, c.dh, 2200, dt, block, 0});
       fill(cache, 1, c.lengths, rng);
       StridedTensor q(B, c.tnew, c.hq, c.dh, Layout::strided);
       q.fill_random(rng);
-      StridedTensor on(B, c.tnew, c.hq, c.dh, Layout::bthd),
-          off(B, c.tnew, c.hq, c.dh, Layout::bthd);
-      std::vector<float> lse_on(static_cast<std::size_t>(B * c.hq * c.tnew), kPoison);
-      std::vector<float> lse_off = lse_on;
-      if (!usable) {
-        expect_amx_refused();
-        continue;
-      }
-      decode_int8(q, cache, "on", on, lse_on);
-      decode_int8(q, cache, "off", off, lse_off);
-      std::vector<reference::ForwardResult> refs;
-      for (std::int64_t b = 0; b < B; ++b) refs.push_back(cache_oracle(q, b, cache, 1));
-      expect_decode_matches(on, lse_on, refs);
-      expect_decode_matches(off, lse_off, refs);
-      EXPECT_NE(
-          0, std::memcmp(on.storage.data(), off.storage.data(), on.storage.size() * sizeof(float)))
-          << "the same bits as the FMA products: the tile products did not run";
+      expect_amx_matches_oracle(q, cache, 1);
     }
+}
+
+// Values over a wide range (fp8: most codes of some rows subnormal, V scales ≥ 2^7 in a tile) and
+// queries scaled by 1e-15 and 1e15 (one key takes all the weight there: the FMA products' bits
+// may be the same): the planes' row scaling.
+TEST_P(KVQuantAmx, WideRangeMatchesOracle) {
+  const DType dt = GetParam();
+  if (!amx_usable(dt)) return expect_amx_refused(dt);
+  std::mt19937_64 rng(57);
+  KVCache cache({1, 1, 2, 128, 700, dt, 0, 0});
+  fill_wide_range(cache, 0, 650, rng);
+  for (const float q_scale : {1.0f, 1e-15f, 1e15f}) {
+    SCOPED_TRACE("q scale " + std::to_string(q_scale));
+    StridedTensor q(1, 8, 8, 128, Layout::strided);
+    q.fill_random(rng);
+    for (float& x : q.storage) x *= q_scale;
+    expect_amx_matches_oracle(q, cache, 0, q_scale < 1e10f);
+  }
 }
 
 // Window, soft-capping, ALiBi and sinks (applied to the scores between the two tile products),
 // and a rolling cache, on the tile products.
-TEST(KVQuantAmx, VariantsAndRollingCacheMatchOracle) {
-  if (!amx_usable()) return expect_amx_refused();
+TEST_P(KVQuantAmx, VariantsAndRollingCacheMatchOracle) {
+  const DType dt = GetParam();
+  if (!amx_usable(dt)) return expect_amx_refused(dt);
   std::mt19937_64 rng(78);
   const std::int64_t hq = 8, hkv = 2, dh = 128, tnew = 6, W = 300;
-  std::vector<float> slopes, sinks;
-  for (std::int64_t h = 0; h < hq; ++h) {
-    slopes.push_back(0.01f * static_cast<float>(h + 1));
-    sinks.push_back(0.3f * static_cast<float>(h) - 1.0f);
-  }
+  const VariantOptions var(hq, W);
   for (std::int64_t rolling : {0, 1}) {
     SCOPED_TRACE(rolling ? "rolling" : "full");
-    KVCache cache({2, 2, hkv, dh, 3000, DType::int8, rolling ? 64 : 0, 0, rolling ? W : 0});
+    KVCache cache({2, 2, hkv, dh, 3000, dt, rolling ? 64 : 0, 0, rolling ? W : 0});
     fill(cache, 1, {1500, 700}, rng);
     StridedTensor q(2, tnew, hq, dh, Layout::bhtd);
     q.fill_random(rng);
-    DecodeOptions o;
-    o.window = W;
-    o.softcap = 5.0;
-    o.alibi_slopes = ConstTensorView{slopes.data(), DType::f32, 1, {hq, 1, 1, 1}, {1, 0, 0, 0}};
-    o.sinks = ConstTensorView{sinks.data(), DType::f32, 1, {hq, 1, 1, 1}, {1, 0, 0, 0}};
-    reference::Options ro;
-    ro.window = W;
-    ro.softcap = 5.0;
-    ro.alibi_slopes.assign(slopes.begin(), slopes.end());
-    ro.sinks.assign(sinks.begin(), sinks.end());
     std::vector<reference::ForwardResult> refs;
-    for (std::int64_t b = 0; b < 2; ++b) refs.push_back(cache_oracle(q, b, cache, 1, ro));
+    for (std::int64_t b = 0; b < 2; ++b) refs.push_back(cache_oracle(q, b, cache, 1, var.ro));
     StridedTensor out(2, tnew, hq, dh, Layout::strided);
     std::vector<float> lse(static_cast<std::size_t>(2 * hq * tnew), kPoison);
-    decode_int8(q, cache, "on", out, lse, o);
+    decode_amx_switch(q, cache, 1, "on", out, lse, var.o);
     expect_decode_matches(out, lse, refs);
   }
 }
@@ -863,19 +887,20 @@ TEST(KVQuantAmx, VariantsAndRollingCacheMatchOracle) {
 // A unit whose query rows hold a NaN takes the FMA products (no planes of a NaN): the NaN row's
 // output is NaN, the unit's other rows are the FMA products' bits, and the other units (other KV
 // heads) still match the oracle.
-TEST(KVQuantAmx, NonFiniteQueryUnitTakesTheFmaProducts) {
-  if (!amx_usable()) return expect_amx_refused();
+TEST_P(KVQuantAmx, NonFiniteQueryUnitTakesTheFmaProducts) {
+  const DType dt = GetParam();
+  if (!amx_usable(dt)) return expect_amx_refused(dt);
   std::mt19937_64 rng(90);
   const std::int64_t hq = 8, hkv = 2, dh = 64, tnew = 4;
-  KVCache cache({2, 1, hkv, dh, 1000, DType::int8, 0, 0});
+  KVCache cache({2, 1, hkv, dh, 1000, dt, 0, 0});
   fill(cache, 1, {900}, rng);
   StridedTensor q(1, tnew, hq, dh, Layout::bthd);
   q.fill_random(rng);
   q.storage[(2 * hq + 1) * dh + 5] = std::numeric_limits<float>::quiet_NaN();  // t 2, head 1
   StridedTensor on(1, tnew, hq, dh, Layout::bthd), off(1, tnew, hq, dh, Layout::bthd);
   std::vector<float> lse_on(static_cast<std::size_t>(hq * tnew), kPoison), lse_off = lse_on;
-  decode_int8(q, cache, "on", on, lse_on);
-  decode_int8(q, cache, "off", off, lse_off);
+  decode_amx_switch(q, cache, 1, "on", on, lse_on);
+  decode_amx_switch(q, cache, 1, "off", off, lse_off);
   for (std::int64_t t = 0; t < tnew; ++t)
     for (std::int64_t h = 0; h < hq; ++h)
       for (std::int64_t x = 0; x < dh; ++x) {
@@ -903,8 +928,35 @@ TEST(KVQuantAmx, NonFiniteQueryUnitTakesTheFmaProducts) {
   EXPECT_FALSE(same) << "KV head 1's unit did not run on the tiles";
 }
 
-// The switch's values, and `on` for a call on another path.
-TEST(KVQuantAmx, SwitchIsCheckedAndOtherPathsRefuseOn) {
+// `on` for a call on another path is refused; `off` runs any path.
+TEST_P(KVQuantAmx, OtherPathsRefuseOn) {
+  std::mt19937_64 rng(3);
+  KVCache cache({2, 1, 1, 64, 200, GetParam(), 0, 0});
+  fill(cache, 1, {150}, rng);
+  StridedTensor q(1, 4, 4, 64, Layout::bthd);
+  q.fill_random(rng);
+  StridedTensor out(1, 4, 4, 64, Layout::bthd);
+  std::vector<float> lse(16, kPoison);
+  DecodeOptions o;
+  o.isa = Isa::portable;
+  try {
+    decode_amx_switch(q, cache, 1, "on", out, lse, o);
+    ADD_FAILURE() << "TOKENMIX_DECODE_AMX=on accepted on the portable path";
+  } catch (const UnsupportedError& e) {
+    EXPECT_NE(std::string(e.what()).find("portable path"), std::string::npos) << e.what();
+  }
+  decode_amx_switch(q, cache, 1, "off", out, lse, o);
+  const std::vector<reference::ForwardResult> refs = {cache_oracle(q, 0, cache, 1)};
+  expect_decode_matches(out, lse, refs);
+}
+
+INSTANTIATE_TEST_SUITE_P(Caches, KVQuantAmx, ::testing::Values(DType::int8, DType::fp8_e4m3),
+                         [](const ::testing::TestParamInfo<DType>& info) {
+                           return std::string(to_string(info.param));
+                         });
+
+// The switch's values, and decode_amx's cache dtype.
+TEST(KVQuantAmxSwitch, ValuesAndCacheDtypeAreChecked) {
   {
     const ScopedEnv bad("TOKENMIX_DECODE_AMX", "sometimes");
     try {
@@ -914,24 +966,21 @@ TEST(KVQuantAmx, SwitchIsCheckedAndOtherPathsRefuseOn) {
       EXPECT_NE(std::string(e.what()).find("TOKENMIX_DECODE_AMX"), std::string::npos) << e.what();
     }
   }
-  std::mt19937_64 rng(3);
-  KVCache cache({2, 1, 1, 64, 200, DType::int8, 0, 0});
-  fill(cache, 1, {150}, rng);
-  StridedTensor q(1, 4, 4, 64, Layout::bthd);
-  q.fill_random(rng);
-  StridedTensor out(1, 4, 4, 64, Layout::bthd);
-  std::vector<float> lse(16, kPoison);
-  DecodeOptions o;
-  o.isa = Isa::portable;
-  try {
-    decode_int8(q, cache, "on", out, lse, o);
-    ADD_FAILURE() << "TOKENMIX_DECODE_AMX=on accepted on the portable path";
-  } catch (const UnsupportedError& e) {
-    EXPECT_NE(std::string(e.what()).find("portable path"), std::string::npos) << e.what();
+  for (const DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    try {
+      (void)decode_amx(dt);
+      ADD_FAILURE() << "decode_amx(" << to_string(dt) << ") accepted";
+    } catch (const ArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find("cache_dtype must be int8 or fp8_e4m3"),
+                std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find(to_string(dt)), std::string::npos) << e.what();
+    }
   }
-  decode_int8(q, cache, "off", out, lse, o);  // off: any path
-  const std::vector<reference::ForwardResult> refs = {cache_oracle(q, 0, cache, 1)};
-  expect_decode_matches(out, lse, refs);
+  // The features the two caches need: fp8's include int8's.
+  const ScopedEnv unset("TOKENMIX_DECODE_AMX", nullptr);
+  EXPECT_TRUE(!decode_amx(DType::fp8_e4m3) || decode_amx(DType::int8));
+  EXPECT_TRUE(!cpu_features().amx_bf16 || cpu_features().amx_int8);
 }
 
 }  // namespace

@@ -13,7 +13,8 @@ int run_info() {
   const Isa chosen = resolve_isa(Isa::automatic);  // may throw (bad TOKENMIX_ISA): before output
   const bool fp8_direct = fp8_direct_widening();   // may throw (bad TOKENMIX_FP8_WIDEN): ditto
   const bool linear = linear_decode_prefetch();    // may throw (bad TOKENMIX_LINEAR_PREFETCH)
-  const bool amx = decode_amx();  // may throw (bad or unusable TOKENMIX_DECODE_AMX)
+  // May throw (bad TOKENMIX_DECODE_AMX, or `on` where a cache's tile products cannot run).
+  const bool amx_int8 = decode_amx(DType::int8), amx_fp8 = decode_amx(DType::fp8_e4m3);
   const CpuFeatures& cpu = cpu_features();
   std::cout << "tokenmix " << version() << "\n";
   std::cout << "cpu:             " << (cpu.model.empty() ? "(unknown)" : cpu.model) << "\n";
@@ -52,13 +53,16 @@ int run_info() {
             << ")\n";
   const char* amx_env = std::getenv("TOKENMIX_DECODE_AMX");
   const bool amx_forced = amx_env != nullptr && *amx_env != '\0';
+  const std::string amx_how =
+      amx_forced ? std::string("TOKENMIX_DECODE_AMX=") + amx_env : std::string("automatic");
   std::cout << "int8 decode:     "
-            << (amx ? "AMX-INT8 tile products in units of >= 16 rows on avx512"
-                    : "FMA products (no AMX-INT8 tile products)")
-            << " ("
-            << (amx_forced ? std::string("TOKENMIX_DECODE_AMX=") + amx_env
-                           : std::string("automatic"))
-            << ")\n";
+            << (amx_int8 ? "AMX-INT8 tile products in units of >= 16 rows on avx512"
+                         : "FMA products (no AMX-INT8 tile products)")
+            << " (" << amx_how << ")\n";
+  std::cout << "fp8 decode:      "
+            << (amx_fp8 ? "AMX-BF16 tile products in units of >= 16 rows on avx512"
+                        : "FMA products (no AMX-BF16 tile products)")
+            << " (" << amx_how << ")\n";
   std::cout << "threads:         " << default_threads() << " (default; --threads overrides)\n";
   return kExitOk;
 }

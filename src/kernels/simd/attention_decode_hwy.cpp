@@ -47,7 +47,7 @@
 #include "kernels/nonfinite.hpp"
 #include "kernels/simd/work_units.hpp"
 #if TOKENMIX_HAVE_AMX
-#include "kernels/simd/amx_int8.hpp"
+#include "kernels/simd/amx_decode.hpp"
 #endif
 
 HWY_BEFORE_NAMESPACE();
@@ -284,21 +284,26 @@ void DecodeUnits(const DecodeArgs& a) {
   // tile's Q Kᵀ, Õ at the end of the unit: UnsplitPairs), so every element is the same bits.
   constexpr bool kSplit = kSplitBuilt && std::is_same_v<TB, hwy::bfloat16_t>;
   using TP = std::conditional_t<kSplit, bf16_split_t, TB>;  // what the products read
-  // AMX-INT8 tile products for an int8 cache (DecodeArgs::amx, amx_int8.hpp) in units of at least
-  // kAmxMinRows rows, where d_h is a multiple of 64 up to 256 and the unit's query rows can be
-  // written as planes: every tile's S (in key order) and Õ (in amx_int8's column order until the
-  // unit's end). On an Intel Xeon (family 6 model 207), T_k = 32768, B = 1, g = 4, two threads,
-  // from DRAM, best of 7 calls (docs/performance.md, 2026-12-05, third session): T_new = 4
+  // AMX tile products for an int8 cache (AMX-INT8) or an fp8 cache (AMX-BF16) (DecodeArgs::amx,
+  // amx_decode.hpp) in units of at least kAmxMinRows rows, where d_h is a multiple of 64 up to
+  // 256 and the unit's query rows can be written as planes: every tile's S (in key order) and Õ
+  // (in amx_decode's column order until the unit's end). fp8 units read K and V through the tile
+  // path's own widening (k_direct and v_direct off: the scores' and weights' unit is kUnit).
+  // On an Intel Xeon (family 6 model 207), T_k = 32768, B = 1, g = 4, two threads, from DRAM,
+  // best of 7 calls (docs/performance.md, 2026-12-05, third session), int8: T_new = 4
   // (16 rows) 7.80 → 6.10 ms, T_new = 16 27.97 → 18.88 ms; T_new = 1 and 2 level
   // (2.78 / 2.75–2.87, 3.91–3.99 / 3.87–4.09), T_new = 3 slower (5.27 → 5.73: its 12 rows are one
-  // FMA tall block).
+  // FMA tall block). fp8 (fourth session, a slow phase of the host), median of 9 calls alternated:
+  // T_new = 4 / 16 / 64 19.3 → 16.0, 51.2 → 31.2, 257 → 203 ms; 4 rows and 8 rows slower on the
+  // tiles (hot, one thread: 1.77× and 1.25× the time), 12 level.
 #if TOKENMIX_HAVE_AMX && (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
-  constexpr bool kAmxBuilt = std::is_same_v<TB, std::int8_t>;
+  constexpr bool kAmxBuilt = kQuant;
 #else
   constexpr bool kAmxBuilt = false;
 #endif
 #if TOKENMIX_HAVE_AMX
   constexpr std::int64_t kAmxMinRows = 16;
+  constexpr amx::Element kAmxElement = kFp8 ? amx::Element::fp8_e4m3 : amx::Element::int8;
 #endif
   const hn::ScalableTag<float> d;
   const hn::RebindToSigned<decltype(d)> di;
@@ -387,7 +392,7 @@ void DecodeUnits(const DecodeArgs& a) {
     bool amx_unit = false;  // this unit's products on AMX tiles (kAmxBuilt)
 #if TOKENMIX_HAVE_AMX
     if constexpr (kAmxBuilt) {
-      if (amx_worker && nrows >= kAmxMinRows && amx::query_planes(qs, nrows, dh)) {
+      if (amx_worker && nrows >= kAmxMinRows && amx::query_planes(kAmxElement, qs, nrows, dh)) {
         amx::configure();
         amx_unit = amx_configured = true;
       }
@@ -397,10 +402,10 @@ void DecodeUnits(const DecodeArgs& a) {
     bool k_direct = false;
     float k_post = 1.0f / kUnit;
     float q_max = 0.0f;  // max |scale·q| of the unit's rows (NaN elements pass over)
-    if (direct_ok) {
+    if (direct_ok && !amx_unit) {
       for (std::int64_t i = 0; i < nrows * dh; ++i) q_max = std::max(q_max, std::fabs(qs[i]));
     }
-    if (direct_ok && std::isfinite(q_max) && q_max > 0.0f) {
+    if (direct_ok && !amx_unit && std::isfinite(q_max) && q_max > 0.0f) {
       int e = 0;
       std::frexp(q_max, &e);  // q_max ∈ [2^(e−1), 2^e)
       if (e - 1 >= -60 && e - 1 <= 60) {
@@ -418,7 +423,7 @@ void DecodeUnits(const DecodeArgs& a) {
     // which the split readings compute in their own column order (bf16 pairs, fp8 quads).
     const std::int64_t w_blk = (tall ? kVT : kVD) * N;
     // The quad reading (kQuadBuilt) in this unit: fp8 read directly, the regular blocking.
-    const bool quad = kQuadBuilt && direct_ok && !tall;
+    const bool quad = kQuadBuilt && direct_ok && !tall && !amx_unit;
     const VF cap = hn::Set(d, a.var.softcap), inv_cap = hn::Set(d, 1.0f / a.var.softcap);
 
     for (std::int64_t u0 = kb; u0 < k1; u0 += kKeyTile) {
@@ -479,7 +484,7 @@ void DecodeUnits(const DecodeArgs& a) {
       if (amx_unit) {
 #if TOKENMIX_HAVE_AMX
         // The tile pair ahead (K and V tiles with their scales), front to back, over this tile's
-        // work (amx_int8.cpp: pf_take).
+        // work (amx_decode.cpp: pf_take).
         const std::uint8_t* const pf_pair =
             has_next ? reinterpret_cast<const std::uint8_t*>(k_layer + next) : nullptr;
         const std::int64_t pf_bytes =
@@ -513,7 +518,7 @@ void DecodeUnits(const DecodeArgs& a) {
           kQuant ? reinterpret_cast<const float*>(vt + a.layout.tile_elems()) : nullptr;
       // V read directly (see kDirectBuilt) if every scale of the tile is below 2^7.
       bool v_direct = false;
-      if (kDirectBuilt && direct_ok) {
+      if (kDirectBuilt && direct_ok && !amx_unit) {
         VF vmax_scale = hn::LoadU(d, vs);
         for (std::int64_t i = N; i < nv; i += N)
           vmax_scale = hn::Max(vmax_scale, hn::LoadU(d, vs + i));

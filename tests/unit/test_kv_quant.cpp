@@ -531,6 +531,25 @@ struct VariantOptions {
   VariantOptions& operator=(const VariantOptions&) = delete;
 };
 
+// A `dt` cache (rolling over var's window, or full) of two sequences (1500 and 700 tokens) in
+// `layer`, queries of T_new `tnew` with var's heads: decode(q, cache, out, lse) against the oracle.
+template <class Decode>
+void expect_variants_match_oracle(DType dt, bool rolling, std::int64_t layer, std::int64_t hkv,
+                                  std::int64_t dh, std::int64_t tnew, const VariantOptions& var,
+                                  std::mt19937_64& rng, Decode decode) {
+  const std::int64_t hq = static_cast<std::int64_t>(var.slopes.size()), W = *var.ro.window;
+  KVCache cache({layer + 1, 2, hkv, dh, 3000, dt, rolling ? 64 : 0, 0, rolling ? W : 0});
+  fill(cache, layer, {1500, 700}, rng);
+  StridedTensor q(2, tnew, hq, dh, Layout::bhtd);
+  q.fill_random(rng);
+  std::vector<reference::ForwardResult> refs;
+  for (std::int64_t b = 0; b < 2; ++b) refs.push_back(cache_oracle(q, b, cache, layer, var.ro));
+  StridedTensor out(2, tnew, hq, dh, Layout::strided);
+  std::vector<float> lse(static_cast<std::size_t>(2 * hq * tnew), kPoison);
+  decode(q, cache, out, lse);
+  expect_decode_matches(out, lse, refs);
+}
+
 class KVQuantDecode : public PerIsaTest {};
 
 TEST_P(KVQuantDecode, MatchesFloat64OracleOverDequantizedCache) {
@@ -575,16 +594,13 @@ TEST_P(KVQuantDecode, VariantsAndRollingCacheMatchOracle) {
       const ScopedEnv widen("TOKENMIX_FP8_WIDEN", reading.fp8_widen);
       SCOPED_TRACE(std::string(to_string(dt)) + " " + reading.fp8_widen +
                    (rolling ? " rolling" : " full"));
-      KVCache cache({1, 2, hkv, dh, 3000, dt, rolling ? 64 : 0, 0, rolling ? W : 0});
-      fill(cache, 0, {1500, 700}, rng);
-      StridedTensor q(2, tnew, hq, dh, Layout::bhtd);
-      q.fill_random(rng);
-      std::vector<reference::ForwardResult> refs;
-      for (std::int64_t b = 0; b < 2; ++b) refs.push_back(cache_oracle(q, b, cache, 0, var.ro));
-      StridedTensor out(2, tnew, hq, dh, Layout::strided);
-      std::vector<float> lse(static_cast<std::size_t>(2 * hq * tnew), kPoison);
-      attention_decode(q.view, cache, 0, out.view, TensorView::bht(lse.data(), 2, hq, tnew), var.o);
-      expect_decode_matches(out, lse, refs);
+      expect_variants_match_oracle(dt, rolling != 0, 0, hkv, dh, tnew, var, rng,
+                                   [&](const StridedTensor& q, const KVCache& cache,
+                                       StridedTensor& out, std::vector<float>& lse) {
+                                     attention_decode(q.view, cache, 0, out.view,
+                                                      TensorView::bht(lse.data(), 2, hq, tnew),
+                                                      var.o);
+                                   });
     }
 }
 
@@ -871,16 +887,10 @@ TEST_P(KVQuantAmx, VariantsAndRollingCacheMatchOracle) {
   const VariantOptions var(hq, W);
   for (std::int64_t rolling : {0, 1}) {
     SCOPED_TRACE(rolling ? "rolling" : "full");
-    KVCache cache({2, 2, hkv, dh, 3000, dt, rolling ? 64 : 0, 0, rolling ? W : 0});
-    fill(cache, 1, {1500, 700}, rng);
-    StridedTensor q(2, tnew, hq, dh, Layout::bhtd);
-    q.fill_random(rng);
-    std::vector<reference::ForwardResult> refs;
-    for (std::int64_t b = 0; b < 2; ++b) refs.push_back(cache_oracle(q, b, cache, 1, var.ro));
-    StridedTensor out(2, tnew, hq, dh, Layout::strided);
-    std::vector<float> lse(static_cast<std::size_t>(2 * hq * tnew), kPoison);
-    decode_amx_switch(q, cache, 1, "on", out, lse, var.o);
-    expect_decode_matches(out, lse, refs);
+    expect_variants_match_oracle(
+        dt, rolling != 0, 1, hkv, dh, tnew, var, rng,
+        [&](const StridedTensor& q, const KVCache& cache, StridedTensor& out,
+            std::vector<float>& lse) { decode_amx_switch(q, cache, 1, "on", out, lse, var.o); });
   }
 }
 

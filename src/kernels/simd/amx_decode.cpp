@@ -141,15 +141,19 @@ struct Fp8Tables {
 };
 const Fp8Tables kFp8Tables;
 
-// 64 fp8 codes → the low and high bytes of their bf16 values (two byte permutes over 128-entry
-// tables; VPERMI2B reads bits 0–6 of each code, the sign is or-ed into the high byte).
-inline void widen_fp8(__m512i codes, __m512i& lo, __m512i& hi) {
-  const __m512i lo0 = _mm512_load_si512(kFp8Tables.lo), lo1 = _mm512_load_si512(kFp8Tables.lo + 64);
-  const __m512i hi0 = _mm512_load_si512(kFp8Tables.hi), hi1 = _mm512_load_si512(kFp8Tables.hi + 64);
-  lo = _mm512_permutex2var_epi8(lo0, codes, lo1);
-  hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, codes, hi1), codes,
-                                 _mm512_set1_epi8(static_cast<char>(0x80)), 0xf8);  // a | (b & c)
-}
+// 64 fp8 codes → the low and high bytes of their bf16 values (two byte permutes over the 128-entry
+// tables, held in registers for a tile's rewrite; VPERMI2B reads bits 0–6 of each code, the sign
+// is or-ed into the high byte).
+struct Fp8Widen {
+  __m512i lo0 = _mm512_load_si512(kFp8Tables.lo), lo1 = _mm512_load_si512(kFp8Tables.lo + 64);
+  __m512i hi0 = _mm512_load_si512(kFp8Tables.hi), hi1 = _mm512_load_si512(kFp8Tables.hi + 64);
+  __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  void operator()(__m512i codes, __m512i& lo, __m512i& hi) const {
+    lo = _mm512_permutex2var_epi8(lo0, codes, lo1);
+    hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, codes, hi1), codes, sign,
+                                   0xf8);  // a | (b & c)
+  }
+};
 
 // Four byte rows r_j → four B rows z_b (see the file comment): z_b[16L + 4j' + j] = r_j[16L + 4b
 // + j'], at out + b · out_step.
@@ -170,11 +174,11 @@ inline void rewrite_int8(const std::uint8_t* base, std::int64_t stride, std::uin
               _mm512_loadu_si512(base + 2 * stride), _mm512_loadu_si512(base + 3 * stride), out,
               16 * 64);
 }
-inline void rewrite_fp8(const std::uint8_t* base, std::int64_t stride, bool live0, bool live1,
-                        std::uint8_t* out) {
+inline void rewrite_fp8(const Fp8Widen& widen, const std::uint8_t* base, std::int64_t stride,
+                        bool live0, bool live1, std::uint8_t* out) {
   __m512i lo0, hi0, lo1, hi1;
-  widen_fp8(live0 ? _mm512_loadu_si512(base) : _mm512_setzero_si512(), lo0, hi0);
-  widen_fp8(live1 ? _mm512_loadu_si512(base + stride) : _mm512_setzero_si512(), lo1, hi1);
+  widen(live0 ? _mm512_loadu_si512(base) : _mm512_setzero_si512(), lo0, hi0);
+  widen(live1 ? _mm512_loadu_si512(base + stride) : _mm512_setzero_si512(), lo1, hi1);
   interleave4(lo0, hi0, lo1, hi1, out, 16 * 64);
 }
 
@@ -375,10 +379,11 @@ void scores_int8(Workspace& w, const std::int8_t* k_tile, float* s) {
 
 void scores_fp8(Workspace& w, const std::uint8_t* k_tile, float* s) {
   const std::int64_t dh = w.dh, n = w.n, chunks = dh / 32, pairs = dh / 2;
+  const Fp8Widen widen;
   for (std::int64_t i = 0; i < pairs; ++i) {
     if (i % 8 == 0) wake(w);
     pf_take(w, kPfPerKStep);
-    rewrite_fp8(k_tile + 2 * i * kKeys, kKeys, true, true,
+    rewrite_fp8(widen, k_tile + 2 * i * kKeys, kKeys, true, true,
                 w.kb + ((i / 16) * 4 * 16 + i % 16) * 64);
   }
   for (std::int64_t rb = 0; rb * 16 < n; ++rb) {
@@ -478,12 +483,13 @@ void values_int8(Workspace& w, const float* p, std::int64_t nt, const std::uint8
 void values_fp8(Workspace& w, const float* p, std::int64_t nt, const std::uint8_t* v_tile,
                 float* acc, const __mmask16 in_tile[4]) {
   const std::int64_t dh = w.dh, n = w.n, chunks = dh / 64;
+  const Fp8Widen widen;
   // The V tile as B tiles (key pairs; rows from nt on as zeros: their bytes are not read).
   for (std::int64_t i = 0; i < 32; ++i)
     for (std::int64_t c = 0; c < chunks; ++c) {
       if ((i * chunks + c) % 8 == 0) wake(w);
       pf_take(w, kPfPerVStep);
-      rewrite_fp8(v_tile + 2 * i * dh + 64 * c, dh, 2 * i < nt, 2 * i + 1 < nt,
+      rewrite_fp8(widen, v_tile + 2 * i * dh + 64 * c, dh, 2 * i < nt, 2 * i + 1 < nt,
                   w.vb + (((i / 16) * chunks + c) * 4 * 16 + i % 16) * 64);
     }
   float unit[16] = {}, unit2[16] = {};

@@ -398,14 +398,16 @@ void DecodeUnits(const DecodeArgs& a) {
       }
     }
 #endif
+    // The direct fp8 reading in this unit (the tile products read the codes their own way).
+    const bool direct_unit = direct_ok && !amx_unit;
     // K read directly (see kDirectBuilt): scale·Q ← 2^sh · scale·Q, the scores' factor 2^(120−sh).
     bool k_direct = false;
     float k_post = 1.0f / kUnit;
     float q_max = 0.0f;  // max |scale·q| of the unit's rows (NaN elements pass over)
-    if (direct_ok && !amx_unit) {
+    if (direct_unit) {
       for (std::int64_t i = 0; i < nrows * dh; ++i) q_max = std::max(q_max, std::fabs(qs[i]));
     }
-    if (direct_ok && !amx_unit && std::isfinite(q_max) && q_max > 0.0f) {
+    if (direct_unit && std::isfinite(q_max) && q_max > 0.0f) {
       int e = 0;
       std::frexp(q_max, &e);  // q_max ∈ [2^(e−1), 2^e)
       if (e - 1 >= -60 && e - 1 <= 60) {
@@ -423,7 +425,7 @@ void DecodeUnits(const DecodeArgs& a) {
     // which the split readings compute in their own column order (bf16 pairs, fp8 quads).
     const std::int64_t w_blk = (tall ? kVT : kVD) * N;
     // The quad reading (kQuadBuilt) in this unit: fp8 read directly, the regular blocking.
-    const bool quad = kQuadBuilt && direct_ok && !tall && !amx_unit;
+    const bool quad = kQuadBuilt && direct_unit && !tall;
     const VF cap = hn::Set(d, a.var.softcap), inv_cap = hn::Set(d, 1.0f / a.var.softcap);
 
     for (std::int64_t u0 = kb; u0 < k1; u0 += kKeyTile) {
@@ -449,7 +451,7 @@ void DecodeUnits(const DecodeArgs& a) {
       PrefetchCursor cursor;
       if (linear && has_next) {
         cursor.next = reinterpret_cast<const std::uint8_t*>(k_layer + next);
-        cursor.end = cursor.next + 2 * a.layout.tile_span() * static_cast<std::int64_t>(sizeof(TB));
+        cursor.end = cursor.next + pair_bytes;
       }
       PrefetchCursor* const cur = linear && has_next ? &cursor : nullptr;
       const TB* kt_next = has_next && !linear && !amx_unit ? k_layer + next : nullptr;
@@ -487,9 +489,7 @@ void DecodeUnits(const DecodeArgs& a) {
         // work (amx_decode.cpp: pf_take).
         const std::uint8_t* const pf_pair =
             has_next ? reinterpret_cast<const std::uint8_t*>(k_layer + next) : nullptr;
-        const std::int64_t pf_bytes =
-            2 * a.layout.tile_span() * static_cast<std::int64_t>(sizeof(TB));
-        if constexpr (kAmxBuilt) amx::scores(kt, st, pf_pair, pf_bytes);
+        if constexpr (kAmxBuilt) amx::scores(kt, st, pf_pair, pair_bytes);
 #endif
       } else if (kQuadBuilt && k_direct && quad) {
         s_product(reinterpret_cast<const TQ*>(kt), reinterpret_cast<const TQ*>(kt_next));
@@ -518,7 +518,7 @@ void DecodeUnits(const DecodeArgs& a) {
           kQuant ? reinterpret_cast<const float*>(vt + a.layout.tile_elems()) : nullptr;
       // V read directly (see kDirectBuilt) if every scale of the tile is below 2^7.
       bool v_direct = false;
-      if (kDirectBuilt && direct_ok && !amx_unit) {
+      if (kDirectBuilt && direct_unit) {
         VF vmax_scale = hn::LoadU(d, vs);
         for (std::int64_t i = N; i < nv; i += N)
           vmax_scale = hn::Max(vmax_scale, hn::LoadU(d, vs + i));

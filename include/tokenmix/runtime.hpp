@@ -52,7 +52,7 @@ struct CpuFeatures {
       false;  ///< AMX-TILE reported by CPUID (use also needs a Linux permission request)
   bool amx_int8 = false;  ///< amx_tile + AMX-INT8 + AVX-512 F/BW/DQ/VL (CPUID), tile state saved
   /// amx_int8 + AMX-BF16 + AVX512-BF16 + AVX512-VBMI (CPUID): what decode's tile products over an
-  /// fp8 cache use (decode_amx)
+  /// fp8 or a bf16 cache use (decode_amx)
   bool amx_bf16 = false;
   /// AArch64 Advanced SIMD (HWCAP_ASIMD) and the AES/PMULL/SHA1/SHA2 "crypto" extension
   /// (HWCAP_AES|PMULL|SHA1|SHA2) that Highway's NEON target is compiled with.
@@ -86,23 +86,27 @@ bool fp8_direct_widening();
 /// slower for int8 and fp8). portable and neon ignore it. Throws ArgumentError on another value.
 bool linear_decode_prefetch();
 
-/// Whether decode over a `cache_dtype` KV cache (int8 or fp8_e4m3) on the avx512 paths runs its
-/// per-tile products (S = Q Kᵀ, Õ += P V) on AMX tiles in work units of at least 16 rows (query
-/// positions × the heads of a KV group, e.g. T_new ≥ 4 at 4 query heads per KV head; d_h a
-/// multiple of 64 up to 256).
+/// Whether decode over a `cache_dtype` KV cache (int8, fp8_e4m3 or bf16) on the avx512 paths runs
+/// its per-tile products (S = Q Kᵀ, Õ += P V) on AMX tiles in work units of at least 16 rows
+/// (query positions × the heads of a KV group, e.g. T_new ≥ 4 at 4 query heads per KV head; bf16:
+/// from 32 rows, T_new ≥ 8 there, and not at 36 rows; d_h a multiple of 64 up to 256).
 /// - int8 (AMX-INT8, TDPBSSD / TDPBUSD): the fp32 query rows and the probabilities are written as
 ///   sums of integer planes (per row: within 2^−27 of the row's largest |element| for Q, 2^−23
 ///   for P); their products with the stored int8 elements are exact int32 sums.
 /// - fp8_e4m3 (AMX-BF16, TDPBF16PS): every E4M3 value is a bf16 number, and the fp32 query rows
 ///   and probabilities are written exactly as sums of three bf16 planes; each plane's product is
 ///   an fp32 sum of exact products.
+/// - bf16 (AMX-BF16, TDPBF16PS): the same planes against the stored values. A tile holding a
+///   value the tiles would not take exactly goes to an exact fallback: a K tile with |k| ≥ 2^64,
+///   ±∞ or NaN to the FMA products, a V tile with those or a subnormal to a scalar loop over each
+///   row's visible keys (a masked key's NaN takes no part).
 /// Either way results agree with the FMA products at fp32 rounding level, not bitwise. A unit
 /// whose query rows hold a non-finite element, or whose largest |element| is outside
 /// [2^−60, 2^60), takes the FMA products. TOKENMIX_DECODE_AMX=on|off forces it (`on` throws
 /// UnsupportedError from a call that cannot use it: the CPU lacks the features, no Linux grant,
 /// or a path other than avx512); unset or empty: on where CpuFeatures::amx_int8 (int8) or
-/// amx_bf16 (fp8) holds, the OS saves tile state, TOKENMIX_CPU_CAP does not hide it, and Linux
-/// grants the process the tile data (requested by this call, once). Throws ArgumentError on
+/// amx_bf16 (fp8, bf16) holds, the OS saves tile state, TOKENMIX_CPU_CAP does not hide it, and
+/// Linux grants the process the tile data (requested by this call, once). Throws ArgumentError on
 /// another value, or for another cache_dtype.
 bool decode_amx(DType cache_dtype = DType::int8);
 

@@ -45,7 +45,7 @@ void bind_runtime(nb::module_& m) {
   // (TOKENMIX_LINEAR_PREFETCH, read at each call): True = every cache dtype, False = each path's
   // per-dtype choice.
   m.def("linear_decode_prefetch", [] { return tmx::linear_decode_prefetch(); });
-  // Whether int8- or fp8-cache decode on the avx512 paths runs its products on AMX tiles
+  // Whether int8-, fp8- or bf16-cache decode on the avx512 paths runs its products on AMX tiles
   // (TOKENMIX_DECODE_AMX, read at each call; asks Linux for the tile data the first time).
   m.def(
       "decode_amx",

@@ -269,12 +269,14 @@ def test_linear_prefetch_follows_the_environment_and_gives_the_same_results(monk
                         "per-dtype", "rows", ("f32", "bf16", "f16", "int8", "fp8_e4m3"), 3)
 
 
-@pytest.mark.parametrize("dtype,feature", [("int8", "amx_int8"), ("fp8_e4m3", "amx_bf16")])
-def test_decode_amx_follows_the_environment(monkeypatch, dtype, feature):
+@pytest.mark.parametrize("dtype,feature,tnew", [("int8", "amx_int8", 4), ("fp8_e4m3", "amx_bf16", 4),
+                                                ("bf16", "amx_bf16", 8)])
+def test_decode_amx_follows_the_environment(monkeypatch, dtype, feature, tnew):
     """TOKENMIX_DECODE_AMX: an int8 or fp8 cache's units of >= 16 rows (T_new 4 x 4 query heads
-    per KV head) on AMX tiles or on FMAs: the same results at fp32 rounding level, not the same
-    bits (the tile path ran). Where AMX cannot run, `on` raises UnsupportedError from the call;
-    another value raises ArgumentError, and so does another cache dtype."""
+    per KV head; a bf16 cache's from 32 rows, T_new 8) on AMX tiles or on FMAs: the same results
+    at fp32 rounding level, not the same bits (the tile path ran). Where AMX cannot run, `on`
+    raises UnsupportedError from the call; another value raises ArgumentError, and so does another
+    cache dtype."""
     var = "TOKENMIX_DECODE_AMX"
     monkeypatch.setenv(var, "off")
     assert tm.decode_amx(dtype) is False
@@ -282,12 +284,12 @@ def test_decode_amx_follows_the_environment(monkeypatch, dtype, feature):
     usable = tm.decode_amx(dtype)
     assert usable == (tm.decode_amx(dtype) and tm.cpu_features()[feature])
     with pytest.raises(tm.ArgumentError) as e:
-        tm.decode_amx("bf16")
-    assert "cache_dtype must be int8 or fp8_e4m3" in str(e.value)
+        tm.decode_amx("f16")
+    assert "cache_dtype must be int8, fp8_e4m3 or bf16" in str(e.value)
     rng = np.random.default_rng(9)
     k = rng.standard_normal((1, 1100, 2, 128)).astype(np.float32)
     v = rng.standard_normal((1, 1100, 2, 128)).astype(np.float32)
-    q = rng.standard_normal((1, 4, 8, 128)).astype(np.float32)
+    q = rng.standard_normal((1, tnew, 8, 128)).astype(np.float32)
     cache = tm.KVCache(layers=1, batch=1, heads_kv=2, head_dim=128, capacity=1100, dtype=dtype)
     cache.append(0, k, v)
     monkeypatch.setenv(var, "off")

@@ -115,9 +115,11 @@ def linear_decode_prefetch() -> bool:
     address order, False if each path's per-dtype choice (TOKENMIX_LINEAR_PREFETCH=all|per-dtype,
     read at each call; automatic: all on Intel). Same results either way."""
 def decode_amx(cache_dtype: str = "int8") -> bool:
-    """True if decode over a `cache_dtype` cache ("int8" or "fp8_e4m3") on the avx512 paths runs
-    the products of its units of >= 16 rows on AMX tiles: AMX-INT8 for int8, AMX-BF16 for fp8
-    (TOKENMIX_DECODE_AMX=on|off, read at each call; automatic: where the CPU has them,
+    """True if decode over a `cache_dtype` cache ("int8", "fp8_e4m3" or "bf16") on the avx512 paths
+    runs the products of its units of >= 16 rows (bf16: from 32 rows) on AMX tiles: AMX-INT8 for
+    int8, AMX-BF16 for fp8 and bf16 (a bf16 tile holding NaN, inf, subnormal or huge values takes
+    an exact fallback) (TOKENMIX_DECODE_AMX=on|off, read at each call; automatic: where the CPU
+    has them,
     cpu_features()["amx_int8"] / ["amx_bf16"], and Linux grants the tile data). Results agree with
     the FMA products at fp32 rounding level, not bitwise. Raises UnsupportedError for `on` where
     they cannot run, ArgumentError for another cache dtype."""

@@ -220,8 +220,9 @@ Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, s
   a.dtype = cc.dtype;
   a.fp8_direct = cc.dtype == DType::fp8_e4m3 && detail::fp8_direct_widening(fn);
   a.linear_prefetch = detail::linear_decode_prefetch(fn);
-  // AMX tile products for an int8 or fp8 cache, on the avx512 paths (kernels/simd/amx_decode.hpp).
-  a.amx = (cc.dtype == DType::int8 || cc.dtype == DType::fp8_e4m3) &&
+  // AMX tile products for an int8, fp8 or bf16 cache, on the avx512 paths
+  // (kernels/simd/amx_decode.hpp).
+  a.amx = (cc.dtype == DType::int8 || cc.dtype == DType::fp8_e4m3 || cc.dtype == DType::bf16) &&
           detail::decode_amx(fn, isa == Isa::avx512 || isa == Isa::avx512_bf16, to_string(isa),
                              cc.dtype);
   const std::int64_t g = a.group();

@@ -41,12 +41,12 @@ bool linear_decode_prefetch(const char* fn);
 /// the per-dtype choices measured there).
 bool linear_prefetch_preferred(bool intel);
 
-/// Decode over an int8 or fp8_e4m3 cache (`cache`) on the avx512 paths: run the per-tile products
-/// of units of ≥ 16 rows on AMX tiles (kernels::DecodeArgs::amx, simd/amx_decode.hpp).
-/// `path_has_amx`: the call runs an avx512 path (`path` names the one it runs).
-/// TOKENMIX_DECODE_AMX, read now: `off` never; `on` requires it (UnsupportedError naming `fn`
-/// where it cannot run: the CPU lacks the features, no Linux grant, or another path); unset or
-/// empty: where the path has it, cpu_features(fn).amx_int8 (int8) or amx_bf16 (fp8) holds
+/// Decode over an int8, fp8_e4m3 or bf16 cache (`cache`) on the avx512 paths: run the per-tile
+/// products of units of ≥ 16 rows (bf16: where they pay) on AMX tiles (kernels::DecodeArgs::amx,
+/// simd/amx_decode.hpp). `path_has_amx`: the call runs an avx512 path (`path` names the one it
+/// runs). TOKENMIX_DECODE_AMX, read now: `off` never; `on` requires it (UnsupportedError naming
+/// `fn` where it cannot run: the CPU lacks the features, no Linux grant, or another path); unset or
+/// empty: where the path has it, cpu_features(fn).amx_int8 (int8) or amx_bf16 (fp8, bf16) holds
 /// (TOKENMIX_CPU_CAP=avx512 hides them) and Linux grants this process the tile data (asked here,
 /// once). ArgumentError naming `fn` on another value of the switch or another cache dtype.
 bool decode_amx(const char* fn, bool path_has_amx, const char* path, DType cache);

@@ -239,17 +239,18 @@ bool linear_decode_prefetch(const char* fn) {
 }
 
 bool decode_amx(const char* fn, bool path_has_amx, const char* path, DType cache) {
-  if (cache != DType::int8 && cache != DType::fp8_e4m3) {
+  if (cache != DType::int8 && cache != DType::fp8_e4m3 && cache != DType::bf16) {
     throw ArgumentError(ErrorCode::invalid_argument,
                         std::string(fn) +
-                            ": cache_dtype must be int8 or fp8_e4m3 (the caches with AMX tile "
-                            "products); got " +
+                            ": cache_dtype must be int8, fp8_e4m3 or bf16 (the caches with AMX "
+                            "tile products); got " +
                             to_string(cache));
   }
   const auto forced = env_switch(fn, "TOKENMIX_DECODE_AMX", "on", "off");
   if (forced && !*forced) return false;
   const bool int8 = cache == DType::int8;
-  const char* features = int8 ? "AMX-INT8" : "AMX-BF16 (with AMX-INT8, AVX512-BF16, AVX512-VBMI)";
+  const char* features =
+      int8 ? "AMX-INT8" : "AMX-BF16 (with AMX-INT8, AVX512-BF16, AVX512-VBMI)";  // fp8, bf16
   if (!path_has_amx) {
     if (forced) {
       throw UnsupportedError(std::string(fn) + ": TOKENMIX_DECODE_AMX=on, but this call runs the " +

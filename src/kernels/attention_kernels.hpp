@@ -241,7 +241,7 @@ struct DecodeArgs {
   /// detail::linear_decode_prefetch decides). The same results either way; other kernels ignore
   /// it.
   bool linear_prefetch = false;
-  /// AVX-512, int8 or fp8 cache: each tile's two products on AMX tiles (simd/amx_decode.hpp;
+  /// AVX-512, int8, fp8 or bf16 cache: each tile's two products on AMX tiles (simd/amx_decode.hpp;
   /// detail::decode_amx decides, having asked Linux for the tile data). The same results at fp32
   /// rounding level, not bitwise; other kernels ignore it. A worker thread
   /// Linux refuses the tile data sets *amx_refused and takes the FMA products; the caller then

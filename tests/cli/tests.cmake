@@ -102,7 +102,7 @@ set_tests_properties(cli_info_bad_linear_prefetch PROPERTIES ENVIRONMENT "TOKENM
 # TOKENMIX_DECODE_AMX: `off` is shown as such on every CPU; a bad value, and `on` under a CPU cap
 # that hides AMX, are one line on stderr and exit 2, before any output.
 tokenmix_cli_test(info_decode_amx_off ARGS info
-                  STDOUT "int8 decode:     FMA products \\(no AMX-INT8 tile products\\) \\(TOKENMIX_DECODE_AMX=off\\).*fp8 decode:      FMA products \\(no AMX-BF16 tile products\\) \\(TOKENMIX_DECODE_AMX=off\\)")
+                  STDOUT "int8 decode:     FMA products \\(no AMX-INT8 tile products\\) \\(TOKENMIX_DECODE_AMX=off\\).*fp8 decode:      FMA products \\(no AMX-BF16 tile products\\) \\(TOKENMIX_DECODE_AMX=off\\).*bf16 decode:     FMA products \\(no AMX-BF16 tile products\\) \\(TOKENMIX_DECODE_AMX=off\\)")
 set_tests_properties(cli_info_decode_amx_off PROPERTIES ENVIRONMENT "TOKENMIX_DECODE_AMX=off")
 tokenmix_cli_test(info_bad_decode_amx ARGS info EXPECT_RC 2 ONE_LINE_ERROR
                   STDOUT_NOT "tokenmix [0-9]"

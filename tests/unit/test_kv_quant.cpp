@@ -16,6 +16,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
@@ -761,14 +762,20 @@ TEST_P(KVQuantDecode, Fp8DirectReadingSameBitsAsF16) {
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, KVQuantDecode, AllIsas(), IsaName);
 
-// ---- AMX tile products for the int8 and fp8 caches (kernels/simd/amx_decode.hpp) ----
-// Units of ≥ 16 rows (query positions × the heads of a KV group) on the avx512 paths, where the
-// CPU has AMX-INT8 (int8) or AMX-BF16 (fp8) and Linux grants the tile data. With
-// TOKENMIX_DECODE_AMX=on they match the float64 oracle over the dequantized cache at the FMA
-// products' bound, and differ from the FMA products' bits (the planes' sums are rounded in another
-// order): the tile path ran. Where AMX cannot run (another CPU, TOKENMIX_CPU_CAP), forcing it on
-// is refused with UnsupportedError.
-class KVQuantAmx : public ::testing::TestWithParam<DType> {};
+// ---- AMX tile products for the int8, fp8 and bf16 caches (kernels/simd/amx_decode.hpp) ----
+// Units of ≥ 16 rows (query positions × the heads of a KV group; bf16: from 32 rows,
+// attention_decode_hwy.cpp amx_unit_pays) on the avx512 paths, where the CPU has AMX-INT8 (int8)
+// or AMX-BF16 (fp8, bf16) and Linux grants the tile data. With TOKENMIX_DECODE_AMX=on they match
+// the float64 oracle over the cached values at the FMA products' bound, and differ from the FMA
+// products' bits (the planes' sums are rounded in another order): the tile path ran. Where AMX
+// cannot run (another CPU, TOKENMIX_CPU_CAP), forcing it on is refused with UnsupportedError.
+class DecodeAmx : public ::testing::TestWithParam<DType> {};
+
+// T_new for a test written for units of 4·tnew rows (g = 4) or more: twice that for bf16, whose
+// units take the tiles from 32 rows.
+std::int64_t amx_tnew(DType dt, std::int64_t tnew) {
+  return dt == DType::bf16 ? 2 * tnew : tnew;
+}
 
 // Whether this process can run the tile products for a `dt` cache (decode_amx with the switch
 // unset).
@@ -833,7 +840,7 @@ void expect_amx_matches_oracle(const StridedTensor& q, const KVCache& cache, std
       << "the same bits as the FMA products: the tile products did not run";
 }
 
-TEST_P(KVQuantAmx, ForcedOnMatchesOracleOrIsRefused) {
+TEST_P(DecodeAmx, ForcedOnMatchesOracleOrIsRefused) {
   const DType dt = GetParam();
   if (!amx_usable(dt)) return expect_amx_refused(dt);
   std::mt19937_64 rng(31);
@@ -853,7 +860,7 @@ TEST_P(KVQuantAmx, ForcedOnMatchesOracleOrIsRefused) {
       const std::int64_t B = static_cast<std::int64_t>(c.lengths.size());
       KVCache cache({2, B, c.hkv, c.dh, 2200, dt, block, 0});
       fill(cache, 1, c.lengths, rng);
-      StridedTensor q(B, c.tnew, c.hq, c.dh, Layout::strided);
+      StridedTensor q(B, amx_tnew(dt, c.tnew), c.hq, c.dh, Layout::strided);
       q.fill_random(rng);
       expect_amx_matches_oracle(q, cache, 1);
     }
@@ -862,7 +869,7 @@ TEST_P(KVQuantAmx, ForcedOnMatchesOracleOrIsRefused) {
 // Values over a wide range (fp8: most codes of some rows subnormal, V scales ≥ 2^7 in a tile) and
 // queries scaled by 1e-15 and 1e15 (one key takes all the weight there: the FMA products' bits
 // may be the same): the planes' row scaling.
-TEST_P(KVQuantAmx, WideRangeMatchesOracle) {
+TEST_P(DecodeAmx, WideRangeMatchesOracle) {
   const DType dt = GetParam();
   if (!amx_usable(dt)) return expect_amx_refused(dt);
   std::mt19937_64 rng(57);
@@ -879,11 +886,11 @@ TEST_P(KVQuantAmx, WideRangeMatchesOracle) {
 
 // Window, soft-capping, ALiBi and sinks (applied to the scores between the two tile products),
 // and a rolling cache, on the tile products.
-TEST_P(KVQuantAmx, VariantsAndRollingCacheMatchOracle) {
+TEST_P(DecodeAmx, VariantsAndRollingCacheMatchOracle) {
   const DType dt = GetParam();
   if (!amx_usable(dt)) return expect_amx_refused(dt);
   std::mt19937_64 rng(78);
-  const std::int64_t hq = 8, hkv = 2, dh = 128, tnew = 6, W = 300;
+  const std::int64_t hq = 8, hkv = 2, dh = 128, tnew = amx_tnew(dt, 6), W = 300;
   const VariantOptions var(hq, W);
   for (std::int64_t rolling : {0, 1}) {
     SCOPED_TRACE(rolling ? "rolling" : "full");
@@ -897,11 +904,11 @@ TEST_P(KVQuantAmx, VariantsAndRollingCacheMatchOracle) {
 // A unit whose query rows hold a NaN takes the FMA products (no planes of a NaN): the NaN row's
 // output is NaN, the unit's other rows are the FMA products' bits, and the other units (other KV
 // heads) still match the oracle.
-TEST_P(KVQuantAmx, NonFiniteQueryUnitTakesTheFmaProducts) {
+TEST_P(DecodeAmx, NonFiniteQueryUnitTakesTheFmaProducts) {
   const DType dt = GetParam();
   if (!amx_usable(dt)) return expect_amx_refused(dt);
   std::mt19937_64 rng(90);
-  const std::int64_t hq = 8, hkv = 2, dh = 64, tnew = 4;
+  const std::int64_t hq = 8, hkv = 2, dh = 64, tnew = amx_tnew(dt, 4);
   KVCache cache({2, 1, hkv, dh, 1000, dt, 0, 0});
   fill(cache, 1, {900}, rng);
   StridedTensor q(1, tnew, hq, dh, Layout::bthd);
@@ -939,7 +946,7 @@ TEST_P(KVQuantAmx, NonFiniteQueryUnitTakesTheFmaProducts) {
 }
 
 // `on` for a call on another path is refused; `off` runs any path.
-TEST_P(KVQuantAmx, OtherPathsRefuseOn) {
+TEST_P(DecodeAmx, OtherPathsRefuseOn) {
   std::mt19937_64 rng(3);
   KVCache cache({2, 1, 1, 64, 200, GetParam(), 0, 0});
   fill(cache, 1, {150}, rng);
@@ -960,13 +967,115 @@ TEST_P(KVQuantAmx, OtherPathsRefuseOn) {
   expect_decode_matches(out, lse, refs);
 }
 
-INSTANTIATE_TEST_SUITE_P(Caches, KVQuantAmx, ::testing::Values(DType::int8, DType::fp8_e4m3),
+INSTANTIATE_TEST_SUITE_P(Caches, DecodeAmx,
+                         ::testing::Values(DType::int8, DType::fp8_e4m3, DType::bf16),
                          [](const ::testing::TestParamInfo<DType>& info) {
                            return std::string(to_string(info.param));
                          });
 
+// bf16 tiles the AMX products cannot take exactly go to the exact fallbacks (amx_decode.hpp): a K
+// tile with |k| ≥ 2^64, ±∞ or NaN to the FMA products, a V tile with NaN, ±∞, |v| ≥ 2^64 or a
+// subnormal to a scalar loop over each row's visible keys. Units of 32 rows (T_new 8, g 4), 700
+// keys (a short last tile). Each case against the float64 oracle over the cached values: NaN
+// where the oracle has NaN, ±∞ where it has ±∞, the FMA bound elsewhere (relative to the largest
+// finite output).
+TEST(DecodeAmxBf16, TilesTheProductsCannotTakeGoToExactFallbacks) {
+  if (!amx_usable(DType::bf16)) return expect_amx_refused(DType::bf16);
+  const std::int64_t L = 700, extra = 6, hq = 8, hkv = 2, dh = 128, tnew = 8;
+  const float kNaN = std::numeric_limits<float>::quiet_NaN(),
+              kInf = std::numeric_limits<float>::infinity();
+  std::mt19937_64 rng(123);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> k0(static_cast<std::size_t>((L + extra) * hkv * dh)), v0(k0.size());
+  for (float& x : k0) x = normal(rng);
+  for (float& x : v0) x = normal(rng);
+  StridedTensor q(1, tnew, hq, dh, Layout::strided);
+  q.fill_random(rng);
+  const auto at = [](std::int64_t u, std::int64_t h, std::int64_t x) {
+    return static_cast<std::size_t>((u * hkv + h) * dh + x);
+  };
+  struct Case {
+    const char* name;
+    std::function<void(std::vector<float>& k, std::vector<float>& v)> change;
+    bool nonfinite_out;  // the oracle has NaN or ±∞ outputs
+  };
+  const std::vector<Case> cases = {
+      {"V subnormal (all of it: O is subnormal too)",
+       [](std::vector<float>&, std::vector<float>& v) {
+         for (float& x : v) x = std::ldexp(x, -130);
+       },
+       false},
+      {"V NaN at key 695 (rows t >= 3 see it), +inf at key 100, 2^70 at key 300",
+       [&](std::vector<float>&, std::vector<float>& v) {
+         v[at(695, 1, 3)] = kNaN;
+         v[at(100, 0, 5)] = kInf;
+         v[at(300, 1, 9)] = 0x1p70f;
+       },
+       true},
+      {"K of key 300 at 1e30 (head 0), NaN at key 400 (head 1), -inf at key 20 (head 0)",
+       [&](std::vector<float>& k, std::vector<float>&) {
+         for (std::int64_t x = 0; x < dh; ++x) k[at(300, 0, x)] = 1e30f;
+         k[at(400, 1, 7)] = kNaN;
+         k[at(20, 0, 11)] = -kInf;
+       },
+       true},
+      {"NaN K and V past the length (appended, then truncated): not read",
+       [&](std::vector<float>& k, std::vector<float>& v) {
+         for (std::int64_t u = L; u < L + extra; ++u)
+           for (std::int64_t h = 0; h < hkv; ++h) k[at(u, h, 1)] = v[at(u, h, 2)] = kNaN;
+       },
+       false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::vector<float> k = k0, v = v0;
+    c.change(k, v);
+    KVCache cache({1, 1, hkv, dh, L + extra, DType::bf16, 0, 0});
+    cache.append(0, 0, ConstTensorView::bthd(k.data(), 1, L + extra, hkv, dh),
+                 ConstTensorView::bthd(v.data(), 1, L + extra, hkv, dh));
+    cache.truncate(0, L);
+    const reference::ForwardResult ref = cache_oracle(q, 0, cache, 0);
+    StridedTensor out(1, tnew, hq, dh, Layout::bthd);
+    std::vector<float> lse(static_cast<std::size_t>(hq * tnew), kPoison);
+    decode_amx_switch(q, cache, 0, "on", out, lse);
+    double mx = 0.0, diff = 0.0;
+    std::int64_t nonfinite = 0;
+    for (std::int64_t t = 0; t < tnew; ++t)
+      for (std::int64_t h = 0; h < hq; ++h)
+        for (std::int64_t x = 0; x < dh; ++x)
+          if (std::isfinite(ref.out.at(0, t, h, x)))
+            mx = std::max(mx, std::fabs(ref.out.at(0, t, h, x)));
+    for (std::int64_t t = 0; t < tnew; ++t)
+      for (std::int64_t h = 0; h < hq; ++h) {
+        for (std::int64_t x = 0; x < dh; ++x) {
+          const double r = ref.out.at(0, t, h, x), got = out.at(0, t, h, x);
+          if (std::isnan(r)) {
+            EXPECT_TRUE(std::isnan(got)) << "t " << t << " head " << h << " x " << x << ": " << got;
+            ++nonfinite;
+          } else if (std::isinf(r)) {
+            EXPECT_EQ(got, r) << "t " << t << " head " << h << " x " << x;
+            ++nonfinite;
+          } else {
+            diff = std::max(diff, std::isfinite(got) ? std::fabs(got - r) : INFINITY);
+          }
+        }
+        const double rl = ref.lse.at(0, h, t, 0);
+        const float gl = lse[static_cast<std::size_t>(h * tnew + t)];
+        if (std::isnan(rl)) {
+          EXPECT_TRUE(std::isnan(gl)) << "lse t " << t << " head " << h;
+        } else {
+          EXPECT_LE(std::fabs(gl - rl) / std::max(1.0, std::fabs(rl)), kDecodeBound)
+              << "lse t " << t << " head " << h;
+        }
+      }
+    EXPECT_LE(diff, kDecodeBound * mx) << "largest finite |O| " << mx;
+    EXPECT_GT(mx, 0.0);
+    EXPECT_EQ(nonfinite > 0, c.nonfinite_out);
+  }
+}
+
 // The switch's values, and decode_amx's cache dtype.
-TEST(KVQuantAmxSwitch, ValuesAndCacheDtypeAreChecked) {
+TEST(DecodeAmxSwitch, ValuesAndCacheDtypeAreChecked) {
   {
     const ScopedEnv bad("TOKENMIX_DECODE_AMX", "sometimes");
     try {
@@ -976,20 +1085,21 @@ TEST(KVQuantAmxSwitch, ValuesAndCacheDtypeAreChecked) {
       EXPECT_NE(std::string(e.what()).find("TOKENMIX_DECODE_AMX"), std::string::npos) << e.what();
     }
   }
-  for (const DType dt : {DType::f32, DType::bf16, DType::f16}) {
+  for (const DType dt : {DType::f32, DType::f16}) {
     try {
       (void)decode_amx(dt);
       ADD_FAILURE() << "decode_amx(" << to_string(dt) << ") accepted";
     } catch (const ArgumentError& e) {
-      EXPECT_NE(std::string(e.what()).find("cache_dtype must be int8 or fp8_e4m3"),
+      EXPECT_NE(std::string(e.what()).find("cache_dtype must be int8, fp8_e4m3 or bf16"),
                 std::string::npos)
           << e.what();
       EXPECT_NE(std::string(e.what()).find(to_string(dt)), std::string::npos) << e.what();
     }
   }
-  // The features the two caches need: fp8's include int8's.
+  // The features the caches need: fp8's include int8's, bf16's are fp8's.
   const ScopedEnv unset("TOKENMIX_DECODE_AMX", nullptr);
   EXPECT_TRUE(!decode_amx(DType::fp8_e4m3) || decode_amx(DType::int8));
+  EXPECT_EQ(decode_amx(DType::bf16), decode_amx(DType::fp8_e4m3));
   EXPECT_TRUE(!cpu_features().amx_bf16 || cpu_features().amx_int8);
 }
 

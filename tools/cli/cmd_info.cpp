@@ -14,7 +14,8 @@ int run_info() {
   const bool fp8_direct = fp8_direct_widening();   // may throw (bad TOKENMIX_FP8_WIDEN): ditto
   const bool linear = linear_decode_prefetch();    // may throw (bad TOKENMIX_LINEAR_PREFETCH)
   // May throw (bad TOKENMIX_DECODE_AMX, or `on` where a cache's tile products cannot run).
-  const bool amx_int8 = decode_amx(DType::int8), amx_fp8 = decode_amx(DType::fp8_e4m3);
+  const bool amx_int8 = decode_amx(DType::int8), amx_fp8 = decode_amx(DType::fp8_e4m3),
+             amx_bf16 = decode_amx(DType::bf16);
   const CpuFeatures& cpu = cpu_features();
   std::cout << "tokenmix " << version() << "\n";
   std::cout << "cpu:             " << (cpu.model.empty() ? "(unknown)" : cpu.model) << "\n";
@@ -62,6 +63,10 @@ int run_info() {
   std::cout << "fp8 decode:      "
             << (amx_fp8 ? "AMX-BF16 tile products in units of >= 16 rows on avx512"
                         : "FMA products (no AMX-BF16 tile products)")
+            << " (" << amx_how << ")\n";
+  std::cout << "bf16 decode:     "
+            << (amx_bf16 ? "AMX-BF16 tile products in units of >= 32 rows on avx512"
+                         : "FMA products (no AMX-BF16 tile products)")
             << " (" << amx_how << ")\n";
   std::cout << "threads:         " << default_threads() << " (default; --threads overrides)\n";
   return kExitOk;

@@ -1,14 +1,14 @@
-// src/kernels/simd/amx_decode.cpp — decode's per-tile products over a quantized cache on AMX
-// tiles (amx_decode.hpp: the planes, their exactness and the column order). Compiled with
+// src/kernels/simd/amx_decode.cpp — decode's per-tile products over an int8, fp8 or bf16 cache on
+// AMX tiles (amx_decode.hpp: the planes, their exactness and the column order). Compiled with
 // -mamx-tile -mamx-int8 -mamx-bf16 -mavx512f/bw/vl/dq/bf16/vbmi; called only where
-// CpuFeatures::amx_int8 (int8 cache) or amx_bf16 (fp8 cache) holds.
+// CpuFeatures::amx_int8 (int8 cache) or amx_bf16 (fp8, bf16 cache) holds.
 //
 // Tiles (one configuration, palette 1, every tile 16 rows × 64 bytes):
 //   tmm0–tmm3  C: 16 rows × 16 int32 / fp32 columns (four column blocks of a product)
 //   int8: tmm4     A of S: rows 4p + i = plane p of query row 4·rb + i, 64 features of a chunk
 //         tmm5     A of Õ: rows 4p + i = plane p of P row 4·rb + i (rows 12–15 zero), 64 keys
 //         tmm6, 7  B: 16 byte-quad rows × 16 columns × 4 bytes
-//   fp8:  tmm4–6   A, plane p in tmm(4 + p): 16 query rows 16·rb + i × 32 features of a chunk
+//   fp8, bf16: tmm4–6   A, plane p in tmm(4 + p): 16 query rows 16·rb + i × 32 features of a chunk
 //                  (S), or 16 P rows × 32 keys of a half (Õ), as bf16 pairs; the three planes'
 //                  products add up in the same C tile (fewer products and tile loads than
 //                  int8's rows of planes: the bf16 products go at half the int8 ones' rate)
@@ -24,6 +24,10 @@
 //         V → vb[h][c][b][i][16 × 2 × 2]: keys 32h + 2i, 32h + 2i + 1 (halves of 32 keys).
 // Two byte and two word interleaves of 4 rows give exactly this order (they work within 128-bit
 // lanes), 8 shuffles per 256 bytes.
+//   bf16  the same tiles of row pairs, from two stored rows by one word interleave per 64 bytes
+//         (4 shuffles per 256 bytes): B tile 2z + h of a 64-column chunk holds in column 4l + j
+//         the pair of column 32z + 8l + 4h + j (z, h < 2; l, j < 4), a permutation within each
+//         32-column group (pairs_in_order puts it back).
 #include "kernels/simd/amx_decode.hpp"
 
 #include <immintrin.h>
@@ -56,6 +60,12 @@ struct alignas(64) TileConfig {
 // Features per chunk of an A row of S (a tile row: 64 bytes of the element's operand type).
 constexpr std::int64_t chunk_features(Element e) {
   return e == Element::int8 ? 64 : 32;
+}
+
+// The A operands' rows are scaled so that their largest |element| lies in [2^(top − 1), 2^top):
+// int8 [32, 64) (a₀ ∈ [−64, 64]), fp8 [1, 2), bf16 [2^40, 2^41) (see amx_decode.hpp).
+constexpr int a_top(Element e) {
+  return e == Element::int8 ? 6 : e == Element::fp8_e4m3 ? 1 : 41;
 }
 
 // This thread's operands (64-byte aligned views into one allocation), sized for the widest
@@ -180,6 +190,51 @@ inline void rewrite_fp8(const Fp8Widen& widen, const std::uint8_t* base, std::in
   widen(live0 ? _mm512_loadu_si512(base) : _mm512_setzero_si512(), lo0, hi0);
   widen(live1 ? _mm512_loadu_si512(base + stride) : _mm512_setzero_si512(), lo1, hi1);
   interleave4(lo0, hi0, lo1, hi1, out, 16 * 64);
+}
+
+// bf16: row 0's and row 1's 32 values (a, b) → the B rows of their columns 8l + j (at out) and
+// 8l + 4 + j (at out + out_step), l, j < 4: one word interleave each.
+inline void rewrite_bf16(__m512i a, __m512i b, std::uint8_t* out, std::int64_t out_step) {
+  _mm512_store_si512(out, _mm512_unpacklo_epi16(a, b));
+  _mm512_store_si512(out + out_step, _mm512_unpackhi_epi16(a, b));
+}
+
+// What the bf16 rewrites saw, for the fallbacks (amx_decode.hpp): the largest |v| bits (sign
+// cleared) and the smallest of those bits minus 1 (0 wraps to 0xffff: zeros pass), per lane.
+struct Bf16Scan {
+  __m512i top = _mm512_setzero_si512(), low = _mm512_set1_epi16(-1);
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff), one = _mm512_set1_epi16(1);
+  // K: only the top is checked (a subnormal key is read as 0 within the stated error).
+  void top_of(__m512i v) { top = _mm512_max_epu16(top, _mm512_and_si512(v, magnitude)); }
+  void both_of(__m512i v) {
+    const __m512i x = _mm512_and_si512(v, magnitude);
+    top = _mm512_max_epu16(top, x);
+    low = _mm512_min_epu16(low, _mm512_sub_epi16(x, one));
+  }
+  // |v| ≥ 2^64 (bits ≥ 0x5f80: exponent field ≥ 191), ±∞ or NaN seen.
+  bool huge() const { return _mm512_cmpge_epu16_mask(top, _mm512_set1_epi16(0x5f80)) != 0; }
+  // That, or a subnormal (bits 1 .. 0x7f).
+  bool outside() const {
+    return huge() || _mm512_cmplt_epu16_mask(low, _mm512_set1_epi16(0x7f)) != 0;
+  }
+};
+
+// bf16 products' columns (B tiles 2z and 2z + 1 of a chunk: C tiles t0, t1 hold columns 8l + j
+// and 8l + 4 + j of block l) → the 32-column group's columns 0–15 (lo) and 16–31 (hi) in order.
+inline void pairs_in_order(__m512 t0, __m512 t1, __m512& lo, __m512& hi) {
+  const __m512i take_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i take_hi =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  lo = _mm512_permutex2var_ps(t0, take_lo, t1);
+  hi = _mm512_permutex2var_ps(t0, take_hi, t1);
+}
+
+// A bf16 value from its bits.
+inline float bf16_value(std::uint16_t bits) {
+  const std::uint32_t wide = static_cast<std::uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
 }
 
 // The tile pair ahead is prefetched into L2 by a cursor that every phase of a tile's work
@@ -340,6 +395,11 @@ inline std::int64_t permuted_column(std::int64_t x) {
   const std::int64_t f = x % 64;
   return x - f + 16 * (f / 4 % 4) + 4 * (f / 16) + f % 4;
 }
+// The same for bf16's order: feature 32z + 8l + 4h + j sits at 32z + 16h + 4l + j.
+inline std::int64_t permuted_column_bf16(std::int64_t x) {
+  const std::int64_t f = x % 32;
+  return x - f + 16 * (f / 4 % 2) + 4 * (f / 8) + f % 4;
+}
 
 // The int8 and fp8 halves of scores() and values() (the public functions dispatch on the
 // workspace's element).
@@ -377,15 +437,11 @@ void scores_int8(Workspace& w, const std::int8_t* k_tile, float* s) {
   }
 }
 
-void scores_fp8(Workspace& w, const std::uint8_t* k_tile, float* s) {
-  const std::int64_t dh = w.dh, n = w.n, chunks = dh / 32, pairs = dh / 2;
-  const Fp8Widen widen;
-  for (std::int64_t i = 0; i < pairs; ++i) {
-    if (i % 8 == 0) wake(w);
-    pf_take(w, kPfPerKStep);
-    rewrite_fp8(widen, k_tile + 2 * i * kKeys, kKeys, true, true,
-                w.kb + ((i / 16) * 4 * 16 + i % 16) * 64);
-  }
+// fp8 and bf16: the S products of the query planes with the B tiles in w.kb, each row's C
+// tiles (scaled back by 2^−s_r) written to S in key order by put_row(v[4], s_row).
+template <class PutRow>
+void bf16_scores_products(Workspace& w, float* s, PutRow put_row) {
+  const std::int64_t n = w.n, chunks = w.dh / 32;
   for (std::int64_t rb = 0; rb * 16 < n; ++rb) {
     zero_c();
     for (std::int64_t c = 0; c < chunks; ++c) {
@@ -398,20 +454,66 @@ void scores_fp8(Workspace& w, const std::uint8_t* k_tile, float* s) {
       const __m512 unit = _mm512_set1_ps(w.q_unit[r]);
       __m512 v[4];
       for (int b = 0; b < 4; ++b) v[b] = _mm512_mul_ps(fp32(w.cb + b * 256 + i * 16), unit);
-      transpose_blocks(v[0], v[1], v[2], v[3]);  // keys 16L .. 16L + 15 in v[L]
-      for (int L = 0; L < 4; ++L) _mm512_storeu_ps(s + r * kKeys + 16 * L, v[L]);
+      put_row(v, s + r * kKeys);
     }
   }
 }
 
+void scores_fp8(Workspace& w, const std::uint8_t* k_tile, float* s) {
+  const Fp8Widen widen;
+  for (std::int64_t i = 0; i < w.dh / 2; ++i) {
+    if (i % 8 == 0) wake(w);
+    pf_take(w, kPfPerKStep);
+    rewrite_fp8(widen, k_tile + 2 * i * kKeys, kKeys, true, true,
+                w.kb + ((i / 16) * 4 * 16 + i % 16) * 64);
+  }
+  bf16_scores_products(w, s, [](__m512 v[4], float* s_row) {
+    transpose_blocks(v[0], v[1], v[2], v[3]);  // keys 16L .. 16L + 15 in v[L]
+    for (int L = 0; L < 4; ++L) _mm512_storeu_ps(s_row + 16 * L, v[L]);
+  });
+}
+
+// bf16: keys ≥ nt read as 0 (not loaded); false before any product where a key < nt is too large
+// for the tiles (Bf16Scan::huge).
+bool scores_bf16(Workspace& w, const std::uint16_t* k_tile, std::int64_t nt, float* s) {
+  const auto keys_from = [nt](std::int64_t k0) {  // the lanes of keys k0 .. k0 + 31 below nt
+    const std::int64_t keys = std::clamp<std::int64_t>(nt - k0, 0, 32);
+    return static_cast<__mmask32>(keys == 32 ? ~0u : (1u << keys) - 1);
+  };
+  const __mmask32 half0 = keys_from(0), half1 = keys_from(32);
+  Bf16Scan scan;
+  for (std::int64_t i = 0; i < w.dh / 2; ++i) {  // features 2i, 2i + 1
+    if (i % 8 == 0) wake(w);
+    pf_take(w, kPfPerKStep);
+    const std::uint16_t* r = k_tile + 2 * i * kKeys;
+    const __m512i a0 = _mm512_maskz_loadu_epi16(half0, r),
+                  b0 = _mm512_maskz_loadu_epi16(half1, r + 32),
+                  a1 = _mm512_maskz_loadu_epi16(half0, r + kKeys),
+                  b1 = _mm512_maskz_loadu_epi16(half1, r + kKeys + 32);
+    scan.top_of(a0), scan.top_of(b0), scan.top_of(a1), scan.top_of(b1);
+    std::uint8_t* out = w.kb + ((i / 16) * 4 * 16 + i % 16) * 64;
+    rewrite_bf16(a0, a1, out, 16 * 64);                // keys 0–31: B tiles 0, 1
+    rewrite_bf16(b0, b1, out + 2 * 16 * 64, 16 * 64);  // keys 32–63: B tiles 2, 3
+  }
+  if (scan.huge()) return false;
+  bf16_scores_products(w, s, [](__m512 v[4], float* s_row) {
+    __m512 lo, hi;
+    pairs_in_order(v[0], v[1], lo, hi);
+    _mm512_storeu_ps(s_row, lo), _mm512_storeu_ps(s_row + 16, hi);
+    pairs_in_order(v[2], v[3], lo, hi);
+    _mm512_storeu_ps(s_row + 32, lo), _mm512_storeu_ps(s_row + 48, hi);
+  });
+  return true;
+}
+
 // A row whose weights hold a NaN or ±∞: Σ_u P[u]·V[u][x] as a plain loop (keys < nt), into the
 // permuted columns.
-template <class Widen>
-void values_scalar_row(const float* pr, std::int64_t nt, const std::uint8_t* v_tile,
-                       std::int64_t dh, float* o, Widen widen) {
-  for (std::int64_t u = 0; u < nt; ++u)
-    for (std::int64_t x = 0; x < dh; ++x)
-      o[permuted_column(x)] += pr[u] * widen(v_tile[u * dh + x]);
+// (Keys [lo, hi); Column: the element's permuted column of a feature.)
+template <class T, class Widen, class Column>
+void values_scalar_row(const float* pr, std::int64_t lo, std::int64_t hi, const T* v_tile,
+                       std::int64_t dh, float* o, Widen widen, Column column) {
+  for (std::int64_t u = lo; u < hi; ++u)
+    for (std::int64_t x = 0; x < dh; ++x) o[column(x)] += pr[u] * widen(v_tile[u * dh + x]);
 }
 
 void values_int8(Workspace& w, const float* p, std::int64_t nt, const std::uint8_t* v_tile,
@@ -474,24 +576,21 @@ void values_int8(Workspace& w, const float* p, std::int64_t nt, const std::uint8
       unit[i] = unit2[i] = 0.0f;
       if (!scalar_row[i]) continue;
       values_scalar_row(
-          p + (rb * 4 + i) * kKeys, nt, v_tile, dh, acc + (rb * 4 + i) * dh,
-          [](std::uint8_t q) { return static_cast<float>(static_cast<std::int8_t>(q)); });
+          p + (rb * 4 + i) * kKeys, 0, nt, v_tile, dh, acc + (rb * 4 + i) * dh,
+          [](std::uint8_t q) { return static_cast<float>(static_cast<std::int8_t>(q)); },
+          permuted_column);
     }
   }
 }
 
-void values_fp8(Workspace& w, const float* p, std::int64_t nt, const std::uint8_t* v_tile,
-                float* acc, const __mmask16 in_tile[4]) {
+// fp8 and bf16: Õ += P V on the tiles for the B tiles in w.vb: each P row's three bf16 planes
+// (the row scaled to [2^(top − 1), 2^top)), the products per 64-column chunk, each row's C tiles
+// scaled back and added to Õ; a row whose P holds a NaN or ±∞ is added by scalar_row(i, p_row,
+// acc_row) instead.
+template <class ScalarRow>
+void bf16_values_products(Workspace& w, const float* p, float* acc, const __mmask16 in_tile[4],
+                          int top, ScalarRow scalar_row_add) {
   const std::int64_t dh = w.dh, n = w.n, chunks = dh / 64;
-  const Fp8Widen widen;
-  // The V tile as B tiles (key pairs; rows from nt on as zeros: their bytes are not read).
-  for (std::int64_t i = 0; i < 32; ++i)
-    for (std::int64_t c = 0; c < chunks; ++c) {
-      if ((i * chunks + c) % 8 == 0) wake(w);
-      pf_take(w, kPfPerVStep);
-      rewrite_fp8(widen, v_tile + 2 * i * dh + 64 * c, dh, 2 * i < nt, 2 * i + 1 < nt,
-                  w.vb + (((i / 16) * chunks + c) * 4 * 16 + i % 16) * 64);
-    }
   float unit[16] = {}, unit2[16] = {};
   for (std::int64_t rb = 0; rb * 16 < n; ++rb) {
     const std::int64_t rows = std::min<std::int64_t>(16, n - rb * 16);
@@ -518,7 +617,7 @@ void values_fp8(Workspace& w, const float* p, std::int64_t nt, const std::uint8_
         zero_row(i);
         continue;
       }
-      row_scale(m, 1, up1, up2, unit[i], unit2[i]);  // m · 2^t ∈ [1, 2)
+      row_scale(m, top, up1, up2, unit[i], unit2[i]);  // m · 2^t ∈ [2^(top − 1), 2^top)
       for (int L = 0; L < 4; ++L)  // keys 16L ..: half L / 2, bytes 32 · (L % 2) of the row
         bf16_planes(_mm512_mul_ps(_mm512_mul_ps(pv[L], up1), up2),
                     w.pa + (L / 2) * 3 * kTileBytes + i * 64 + 32 * (L % 2), kTileBytes);
@@ -541,14 +640,61 @@ void values_fp8(Workspace& w, const float* p, std::int64_t nt, const std::uint8_
       }
     }
     for (std::int64_t i = 0; i < rows; ++i) {
-      if (!scalar_row[i]) continue;
-      values_scalar_row(p + (rb * 16 + i) * kKeys, nt, v_tile, dh, acc + (rb * 16 + i) * dh,
-                        [](std::uint8_t q) {
-                          const float v = e4m3_unit_value(q & 0x7fu);
-                          return (q & 0x80u) != 0 ? -v : v;
-                        });
+      if (scalar_row[i]) scalar_row_add(p + (rb * 16 + i) * kKeys, acc + (rb * 16 + i) * dh);
     }
   }
+}
+
+void values_fp8(Workspace& w, const float* p, std::int64_t nt, const std::uint8_t* v_tile,
+                float* acc, const __mmask16 in_tile[4]) {
+  const std::int64_t dh = w.dh, chunks = dh / 64;
+  const Fp8Widen widen;
+  // The V tile as B tiles (key pairs; rows from nt on as zeros: their bytes are not read).
+  for (std::int64_t i = 0; i < 32; ++i)
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      if ((i * chunks + c) % 8 == 0) wake(w);
+      pf_take(w, kPfPerVStep);
+      rewrite_fp8(widen, v_tile + 2 * i * dh + 64 * c, dh, 2 * i < nt, 2 * i + 1 < nt,
+                  w.vb + (((i / 16) * chunks + c) * 4 * 16 + i % 16) * 64);
+    }
+  bf16_values_products(w, p, acc, in_tile, a_top(Element::fp8_e4m3),
+                       [&](const float* pr, float* o) {
+                         values_scalar_row(
+                             pr, 0, nt, v_tile, dh, o,
+                             [](std::uint8_t q) {
+                               const float v = e4m3_unit_value(q & 0x7fu);
+                               return (q & 0x80u) != 0 ? -v : v;
+                             },
+                             permuted_column);
+                       });
+}
+
+// bf16: rows from nt on as zeros (not loaded); false before any product where a row < nt holds a
+// value the tiles would not take exactly (Bf16Scan::outside).
+bool values_bf16(Workspace& w, const float* p, std::int64_t nt, const std::uint16_t* v_tile,
+                 float* acc, const __mmask16 in_tile[4]) {
+  const std::int64_t dh = w.dh, chunks = dh / 64;
+  Bf16Scan scan;
+  const auto row_part = [&](std::int64_t u, std::int64_t x) {  // 32 values of row u from x
+    if (u >= nt) return _mm512_setzero_si512();
+    const __m512i v = _mm512_loadu_si512(v_tile + u * dh + x);
+    scan.both_of(v);
+    return v;
+  };
+  for (std::int64_t i = 0; i < 32; ++i)  // keys 2i, 2i + 1: B row i % 16 of half i / 16
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      if ((i * chunks + c) % 8 == 0) wake(w);
+      pf_take(w, kPfPerVStep);
+      std::uint8_t* out = w.vb + (((i / 16) * chunks + c) * 4 * 16 + i % 16) * 64;
+      for (std::int64_t z = 0; z < 2; ++z)  // features 64c + 32z ..: B tiles 2z, 2z + 1
+        rewrite_bf16(row_part(2 * i, 64 * c + 32 * z), row_part(2 * i + 1, 64 * c + 32 * z),
+                     out + 2 * z * 16 * 64, 16 * 64);
+    }
+  if (scan.outside()) return false;
+  bf16_values_products(w, p, acc, in_tile, a_top(Element::bf16), [&](const float* pr, float* o) {
+    values_scalar_row(pr, 0, nt, v_tile, dh, o, bf16_value, permuted_column_bf16);
+  });
+  return true;
 }
 
 }  // namespace
@@ -582,7 +728,7 @@ bool query_planes(Element element, const float* qs, std::int64_t n, std::int64_t
   if (n < 1 || n > kRowsMax || !head_dim_supported(dh)) return false;  // the workspace's sizes
   Workspace& w = workspace();
   w.element = element, w.n = n, w.dh = dh;
-  const bool fp8 = element == Element::fp8_e4m3;
+  const bool fp8 = element != Element::int8;  // fp8 and bf16: three bf16 planes per row
   const std::int64_t cf = chunk_features(element), chunks = dh / cf;
   const std::int64_t tiles = fp8 ? (n + 15) / 16 * chunks * 3 : (n + 3) / 4 * chunks;
   std::memset(w.qa, 0, static_cast<std::size_t>(tiles * kTileBytes));
@@ -597,9 +743,8 @@ bool query_planes(Element element, const float* qs, std::int64_t n, std::int64_t
     for (std::int64_t x = 0; x < dh; ++x) finite = finite && std::isfinite(row[x]);
     if (!finite || (m != 0.0f && (m < 0x1p-60f || m >= 0x1p60f))) return false;
     int e = 0;
-    std::frexp(m, &e);  // m ∈ [2^(e−1), 2^e)
-    // int8: m · 2^s ∈ [32, 64) (a₀ ∈ [−64, 64]); fp8: m · 2^s ∈ [1, 2).
-    const int s = m == 0.0f ? 0 : (element == Element::int8 ? 6 : 1) - e;
+    std::frexp(m, &e);                                 // m ∈ [2^(e−1), 2^e)
+    const int s = m == 0.0f ? 0 : a_top(element) - e;  // m · 2^s ∈ [2^(top − 1), 2^top)
     w.q_unit[r] = std::ldexp(1.0f, -s);
     const __m512 up = _mm512_set1_ps(std::ldexp(1.0f, s)), step = _mm512_set1_ps(128.0f);
     std::uint8_t* a_row = fp8 ? w.qa + (r / 16) * chunks * 3 * kTileBytes + (r % 16) * 64
@@ -622,17 +767,23 @@ bool query_planes(Element element, const float* qs, std::int64_t n, std::int64_t
   return true;
 }
 
-void scores(const void* k_tile, float* s, const std::uint8_t* pf, std::int64_t pf_bytes) {
+bool scores(const void* k_tile, std::int64_t nt, float* s, const std::uint8_t* pf,
+            std::int64_t pf_bytes) {
   Workspace& w = workspace();
   w.pf_next = pf, w.pf_end = pf != nullptr ? pf + pf_bytes : nullptr;
-  if (w.element == Element::int8) {
-    scores_int8(w, static_cast<const std::int8_t*>(k_tile), s);
-  } else {
-    scores_fp8(w, static_cast<const std::uint8_t*>(k_tile), s);
+  switch (w.element) {
+    case Element::int8:
+      scores_int8(w, static_cast<const std::int8_t*>(k_tile), s);
+      return true;
+    case Element::fp8_e4m3:
+      scores_fp8(w, static_cast<const std::uint8_t*>(k_tile), s);
+      return true;
+    default:
+      return scores_bf16(w, static_cast<const std::uint16_t*>(k_tile), nt, s);
   }
 }
 
-void values(const float* p, std::int64_t nt, const void* v_tile, float* acc) {
+bool values(const float* p, std::int64_t nt, const void* v_tile, float* acc) {
   Workspace& w = workspace();
   __mmask16 in_tile[4];  // the lanes of keys < nt in each 16-key quarter of P's row
   for (int L = 0; L < 4; ++L) {
@@ -640,16 +791,40 @@ void values(const float* p, std::int64_t nt, const void* v_tile, float* acc) {
     in_tile[L] = static_cast<__mmask16>((1u << keys) - 1);
   }
   const auto* v = static_cast<const std::uint8_t*>(v_tile);
-  if (w.element == Element::int8) {
-    values_int8(w, p, nt, v, acc, in_tile);
-  } else {
-    values_fp8(w, p, nt, v, acc, in_tile);
+  bool done = true;
+  switch (w.element) {
+    case Element::int8:
+      values_int8(w, p, nt, v, acc, in_tile);
+      break;
+    case Element::fp8_e4m3:
+      values_fp8(w, p, nt, v, acc, in_tile);
+      break;
+    default:
+      done = values_bf16(w, p, nt, static_cast<const std::uint16_t*>(v_tile), acc, in_tile);
   }
   pf_take(w, std::int64_t{1} << 20);  // what the cursor has left of the pair ahead
+  return done;
+}
+
+void values_visible(const float* p_row, std::int64_t lo, std::int64_t hi, const void* v_tile,
+                    float* acc_row) {
+  const Workspace& w = workspace();
+  values_scalar_row(p_row, lo, hi, static_cast<const std::uint16_t*>(v_tile), w.dh, acc_row,
+                    bf16_value, permuted_column_bf16);
 }
 
 void unpermute(float* acc) {
   const Workspace& w = workspace();
+  if (w.element == Element::bf16) {
+    for (std::int64_t r = 0; r < w.n; ++r)
+      for (std::int64_t c = 0; c < w.dh; c += 32) {
+        float* o = acc + r * w.dh + c;
+        __m512 lo, hi;
+        pairs_in_order(_mm512_loadu_ps(o), _mm512_loadu_ps(o + 16), lo, hi);
+        _mm512_storeu_ps(o, lo), _mm512_storeu_ps(o + 16, hi);
+      }
+    return;
+  }
   for (std::int64_t r = 0; r < w.n; ++r)
     for (std::int64_t c = 0; c < w.dh; c += 64) {
       float* o = acc + r * w.dh + c;

@@ -1,8 +1,8 @@
-// src/kernels/simd/amx_decode.hpp — decode's two per-tile products over a quantized KV cache on
-// Intel AMX tiles (16 × 16 fp32 / int32 tiles of byte-quad or bf16-pair dot products), for the
-// AVX-512 decode kernel (attention_decode_hwy.cpp) where DecodeArgs::amx is set: the CPU has
-// AMX-TILE, AMX-INT8 (int8 cache) or AMX-BF16 with AVX512-BF16 and VBMI (fp8 cache), the OS saves
-// tile state and granted this process the tile data (CpuFeatures::amx_int8 / amx_bf16,
+// src/kernels/simd/amx_decode.hpp — decode's two per-tile products over an int8, fp8 or bf16 KV
+// cache on Intel AMX tiles (16 × 16 fp32 / int32 tiles of byte-quad or bf16-pair dot products),
+// for the AVX-512 decode kernel (attention_decode_hwy.cpp) where DecodeArgs::amx is set: the CPU
+// has AMX-TILE, AMX-INT8 (int8 cache) or AMX-BF16 with AVX512-BF16 and VBMI (fp8, bf16), the OS
+// saves tile state and granted this process the tile data (CpuFeatures::amx_int8 / amx_bf16,
 // detail::decode_amx). Intrinsics in their own translation unit (amx_decode.cpp), called once per
 // unit and per 64-key tile.
 //
@@ -30,6 +30,14 @@
 // product, the planes low to high): the FMA chain's bound. The tiles treat subnormal bf16 inputs
 // and products as 0: with the rows scaled to [1, 2) and the widened values ≥ 2^−17, only terms
 // below 2^−126 are lost (far below fp32 rounding of a row).
+//
+// bf16 cache (TDPBF16PS). The stored values are the B operands as they are (word interleaves of
+// two rows), the A operands the same three planes, but of rows scaled to [2^40, 2^41): with every
+// cache value the tiles take (0, or 2^−126 ≤ |v| < 2^64) no product or sum overflows (< 2^113),
+// and the terms the tiles flush (below 2^−126) leave an absolute error below 2^−158 in O. A tile
+// holding a value outside that range (NaN, ±∞, subnormal, huge; scanned as it is rewritten) goes
+// to the caller's exact fallback (scores, values). Its columns come out permuted within each
+// 32-column group (unpacks of words within 128-bit lanes), not as the byte caches' below.
 //
 // The B operands are built per cache tile (the cache keeps K as [d_h][64] and V as [64][d_h],
 // which the FMA kernels read as they are) with byte interleaves that leave the columns of a tile
@@ -59,8 +67,9 @@ constexpr bool head_dim_supported(std::int64_t dh) {
 
 /// The cache element the tile products read.
 enum class Element {
-  int8,     // q ∈ [−127, 127]: AMX-INT8
-  fp8_e4m3  // read as q · 2^−8 (the decode kernel's kLoadBUnit): AMX-BF16
+  int8,      // q ∈ [−127, 127]: AMX-INT8
+  fp8_e4m3,  // read as q · 2^−8 (the decode kernel's kLoadBUnit): AMX-BF16
+  bf16       // the stored bf16 values, where the tiles can take them (see scores): AMX-BF16
 };
 
 /// The unit's query planes from qs = (scale·Q)ᵀ [dh][n] (the decode kernel's layout), n ≤ 128,
@@ -70,18 +79,31 @@ enum class Element {
 bool query_planes(Element element, const float* qs, std::int64_t n, std::int64_t dh);
 
 /// S[r][0..64) = Σ_x (scale·q_r)[x] K[x][·] for the n rows of the last query_planes, K a tile
-/// [dh][64] of its element (keys in lanes; all 64 read: keys past the sequence are bytes whose
-/// scores the caller masks), S rows 64 floats apart, in key order. The bytes [pf, pf + pf_bytes)
-/// (the tile pair ahead; pf may be null) are prefetched into L2 over this tile's work: here,
-/// in keep_awake() and in values().
-void scores(const void* k_tile, float* s, const std::uint8_t* pf, std::int64_t pf_bytes);
+/// [dh][64] of its element (keys in lanes; int8 and fp8 read all 64: keys past the sequence are
+/// bytes whose scores the caller masks; bf16 reads keys < nt and scores the others as 0), S rows
+/// 64 floats apart, in key order. The bytes [pf, pf + pf_bytes) (the tile pair ahead; pf may be
+/// null) are prefetched into L2 over this tile's work: here, in keep_awake() and in values().
+/// False (S not written) for a bf16 tile holding a value with |k| ≥ 2^64, ±∞ or NaN among its
+/// keys < nt (products on the tiles could overflow where the FMA ones do not): the caller computes
+/// that tile's S with FMAs. Subnormal bf16 keys are read as 0 by the tiles: a score's absolute
+/// error stays below d_h · 2^−126 · max|scale·q_r| (a relative error of P below 2^−57).
+bool scores(const void* k_tile, std::int64_t nt, float* s, const std::uint8_t* pf,
+            std::int64_t pf_bytes);
 
 /// Õ[r][·] += Σ_{u < nt} P[r][u] · V[u][·] for the n rows of the last query_planes: P rows 64
 /// floats apart (keys [nt, 64) not read), V a tile [64][dh] of its element (rows past nt: int8
-/// read and weighed by 0, fp8 not read), Õ rows dh floats apart in the permuted column order
-/// (see unpermute). A row whose P holds a NaN or ±∞ is added by a scalar loop instead (its
-/// output is NaN or ±∞ either way).
-void values(const float* p, std::int64_t nt, const void* v_tile, float* acc);
+/// read and weighed by 0, fp8 and bf16 not read), Õ rows dh floats apart in the permuted column
+/// order (see unpermute). A row whose P holds a NaN or ±∞ is added by a scalar loop instead (its
+/// output is NaN or ±∞ either way). False (nothing added) for a bf16 tile holding, in its rows
+/// < nt, a value the tiles would not take exactly: NaN, ±∞, |v| ≥ 2^64 or a subnormal (read as 0
+/// by the tiles); the caller adds that tile with values_visible.
+bool values(const float* p, std::int64_t nt, const void* v_tile, float* acc);
+
+/// Õ_r[·] += Σ_{u ∈ [lo, hi)} P_r[u] · V[u][·], a scalar loop over a bf16 V tile [64][dh] into one
+/// Õ row in the permuted column order of the last query_planes: the exact fallback of values()
+/// for one row, over the keys it sees (a key it does not see takes no part: 0 · NaN = NaN).
+void values_visible(const float* p_row, std::int64_t lo, std::int64_t hi, const void* v_tile,
+                    float* acc_row);
 
 /// Õ's n rows of dh columns back in feature order (after the unit's last values()).
 void unpermute(float* acc);

@@ -284,11 +284,13 @@ void DecodeUnits(const DecodeArgs& a) {
   // tile's Q Kᵀ, Õ at the end of the unit: UnsplitPairs), so every element is the same bits.
   constexpr bool kSplit = kSplitBuilt && std::is_same_v<TB, hwy::bfloat16_t>;
   using TP = std::conditional_t<kSplit, bf16_split_t, TB>;  // what the products read
-  // AMX tile products for an int8 cache (AMX-INT8) or an fp8 cache (AMX-BF16) (DecodeArgs::amx,
-  // amx_decode.hpp) in units of at least kAmxMinRows rows, where d_h is a multiple of 64 up to
-  // 256 and the unit's query rows can be written as planes: every tile's S (in key order) and Õ
-  // (in amx_decode's column order until the unit's end). fp8 units read K and V through the tile
-  // path's own widening (k_direct and v_direct off: the scores' and weights' unit is kUnit).
+  // AMX tile products for an int8 cache (AMX-INT8), an fp8 or a bf16 cache (AMX-BF16)
+  // (DecodeArgs::amx, amx_decode.hpp) in units whose rows make them pay (amx_unit_pays below),
+  // where d_h is a multiple of 64 up to 256, the unit's query rows can be written as planes and V
+  // is read from the cache's tiles: every tile's S (in key order; a bf16 K tile the tiles cannot
+  // take: the FMA products) and Õ (in amx_decode's column order until the unit's end; a bf16 V
+  // tile they cannot take: amx::values_visible). fp8 units read K and V through the tile path's
+  // own widening (k_direct and v_direct off: the scores' and weights' unit is kUnit).
   // On an Intel Xeon (family 6 model 207), T_k = 32768, B = 1, g = 4, two threads, from DRAM,
   // best of 7 calls (docs/performance.md, 2026-12-05, third session), int8: T_new = 4
   // (16 rows) 7.80 → 6.10 ms, T_new = 16 27.97 → 18.88 ms; T_new = 1 and 2 level
@@ -297,13 +299,25 @@ void DecodeUnits(const DecodeArgs& a) {
   // T_new = 4 / 16 / 64 19.3 → 16.0, 51.2 → 31.2, 257 → 203 ms; 4 rows and 8 rows slower on the
   // tiles (hot, one thread: 1.77× and 1.25× the time), 12 level.
 #if TOKENMIX_HAVE_AMX && (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
-  constexpr bool kAmxBuilt = kQuant;
+  constexpr bool kAmxBuilt = kQuant || std::is_same_v<TB, hwy::bfloat16_t>;
 #else
   constexpr bool kAmxBuilt = false;
 #endif
 #if TOKENMIX_HAVE_AMX
-  constexpr std::int64_t kAmxMinRows = 16;
-  constexpr amx::Element kAmxElement = kFp8 ? amx::Element::fp8_e4m3 : amx::Element::int8;
+  constexpr amx::Element kAmxElement = kFp8                              ? amx::Element::fp8_e4m3
+                                       : std::is_same_v<TB, std::int8_t> ? amx::Element::int8
+                                                                         : amx::Element::bf16;
+  // int8 and fp8: units of ≥ 16 rows. bf16 (whose FMA products read the cache with two
+  // instructions per 2·Lanes elements, bf16_split_t) only where rows − 9·⌈rows / 16⌉ > 10: a tile
+  // unit costs about 0.64 of a 16-row FMA block per tile (the rewrites) plus 0.56 per 16-row
+  // block of its A tiles, fitted to T_k = 32768, two threads, alternated calls
+  // (docs/performance.md, 2026-12-05, fifth session): 16 rows (T_new = 4) 1.10–1.24× the FMA
+  // time, 20 and 24 rows 1.11–1.30×, 32 rows 0.80–0.96×, 36 rows 1.13×, 40 rows 0.93×, 48 rows
+  // 0.89×, 64 rows 0.50–0.89×.
+  const auto amx_unit_pays = [](std::int64_t rows) {
+    if constexpr (std::is_same_v<TB, hwy::bfloat16_t>) return rows - 9 * ((rows + 15) / 16) > 10;
+    return rows >= 16;
+  };
 #endif
   const hn::ScalableTag<float> d;
   const hn::RebindToSigned<decltype(d)> di;
@@ -392,7 +406,8 @@ void DecodeUnits(const DecodeArgs& a) {
     bool amx_unit = false;  // this unit's products on AMX tiles (kAmxBuilt)
 #if TOKENMIX_HAVE_AMX
     if constexpr (kAmxBuilt) {
-      if (amx_worker && nrows >= kAmxMinRows && amx::query_planes(kAmxElement, qs, nrows, dh)) {
+      if (amx_worker && amx_unit_pays(nrows) && !v_in_place &&
+          amx::query_planes(kAmxElement, qs, nrows, dh)) {
         amx::configure();
         amx_unit = amx_configured = true;
       }
@@ -483,14 +498,20 @@ void DecodeUnits(const DecodeArgs& a) {
                                     kn, cur);
         }
       };
+      // S from the tiles (in key order), or (false) from the FMA products below: not an AMX unit,
+      // or a bf16 K tile the tiles cannot take (amx::scores).
+      bool s_tiles = false;
       if (amx_unit) {
 #if TOKENMIX_HAVE_AMX
         // The tile pair ahead (K and V tiles with their scales), front to back, over this tile's
         // work (amx_decode.cpp: pf_take).
         const std::uint8_t* const pf_pair =
             has_next ? reinterpret_cast<const std::uint8_t*>(k_layer + next) : nullptr;
-        if constexpr (kAmxBuilt) amx::scores(kt, st, pf_pair, pair_bytes);
+        if constexpr (kAmxBuilt) s_tiles = amx::scores(kt, nt, st, pf_pair, pair_bytes);
 #endif
+      }
+      if (s_tiles) {
+        // (S written, in key order)
       } else if (kQuadBuilt && k_direct && quad) {
         s_product(reinterpret_cast<const TQ*>(kt), reinterpret_cast<const TQ*>(kt_next));
         UnsplitQuads(st, kKeyTile, nrows, nv / w_blk * w_blk);
@@ -498,8 +519,8 @@ void DecodeUnits(const DecodeArgs& a) {
         s_product(reinterpret_cast<const TD*>(kt), reinterpret_cast<const TD*>(kt_next));
       } else {
         s_product(reinterpret_cast<const TP*>(kt), reinterpret_cast<const TP*>(kt_next));
+        if constexpr (kSplit) UnsplitPairs(st, kKeyTile, nrows, nv / w_blk * w_blk);
       }
-      if constexpr (kSplit) UnsplitPairs(st, kKeyTile, nrows, nv / w_blk * w_blk);
       // Tile crosses some row's end or window start: the mask pass below runs.
       const bool partial = u0 + kKeyTile > kfull || u0 < kfull_begin;
       // S_u ← δ_u · S_u (the K tile's row scales follow it): fused into the row max pass below
@@ -622,8 +643,9 @@ void DecodeUnits(const DecodeArgs& a) {
       const std::int64_t first_partial = std::clamp<std::int64_t>(kfull - u0, 0, nt);
       const std::int64_t last_partial = std::clamp<std::int64_t>(kfull_begin - u0, 0, nt);
       bool v_bad = false;
-      if constexpr (!kQuant) {
-        v_bad = v_nonfinite(vt, 0, last_partial) || v_nonfinite(vt, first_partial, nt);
+      if constexpr (!kQuant) {  // (an AMX unit checks its tiles itself: amx::values)
+        v_bad =
+            !amx_unit && (v_nonfinite(vt, 0, last_partial) || v_nonfinite(vt, first_partial, nt));
       }
       // The tall blocking is bound by FMAs, not by the stream (several query rows per key): it
       // takes the whole tile per call, so Õ is loaded and stored once per tile, not per kSub; so
@@ -632,7 +654,18 @@ void DecodeUnits(const DecodeArgs& a) {
       const std::int64_t sub = tall || (kWholeTilePVNarrow && sizeof(TB) < 4) ? kKeyTile : kSub;
       if (amx_unit) {
 #if TOKENMIX_HAVE_AMX
-        if constexpr (kAmxBuilt) amx::values(st, nt, vt, acc);
+        if constexpr (kAmxBuilt) {
+          // A bf16 V tile the tiles cannot take: each row's visible keys by a scalar loop, in
+          // the tiles' column order (a key a row does not see takes no part: 0 · NaN = NaN).
+          if (!amx::values(st, nt, vt, acc)) {
+            for (std::int64_t r = 0; r < nrows; ++r) {
+              const std::int64_t t = t0 + r / g;
+              amx::values_visible(
+                  st + r * kKeyTile, std::clamp<std::int64_t>(a.visible_begin(b, t) - u0, 0, nt),
+                  std::clamp<std::int64_t>(a.visible_end(b, t) - u0, 0, nt), vt, acc + r * dh);
+            }
+          }
+        }
 #endif
         continue;  // the next tile (d_h % 64 == 0: no scalar tail)
       }
@@ -692,7 +725,7 @@ void DecodeUnits(const DecodeArgs& a) {
       }
     }
     // Õ's blocked columns back in order (the split readings; the scalar tail is in order).
-    if constexpr (kSplit) UnsplitPairs(acc, dh, nrows, dh_vec / w_blk * w_blk);
+    if (kSplit && !amx_unit) UnsplitPairs(acc, dh, nrows, dh_vec / w_blk * w_blk);
     if (quad) UnsplitQuads(acc, dh, nrows, dh_vec / w_blk * w_blk);
 #if TOKENMIX_HAVE_AMX
     if constexpr (kAmxBuilt) {

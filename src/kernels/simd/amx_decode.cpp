@@ -733,15 +733,24 @@ bool query_planes(Element element, const float* qs, std::int64_t n, std::int64_t
   const std::int64_t tiles = fp8 ? (n + 15) / 16 * chunks * 3 : (n + 3) / 4 * chunks;
   std::memset(w.qa, 0, static_cast<std::size_t>(tiles * kTileBytes));
   alignas(64) float row[kDhMax];
+  // Row r's features x .. x + 15 are 16 floats n apart in qs: one gather each.
+  const __m512i column =
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(static_cast<int>(n)));
   for (std::int64_t r = 0; r < n; ++r) {
-    float m = 0.0f;
-    for (std::int64_t x = 0; x < dh; ++x) {
-      row[x] = qs[x * n + r];
-      m = std::max(m, std::fabs(row[x]));  // a NaN element passes over: caught below
+    __m512 largest = _mm512_setzero_ps();
+    __mmask16 not_finite = 0;
+    for (std::int64_t x = 0; x < dh; x += 16) {
+      const __m512 v = _mm512_i32gather_ps(
+          _mm512_add_epi32(column, _mm512_set1_epi32(static_cast<int>(x * n))), qs + r, 4);
+      _mm512_store_ps(row + x, v);
+      const __m512 magnitude = _mm512_abs_ps(v);
+      not_finite |= _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
+      largest = _mm512_max_ps(largest, magnitude);
     }
-    bool finite = std::isfinite(m);
-    for (std::int64_t x = 0; x < dh; ++x) finite = finite && std::isfinite(row[x]);
-    if (!finite || (m != 0.0f && (m < 0x1p-60f || m >= 0x1p60f))) return false;
+    if (not_finite != 0) return false;  // NaN or ±∞
+    const float m = _mm512_reduce_max_ps(largest);
+    if (m != 0.0f && (m < 0x1p-60f || m >= 0x1p60f)) return false;
     int e = 0;
     std::frexp(m, &e);                                 // m ∈ [2^(e−1), 2^e)
     const int s = m == 0.0f ? 0 : a_top(element) - e;  // m · 2^s ∈ [2^(top − 1), 2^top)

@@ -311,9 +311,9 @@ void DecodeUnits(const DecodeArgs& a) {
   // instructions per 2·Lanes elements, bf16_split_t) only where rows − 9·⌈rows / 16⌉ > 10: a tile
   // unit costs about 0.64 of a 16-row FMA block per tile (the rewrites) plus 0.56 per 16-row
   // block of its A tiles, fitted to T_k = 32768, two threads, alternated calls
-  // (docs/performance.md, 2026-12-05, fifth session): 16 rows (T_new = 4) 1.10–1.24× the FMA
-  // time, 20 and 24 rows 1.11–1.30×, 32 rows 0.80–0.96×, 36 rows 1.13×, 40 rows 0.93×, 48 rows
-  // 0.89×, 64 rows 0.50–0.89×.
+  // (docs/performance.md, 2026-12-05, fifth session): 16 rows (T_new = 4) 1.00–1.24× the FMA
+  // time, 20 and 24 rows 1.11–1.30×, 32 rows 0.74–0.97×, 36 rows 1.13×, 40 rows 0.93×, 48 rows
+  // 0.89×, 64 rows 0.48–0.89×.
   const auto amx_unit_pays = [](std::int64_t rows) {
     if constexpr (std::is_same_v<TB, hwy::bfloat16_t>) return rows - 9 * ((rows + 15) / 16) > 10;
     return rows >= 16;

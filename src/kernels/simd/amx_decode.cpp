@@ -585,8 +585,8 @@ void values_int8(Workspace& w, const float* p, std::int64_t nt, const std::uint8
 
 // fp8 and bf16: Õ += P V on the tiles for the B tiles in w.vb: each P row's three bf16 planes
 // (the row scaled to [2^(top − 1), 2^top)), the products per 64-column chunk, each row's C tiles
-// scaled back and added to Õ; a row whose P holds a NaN or ±∞ is added by scalar_row(i, p_row,
-// acc_row) instead.
+// scaled back and added to Õ; a row whose P holds a NaN or ±∞ is added by
+// scalar_row_add(p_row, acc_row) instead.
 template <class ScalarRow>
 void bf16_values_products(Workspace& w, const float* p, float* acc, const __mmask16 in_tile[4],
                           int top, ScalarRow scalar_row_add) {
@@ -691,9 +691,8 @@ bool values_bf16(Workspace& w, const float* p, std::int64_t nt, const std::uint1
                      out + 2 * z * 16 * 64, 16 * 64);
     }
   if (scan.outside()) return false;
-  bf16_values_products(w, p, acc, in_tile, a_top(Element::bf16), [&](const float* pr, float* o) {
-    values_scalar_row(pr, 0, nt, v_tile, dh, o, bf16_value, permuted_column_bf16);
-  });
+  bf16_values_products(w, p, acc, in_tile, a_top(Element::bf16),
+                       [&](const float* pr, float* o) { values_visible(pr, 0, nt, v_tile, o); });
   return true;
 }
 
@@ -728,9 +727,9 @@ bool query_planes(Element element, const float* qs, std::int64_t n, std::int64_t
   if (n < 1 || n > kRowsMax || !head_dim_supported(dh)) return false;  // the workspace's sizes
   Workspace& w = workspace();
   w.element = element, w.n = n, w.dh = dh;
-  const bool fp8 = element != Element::int8;  // fp8 and bf16: three bf16 planes per row
+  const bool bf16_rows = element != Element::int8;  // fp8 and bf16: three bf16 planes per row
   const std::int64_t cf = chunk_features(element), chunks = dh / cf;
-  const std::int64_t tiles = fp8 ? (n + 15) / 16 * chunks * 3 : (n + 3) / 4 * chunks;
+  const std::int64_t tiles = bf16_rows ? (n + 15) / 16 * chunks * 3 : (n + 3) / 4 * chunks;
   std::memset(w.qa, 0, static_cast<std::size_t>(tiles * kTileBytes));
   alignas(64) float row[kDhMax];
   // Row r's features x .. x + 15 are 16 floats n apart in qs: one gather each.
@@ -756,11 +755,12 @@ bool query_planes(Element element, const float* qs, std::int64_t n, std::int64_t
     const int s = m == 0.0f ? 0 : a_top(element) - e;  // m · 2^s ∈ [2^(top − 1), 2^top)
     w.q_unit[r] = std::ldexp(1.0f, -s);
     const __m512 up = _mm512_set1_ps(std::ldexp(1.0f, s)), step = _mm512_set1_ps(128.0f);
-    std::uint8_t* a_row = fp8 ? w.qa + (r / 16) * chunks * 3 * kTileBytes + (r % 16) * 64
-                              : w.qa + (r / 4) * chunks * kTileBytes + (r % 4) * 64;
+    std::uint8_t* a_row = bf16_rows ? w.qa + (r / 16) * chunks * 3 * kTileBytes + (r % 16) * 64
+                                    : w.qa + (r / 4) * chunks * kTileBytes + (r % 4) * 64;
     for (std::int64_t x = 0; x < dh; x += 16) {
       __m512 t = _mm512_mul_ps(_mm512_load_ps(row + x), up);  // exact (a power of two)
-      if (fp8) {  // features 32c + (x % 32): bytes 2 · (x % 32) of the rows of chunk c's planes
+      if (bf16_rows) {  // features 32c + (x % 32): bytes 2 · (x % 32) of the rows of chunk c's
+                        // planes
         bf16_planes(t, a_row + (x / 32) * 3 * kTileBytes + 2 * (x % 32), kTileBytes);
         continue;
       }

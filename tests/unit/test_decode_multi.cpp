@@ -207,6 +207,28 @@ TEST_P(DecodeMulti, RowBlocksOfAtMostFourRowsEveryColumnSplit) {
   }
 }
 
+// The output of one call over run_case's inputs for `seed` (its first draws: the cache, then Q),
+// on the calling thread's default thread count.
+std::vector<float> decode_output(const MultiCase& c, Isa isa, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const std::int64_t B = static_cast<std::int64_t>(c.lengths.size());
+  const std::int64_t capacity = *std::max_element(c.lengths.begin(), c.lengths.end());
+  KVCache cache({1, B, c.hkv, c.dh, capacity, c.dtype, c.block, 0});
+  fill(cache, 0, c.lengths, rng);
+  StridedTensor q(B, c.tnew, c.hq, c.dh, Layout::strided);
+  q.fill_random(rng);
+  StridedTensor out(B, c.tnew, c.hq, c.dh, Layout::strided);
+  DecodeOptions o;
+  o.isa = isa;
+  attention_decode(q.view, cache, 0, out.view, {}, o);
+  return out.storage;
+}
+
+void expect_same_bits(const std::vector<float>& x, const std::vector<float>& y) {
+  ASSERT_EQ(x.size(), y.size());
+  EXPECT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * sizeof(float)));
+}
+
 // The x86 kernels' prefetch order (TOKENMIX_LINEAR_PREFETCH, DecodeArgs::linear_prefetch: every
 // cache dtype's next tile pair in address order, or the path's per-dtype choice) changes what is
 // prefetched, never what is computed: for every cache dtype (fp8 through both of its readings),
@@ -231,20 +253,34 @@ TEST_P(DecodeMulti, PrefetchOrderChangesNoBit) {
         const ScopedEnv env("TOKENMIX_LINEAR_PREFETCH", order);
         SCOPED_TRACE(std::string("TOKENMIX_LINEAR_PREFETCH=") + order);
         run_case(c, GetParam(), seed);  // oracle, threads, poisoned padding
-        std::mt19937_64 rng(seed);      // the same inputs as run_case's
-        KVCache cache({1, 2, c.hkv, c.dh, 2100, dt, c.block, 0});
-        fill(cache, 0, c.lengths, rng);
-        StridedTensor q(2, tnew, c.hq, c.dh, Layout::strided);
-        q.fill_random(rng);
-        StridedTensor out(2, tnew, c.hq, c.dh, Layout::strided);
-        DecodeOptions o;
-        o.isa = GetParam();
-        attention_decode(q.view, cache, 0, out.view, {}, o);
-        outs.push_back(out.storage);
+        outs.push_back(decode_output(c, GetParam(), seed));
       }
       SCOPED_TRACE(std::string(to_string(dt)) + " T_new=" + std::to_string(tnew) + " fp8 " + widen);
-      ASSERT_EQ(outs[0].size(), outs[1].size());
-      EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(float)));
+      expect_same_bits(outs[0], outs[1]);
+    }
+  }
+}
+
+// AVX-512's tall row blocks of 7–12 rows take the k loop two steps at a time while they prefetch
+// (MicroKernel), the last step alone where the count is odd: odd head widths (d_h steps of
+// Q Kᵀ) and sequences ending mid-tile (53 and 13 keys: odd P V steps), blocks of 8, 12, 10 + 10
+// and 10 + 9 + 9 rows (T_new 2, 3, 5, 7 at g = 4), every cache dtype, against the oracle on 1 and
+// 2 threads, and bitwise equal under both prefetch orders (the cursor and the tile pointers).
+// Every ISA (the others' blocks take one step at a time: the same check).
+TEST_P(DecodeMulti, TallBlocksOddStepCounts) {
+  std::uint64_t seed = 900;
+  for (const DType dt : {DType::f32, DType::bf16, DType::f16, DType::int8, DType::fp8_e4m3}) {
+    for (const std::int64_t tnew : {2, 3, 5, 7}) {
+      const MultiCase c{{2101, 77}, tnew, 8, 2, tnew % 2 == 0 ? 33 : 65, dt, 0};
+      ++seed;
+      std::vector<std::vector<float>> outs;
+      for (const char* order : {"all", "per-dtype"}) {
+        const ScopedEnv env("TOKENMIX_LINEAR_PREFETCH", order);
+        SCOPED_TRACE(std::string("TOKENMIX_LINEAR_PREFETCH=") + order);
+        run_case(c, GetParam(), seed);
+        outs.push_back(decode_output(c, GetParam(), seed));
+      }
+      expect_same_bits(outs[0], outs[1]);
     }
   }
 }

@@ -89,16 +89,31 @@ void fill(KVCache& cache, std::int64_t layer, const std::vector<std::int64_t>& l
 
 // Runs the case on `isa` with each of `threads` (1 and 2 by default): each against the oracle,
 // all bitwise equal, padding of the (strided, poisoned) output untouched.
+// A case's inputs for `seed`: the cache filled to its lengths, then Q (in that order from one
+// generator, so every use of the same case and seed sees the same values).
+struct CaseInputs {
+  CaseInputs(const MultiCase& c, std::uint64_t seed)
+      : rng(seed),
+        B(static_cast<std::int64_t>(c.lengths.size())),
+        cache({1, B, c.hkv, c.dh, *std::max_element(c.lengths.begin(), c.lengths.end()), c.dtype,
+               c.block, 0}),
+        q(B, c.tnew, c.hq, c.dh, Layout::strided) {
+    fill(cache, 0, c.lengths, rng);
+    q.fill_random(rng);
+  }
+  std::mt19937_64 rng;
+  std::int64_t B;
+  KVCache cache;
+  StridedTensor q;
+};
+
 void run_case(const MultiCase& c, Isa isa, std::uint64_t seed,
               const std::vector<int>& threads = {1, 2}) {
   SCOPED_TRACE(describe(c));
-  std::mt19937_64 rng(seed);
-  const std::int64_t B = static_cast<std::int64_t>(c.lengths.size());
-  const std::int64_t capacity = *std::max_element(c.lengths.begin(), c.lengths.end());
-  KVCache cache({1, B, c.hkv, c.dh, capacity, c.dtype, c.block, 0});
-  fill(cache, 0, c.lengths, rng);
-  StridedTensor q(B, c.tnew, c.hq, c.dh, Layout::strided);
-  q.fill_random(rng);
+  const CaseInputs in(c, seed);
+  const std::int64_t B = in.B;
+  const KVCache& cache = in.cache;
+  const StridedTensor& q = in.q;
   std::vector<reference::ForwardResult> refs;
   for (std::int64_t b = 0; b < B; ++b) refs.push_back(cache_oracle(q, b, cache, 0));
   std::vector<StridedTensor> outs;  // reserved: each view points into its own storage
@@ -207,20 +222,13 @@ TEST_P(DecodeMulti, RowBlocksOfAtMostFourRowsEveryColumnSplit) {
   }
 }
 
-// The output of one call over run_case's inputs for `seed` (its first draws: the cache, then Q),
-// on the calling thread's default thread count.
+// The output of one call over run_case's inputs for `seed`, on the default thread count.
 std::vector<float> decode_output(const MultiCase& c, Isa isa, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  const std::int64_t B = static_cast<std::int64_t>(c.lengths.size());
-  const std::int64_t capacity = *std::max_element(c.lengths.begin(), c.lengths.end());
-  KVCache cache({1, B, c.hkv, c.dh, capacity, c.dtype, c.block, 0});
-  fill(cache, 0, c.lengths, rng);
-  StridedTensor q(B, c.tnew, c.hq, c.dh, Layout::strided);
-  q.fill_random(rng);
-  StridedTensor out(B, c.tnew, c.hq, c.dh, Layout::strided);
+  const CaseInputs in(c, seed);
+  StridedTensor out(in.B, c.tnew, c.hq, c.dh, Layout::strided);
   DecodeOptions o;
   o.isa = isa;
-  attention_decode(q.view, cache, 0, out.view, {}, o);
+  attention_decode(in.q.view, in.cache, 0, out.view, {}, o);
   return out.storage;
 }
 

@@ -763,7 +763,7 @@ TEST_P(KVQuantDecode, Fp8DirectReadingSameBitsAsF16) {
 INSTANTIATE_TEST_SUITE_P(AllIsas, KVQuantDecode, AllIsas(), IsaName);
 
 // ---- AMX tile products for the int8, fp8 and bf16 caches (kernels/simd/amx_decode.hpp) ----
-// Units of ≥ 16 rows (query positions × the heads of a KV group; bf16: from 32 rows,
+// Units of ≥ 16 rows (query positions × the heads of a KV group; int8: from 8; bf16: from 32 rows,
 // attention_decode_hwy.cpp amx_unit_pays) on the avx512 paths, where the CPU has AMX-INT8 (int8)
 // or AMX-BF16 (fp8, bf16) and Linux grants the tile data. With TOKENMIX_DECODE_AMX=on they match
 // the float64 oracle over the cached values at the FMA products' bound, and differ from the FMA
@@ -864,6 +864,35 @@ TEST_P(DecodeAmx, ForcedOnMatchesOracleOrIsRefused) {
       q.fill_random(rng);
       expect_amx_matches_oracle(q, cache, 1);
     }
+}
+
+// Where the automatic rule puts a unit (attention_decode_hwy.cpp amx_unit_pays), T_new 1, 2, 3
+// at g = 4 (units of 4, 8, 12 rows) with the switch on: int8 units of 8 and 12 rows run on the
+// tiles (bits other than the FMA products', the oracle's values), 4 rows and every such unit of
+// an fp8 or bf16 cache (from 16 and 32 rows) the FMA products, bit for bit.
+TEST_P(DecodeAmx, UnitsTakeTheTilesFromTheirDtypesRowCount) {
+  const DType dt = GetParam();
+  if (!amx_usable(dt)) return expect_amx_refused(dt);
+  std::mt19937_64 rng(64);
+  const std::int64_t hq = 8, hkv = 2, dh = 128;
+  KVCache cache({1, 2, hkv, dh, 1200, dt, 0, 0});
+  fill(cache, 0, {1100, 650}, rng);
+  for (const std::int64_t tnew : {1, 2, 3}) {
+    const std::int64_t rows = tnew * (hq / hkv);
+    const bool tiles = dt == DType::int8 && rows >= 8;
+    SCOPED_TRACE("T_new=" + std::to_string(tnew) + " rows=" + std::to_string(rows));
+    StridedTensor q(2, tnew, hq, dh, Layout::strided);
+    q.fill_random(rng);
+    expect_amx_matches_oracle(q, cache, 0, tiles);
+    if (tiles) continue;
+    StridedTensor on(2, tnew, hq, dh, Layout::bthd), off(2, tnew, hq, dh, Layout::bthd);
+    std::vector<float> lse_on(static_cast<std::size_t>(2 * hq * tnew), kPoison), lse_off = lse_on;
+    decode_amx_switch(q, cache, 0, "on", on, lse_on);
+    decode_amx_switch(q, cache, 0, "off", off, lse_off);
+    EXPECT_EQ(0,
+              std::memcmp(on.storage.data(), off.storage.data(), on.storage.size() * sizeof(float)))
+        << "a unit below its dtype's row count ran on the tiles";
+  }
 }
 
 // Values over a wide range (fp8: most codes of some rows subnormal, V scales ≥ 2^7 in a tile) and

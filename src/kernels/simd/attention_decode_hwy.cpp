@@ -307,7 +307,12 @@ void DecodeUnits(const DecodeArgs& a) {
   constexpr amx::Element kAmxElement = kFp8                              ? amx::Element::fp8_e4m3
                                        : std::is_same_v<TB, std::int8_t> ? amx::Element::int8
                                                                          : amx::Element::bf16;
-  // int8 and fp8: units of ≥ 16 rows. bf16 (whose FMA products read the cache with two
+  // int8: units of ≥ 8 rows; fp8: ≥ 16. int8 at 8 and 12 rows (T_new = 2 and 3 at g = 4), Intel
+  // Xeon (family 6 model 207), T_k = 32768, two threads, from DRAM, AMX off / on alternated per
+  // call, median of 9: 0.91–0.94× and 0.85–0.90× the FMA time (hot, T_k = 2048, one thread:
+  // 0.89×, 0.89×); 4 rows (T_new = 1) 1.04× from DRAM: the FMA products (docs/performance.md,
+  // 2026-12-05, seventh session; the third session had found 8 rows level, before the query
+  // planes' gather was vectorized). bf16 (whose FMA products read the cache with two
   // instructions per 2·Lanes elements, bf16_split_t) only where rows − 9·⌈rows / 16⌉ > 10: a tile
   // unit costs about 0.64 of a 16-row FMA block per tile (the rewrites) plus 0.56 per 16-row
   // block of its A tiles, fitted to T_k = 32768, two threads, alternated calls
@@ -316,6 +321,7 @@ void DecodeUnits(const DecodeArgs& a) {
   // 0.89×, 64 rows 0.48–0.89×.
   const auto amx_unit_pays = [](std::int64_t rows) {
     if constexpr (std::is_same_v<TB, hwy::bfloat16_t>) return rows - 9 * ((rows + 15) / 16) > 10;
+    if constexpr (std::is_same_v<TB, std::int8_t>) return rows >= 8;
     return rows >= 16;
   };
 #endif

@@ -19,6 +19,9 @@
 // of 64 positions, a K tile and then its V tile, alternating:
 //   K tile [d_h][64]   (the 64 keys of a feature are contiguous SIMD lanes)
 //   V tile [64][d_h]   (rows)
+// (int8: the same bytes in VNNI-4 quads, the operand layout of AMX-INT8's tile products: K
+// [d_h/4][64][4], four features of a key to a 32-bit word, the d_h % 4 tail features after them
+// as [d_h % 4][64]; V [16][d_h][4], four keys of a feature to a word)
 // which is what the decode kernel reads (scores S = q Kᵀ with keys in lanes, then O += P V with
 // features in lanes), in the order it reads them: one (sequence, KV head) is a single forward
 // stream through memory, so nothing is repacked per step and the hardware prefetcher follows

@@ -89,7 +89,7 @@ bool linear_decode_prefetch();
 /// Whether decode over a `cache_dtype` KV cache (int8, fp8_e4m3 or bf16) on the avx512 paths runs
 /// its per-tile products (S = Q Kᵀ, Õ += P V) on AMX tiles in work units of at least 16 rows
 /// (query positions × the heads of a KV group, e.g. T_new ≥ 4 at 4 query heads per KV head; int8:
-/// from 8 rows, T_new ≥ 2 there; bf16: from 32 rows, T_new ≥ 8 there, and not at 36 rows; d_h a
+/// from 4 rows, T_new ≥ 1 there; bf16: from 32 rows, T_new ≥ 8 there, and not at 36 rows; d_h a
 /// multiple of 64 up to 256).
 /// - int8 (AMX-INT8, TDPBSSD / TDPBUSD): the fp32 query rows and the probabilities are written as
 ///   sums of integer planes (per row: within 2^−27 of the row's largest |element| for Q, 2^−23

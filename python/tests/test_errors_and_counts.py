@@ -269,11 +269,11 @@ def test_linear_prefetch_follows_the_environment_and_gives_the_same_results(monk
                         "per-dtype", "rows", ("f32", "bf16", "f16", "int8", "fp8_e4m3"), 3)
 
 
-@pytest.mark.parametrize("dtype,feature,tnew", [("int8", "amx_int8", 2), ("fp8_e4m3", "amx_bf16", 4),
+@pytest.mark.parametrize("dtype,feature,tnew", [("int8", "amx_int8", 1), ("fp8_e4m3", "amx_bf16", 4),
                                                 ("bf16", "amx_bf16", 8)])
 def test_decode_amx_follows_the_environment(monkeypatch, dtype, feature, tnew):
     """TOKENMIX_DECODE_AMX: an fp8 cache's units of >= 16 rows (T_new 4 x 4 query heads per KV
-    head; an int8 cache's from 8 rows, T_new 2; a bf16 cache's from 32 rows, T_new 8) on AMX tiles
+    head; an int8 cache's from 4 rows, T_new 1; a bf16 cache's from 32 rows, T_new 8) on AMX tiles
     or on FMAs: the same results
     at fp32 rounding level, not the same bits (the tile path ran). Where AMX cannot run, `on`
     raises UnsupportedError from the call; another value raises ArgumentError, and so does another

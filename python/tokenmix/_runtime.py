@@ -18,7 +18,7 @@ fp8_direct_widening = _C.fp8_direct_widening
 # order, False if each path's per-dtype choice (TOKENMIX_LINEAR_PREFETCH=all|per-dtype; automatic:
 # all on Intel). Same results either way.
 linear_decode_prefetch = _C.linear_decode_prefetch
-# True if int8-cache decode on the avx512 paths runs the products of its units of >= 8 rows on
+# True if int8-cache decode on the avx512 paths runs the products of its units of >= 4 rows on
 # AMX-INT8 tiles (TOKENMIX_DECODE_AMX=on|off; automatic: where the CPU has AMX-INT8 and Linux grants
 # the tile data). Results agree with the FMA products at fp32 rounding level, not bitwise.
 decode_amx = _C.decode_amx

@@ -14,6 +14,15 @@
 //   V scales [kKeyTile] f32
 // (scale_elems = 4 · kKeyTile bytes; 64 · d_h is a multiple of 4, so the scales are aligned),
 // and a decode unit still reads one forward stream, scales next to the tile they scale.
+//
+// int8 tiles (int8_quads) hold the same bytes in VNNI-4 quads (four consecutive elements of the
+// products' reduction dimension in one 32-bit word), the operand layout of AMX-INT8's B tiles:
+//   K tile [d_h / 4][kKeyTile][4]: features 4i .. 4i + 3 of a key in one word (d_h % 4 tail
+//          features after them as [d_h % 4][kKeyTile] rows, the plain layout's rows x),
+//   V tile [kKeyTile / 4][d_h][4]: keys 4i .. 4i + 3 of a feature in one word,
+// same sizes. The tile products load them as they are (no per-tile rewrite), and the FMA products
+// read a 64-byte row of words as 16 columns × 4 k (one byte shuffle per 16 elements moves element
+// j of each word to its top byte: q · 2^24, then the conversion: microkernel-inl.h int8_quad_t).
 #pragma once
 
 #include <cstdint>
@@ -29,6 +38,8 @@ struct KVTileLayout {
   std::int64_t pool_blocks = 0;   // physical blocks per layer
   /// Quantized caches: elements (= bytes) of the kKeyTile fp32 scales after each tile; else 0.
   std::int64_t scale_elems = 0;
+  /// int8 caches: K and V tiles in VNNI-4 quads (see above).
+  bool int8_quads = false;
 
   /// Bytes of the fp32 row scales following each tile of a quantized cache.
   static constexpr std::int64_t kScaleBytes = 4 * kKeyTile;
@@ -55,13 +66,20 @@ struct KVTileLayout {
   /// Quantized caches: offset of the [kKeyTile] fp32 scales of the tile at offset `tile`
   /// (row pos % kKeyTile's scale is element pos % kKeyTile of them).
   std::int64_t scales_of(std::int64_t tile) const { return tile + tile_elems(); }
-  /// Offsets of feature x of position `pos` inside its K tile (keys in lanes) and V tile (rows).
-  static std::int64_t key_in_tile(std::int64_t pos, std::int64_t x) {
-    return x * kKeyTile + pos % kKeyTile;
+  /// Offsets of feature x of position `pos` inside its K tile (keys in lanes) and V tile (rows);
+  /// int8_quads: in their quads (K's d_h % 4 tail features in plain rows).
+  std::int64_t key_in_tile(std::int64_t pos, std::int64_t x) const {
+    const std::int64_t u = pos % kKeyTile;
+    if (int8_quads && x < quad_features()) return x / 4 * 4 * kKeyTile + u * 4 + x % 4;
+    return x * kKeyTile + u;
   }
   std::int64_t value_in_tile(std::int64_t pos, std::int64_t x) const {
-    return pos % kKeyTile * head_dim + x;
+    const std::int64_t u = pos % kKeyTile;
+    if (int8_quads) return u / 4 * 4 * head_dim + x * 4 + u % 4;
+    return u * head_dim + x;
   }
+  /// int8_quads: K's features held in quads (d_h rounded down to a multiple of 4).
+  std::int64_t quad_features() const { return head_dim / 4 * 4; }
 };
 
 }  // namespace tokenmix::kernels

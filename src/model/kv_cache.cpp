@@ -307,6 +307,9 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
   if (quantized) check_finite_rows(fn, k, v);
   std::vector<std::int64_t> ring_blocks;  // rolling and paged: blocks one sequence still needs
   ring_blocks.reserve(static_cast<std::size_t>(table_width_));  // before anything is written
+  // int8: one row quantized here, then placed in its tile's quads (kv_tile_layout.hpp).
+  std::vector<std::byte> row_bytes(
+      static_cast<std::size_t>(config_.dtype == DType::int8 ? config_.head_dim : 0));
   if (tnew == 0 || seqs == 0) return;
 
   const auto* kp = static_cast<const float*>(k.data);
@@ -347,11 +350,20 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
         const float* vrow = vp + bi * v.strides[0] + t * v.strides[1] + h * v.strides[2];
         if (quantized) {  // one byte per element (offsets = bytes), the row's δ in the scales
           const std::int64_t lane = off % kKeyTile;
-          const float dk =
-              kernels::quantize_row(config_.dtype, krow, k.strides[3], D,
-                                    layer_data + kt + tiles.key_in_tile(off, 0), kKeyTile);
-          const float dv = kernels::quantize_row(config_.dtype, vrow, v.strides[3], D,
-                                                 layer_data + vt + tiles.value_in_tile(off, 0), 1);
+          float dk = 0.0f, dv = 0.0f;
+          if (tiles.int8_quads) {  // quantized in a row, then placed in the tiles' quads
+            dk = kernels::quantize_row(config_.dtype, krow, k.strides[3], D, row_bytes.data(), 1);
+            for (std::int64_t x = 0; x < D; ++x)
+              layer_data[kt + tiles.key_in_tile(off, x)] = row_bytes[static_cast<std::size_t>(x)];
+            dv = kernels::quantize_row(config_.dtype, vrow, v.strides[3], D, row_bytes.data(), 1);
+            for (std::int64_t x = 0; x < D; ++x)
+              layer_data[vt + tiles.value_in_tile(off, x)] = row_bytes[static_cast<std::size_t>(x)];
+          } else {
+            dk = kernels::quantize_row(config_.dtype, krow, k.strides[3], D,
+                                       layer_data + kt + tiles.key_in_tile(off, 0), kKeyTile);
+            dv = kernels::quantize_row(config_.dtype, vrow, v.strides[3], D,
+                                       layer_data + vt + tiles.value_in_tile(off, 0), 1);
+          }
           std::memcpy(layer_data + tiles.scales_of(kt) + lane * 4, &dk, sizeof dk);
           std::memcpy(layer_data + tiles.scales_of(vt) + lane * 4, &dv, sizeof dv);
           continue;
@@ -394,8 +406,11 @@ void KVCache::shrink(std::int64_t seq, std::int64_t new_length) {
           std::fill_n(layer_data + static_cast<std::size_t>(kt + tiles.key_in_tile(off, x)) * elem_,
                       elem_, std::byte{0});
         }
-        std::fill_n(layer_data + static_cast<std::size_t>(vt + tiles.value_in_tile(off, 0)) * elem_,
-                    static_cast<std::size_t>(D) * elem_, std::byte{0});
+        for (std::int64_t x = 0; x < D; ++x) {
+          std::fill_n(
+              layer_data + static_cast<std::size_t>(vt + tiles.value_in_tile(off, x)) * elem_,
+              elem_, std::byte{0});
+        }
         if (tiles.scale_elems != 0) {  // quantized: the rows' scales (one-byte elements)
           const std::int64_t lane = off % kKeyTile * 4;
           std::fill_n(layer_data + tiles.scales_of(kt) + lane, 4, std::byte{0});

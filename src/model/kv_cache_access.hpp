@@ -16,8 +16,12 @@ static_assert(KVCache::kKeyTile == kernels::KVTileLayout::kKeyTile,
 
 struct KVCacheAccess {
   static kernels::KVTileLayout layout(const KVCache& x) {
-    return {x.config_.heads_kv, x.config_.head_dim, x.block_tokens_, x.pool_blocks_,
-            kernels::is_quantized(x.config_.dtype) ? kernels::KVTileLayout::kScaleBytes : 0};
+    return {x.config_.heads_kv,
+            x.config_.head_dim,
+            x.block_tokens_,
+            x.pool_blocks_,
+            kernels::is_quantized(x.config_.dtype) ? kernels::KVTileLayout::kScaleBytes : 0,
+            x.config_.dtype == DType::int8};
   }
   static const std::byte* layer(const KVCache& x, std::int64_t layer) {
     return x.storage_.data() + static_cast<std::size_t>(layer * layout(x).layer_elems()) * x.elem_;

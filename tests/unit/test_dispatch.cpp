@@ -259,6 +259,22 @@ TEST(Dispatch, KVTileLayoutMatchesTheCacheConstant) {
   EXPECT_EQ(l.v_tile(2, 1, 70), k + 640);
   EXPECT_EQ(l.key_in_tile(70, 4), 4 * 64 + 6);
   EXPECT_EQ(l.value_in_tile(70, 4), 6 * 10 + 4);
+  // int8 tiles in VNNI-4 quads: K [d_h / 4][64][4] then the d_h % 4 tail rows [2][64] (d_h 10),
+  // V [16][d_h][4]; the same sizes, every (position, feature) of a tile at its own byte.
+  kernels::KVTileLayout q = l;
+  q.int8_quads = true;
+  EXPECT_EQ(q.tile_elems(), 640);
+  EXPECT_EQ(q.key_in_tile(70, 5), 1 * 4 * 64 + 6 * 4 + 1);    // quad 1, key 6, element 1
+  EXPECT_EQ(q.key_in_tile(70, 9), 9 * 64 + 6);                // tail row 9
+  EXPECT_EQ(q.value_in_tile(70, 4), 1 * 4 * 10 + 4 * 4 + 2);  // key quad 1, feature 4, key 6 % 4
+  std::vector<int> k_seen(640), v_seen(640);
+  for (std::int64_t u = 0; u < 64; ++u)
+    for (std::int64_t x = 0; x < 10; ++x) {
+      ++k_seen.at(static_cast<std::size_t>(q.key_in_tile(u, x)));
+      ++v_seen.at(static_cast<std::size_t>(q.value_in_tile(u, x)));
+    }
+  EXPECT_EQ(std::count(k_seen.begin(), k_seen.end(), 1), 640);
+  EXPECT_EQ(std::count(v_seen.begin(), v_seen.end(), 1), 640);
 }
 
 // ---- Entry-point names in ISA errors ---------------------------------------------------------

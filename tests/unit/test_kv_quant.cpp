@@ -694,6 +694,57 @@ void fill_wide_range(KVCache& c, std::int64_t seq, std::int64_t n, std::mt19937_
            ConstTensorView::bthd(v.data(), 1, n, H, D));
 }
 
+// The int8 cache's quads read at q · 2^24 only where no product leaves the normal range
+// (attention_decode_hwy.cpp kInt8): queries scaled by 1e30 (S · 2^24 would overflow), V rows of
+// ~1e-33 (δ · 2^−24 subnormal): a whole sequence's, and tiles next to ordinary ones; odd d_h (K's
+// tail rows after its quads) and T_new 1–3. Every unit and tile must match the float64 oracle.
+TEST_P(KVQuantDecode, Int8QuadsExactOutsideTheFastReadingsRange) {
+  std::mt19937_64 rng(1033);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const std::int64_t dh : {64, 37})
+    for (const std::int64_t tnew : {1, 3})
+      for (const float q_scale : {1.0f, 1e30f}) {
+        SCOPED_TRACE("d_h=" + std::to_string(dh) + " T_new=" + std::to_string(tnew) + " q scale " +
+                     std::to_string(q_scale));
+        const std::int64_t hq = 8, hkv = 2, n = 300;
+        KVCache cache({1, 2, hkv, dh, 400, DType::int8, 0, 0});
+        for (std::int64_t seq = 0; seq < 2; ++seq) {
+          std::vector<float> k(static_cast<std::size_t>(n * hkv * dh)), v(k.size());
+          for (std::size_t i = 0; i < k.size(); ++i) {
+            k[i] = normal(rng), v[i] = normal(rng);
+            const std::int64_t u = static_cast<std::int64_t>(i) / (hkv * dh);
+            // Sequence 0: every V row tiny; sequence 1: those of tiles 0 and 2.
+            if (seq == 0 || u < 64 || (u >= 128 && u < 150)) v[i] *= 1e-33f;
+          }
+          cache.append(0, seq, ConstTensorView::bthd(k.data(), 1, n, hkv, dh),
+                       ConstTensorView::bthd(v.data(), 1, n, hkv, dh));
+        }
+        StridedTensor q(2, tnew, hq, dh, Layout::strided);
+        q.fill_random(rng);
+        for (float& x : q.storage) x *= q_scale;
+        const std::vector<reference::ForwardResult> refs = {cache_oracle(q, 0, cache, 0),
+                                                            cache_oracle(q, 1, cache, 0)};
+        StridedTensor out(2, tnew, hq, dh, Layout::bthd);  // poisoned (NaN)
+        std::vector<float> lse(static_cast<std::size_t>(2 * hq * tnew), kPoison);
+        DecodeOptions o;
+        o.isa = GetParam();
+        attention_decode(q.view, cache, 0, out.view, TensorView::bht(lse.data(), 2, hq, tnew), o);
+        expect_decode_matches(out, lse, refs);
+        // Sequence 0's outputs are ~1e-33: relative to their own largest (decode_errors floors
+        // the scale at 1e-30).
+        double diff = 0.0, mx = 0.0;
+        for (std::int64_t t = 0; t < tnew; ++t)
+          for (std::int64_t h = 0; h < hq; ++h)
+            for (std::int64_t x = 0; x < dh; ++x) {
+              const double got = out.at(0, t, h, x), r = refs[0].out.at(0, t, h, x);
+              diff = std::max(diff, std::isnan(got) ? INFINITY : std::fabs(got - r));
+              mx = std::max(mx, std::fabs(r));
+            }
+        EXPECT_GT(mx, 0.0);
+        EXPECT_LE(diff, kDecodeBound * mx);
+      }
+}
+
 TEST_P(KVQuantDecode, Fp8DirectReadingSameBitsAsF16) {
   std::mt19937_64 rng(815);
   struct Shape {
@@ -763,7 +814,7 @@ TEST_P(KVQuantDecode, Fp8DirectReadingSameBitsAsF16) {
 INSTANTIATE_TEST_SUITE_P(AllIsas, KVQuantDecode, AllIsas(), IsaName);
 
 // ---- AMX tile products for the int8, fp8 and bf16 caches (kernels/simd/amx_decode.hpp) ----
-// Units of ≥ 16 rows (query positions × the heads of a KV group; int8: from 8; bf16: from 32 rows,
+// Units of ≥ 16 rows (query positions × the heads of a KV group; int8: from 4; bf16: from 32 rows,
 // attention_decode_hwy.cpp amx_unit_pays) on the avx512 paths, where the CPU has AMX-INT8 (int8)
 // or AMX-BF16 (fp8, bf16) and Linux grants the tile data. With TOKENMIX_DECODE_AMX=on they match
 // the float64 oracle over the cached values at the FMA products' bound, and differ from the FMA
@@ -866,27 +917,31 @@ TEST_P(DecodeAmx, ForcedOnMatchesOracleOrIsRefused) {
     }
 }
 
-// Where the automatic rule puts a unit (attention_decode_hwy.cpp amx_unit_pays), T_new 1, 2, 3
-// at g = 4 (units of 4, 8, 12 rows) with the switch on: int8 units of 8 and 12 rows run on the
-// tiles (bits other than the FMA products', the oracle's values), 4 rows and every such unit of
-// an fp8 or bf16 cache (from 16 and 32 rows) the FMA products, bit for bit.
+// Where the automatic rule puts a unit (attention_decode_hwy.cpp amx_unit_pays) with the switch
+// on: units of 3 rows (T_new 3 at g = 1), 4, 8 and 12 rows (T_new 1, 2, 3 at g = 4). int8 units
+// from 4 rows run on the tiles (bits other than the FMA products', the oracle's values); 3 rows,
+// and every such unit of an fp8 or bf16 cache (from 16 and 32 rows), the FMA products, bit for bit.
 TEST_P(DecodeAmx, UnitsTakeTheTilesFromTheirDtypesRowCount) {
   const DType dt = GetParam();
   if (!amx_usable(dt)) return expect_amx_refused(dt);
   std::mt19937_64 rng(64);
-  const std::int64_t hq = 8, hkv = 2, dh = 128;
-  KVCache cache({1, 2, hkv, dh, 1200, dt, 0, 0});
-  fill(cache, 0, {1100, 650}, rng);
-  for (const std::int64_t tnew : {1, 2, 3}) {
-    const std::int64_t rows = tnew * (hq / hkv);
-    const bool tiles = dt == DType::int8 && rows >= 8;
-    SCOPED_TRACE("T_new=" + std::to_string(tnew) + " rows=" + std::to_string(rows));
-    StridedTensor q(2, tnew, hq, dh, Layout::strided);
+  const std::int64_t dh = 128;
+  struct Shape {
+    std::int64_t hq, hkv, tnew;
+  };
+  for (const Shape sh : {Shape{2, 2, 3}, Shape{8, 2, 1}, Shape{8, 2, 2}, Shape{8, 2, 3}}) {
+    const std::int64_t rows = sh.tnew * (sh.hq / sh.hkv);
+    const bool tiles = dt == DType::int8 && rows >= 4;
+    SCOPED_TRACE("T_new=" + std::to_string(sh.tnew) + " rows=" + std::to_string(rows));
+    KVCache cache({1, 2, sh.hkv, dh, 1200, dt, 0, 0});
+    fill(cache, 0, {1100, 650}, rng);
+    StridedTensor q(2, sh.tnew, sh.hq, dh, Layout::strided);
     q.fill_random(rng);
     expect_amx_matches_oracle(q, cache, 0, tiles);
     if (tiles) continue;
-    StridedTensor on(2, tnew, hq, dh, Layout::bthd), off(2, tnew, hq, dh, Layout::bthd);
-    std::vector<float> lse_on(static_cast<std::size_t>(2 * hq * tnew), kPoison), lse_off = lse_on;
+    StridedTensor on(2, sh.tnew, sh.hq, dh, Layout::bthd), off(2, sh.tnew, sh.hq, dh, Layout::bthd);
+    std::vector<float> lse_on(static_cast<std::size_t>(2 * sh.hq * sh.tnew), kPoison);
+    std::vector<float> lse_off = lse_on;
     decode_amx_switch(q, cache, 0, "on", on, lse_on);
     decode_amx_switch(q, cache, 0, "off", off, lse_off);
     EXPECT_EQ(0,

@@ -57,7 +57,7 @@ int run_info() {
   const std::string amx_how =
       amx_forced ? std::string("TOKENMIX_DECODE_AMX=") + amx_env : std::string("automatic");
   std::cout << "int8 decode:     "
-            << (amx_int8 ? "AMX-INT8 tile products in units of >= 8 rows on avx512"
+            << (amx_int8 ? "AMX-INT8 tile products in units of >= 4 rows on avx512"
                          : "FMA products (no AMX-INT8 tile products)")
             << " (" << amx_how << ")\n";
   std::cout << "fp8 decode:      "

@@ -89,12 +89,13 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
         float ks[kKeyTile], vs[kKeyTile];
         std::memcpy(ks, kt + a.layout.tile_elems(), sizeof ks);
         std::memcpy(vs, vt + a.layout.tile_elems(), sizeof vs);
+        // (int8: the elements in the tiles' quads, a.layout.key_in_tile / value_in_tile)
         for (std::int64_t x = 0; x < dh; ++x)
           for (std::int64_t u = 0; u < nt; ++u)
-            kf[x * kKeyTile + u] = load_element(kDType, kt, x * kKeyTile + u) * ks[u];
+            kf[x * kKeyTile + u] = load_element(kDType, kt, a.layout.key_in_tile(u, x)) * ks[u];
         for (std::int64_t u = 0; u < nt; ++u)
           for (std::int64_t x = 0; x < dh; ++x)
-            vf[u * dh + x] = load_element(kDType, vt, u * dh + x) * vs[u];
+            vf[u * dh + x] = load_element(kDType, vt, a.layout.value_in_tile(u, x)) * vs[u];
       } else {
         for (std::int64_t x = 0; x < dh; ++x)  // the tile's nt keys only (the rest is not read)
           for (std::int64_t u = 0; u < nt; ++u)

@@ -13,13 +13,17 @@
 //                  products add up in the same C tile (fewer products and tile loads than
 //                  int8's rows of planes: the bf16 products go at half the int8 ones' rate)
 //         tmm7     B: 16 bf16-pair rows × 16 columns × 2 × 2 bytes
-// B operands, built per cache tile in this thread's buffers from 4 byte rows at a time:
-//   int8  K [dh][64] → kb[c][b][i][16 × 4]: quad i of chunk c (features 64c + 4i ..+3) for the
-//         keys 16L + 4b + j (L, j < 4) of column 4L + j of block b;
-//         V [64][dh] → vb[c][b][i][16 × 4]: keys 4i ..+3 for the features 64c + 16L + 4b + j of
-//         column 4L + j of block b (feature block f = 4c + b).
-//   fp8   the same columns, each byte row widened to two (the bf16 value's low and high bytes)
-//         and one pair of rows in each B row:
+// B operands:
+//   int8  the cache's tiles as they are (kv_tile_layout.hpp: VNNI-4 quads, no rewrite): K
+//         [dh/4][64][4] → B tile b of chunk c = quad rows 16c .. 16c + 15 of keys 16b .. 16b + 15
+//         (rows 256 bytes apart); V [16][dh][4] → B tile b of chunk c = features 64c + 16b ..
+//         + 15 of the 16 key quads (rows 4·dh bytes apart). Columns in order.
+// fp8 and bf16 B operands are built per cache tile in this thread's buffers:
+//   fp8   K [dh][64] → kb[c][b][i][16 × 4]: quad i of chunk c (features 64c + 4i ..+3) for the
+//         keys 16L + 4b + j (L, j < 4) of column 4L + j of block b, and V [64][dh] →
+//         vb[c][b][i][16 × 4]: keys 4i ..+3 for the features 64c + 16L + 4b + j of column 4L + j
+//         of block b (feature block f = 4c + b), each byte row widened to two (the bf16 value's
+//         low and high bytes) and one pair of rows in each B row:
 //         K → kb[c][b][i][16 × 2 × 2]: features 32c + 2i, 32c + 2i + 1 (chunks of 32 features);
 //         V → vb[h][c][b][i][16 × 2 × 2]: keys 32h + 2i, 32h + 2i + 1 (halves of 32 keys).
 // Two byte and two word interleaves of 4 rows give exactly this order (they work within 128-bit
@@ -177,13 +181,7 @@ inline void interleave4(__m512i r0, __m512i r1, __m512i r2, __m512i r3, std::uin
   _mm512_store_si512(out + 3 * out_step, _mm512_unpackhi_epi16(t1, t3));
 }
 
-// int8: rows base + j · stride (j < 4) → B rows. fp8: rows base and base + stride (either as
-// zeros where `live` says so) → B rows of bf16 pairs.
-inline void rewrite_int8(const std::uint8_t* base, std::int64_t stride, std::uint8_t* out) {
-  interleave4(_mm512_loadu_si512(base), _mm512_loadu_si512(base + stride),
-              _mm512_loadu_si512(base + 2 * stride), _mm512_loadu_si512(base + 3 * stride), out,
-              16 * 64);
-}
+// fp8: rows base and base + stride (either as zeros where `live` says so) → B rows of bf16 pairs.
 inline void rewrite_fp8(const Fp8Widen& widen, const std::uint8_t* base, std::int64_t stride,
                         bool live0, bool live1, std::uint8_t* out) {
   __m512i lo0, hi0, lo1, hi1;
@@ -246,6 +244,14 @@ inline float bf16_value(std::uint16_t bits) {
 // pair's 264 at d_h = 128 and 4 rows; values() asks for the rest at its end):
 constexpr std::int64_t kPfPerKStep = 1, kPfPerRow = 4, kPfPerSoftmaxRow = 16, kPfPerVStep = 2;
 
+// int8: units of more rows than this (more than one 4-row block, each loading every B tile of the
+// pair) copy the cache's quads to contiguous B tiles first (64-byte copies, no shuffles), as the
+// tile loads with the cache's row strides (256 and 4·d_h bytes) measured slower when repeated:
+// Intel Xeon (family 6 model 207), T_k = 2048, one thread, median of alternated runs, T_new = 4
+// and 16 at 0.95× the time of direct loads, T_new = 1 level (docs/performance.md, 2026-12-05,
+// seventh session). A unit of one block loads the cache's tiles as they are.
+constexpr std::int64_t kInt8CopyRows = 4;
+
 // The next `lines` lines of the pair ahead into L2 (as many as are left).
 inline void pf_take(Workspace& w, std::int64_t lines) {
   for (; lines > 0 && w.pf_next < w.pf_end; --lines, w.pf_next += 64)
@@ -306,20 +312,21 @@ inline void zero_c() {
   _tile_zero(3);
 }
 
-// int8: C_b += A · B_b (A in tile a_tile, loaded; B_b the four B tiles from b, 1 KiB apart, into
-// tmm6 and tmm7 in turn, so that a load need not wait for the last product), with dp the signed
-// (_tile_dpbssd: query planes) or unsigned (_tile_dpbusd: P planes) product. A macro: the tile
-// intrinsics take their tile numbers as literal tokens.
-#define TOKENMIX_AMX_INT8_PRODUCTS(dp, a_tile, b) \
-  do {                                            \
-    _tile_loadd(6, (b), 64);                      \
-    _tile_loadd(7, (b) + kTileBytes, 64);         \
-    dp(0, a_tile, 6);                             \
-    dp(1, a_tile, 7);                             \
-    _tile_loadd(6, (b) + 2 * kTileBytes, 64);     \
-    _tile_loadd(7, (b) + 3 * kTileBytes, 64);     \
-    dp(2, a_tile, 6);                             \
-    dp(3, a_tile, 7);                             \
+// int8: C_b += A · B_b (A in tile a_tile, loaded; B_b the four B tiles of the cache's quads, B
+// tile b at b0 + b · b_step, its rows ld bytes apart, into tmm6 and tmm7 in turn, so that a load
+// need not wait for the last product), with dp the signed (_tile_dpbssd: query planes) or
+// unsigned (_tile_dpbusd: P planes) product. A macro: the tile intrinsics take their tile numbers
+// as literal tokens.
+#define TOKENMIX_AMX_INT8_PRODUCTS_STRIDED(dp, a_tile, b0, b_step, ld) \
+  do {                                                                 \
+    _tile_loadd(6, (b0), (ld));                                        \
+    _tile_loadd(7, (b0) + (b_step), (ld));                             \
+    dp(0, a_tile, 6);                                                  \
+    dp(1, a_tile, 7);                                                  \
+    _tile_loadd(6, (b0) + 2 * (b_step), (ld));                         \
+    _tile_loadd(7, (b0) + 3 * (b_step), (ld));                         \
+    dp(2, a_tile, 6);                                                  \
+    dp(3, a_tile, 7);                                                  \
   } while (false)
 
 // fp8: C_b += Σ_p A_p · B_b for the three bf16 planes A_p from a (1 KiB apart, into tmm4–6) and
@@ -404,35 +411,50 @@ inline std::int64_t permuted_column_bf16(std::int64_t x) {
 // The int8 and fp8 halves of scores() and values() (the public functions dispatch on the
 // workspace's element).
 void scores_int8(Workspace& w, const std::int8_t* k_tile, float* s) {
-  const std::int64_t dh = w.dh, n = w.n, chunks = dh / 64, quads = dh / 4;
-  // The K tile as B tiles; the pair ahead prefetched by a cursor over the whole tile's work.
-  for (std::int64_t i = 0; i < quads; ++i) {
-    if (i % 8 == 0) wake(w);
-    pf_take(w, kPfPerKStep);
-    rewrite_int8(reinterpret_cast<const std::uint8_t*>(k_tile) + 4 * i * kKeys, kKeys,
-                 w.kb + ((i / 16) * 4 * 16 + i % 16) * 64);
+  const std::int64_t dh = w.dh, n = w.n, chunks = dh / 64;
+  // The K tile's quads are the B tiles (kv_tile_layout.hpp: [d_h/4][64 keys][4]): B tile b of
+  // chunk c holds quad rows 16c .. 16c + 15 of keys 16b .. 16b + 15, 256 bytes from row to row.
+  // The pair ahead is prefetched by a cursor over the whole tile's work.
+  // A unit of more than one row block first copies them to contiguous B tiles in w.kb (see
+  // kInt8CopyRows).
+  const auto* kq = reinterpret_cast<const std::uint8_t*>(k_tile);
+  const bool copy = n > kInt8CopyRows;
+  if (copy) {
+    for (std::int64_t i = 0; i < dh / 4; ++i) {  // quad row i → B tiles of chunk i / 16, row i % 16
+      if (i % 8 == 0) wake(w);
+      pf_take(w, kPfPerKStep);
+      const std::uint8_t* r = kq + i * 4 * kKeys;
+      std::uint8_t* out = w.kb + ((i / 16) * 4 * 16 + i % 16) * 64;
+      for (int b = 0; b < 4; ++b) {
+        _mm512_store_si512(out + b * kTileBytes, _mm512_loadu_si512(r + 64 * b));
+      }
+    }
   }
   const __m512 step = _mm512_set1_ps(0x1p-7f);
   for (std::int64_t rb = 0; rb * 4 < n; ++rb) {
     zero_c();
     for (std::int64_t c = 0; c < chunks; ++c) {
       _tile_loadd(4, w.qa + (rb * chunks + c) * kTileBytes, 64);
-      TOKENMIX_AMX_INT8_PRODUCTS(_tile_dpbssd, 4, w.kb + c * 4 * kTileBytes);
+      if (copy) {
+        TOKENMIX_AMX_INT8_PRODUCTS_STRIDED(_tile_dpbssd, 4, w.kb + c * 4 * kTileBytes, kTileBytes,
+                                           64);
+      } else {
+        pf_take(w, 16 * kPfPerKStep);
+        TOKENMIX_AMX_INT8_PRODUCTS_STRIDED(_tile_dpbssd, 4, kq + c * 16 * 4 * kKeys, 64, 4 * kKeys);
+      }
     }
     store_c(w.cb);
     for (std::int64_t i = 0; i < 4 && rb * 4 + i < n; ++i) {
       pf_take(w, kPfPerRow);
       const std::int64_t r = rb * 4 + i;
       const __m512 unit = _mm512_set1_ps(w.q_unit[r]);
-      __m512 v[4];
       for (int b = 0; b < 4; ++b) {  // ((C₃ 2^−7 + C₂) 2^−7 + C₁) 2^−7 + C₀, then · 2^−s_r
         const std::int32_t* c = w.cb + b * 256 + i * 16;
         __m512 t = _mm512_fmadd_ps(cvt(c + 12 * 16), step, cvt(c + 8 * 16));
         t = _mm512_fmadd_ps(t, step, cvt(c + 4 * 16));
-        v[b] = _mm512_mul_ps(_mm512_fmadd_ps(t, step, cvt(c)), unit);
+        _mm512_storeu_ps(s + r * kKeys + 16 * b,  // keys 16b .. 16b + 15, in order
+                         _mm512_mul_ps(_mm512_fmadd_ps(t, step, cvt(c)), unit));
       }
-      transpose_blocks(v[0], v[1], v[2], v[3]);  // keys 16L .. 16L + 15 in v[L]
-      for (int L = 0; L < 4; ++L) _mm512_storeu_ps(s + r * kKeys + 16 * L, v[L]);
     }
   }
 }
@@ -519,13 +541,22 @@ void values_scalar_row(const float* pr, std::int64_t lo, std::int64_t hi, const 
 void values_int8(Workspace& w, const float* p, std::int64_t nt, const std::uint8_t* v_tile,
                  float* acc, const __mmask16 in_tile[4]) {
   const std::int64_t dh = w.dh, n = w.n, chunks = dh / 64;
-  // The V tile as B tiles.
-  for (std::int64_t i = 0; i < 16; ++i)
-    for (std::int64_t c = 0; c < chunks; ++c) {
-      if ((i * chunks + c) % 8 == 0) wake(w);
-      pf_take(w, kPfPerVStep);
-      rewrite_int8(v_tile + 4 * i * dh + 64 * c, dh, w.vb + (c * 4 * 16 + i) * 64);
-    }
+  // The V tile's quads are the B tiles (kv_tile_layout.hpp: [16 key quads][d_h][4]): B tile b of
+  // chunk c holds features 64c + 16b .. + 15 of the 16 key quads, 4·d_h bytes from row to row;
+  // copied to contiguous B tiles in w.vb first by a unit of more than one row block.
+  const bool copy = n > kInt8CopyRows;
+  if (copy) {
+    for (std::int64_t i = 0; i < 16; ++i)
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        if ((i * chunks + c) % 8 == 0) wake(w);
+        pf_take(w, kPfPerVStep);
+        const std::uint8_t* r = v_tile + i * 4 * dh + 4 * 64 * c;
+        std::uint8_t* out = w.vb + (c * 4 * 16 + i) * 64;
+        for (int b = 0; b < 4; ++b) {
+          _mm512_store_si512(out + b * kTileBytes, _mm512_loadu_si512(r + 64 * b));
+        }
+      }
+  }
   const __m512 step = _mm512_set1_ps(0x1p-8f), byte = _mm512_set1_ps(256.0f);
   float unit[4] = {}, unit2[4] = {};
   for (std::int64_t rb = 0; rb * 4 < n; ++rb) {
@@ -557,7 +588,13 @@ void values_int8(Workspace& w, const float* p, std::int64_t nt, const std::uint8
     _tile_loadd(5, w.pa, 64);
     for (std::int64_t c = 0; c < chunks; ++c) {
       zero_c();
-      TOKENMIX_AMX_INT8_PRODUCTS(_tile_dpbusd, 5, w.vb + c * 4 * kTileBytes);
+      if (copy) {
+        TOKENMIX_AMX_INT8_PRODUCTS_STRIDED(_tile_dpbusd, 5, w.vb + c * 4 * kTileBytes, kTileBytes,
+                                           64);
+      } else {
+        pf_take(w, 16 * kPfPerVStep);
+        TOKENMIX_AMX_INT8_PRODUCTS_STRIDED(_tile_dpbusd, 5, v_tile + 4 * 64 * c, 4 * 16, 4 * dh);
+      }
       store_c(w.cb);
       for (std::int64_t i = 0; i < rows; ++i) {
         pf_take(w, kPfPerRow);
@@ -575,10 +612,12 @@ void values_int8(Workspace& w, const float* p, std::int64_t nt, const std::uint8
     for (std::int64_t i = 0; i < rows; ++i) {
       unit[i] = unit2[i] = 0.0f;
       if (!scalar_row[i]) continue;
-      values_scalar_row(
-          p + (rb * 4 + i) * kKeys, 0, nt, v_tile, dh, acc + (rb * 4 + i) * dh,
-          [](std::uint8_t q) { return static_cast<float>(static_cast<std::int8_t>(q)); },
-          permuted_column);
+      const float* pr = p + (rb * 4 + i) * kKeys;  // Õ's columns in order; the quads' elements
+      float* o = acc + (rb * 4 + i) * dh;
+      for (std::int64_t u = 0; u < nt; ++u)
+        for (std::int64_t x = 0; x < dh; ++x)
+          o[x] += pr[u] * static_cast<float>(
+                              static_cast<std::int8_t>(v_tile[u / 4 * 4 * dh + 4 * x + u % 4]));
     }
   }
 }
@@ -834,6 +873,7 @@ void unpermute(float* acc) {
       }
     return;
   }
+  if (w.element == Element::int8) return;  // the quads' products: columns in order
   for (std::int64_t r = 0; r < w.n; ++r)
     for (std::int64_t c = 0; c < w.dh; c += 64) {
       float* o = acc + r * w.dh + c;
@@ -847,4 +887,4 @@ void unpermute(float* acc) {
 
 }  // namespace tokenmix::kernels::amx
 
-#undef TOKENMIX_AMX_INT8_PRODUCTS
+#undef TOKENMIX_AMX_INT8_PRODUCTS_STRIDED

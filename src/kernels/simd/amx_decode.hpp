@@ -39,10 +39,12 @@
 // to the caller's exact fallback (scores, values). Its columns come out permuted within each
 // 32-column group (unpacks of words within 128-bit lanes), not as the byte caches' below.
 //
-// The B operands are built per cache tile (the cache keeps K as [d_h][64] and V as [64][d_h],
-// which the FMA kernels read as they are) with byte interleaves that leave the columns of a tile
-// permuted within each 64-column group: S is put back in key order as the planes are added; Õ
-// is kept in that order for the unit and put back by unpermute().
+// An int8 cache keeps its tiles in VNNI-4 quads (kv_tile_layout.hpp: K [d_h/4][64][4], V
+// [16][d_h][4]), the B operands as they are: no rewrite, columns in order. The fp8 cache's B
+// operands are built per cache tile (the cache keeps K as [d_h][64] and V as [64][d_h], which the
+// FMA kernels read as they are) with byte interleaves that leave the columns of a tile permuted
+// within each 64-column group: S is put back in key order as the planes are added; Õ is kept in
+// that order for the unit and put back by unpermute().
 #pragma once
 
 #include <cstdint>
@@ -79,7 +81,8 @@ enum class Element {
 bool query_planes(Element element, const float* qs, std::int64_t n, std::int64_t dh);
 
 /// S[r][0..64) = Σ_x (scale·q_r)[x] K[x][·] for the n rows of the last query_planes, K a tile
-/// [dh][64] of its element (keys in lanes; int8 and fp8 read all 64: keys past the sequence are
+/// [dh][64] of its element (int8: [dh/4][64][4], the cache's quads, kv_tile_layout.hpp) (keys in
+/// lanes; int8 and fp8 read all 64: keys past the sequence are
 /// bytes whose scores the caller masks; bf16 reads keys < nt and scores the others as 0), S rows
 /// 64 floats apart, in key order. The bytes [pf, pf + pf_bytes) (the tile pair ahead; pf may be
 /// null) are prefetched into L2 over this tile's work: here, in keep_awake() and in values().
@@ -91,12 +94,13 @@ bool scores(const void* k_tile, std::int64_t nt, float* s, const std::uint8_t* p
             std::int64_t pf_bytes);
 
 /// Õ[r][·] += Σ_{u < nt} P[r][u] · V[u][·] for the n rows of the last query_planes: P rows 64
-/// floats apart (keys [nt, 64) not read), V a tile [64][dh] of its element (rows past nt: int8
-/// read and weighed by 0, fp8 and bf16 not read), Õ rows dh floats apart in the permuted column
-/// order (see unpermute). A row whose P holds a NaN or ±∞ is added by a scalar loop instead (its
-/// output is NaN or ±∞ either way). False (nothing added) for a bf16 tile holding, in its rows
-/// < nt, a value the tiles would not take exactly: NaN, ±∞, |v| ≥ 2^64 or a subnormal (read as 0
-/// by the tiles); the caller adds that tile with values_visible.
+/// floats apart (keys [nt, 64) not read), V a tile [64][dh] of its element (int8: [16][dh][4],
+/// the cache's quads) (rows past nt: int8 read and weighed by 0, fp8 and bf16 not read), Õ rows
+/// dh floats apart in the permuted column order of fp8 and bf16 (see unpermute; int8: in order). A
+/// row whose P holds a NaN or ±∞ is added by a scalar loop instead (its output is NaN or ±∞ either
+/// way). False (nothing added) for a bf16 tile holding, in its rows < nt, a value the tiles would
+/// not take exactly: NaN, ±∞, |v| ≥ 2^64 or a subnormal (read as 0 by the tiles); the caller adds
+/// that tile with values_visible.
 bool values(const float* p, std::int64_t nt, const void* v_tile, float* acc);
 
 /// Õ_r[·] += Σ_{u ∈ [lo, hi)} P_r[u] · V[u][·], a scalar loop over a bf16 V tile [64][dh] into one
@@ -105,7 +109,8 @@ bool values(const float* p, std::int64_t nt, const void* v_tile, float* acc);
 void values_visible(const float* p_row, std::int64_t lo, std::int64_t hi, const void* v_tile,
                     float* acc_row);
 
-/// Õ's n rows of dh columns back in feature order (after the unit's last values()).
+/// Õ's n rows of dh columns back in feature order (after the unit's last values(); int8: already
+/// in order, nothing to do).
 void unpermute(float* acc);
 
 /// Between scores() and values() of a tile, once per softmax row: one product into a dead C tile,

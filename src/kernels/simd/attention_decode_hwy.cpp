@@ -74,6 +74,7 @@ constexpr int kRT = kRD, kVT = kVD;
 #endif
 
 constexpr std::int64_t kSub = 16;  // keys per V sub-tile in the P·V product
+static_assert(kSub % 4 == 0, "an int8 V sub-tile starts at a key quad");
 // The P·V product of a regular (not tall) unit over the whole 64-key V tile per call, not kSub
 // keys: Õ's accumulators are then loaded and stored once per tile instead of four times. AVX-512,
 // for caches of 1- and 2-byte elements, whose tile pair is in L2 by then (PrefetchStream): on AMD
@@ -177,7 +178,7 @@ bool NonFiniteIn(const TB* p, std::int64_t lo, std::int64_t hi) {
 #if HWY_TARGET == HWY_AVX2
 template <class TB>
 constexpr bool kThreeVectorSmallBlocks =
-    std::is_same_v<TB, std::int8_t> || std::is_same_v<TB, fp8_e4m3_direct_t>;
+    std::is_same_v<TB, std::int8_t> || std::is_same_v<TB, fp8_e4m3_direct_t> || kQuadLayout<TB>;
 #else
 template <class TB>
 constexpr bool kThreeVectorSmallBlocks = false;
@@ -197,10 +198,10 @@ HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std
       std::int64_t blocks3 = vec / W3;  // 3-vector blocks, leaving a multiple of W columns
       while (blocks3 > 0 && (vec - blocks3 * W3) % W != 0) --blocks3;
       for (std::int64_t j = 0; j < blocks3; ++j, x += W3) {
-        const TB* pfx = pf != nullptr ? pf + x : nullptr;
+        const TB* pfx = BColumn(pf, x);
         for (std::int64_t i = 0, r0 = 0; i < blocks; ++i) {
           const std::int64_t n = rows / blocks + (i < rows % blocks ? 1 : 0);  // this block's rows
-          GemmRows<4, 3, true, kARow>(d, n, a + r0 * kARow, kARow, a_k, b + x, ldb, K,
+          GemmRows<4, 3, true, kARow>(d, n, a + r0 * kARow, kARow, a_k, BColumn(b, x), ldb, K,
                                       c + r0 * ldc + x, ldc, accumulate, nullptr, pfx,
                                       i == 0 ? cursor : nullptr);
           r0 += n, pfx = nullptr;
@@ -218,17 +219,18 @@ HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std
     cursor->sharers = sharers;
   }
   for (; x + W <= vec; x += W) {
-    const TB* pfx = pf != nullptr ? pf + x : nullptr;
+    const TB* pfx = BColumn(pf, x);
     for (std::int64_t i = 0, r0 = 0; i < blocks; ++i) {
       const std::int64_t n = rows / blocks + (i < rows % blocks ? 1 : 0);  // this block's rows
-      GemmRows<R, VN, true, kARow>(d, n, a + r0 * kARow, kARow, a_k, b + x, ldb, K,
+      GemmRows<R, VN, true, kARow>(d, n, a + r0 * kARow, kARow, a_k, BColumn(b, x), ldb, K,
                                    c + r0 * ldc + x, ldc, accumulate, nullptr, pfx,
                                    i < sharers ? cursor : nullptr);
       r0 += n, pfx = nullptr;
     }
   }
   for (; x + N <= vec; x += N) {
-    GemmRows<R, 1, true, kARow>(d, rows, a, kARow, a_k, b + x, ldb, K, c + x, ldc, accumulate);
+    GemmRows<R, 1, true, kARow>(d, rows, a, kARow, a_k, BColumn(b, x), ldb, K, c + x, ldc,
+                                accumulate);
   }
   return x;
 }
@@ -244,6 +246,17 @@ void DecodeUnits(const DecodeArgs& a) {
   constexpr bool kQuant = std::is_same_v<TB, std::int8_t> || std::is_same_v<TB, fp8_e4m3_t>;
   constexpr bool kFp8 = std::is_same_v<TB, fp8_e4m3_t>;
   constexpr float kUnit = kLoadBUnit<TB>;
+  // int8: the tiles hold VNNI-4 quads (kv_tile_layout.hpp, a.layout.int8_quads), read through
+  // int8_quad_t (q · 2^24: one byte shuffle and the conversion per Lanes elements, as the plain
+  // layout's widening) where no product can leave the normal range, and int8_quad_exact_t (q, one
+  // shift more) elsewhere:
+  //   K: the unit's max |scale·q| finite and below 2^64 (so |S · 2^24| < 2^(64 + 7 + 24) · d_h):
+  //      the scores' factor k_post = 2^−24 (S · 2^24 · 2^−24 = S, the same bits);
+  //   V: every row scale δ_u of the tile 0 or at least 2^−64: P_u · (δ_u · 2^−24), exact powers
+  //      of two again.
+  // K's d_h % 4 tail features (plain rows after the quads) go through int8_x24_t (q · 2^24) or
+  // int8_t. Each element's products are those of the plain layout, in the same order.
+  constexpr bool kInt8 = std::is_same_v<TB, std::int8_t>;
   // fp8 E4M3 on AVX-512 and AVX2 has a second widening, straight into fp32 bits (fp8_e4m3_direct_t,
   // microkernel-inl.h: no conversion instruction, LoadB returns q · 2^−120, subnormal fp32 for
   // subnormal codes), used when the call asks for it (DecodeArgs::fp8_direct) and this worker's
@@ -307,21 +320,22 @@ void DecodeUnits(const DecodeArgs& a) {
   constexpr amx::Element kAmxElement = kFp8                              ? amx::Element::fp8_e4m3
                                        : std::is_same_v<TB, std::int8_t> ? amx::Element::int8
                                                                          : amx::Element::bf16;
-  // int8: units of ≥ 8 rows; fp8: ≥ 16. int8 at 8 and 12 rows (T_new = 2 and 3 at g = 4), Intel
+  // int8: units of ≥ 4 rows; fp8: ≥ 16. int8 at 8 and 12 rows (T_new = 2 and 3 at g = 4), Intel
   // Xeon (family 6 model 207), T_k = 32768, two threads, from DRAM, AMX off / on alternated per
   // call, median of 9: 0.91–0.94× and 0.85–0.90× the FMA time (hot, T_k = 2048, one thread:
-  // 0.89×, 0.89×); 4 rows (T_new = 1) 1.04× from DRAM: the FMA products (docs/performance.md,
-  // 2026-12-05, seventh session; the third session had found 8 rows level, before the query
-  // planes' gather was vectorized). bf16 (whose FMA products read the cache with two
-  // instructions per 2·Lanes elements, bf16_split_t) only where rows − 9·⌈rows / 16⌉ > 10: a tile
-  // unit costs about 0.64 of a 16-row FMA block per tile (the rewrites) plus 0.56 per 16-row
+  // 0.89×, 0.89×), with the per-tile rewrites of the plain layout; 4 rows (T_new = 1) took
+  // 1.04× then, and with the cache in quads (no rewrites) 0.81× hot and 0.88× from DRAM
+  // (`tokenmix bench decode`: read ratio 0.67–0.72 → 0.75–0.80 at T_k = 32768)
+  // (docs/performance.md, 2026-12-05, seventh session). bf16 (whose FMA products read the cache
+  // with two instructions per 2·Lanes elements, bf16_split_t) only where rows − 9·⌈rows / 16⌉ > 10:
+  // a tile unit costs about 0.64 of a 16-row FMA block per tile (the rewrites) plus 0.56 per 16-row
   // block of its A tiles, fitted to T_k = 32768, two threads, alternated calls
   // (docs/performance.md, 2026-12-05, fifth session): 16 rows (T_new = 4) 1.00–1.24× the FMA
   // time, 20 and 24 rows 1.11–1.30×, 32 rows 0.74–0.97×, 36 rows 1.13×, 40 rows 0.93×, 48 rows
   // 0.89×, 64 rows 0.48–0.89×.
   const auto amx_unit_pays = [](std::int64_t rows) {
     if constexpr (std::is_same_v<TB, hwy::bfloat16_t>) return rows - 9 * ((rows + 15) / 16) > 10;
-    if constexpr (std::is_same_v<TB, std::int8_t>) return rows >= 8;
+    if constexpr (std::is_same_v<TB, std::int8_t>) return rows >= 4;
     return rows >= 16;
   };
 #endif
@@ -421,9 +435,23 @@ void DecodeUnits(const DecodeArgs& a) {
 #endif
     // The direct fp8 reading in this unit (the tile products read the codes their own way).
     const bool direct_unit = direct_ok && !amx_unit;
+    // int8: K read through int8_quad_t in this unit (see kInt8; the tile products' S is at unit 1).
+    bool k_fast = false;
+    if constexpr (kInt8) {
+      if (!amx_unit) {
+        // max |scale·q| (a NaN may pass over or come out: NaN takes the exact reading, and a NaN
+        // query's row is NaN either way)
+        VF vm = hn::Zero(d);
+        std::int64_t i = 0;
+        for (; i + N <= nrows * dh; i += N) vm = hn::Max(vm, hn::Abs(hn::LoadU(d, qs + i)));
+        float m = hn::GetLane(hn::MaxOfLanes(d, vm));
+        for (; i < nrows * dh; ++i) m = std::max(m, std::fabs(qs[i]));
+        k_fast = m < 0x1.0p64f;
+      }
+    }
     // K read directly (see kDirectBuilt): scale·Q ← 2^sh · scale·Q, the scores' factor 2^(120−sh).
     bool k_direct = false;
-    float k_post = 1.0f / kUnit;
+    float k_post = k_fast ? 0x1.0p-24f : 1.0f / kUnit;
     float q_max = 0.0f;  // max |scale·q| of the unit's rows (NaN elements pass over)
     if (direct_unit) {
       for (std::int64_t i = 0; i < nrows * dh; ++i) q_max = std::max(q_max, std::fabs(qs[i]));
@@ -518,6 +546,33 @@ void DecodeUnits(const DecodeArgs& a) {
       }
       if (s_tiles) {
         // (S written, in key order)
+      } else if constexpr (kInt8) {
+        // The quads' features, then the d_h % 4 tail rows (accumulated: the same k order).
+        const std::int64_t dq = a.layout.quad_features();
+        const auto quads = [&](const auto* kk, const auto* kn) {
+          if (tall) {
+            ColumnBlocks<kRT, kVT, 1>(d, nrows, qs, nrows, kk, 4 * kKeyTile, dq, st, kKeyTile,
+                                      false, nv, kn, cur);
+          } else {
+            ColumnBlocks<kRD, kVD, 1>(d, nrows, qs, nrows, kk, 4 * kKeyTile, dq, st, kKeyTile,
+                                      false, nv, kn, cur);
+          }
+        };
+        const auto tail = [&](const auto* kk) {
+          using TT = std::remove_cv_t<std::remove_pointer_t<decltype(kk)>>;
+          constexpr const TT* kNoPrefetch = nullptr;
+          ColumnBlocks<kRD, kVD, 1>(d, nrows, qs + dq * nrows, nrows, kk, kKeyTile, dh - dq, st,
+                                    kKeyTile, true, nv, kNoPrefetch, nullptr);
+        };
+        if (k_fast) {
+          quads(reinterpret_cast<const int8_quad_t*>(kt),
+                reinterpret_cast<const int8_quad_t*>(kt_next));
+          if (dq < dh) tail(reinterpret_cast<const int8_x24_t*>(kt + dq * kKeyTile));
+        } else {
+          quads(reinterpret_cast<const int8_quad_exact_t*>(kt),
+                reinterpret_cast<const int8_quad_exact_t*>(kt_next));
+          if (dq < dh) tail(kt + dq * kKeyTile);
+        }
       } else if (kQuadBuilt && k_direct && quad) {
         s_product(reinterpret_cast<const TQ*>(kt), reinterpret_cast<const TQ*>(kt_next));
         UnsplitQuads(st, kKeyTile, nrows, nv / w_blk * w_blk);
@@ -538,7 +593,10 @@ void DecodeUnits(const DecodeArgs& a) {
       const VF kpost = hn::Set(d, k_post);
       const auto scale_scores = [&](VF s_u, VF delta) {
         if constexpr (kFp8) return hn::Mul(hn::Mul(s_u, kpost), delta);
-        return hn::Mul(s_u, delta);  // int8: kUnit = 1
+        if constexpr (kInt8) {  // k_fast: (S_u · 2^24) · 2^−24 first (exact), then δ_u
+          return k_fast ? hn::Mul(hn::Mul(s_u, kpost), delta) : hn::Mul(s_u, delta);
+        }
+        return hn::Mul(s_u, delta);
       };
       // V's row scales: P_u ← P_u · δ_u in the exp pass (after l takes the unscaled P).
       const float* vs =
@@ -551,7 +609,20 @@ void DecodeUnits(const DecodeArgs& a) {
           vmax_scale = hn::Max(vmax_scale, hn::LoadU(d, vs + i));
         v_direct = hn::GetLane(hn::MaxOfLanes(d, vmax_scale)) < 0x1.0p7f;
       }
-      const float v_elem_unit = v_direct ? kDirectUnit : kUnit;  // what V's LoadB returns per q
+      // int8: V read through int8_quad_t if every scale of the tile is 0 or at least 2^−64.
+      bool v_fast = false;
+      if (kInt8 && !amx_unit) {  // (the tile products read q: unit 1)
+        const VF lo = hn::Set(d, 0x1.0p-64f);
+        auto bad = hn::Lt(lo, lo);  // none
+        for (std::int64_t i = 0; i < nv; i += N) {
+          const VF delta = hn::LoadU(d, vs + i);
+          bad = hn::Or(bad, hn::And(hn::Lt(delta, lo), hn::Ne(delta, hn::Zero(d))));
+        }
+        v_fast = hn::AllFalse(d, bad);
+      }
+      const float v_elem_unit = v_direct ? kDirectUnit  // what V's LoadB returns per q
+                                : v_fast ? 0x1.0p24f
+                                         : kUnit;
       const VF v_unit = hn::Set(d, 1.0f / v_elem_unit);
       if (kQuant && !fuse_ks) {
         for (std::int64_t i = 0; i < nv; i += N) {
@@ -710,7 +781,21 @@ void DecodeUnits(const DecodeArgs& a) {
                                                        true, dh_vec, vn, cur);
         };
         const TB* vk_next = vt_next != nullptr ? vt_next + k0 * vld : nullptr;
-        if (kQuadBuilt && quad && v_direct) {
+        if constexpr (kInt8) {  // key quads: 4·d_h bytes apart (k0 a multiple of 4: same offset)
+          const auto quads = [&](const auto* vv, const auto* vn) {
+            x0 = tall ? ColumnBlocks<kRT, kVT, kKeyTile>(d, nrows, st + k0, 1, vv, 4 * vld, nk, acc,
+                                                         dh, true, dh_vec, vn, cur)
+                      : ColumnBlocks<kRD, kVD, kKeyTile>(d, nrows, st + k0, 1, vv, 4 * vld, nk, acc,
+                                                         dh, true, dh_vec, vn, cur);
+          };
+          if (v_fast) {
+            quads(reinterpret_cast<const int8_quad_t*>(vk),
+                  reinterpret_cast<const int8_quad_t*>(vk_next));
+          } else {
+            quads(reinterpret_cast<const int8_quad_exact_t*>(vk),
+                  reinterpret_cast<const int8_quad_exact_t*>(vk_next));
+          }
+        } else if (kQuadBuilt && quad && v_direct) {
           pv_product(reinterpret_cast<const TQ*>(vk), reinterpret_cast<const TQ*>(vk_next));
         } else if (kQuadBuilt && quad) {
           pv_product(reinterpret_cast<const TQ16*>(vk), reinterpret_cast<const TQ16*>(vk_next));
@@ -725,8 +810,10 @@ void DecodeUnits(const DecodeArgs& a) {
           for (std::int64_t u = std::max<std::int64_t>(0, a.visible_begin(b, t0 + r / g) - u0);
                u < std::min(nt, a.visible_end(b, t0 + r / g) - u0); ++u) {
             const float p = st[r * kKeyTile + u];
-            for (std::int64_t x = x0; x < dh; ++x)
-              acc[r * dh + x] += p * (load_element(a.dtype, vt, u * vld + x) * v_elem_unit);
+            for (std::int64_t x = x0; x < dh; ++x) {
+              const std::int64_t at = kInt8 ? a.layout.value_in_tile(u, x) : u * vld + x;
+              acc[r * dh + x] += p * (load_element(a.dtype, vt, at) * v_elem_unit);
+            }
           }
       }
     }

@@ -173,6 +173,77 @@ template <class D>
 HWY_INLINE hn::Vec<D> LoadB(D d, const bf16_split_t* HWY_RESTRICT p) {
   return LoadB(d, reinterpret_cast<const hwy::bfloat16_t*>(p));
 }
+// The int8 cache's tiles in VNNI-4 quads (kv_tile_layout.hpp: K [d_h/4][64][4], V
+// [16][d_h][4]): B's rows k = 4i .. 4i + 3 share one row of 32-bit words, column x's word holding
+// the four elements of rows 4i .. 4i + 3 (B row k of column x at byte 4x + k % 4 of quad row
+// k / 4). MicroKernel reads row k of such a B (kQuadLayout) by loading 4·Lanes bytes of its quad
+// row per vector and moving byte k % 4 of each word to the word's top byte, zeros below (one byte
+// shuffle: TableLookupBytesOr0 with kQuadPick), which as an int32 is q · 2^24, exact:
+//   int8_quad_t        then converted: q · 2^24 (kLoadBUnit 2^24; the decode kernel folds 2^−24
+//                      into the scores and weights where no product can leave the normal range),
+//                      the same two instructions per Lanes elements as the plain widening;
+//   int8_quad_exact_t  shifted right by 24 first (arithmetic), then converted: q (unit 1).
+struct int8_quad_t {
+  std::uint8_t bits;
+};
+struct int8_quad_exact_t {
+  std::uint8_t bits;
+};
+// The plain int8 widening times 2^24 (exact): K's d_h % 4 tail features, stored as plain rows
+// after the quads, at int8_quad_t's unit.
+struct int8_x24_t {
+  std::int8_t bits;
+};
+template <class TB>
+inline constexpr bool kQuadLayout =
+    std::is_same_v<TB, int8_quad_t> || std::is_same_v<TB, int8_quad_exact_t>;
+// Bytes of B from one column to the next in a B row (the quad layouts: a word per column).
+template <class TB>
+inline constexpr std::int64_t kColumnBytes = kQuadLayout<TB> ? 4 : sizeof(TB);
+// B at column x of its rows (the caller's column offset into a row of B).
+template <class TB>
+HWY_INLINE const TB* BColumn(const TB* b, std::int64_t x) {
+  return b == nullptr ? nullptr
+                      : reinterpret_cast<const TB*>(reinterpret_cast<const std::uint8_t*>(b) +
+                                                    x * kColumnBytes<TB>);
+}
+// Byte shuffle controls: kQuadPick[j] moves byte j of each 32-bit word to its top byte and
+// zeroes the other three (indices within each 16-byte block; 0x80: zero).
+alignas(64) inline constexpr std::uint8_t kQuadPick[4][64] = {
+#define TOKENMIX_QUAD_PICK(j)                                                                      \
+  {                                                                                                \
+    0x80, 0x80, 0x80, j, 0x80, 0x80, 0x80, 4 + j, 0x80, 0x80, 0x80, 8 + j, 0x80, 0x80, 0x80,       \
+        12 + j, 0x80, 0x80, 0x80, j, 0x80, 0x80, 0x80, 4 + j, 0x80, 0x80, 0x80, 8 + j, 0x80, 0x80, \
+        0x80, 12 + j, 0x80, 0x80, 0x80, j, 0x80, 0x80, 0x80, 4 + j, 0x80, 0x80, 0x80, 8 + j, 0x80, \
+        0x80, 0x80, 12 + j, 0x80, 0x80, 0x80, j, 0x80, 0x80, 0x80, 4 + j, 0x80, 0x80, 0x80, 8 + j, \
+        0x80, 0x80, 0x80, 12 + j                                                                   \
+  }
+    TOKENMIX_QUAD_PICK(0), TOKENMIX_QUAD_PICK(1), TOKENMIX_QUAD_PICK(2), TOKENMIX_QUAD_PICK(3)
+#undef TOKENMIX_QUAD_PICK
+};
+// Row k of a quad-layout B: VN vectors from p, a quad row (j = k % 4), as fp32 (q · kLoadBUnit).
+template <int VN, class D, class TB>
+HWY_INLINE void LoadQuadRow(D d, const TB* HWY_RESTRICT p, std::int64_t j, hn::Vec<D>* bv) {
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+  const hn::Repartition<std::uint8_t, D> d8;
+  const hn::RebindToSigned<D> di;
+  const auto pick = hn::Load(d8, kQuadPick[j]);
+  const auto* bytes = reinterpret_cast<const std::uint8_t*>(p);
+  for (int v = 0; v < VN; ++v) {
+    const auto top =
+        hn::BitCast(di, hn::TableLookupBytesOr0(hn::LoadU(d8, bytes + 4 * N * v), pick));
+    if constexpr (std::is_same_v<TB, int8_quad_exact_t>) {
+      bv[v] = hn::ConvertTo(d, hn::ShiftRight<24>(top));
+    } else {
+      bv[v] = hn::ConvertTo(d, top);
+    }
+  }
+}
+template <class D>
+HWY_INLINE hn::Vec<D> LoadB(D d, const int8_x24_t* HWY_RESTRICT p) {
+  return hn::Mul(LoadB(d, reinterpret_cast<const std::int8_t*>(p)), hn::Set(d, 0x1.0p24f));
+}
+
 // The split readings (bf16_split_t, fp8_e4m3_quad_t) are built for x86 only (NEON's bf16
 // widening is one instruction per vector already; fp8 is read directly on x86 only).
 constexpr bool kSplitBuilt =
@@ -359,12 +430,14 @@ HWY_INLINE void LoadBRow(D d, const TB* HWY_RESTRICT p, hn::Vec<D>* bv) {
   for (int v = 0; v < VN; ++v) bv[v] = LoadB(d, p + v * N);
 }
 
-/// What LoadB returns is the stored q times this: 2^−8 for fp8 E4M3 (f16 bits), 2^−120 for the
-/// direct fp8 widening, 1 otherwise.
+/// What LoadB (LoadQuadRow) returns is the stored q times this: 2^−8 for fp8 E4M3 (f16 bits),
+/// 2^−120 for the direct fp8 widening, 2^24 for int8 quads (int8_quad_t, int8_x24_t), 1
+/// otherwise.
 template <class TB>
 inline constexpr float kLoadBUnit =
     std::is_same_v<TB, fp8_e4m3_t> || std::is_same_v<TB, fp8_e4m3_quad_f16unit_t>  ? 0x1.0p-8f
     : std::is_same_v<TB, fp8_e4m3_direct_t> || std::is_same_v<TB, fp8_e4m3_quad_t> ? 0x1.0p-120f
+    : std::is_same_v<TB, int8_quad_t> || std::is_same_v<TB, int8_x24_t>            ? 0x1.0p24f
                                                                                    : 1.0f;
 
 // Widens n contiguous bf16/f16 activation elements (kernels::bf16_t / f16_t) to fp32 with the
@@ -421,13 +494,24 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
   const std::int64_t cur_step = step >= kLine ? cur_lines * kLine : step;  // bytes per k
   const std::uint8_t* cur = cursor != nullptr ? cursor->next : nullptr;
   const std::uint8_t* const cur_end = cursor != nullptr ? cursor->end : nullptr;
-  const auto k_step = [&](std::int64_t k) HWY_ATTR {
-    V bv[VN];
-    LoadBRow<VN>(d, b + k * ldb, bv);
+  const auto fma_row = [&](std::int64_t k, const V* bv) HWY_ATTR {
     const float* HWY_RESTRICT ak = a + k * a_k;  // A[·][k]
     for (int r = 0; r < R; ++r) {
       const V ar = hn::Set(d, ak[r * a_row]);
       for (int v = 0; v < VN; ++v) acc[r][v] = hn::MulAdd(ar, bv[v], acc[r][v]);
+    }
+  };
+  const auto k_step = [&](std::int64_t k) HWY_ATTR {
+    if constexpr (!kQuadLayout<TB>) {  // (the quad layouts: quad_step below)
+      V bv[VN];
+      LoadBRow<VN>(d, b + k * ldb, bv);
+      fma_row(k, bv);
+    }
+  };
+  const auto cursor_prefetch = [&]() HWY_ATTR {
+    if (cur < cur_end) {
+      for (std::int64_t i = 0; i < cur_lines; ++i) PrefetchStream(cur + i * kLine);
+      cur += cur_step;
     }
   };
   const auto k_prefetch = [&](std::int64_t k) HWY_ATTR {
@@ -435,11 +519,35 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
       const auto* line = reinterpret_cast<const std::uint8_t*>(pf + k * ldb);
       for (std::int64_t o = 0; o < row_bytes; o += kLine) PrefetchStream(line + o);
     }
-    if (cur < cur_end) {
-      for (std::int64_t i = 0; i < cur_lines; ++i) PrefetchStream(cur + i * kLine);
-      cur += cur_step;
-    }
+    cursor_prefetch();
   };
+  if constexpr (kQuadLayout<TB>) {
+    // B rows k = 4i .. 4i + 3 from quad row i (a pointer stepped by ldb per four k: no product
+    // of k and ldb per k), byte j = k % 4 of each word (a compile-time shuffle control); the
+    // prefetch of quad row i of pf a quarter per k.
+    const TB* bq = b;
+    const auto* pq = reinterpret_cast<const std::uint8_t*>(pf);
+    const auto quad_step = [&](std::int64_t k, std::int64_t j) HWY_ATTR {
+      if (pq != nullptr) {
+        for (std::int64_t o = 0; o < row_bytes; o += kLine) PrefetchStream(pq + j * row_bytes + o);
+      }
+      cursor_prefetch();
+      V bv[VN];
+      LoadQuadRow<VN>(d, bq, j, bv);
+      fma_row(k, bv);
+    };
+    std::int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+      for (std::int64_t j = 0; j < 4; ++j) quad_step(k + j, j);  // (unrolled: j a constant)
+      bq += ldb;
+      if (pq != nullptr) pq += ldb;
+    }
+    for (std::int64_t j = 0; k < K; ++k, ++j) quad_step(k, j);
+    if (cursor != nullptr) cursor->next = cur;
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < VN; ++v) hn::StoreU(acc[r][v], d, c + r * ldc + v * N);
+    return;
+  }
   // Blocks of more than 6 rows (AVX-512's tall decode blocks, 7–12 rows × 2 vectors) with a
   // decode prefetch take k two at a time: the pointer and cursor bookkeeping and the prefetch's
   // branch once per two k, where they had been ≈ 14 scalar instructions next to 16–24 FMAs (the

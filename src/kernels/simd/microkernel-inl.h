@@ -532,8 +532,16 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
         for (std::int64_t o = 0; o < row_bytes; o += kLine) PrefetchStream(pq + j * row_bytes + o);
       }
       cursor_prefetch();
+      const TB* p = bq;
+#if HWY_TARGET == HWY_AVX2
+      // AVX2: the quad row loaded again for each k (the pointer made opaque), not kept in
+      // registers for its four k: AVX2's 16 registers hold the 4 × 3 blocks' accumulators, and
+      // the hoisted loads spilled them (1.17–1.2× the plain layout's time, hot and from DRAM,
+      // with the path forced on an Intel Xeon; docs/performance.md, 2026-12-05, seventh session).
+      asm volatile("" : "+r"(p));
+#endif
       V bv[VN];
-      LoadQuadRow<VN>(d, bq, j, bv);
+      LoadQuadRow<VN>(d, p, j, bv);
       fma_row(k, bv);
     };
     std::int64_t k = 0;

@@ -523,13 +523,18 @@ void DecodeUnits(const DecodeArgs& a) {
       const std::int64_t nv = (nt + N - 1) / N * N;
       // kk: the K tile as TB or (k_direct) as TD, kn: the prefetched one (or null).
       const auto s_product = [&](const auto* kk, const auto* kn) {
-        // A = (scale·Q)ᵀ: row r of a block at qs + r, k (a feature) nrows floats on.
+        // A = (scale·Q)ᵀ: row r of a block at qs + r, k (a feature) nrows floats on. int8 quads
+        // (kQuadLayout): quad rows of 4·64 bytes over the quads' features (the tail rows after).
+        constexpr bool kQuads =
+            kQuadLayout<std::remove_cv_t<std::remove_reference_t<decltype(*kk)>>>;
+        const std::int64_t ldb = kQuads ? 4 * kKeyTile : kKeyTile;
+        const std::int64_t K = kQuads ? a.layout.quad_features() : dh;
         if (tall) {
-          ColumnBlocks<kRT, kVT, 1>(d, nrows, qs, nrows, kk, kKeyTile, dh, st, kKeyTile, false, nv,
-                                    kn, cur);
+          ColumnBlocks<kRT, kVT, 1>(d, nrows, qs, nrows, kk, ldb, K, st, kKeyTile, false, nv, kn,
+                                    cur);
         } else {
-          ColumnBlocks<kRD, kVD, 1>(d, nrows, qs, nrows, kk, kKeyTile, dh, st, kKeyTile, false, nv,
-                                    kn, cur);
+          ColumnBlocks<kRD, kVD, 1>(d, nrows, qs, nrows, kk, ldb, K, st, kKeyTile, false, nv, kn,
+                                    cur);
         }
       };
       // S from the tiles (in key order), or (false) from the FMA products below: not an AMX unit,
@@ -549,15 +554,6 @@ void DecodeUnits(const DecodeArgs& a) {
       } else if constexpr (kInt8) {
         // The quads' features, then the d_h % 4 tail rows (accumulated: the same k order).
         const std::int64_t dq = a.layout.quad_features();
-        const auto quads = [&](const auto* kk, const auto* kn) {
-          if (tall) {
-            ColumnBlocks<kRT, kVT, 1>(d, nrows, qs, nrows, kk, 4 * kKeyTile, dq, st, kKeyTile,
-                                      false, nv, kn, cur);
-          } else {
-            ColumnBlocks<kRD, kVD, 1>(d, nrows, qs, nrows, kk, 4 * kKeyTile, dq, st, kKeyTile,
-                                      false, nv, kn, cur);
-          }
-        };
         const auto tail = [&](const auto* kk) {
           using TT = std::remove_cv_t<std::remove_pointer_t<decltype(kk)>>;
           constexpr const TT* kNoPrefetch = nullptr;
@@ -565,12 +561,12 @@ void DecodeUnits(const DecodeArgs& a) {
                                     kKeyTile, true, nv, kNoPrefetch, nullptr);
         };
         if (k_fast) {
-          quads(reinterpret_cast<const int8_quad_t*>(kt),
-                reinterpret_cast<const int8_quad_t*>(kt_next));
+          s_product(reinterpret_cast<const int8_quad_t*>(kt),
+                    reinterpret_cast<const int8_quad_t*>(kt_next));
           if (dq < dh) tail(reinterpret_cast<const int8_x24_t*>(kt + dq * kKeyTile));
         } else {
-          quads(reinterpret_cast<const int8_quad_exact_t*>(kt),
-                reinterpret_cast<const int8_quad_exact_t*>(kt_next));
+          s_product(reinterpret_cast<const int8_quad_exact_t*>(kt),
+                    reinterpret_cast<const int8_quad_exact_t*>(kt_next));
           if (dq < dh) tail(kt + dq * kKeyTile);
         }
       } else if (kQuadBuilt && k_direct && quad) {
@@ -592,10 +588,8 @@ void DecodeUnits(const DecodeArgs& a) {
       // as S_u · (δ_u · k_post) wherever that product is finite, and no overflow of it).
       const VF kpost = hn::Set(d, k_post);
       const auto scale_scores = [&](VF s_u, VF delta) {
-        if constexpr (kFp8) return hn::Mul(hn::Mul(s_u, kpost), delta);
-        if constexpr (kInt8) {  // k_fast: (S_u · 2^24) · 2^−24 first (exact), then δ_u
-          return k_fast ? hn::Mul(hn::Mul(s_u, kpost), delta) : hn::Mul(s_u, delta);
-        }
+        // (int8: k_post 2^−24 with int8_quad_t, S_u · 2^24 · 2^−24 exact; else 1)
+        if constexpr (kFp8 || kInt8) return hn::Mul(hn::Mul(s_u, kpost), delta);
         return hn::Mul(s_u, delta);
       };
       // V's row scales: P_u ← P_u · δ_u in the exp pass (after l takes the unscaled P).
@@ -774,26 +768,24 @@ void DecodeUnits(const DecodeArgs& a) {
         }
         // vv: the V sub-tile as TB or (v_direct) as TD, vn: the prefetched one (or null).
         const auto pv_product = [&](const auto* vv, const auto* vn) {
-          // A = P: row r at st + r·64 (kKeyTile), k (a key) the next float.
-          x0 = tall ? ColumnBlocks<kRT, kVT, kKeyTile>(d, nrows, st + k0, 1, vv, vld, nk, acc, dh,
+          // A = P: row r at st + r·64 (kKeyTile), k (a key) the next float. int8 quads
+          // (kQuadLayout): key quads 4·d_h bytes apart (k0 a multiple of 4: the same offset).
+          constexpr bool kQuads =
+              kQuadLayout<std::remove_cv_t<std::remove_reference_t<decltype(*vv)>>>;
+          const std::int64_t ldb = kQuads ? 4 * vld : vld;
+          x0 = tall ? ColumnBlocks<kRT, kVT, kKeyTile>(d, nrows, st + k0, 1, vv, ldb, nk, acc, dh,
                                                        true, dh_vec, vn, cur)
-                    : ColumnBlocks<kRD, kVD, kKeyTile>(d, nrows, st + k0, 1, vv, vld, nk, acc, dh,
+                    : ColumnBlocks<kRD, kVD, kKeyTile>(d, nrows, st + k0, 1, vv, ldb, nk, acc, dh,
                                                        true, dh_vec, vn, cur);
         };
         const TB* vk_next = vt_next != nullptr ? vt_next + k0 * vld : nullptr;
-        if constexpr (kInt8) {  // key quads: 4·d_h bytes apart (k0 a multiple of 4: same offset)
-          const auto quads = [&](const auto* vv, const auto* vn) {
-            x0 = tall ? ColumnBlocks<kRT, kVT, kKeyTile>(d, nrows, st + k0, 1, vv, 4 * vld, nk, acc,
-                                                         dh, true, dh_vec, vn, cur)
-                      : ColumnBlocks<kRD, kVD, kKeyTile>(d, nrows, st + k0, 1, vv, 4 * vld, nk, acc,
-                                                         dh, true, dh_vec, vn, cur);
-          };
+        if constexpr (kInt8) {  // the key quads (pv_product)
           if (v_fast) {
-            quads(reinterpret_cast<const int8_quad_t*>(vk),
-                  reinterpret_cast<const int8_quad_t*>(vk_next));
+            pv_product(reinterpret_cast<const int8_quad_t*>(vk),
+                       reinterpret_cast<const int8_quad_t*>(vk_next));
           } else {
-            quads(reinterpret_cast<const int8_quad_exact_t*>(vk),
-                  reinterpret_cast<const int8_quad_exact_t*>(vk_next));
+            pv_product(reinterpret_cast<const int8_quad_exact_t*>(vk),
+                       reinterpret_cast<const int8_quad_exact_t*>(vk_next));
           }
         } else if (kQuadBuilt && quad && v_direct) {
           pv_product(reinterpret_cast<const TQ*>(vk), reinterpret_cast<const TQ*>(vk_next));

@@ -88,6 +88,13 @@ struct KVCacheConfig {
   /// last R = round_up(W + 64, block) positions of each sequence (see the top of this file);
   /// capacity then bounds the total length only, and storage is O(W).
   std::int64_t window = 0;
+  /// int8 only: the layout of the K and V tiles. true: VNNI-4 quads (four consecutive elements of
+  /// a row, or of a feature, per 32-bit word), which AMX-INT8 multiplies as they are; false: plain
+  /// rows, which the FMA paths widen one instruction cheaper per vector (AVX2 read quads at
+  /// 1.26–1.28× the time of rows at T_new = 1 and 2 on AMD Zen 4). Unset: quads where the CPU
+  /// (after TOKENMIX_CPU_CAP) has AMX-INT8, rows elsewhere. Every path reads either; the results
+  /// are the same bits. Setting it for another dtype is an ArgumentError.
+  std::optional<bool> int8_quads;
 };
 
 class KVCache;
@@ -107,6 +114,8 @@ class KVCache {
 
   const KVCacheConfig& config() const noexcept { return config_; }
   bool paged() const noexcept { return config_.block_tokens != 0; }
+  /// int8: the tiles hold VNNI-4 quads (KVCacheConfig::int8_quads, resolved); false otherwise.
+  bool int8_quads() const noexcept { return int8_quads_; }
   /// Positions per block (T_max rounded up to 64 for a contiguous cache).
   std::int64_t block_tokens() const noexcept { return block_tokens_; }
   /// Blocks in the pool (B for a contiguous cache) and how many are not held by a sequence.
@@ -181,8 +190,9 @@ class KVCache {
 
   KVCacheConfig config_;
   std::int64_t block_tokens_ = 0, pool_blocks_ = 0, table_width_ = 0;
-  std::int64_t ring_ = 0;  // rolling: slots per sequence R (a multiple of block_tokens_); 0 = off
-  std::size_t elem_ = 4;   // bytes per element
+  std::int64_t ring_ = 0;    // rolling: slots per sequence R (a multiple of block_tokens_); 0 = off
+  std::size_t elem_ = 4;     // bytes per element
+  bool int8_quads_ = false;  // int8 tiles in VNNI-4 quads (KVCacheConfig::int8_quads)
   // [n][pool_blocks][H_kv][block_tokens / 64][K tile, V tile]: kernels::KVTileLayout
   // (src/kernels/kv_tile_layout.hpp) is the one description, for writer and readers.
   std::vector<std::byte> storage_;

@@ -23,7 +23,8 @@ void bind_kv_cache(nb::module_& m) {
           "__init__",
           [](PyKVCache* self, std::int64_t layers, std::int64_t batch, std::int64_t heads_kv,
              std::int64_t head_dim, std::int64_t capacity, const std::string& dtype,
-             std::int64_t block_tokens, std::int64_t pool_blocks, std::int64_t window) {
+             std::int64_t block_tokens, std::int64_t pool_blocks, std::int64_t window,
+             std::optional<bool> int8_quads) {
             tmx::KVCacheConfig c;
             c.layers = layers;
             c.batch = batch;
@@ -34,10 +35,11 @@ void bind_kv_cache(nb::module_& m) {
             c.block_tokens = block_tokens;
             c.pool_blocks = pool_blocks;
             c.window = window;
+            c.int8_quads = int8_quads;
             new (self) PyKVCache(c);
           },
           "layers"_a, "batch"_a, "heads_kv"_a, "head_dim"_a, "capacity"_a, "dtype"_a = "f32",
-          "block_tokens"_a = 0, "pool_blocks"_a = 0, "window"_a = 0)
+          "block_tokens"_a = 0, "pool_blocks"_a = 0, "window"_a = 0, "int8_quads"_a = nb::none())
       .def_prop_ro("layers", [](PyKVCache& s) { return s.cache.config().layers; })
       .def_prop_ro("batch", [](PyKVCache& s) { return s.cache.config().batch; })
       .def_prop_ro("heads_kv", [](PyKVCache& s) { return s.cache.config().heads_kv; })
@@ -46,6 +48,7 @@ void bind_kv_cache(nb::module_& m) {
       .def_prop_ro("dtype",
                    [](PyKVCache& s) { return std::string(tmx::to_string(s.cache.config().dtype)); })
       .def_prop_ro("paged", [](PyKVCache& s) { return s.cache.paged(); })
+      .def_prop_ro("int8_quads", [](PyKVCache& s) { return s.cache.int8_quads(); })
       .def_prop_ro("window", [](PyKVCache& s) { return s.cache.window(); })
       .def_prop_ro("retained_positions", [](PyKVCache& s) { return s.cache.retained_positions(); })
       .def_prop_ro("block_tokens", [](PyKVCache& s) { return s.cache.block_tokens(); })

@@ -77,6 +77,29 @@ def test_decode_matches_float64_oracle_over_dequantized_cache(dtype, block_token
     assert 0 < err < (2.0**-5 if dtype == "int8" else 2.0**-2)
 
 
+@pytest.mark.parametrize("isa", ["portable", "auto"])
+def test_int8_rows_and_quads_give_the_same_bits(isa):
+    """KVCache(int8_quads=...): the int8 tiles in plain rows or in VNNI-4 quads (the default
+    follows the CPU's AMX-INT8); the same stored values, read to the same bits on every path."""
+    rng = np.random.default_rng(16)
+    B, H_q, H_kv, D, T_new, L = 1, 8, 2, 37, 3, 150
+    k = rng.standard_normal((B, L, H_kv, D)).astype(np.float32)
+    v = rng.standard_normal((B, L, H_kv, D)).astype(np.float32)
+    q = rng.standard_normal((B, T_new, H_q, D)).astype(np.float32)
+    outs = []
+    for quads in (False, True):
+        cache = tm.KVCache(1, B, H_kv, D, 200, dtype="int8", int8_quads=quads)
+        assert cache.int8_quads is quads
+        cache.append(0, k, v)
+        outs.append(tm.attention_decode(q, cache, 0, isa=isa))
+    assert np.array_equal(outs[0], outs[1])
+    ref = decode_oracle(q, dequantized(k, "int8"), dequantized(v, "int8"), [L])
+    assert np.abs(outs[0] - ref).max() / np.abs(ref).max() <= 2e-5
+    assert tm.KVCache(1, 1, 1, 16, 64, dtype="int8").int8_quads == tm.cpu_features()["amx_int8"]
+    with pytest.raises(tm.ArgumentError, match="config.int8_quads applies to an int8 cache only"):
+        tm.KVCache(1, 1, 1, 16, 64, dtype="fp8_e4m3", int8_quads=False)
+
+
 @pytest.mark.parametrize("dtype", QUANT)
 def test_memory_counts_elements_plus_scales(dtype):
     cache = tm.KVCache(2, 3, 8, 128, 256, dtype=dtype)  # d_h = 128: the issue's shape

@@ -222,9 +222,10 @@ Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, s
   a.linear_prefetch = detail::linear_decode_prefetch(fn);
   // AMX tile products for an int8, fp8 or bf16 cache, on the avx512 paths
   // (kernels/simd/amx_decode.hpp).
+  // An int8 cache in rows (KVCacheConfig::int8_quads false) has no tile products.
   a.amx = (cc.dtype == DType::int8 || cc.dtype == DType::fp8_e4m3 || cc.dtype == DType::bf16) &&
           detail::decode_amx(fn, isa == Isa::avx512 || isa == Isa::avx512_bf16, to_string(isa),
-                             cc.dtype);
+                             cc.dtype, cc.dtype != DType::int8 || cache.int8_quads());
   const std::int64_t g = a.group();
   a.qblock = std::max<std::int64_t>(1, std::min(a.tnew, kMaxRows / g));
   a.qblocks = (a.tnew + a.qblock - 1) / a.qblock;

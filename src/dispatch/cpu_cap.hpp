@@ -49,6 +49,8 @@ bool linear_prefetch_preferred(bool intel);
 /// empty: where the path has it, cpu_features(fn).amx_int8 (int8) or amx_bf16 (fp8, bf16) holds
 /// (TOKENMIX_CPU_CAP=avx512 hides them) and Linux grants this process the tile data (asked here,
 /// once). ArgumentError naming `fn` on another value of the switch or another cache dtype.
-bool decode_amx(const char* fn, bool path_has_amx, const char* path, DType cache);
+/// `tiles_fit` false (an int8 cache in rows, not quads): never (`on`: UnsupportedError).
+bool decode_amx(const char* fn, bool path_has_amx, const char* path, DType cache,
+                bool tiles_fit = true);
 
 }  // namespace tokenmix::detail

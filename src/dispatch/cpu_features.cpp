@@ -238,7 +238,7 @@ bool linear_decode_prefetch(const char* fn) {
   return linear_prefetch_preferred(cpu_vendor().intel);
 }
 
-bool decode_amx(const char* fn, bool path_has_amx, const char* path, DType cache) {
+bool decode_amx(const char* fn, bool path_has_amx, const char* path, DType cache, bool tiles_fit) {
   if (cache != DType::int8 && cache != DType::fp8_e4m3 && cache != DType::bf16) {
     throw ArgumentError(ErrorCode::invalid_argument,
                         std::string(fn) +
@@ -251,6 +251,14 @@ bool decode_amx(const char* fn, bool path_has_amx, const char* path, DType cache
   const bool int8 = cache == DType::int8;
   const char* features =
       int8 ? "AMX-INT8" : "AMX-BF16 (with AMX-INT8, AVX512-BF16, AVX512-VBMI)";  // fp8, bf16
+  if (!tiles_fit) {
+    if (forced) {
+      throw UnsupportedError(std::string(fn) +
+                             ": TOKENMIX_DECODE_AMX=on, but this int8 cache holds plain rows "
+                             "(KVCacheConfig::int8_quads false); AMX-INT8 takes VNNI-4 quads");
+    }
+    return false;
+  }
   if (!path_has_amx) {
     if (forced) {
       throw UnsupportedError(std::string(fn) + ": TOKENMIX_DECODE_AMX=on, but this call runs the " +

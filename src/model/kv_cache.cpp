@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "dispatch/cpu_cap.hpp"
 #include "kernels/kv_element.hpp"
 #include "model/kv_cache_access.hpp"
 #include "tokenmix/error.hpp"
@@ -55,6 +56,13 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
          "config.dtype must be f32, bf16, f16, int8 or fp8_e4m3; got the value " +
              str(static_cast<int>(c.dtype)));
   }
+  if (c.int8_quads.has_value() && c.dtype != DType::int8) {
+    fail(ErrorCode::invalid_argument, fn,
+         std::string("config.int8_quads applies to an int8 cache only; got it set (") +
+             (*c.int8_quads ? "true" : "false") + ") with config.dtype " + to_string(c.dtype));
+  }
+  // int8: quads where AMX-INT8 can take the tiles as they are, rows elsewhere (KVCacheConfig).
+  int8_quads_ = c.dtype == DType::int8 && c.int8_quads.value_or(detail::cpu_features(fn).amx_int8);
   if (c.block_tokens < 0 || c.block_tokens % kKeyTile != 0) {
     fail(ErrorCode::invalid_argument, fn,
          "config.block_tokens must be 0 (contiguous) or a positive multiple of " + str(kKeyTile) +

@@ -21,7 +21,7 @@ struct KVCacheAccess {
             x.block_tokens_,
             x.pool_blocks_,
             kernels::is_quantized(x.config_.dtype) ? kernels::KVTileLayout::kScaleBytes : 0,
-            x.config_.dtype == DType::int8};
+            x.int8_quads_};
   }
   static const std::byte* layer(const KVCache& x, std::int64_t layer) {
     return x.storage_.data() + static_cast<std::size_t>(layer * layout(x).layer_elems()) * x.elem_;

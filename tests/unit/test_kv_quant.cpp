@@ -39,12 +39,33 @@ constexpr DType kQuantTypes[] = {DType::int8, DType::fp8_e4m3};
 // The decode kernels' readings of a quantized cache: int8, and fp8 E4M3 through f16 bits or
 // directly as fp32 bits (TOKENMIX_FP8_WIDEN=direct: the AVX-512 and AVX2 kernels; portable and NEON
 // ignore it), each forced, so that no CPU's automatic choice leaves one untested.
+// A quantized cache and how it is read: fp8's widening (TOKENMIX_FP8_WIDEN), int8's tile layout
+// (KVCacheConfig::int8_quads: rows and quads on every path, whatever this CPU's default).
 struct QuantReading {
   DType dt;
   const char* fp8_widen;
+  std::optional<bool> int8_quads = std::nullopt;
 };
-constexpr QuantReading kQuantReadings[] = {
-    {DType::int8, "f16"}, {DType::fp8_e4m3, "f16"}, {DType::fp8_e4m3, "direct"}};
+const QuantReading kQuantReadings[] = {{DType::int8, "f16", false},
+                                       {DType::int8, "f16", true},
+                                       {DType::fp8_e4m3, "f16"},
+                                       {DType::fp8_e4m3, "direct"}};
+// `c` with the reading's int8 layout.
+KVCacheConfig read_as(KVCacheConfig c, const QuantReading& reading) {
+  c.int8_quads = reading.int8_quads;
+  return c;
+}
+// `c` as AMX-INT8 takes an int8 cache (quads), whatever this CPU's default; other dtypes as given.
+KVCacheConfig amx_tiles(KVCacheConfig c) {
+  if (c.dtype == DType::int8) c.int8_quads = true;
+  return c;
+}
+QuantReading amx_reading(DType dt) {
+  return {dt, "f16", dt == DType::int8 ? std::optional<bool>(true) : std::nullopt};
+}
+std::string layout_name(const QuantReading& reading) {
+  return !reading.int8_quads ? "" : *reading.int8_quads ? " quads" : " rows";
+}
 
 // ---- element formats ----
 
@@ -535,11 +556,12 @@ struct VariantOptions {
 // A `dt` cache (rolling over var's window, or full) of two sequences (1500 and 700 tokens) in
 // `layer`, queries of T_new `tnew` with var's heads: decode(q, cache, out, lse) against the oracle.
 template <class Decode>
-void expect_variants_match_oracle(DType dt, bool rolling, std::int64_t layer, std::int64_t hkv,
-                                  std::int64_t dh, std::int64_t tnew, const VariantOptions& var,
-                                  std::mt19937_64& rng, Decode decode) {
+void expect_variants_match_oracle(const QuantReading& reading, bool rolling, std::int64_t layer,
+                                  std::int64_t hkv, std::int64_t dh, std::int64_t tnew,
+                                  const VariantOptions& var, std::mt19937_64& rng, Decode decode) {
   const std::int64_t hq = static_cast<std::int64_t>(var.slopes.size()), W = *var.ro.window;
-  KVCache cache({layer + 1, 2, hkv, dh, 3000, dt, rolling ? 64 : 0, 0, rolling ? W : 0});
+  KVCache cache(read_as(
+      {layer + 1, 2, hkv, dh, 3000, reading.dt, rolling ? 64 : 0, 0, rolling ? W : 0}, reading));
   fill(cache, layer, {1500, 700}, rng);
   StridedTensor q(2, tnew, hq, dh, Layout::bhtd);
   q.fill_random(rng);
@@ -560,13 +582,13 @@ TEST_P(KVQuantDecode, MatchesFloat64OracleOverDequantizedCache) {
       for (std::int64_t block : {0, 128}) {
         const DType dt = reading.dt;
         const ScopedEnv widen("TOKENMIX_FP8_WIDEN", reading.fp8_widen);
-        SCOPED_TRACE(std::string("reading=") + reading.fp8_widen + " L0=" +
+        SCOPED_TRACE(std::string("reading=") + reading.fp8_widen + layout_name(reading) + " L0=" +
                      std::to_string(qc.lengths[0]) + " L1=" + std::to_string(qc.lengths[1]) +
                      " T_new=" + std::to_string(qc.tnew) + " H_q=" + std::to_string(qc.hq) +
                      " H_kv=" + std::to_string(qc.hkv) + " d_h=" + std::to_string(qc.dh) +
                      " dtype=" + to_string(dt) + " block=" + std::to_string(block));
         const std::int64_t B = static_cast<std::int64_t>(qc.lengths.size());
-        KVCache cache({2, B, qc.hkv, qc.dh, 2200, dt, block, 0});
+        KVCache cache(read_as({2, B, qc.hkv, qc.dh, 2200, dt, block, 0}, reading));
         fill(cache, 1, qc.lengths, rng);
         StridedTensor q(B, qc.tnew, qc.hq, qc.dh, Layout::strided);
         q.fill_random(rng);
@@ -593,9 +615,9 @@ TEST_P(KVQuantDecode, VariantsAndRollingCacheMatchOracle) {
     for (std::int64_t rolling : {0, 1}) {
       const DType dt = reading.dt;
       const ScopedEnv widen("TOKENMIX_FP8_WIDEN", reading.fp8_widen);
-      SCOPED_TRACE(std::string(to_string(dt)) + " " + reading.fp8_widen +
+      SCOPED_TRACE(std::string(to_string(dt)) + " " + reading.fp8_widen + layout_name(reading) +
                    (rolling ? " rolling" : " full"));
-      expect_variants_match_oracle(dt, rolling != 0, 0, hkv, dh, tnew, var, rng,
+      expect_variants_match_oracle(reading, rolling != 0, 0, hkv, dh, tnew, var, rng,
                                    [&](const StridedTensor& q, const KVCache& cache,
                                        StridedTensor& out, std::vector<float>& lse) {
                                      attention_decode(q.view, cache, 0, out.view,
@@ -605,13 +627,60 @@ TEST_P(KVQuantDecode, VariantsAndRollingCacheMatchOracle) {
     }
 }
 
+// An int8 cache in rows and one in quads (KVCacheConfig::int8_quads) hold the same q and scales,
+// and every path reads each element's products in the same order from either: the same bits,
+// over tile edges, d_h tails (37: a tail after the quads) and T_new of the regular and tall blocks.
+// The default follows the CPU: quads where it has AMX-INT8 (after TOKENMIX_CPU_CAP).
+TEST_P(KVQuantDecode, Int8RowsAndQuadsSameBits) {
+  std::mt19937_64 rng(4242);
+  for (const std::int64_t dh : {64, 37})
+    for (const std::int64_t tnew : {1, 2, 5}) {
+      SCOPED_TRACE("d_h=" + std::to_string(dh) + " T_new=" + std::to_string(tnew));
+      const std::int64_t hq = 8, hkv = 2;
+      KVCache rows({1, 2, hkv, dh, 400, DType::int8, 0, 0, 0, false});
+      KVCache quads({1, 2, hkv, dh, 400, DType::int8, 0, 0, 0, true});
+      EXPECT_FALSE(rows.int8_quads());
+      EXPECT_TRUE(quads.int8_quads());
+      for (std::int64_t seq = 0; seq < 2; ++seq) {
+        const std::int64_t n = seq == 0 ? 333 : 64;
+        StridedTensor k(1, n, hkv, dh, Layout::bthd), v(1, n, hkv, dh, Layout::bthd);
+        k.fill_random(rng);
+        v.fill_random(rng);
+        rows.append(0, seq, k.view, v.view);
+        quads.append(0, seq, k.view, v.view);
+      }
+      StridedTensor q(2, tnew, hq, dh, Layout::bthd);
+      q.fill_random(rng);
+      const std::vector<reference::ForwardResult> refs = {cache_oracle(q, 0, rows, 0),
+                                                          cache_oracle(q, 1, rows, 0)};
+      std::vector<std::vector<float>> outs, lses;
+      for (const KVCache* cache : {&rows, &quads}) {
+        StridedTensor out(2, tnew, hq, dh, Layout::bthd);  // poisoned (NaN)
+        std::vector<float> lse(static_cast<std::size_t>(2 * hq * tnew), kPoison);
+        DecodeOptions o;
+        o.isa = GetParam();
+        const ScopedEnv amx("TOKENMIX_DECODE_AMX", "off");  // FMA products on both layouts
+        attention_decode(q.view, *cache, 0, out.view, TensorView::bht(lse.data(), 2, hq, tnew), o);
+        expect_decode_matches(out, lse, refs);
+        outs.push_back(out.storage);
+        lses.push_back(lse);
+      }
+      EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(lses[0].data(), lses[1].data(), lses[0].size() * sizeof(float)));
+    }
+  KVCache automatic({1, 1, 1, 64, 64, DType::int8, 0, 0});
+  EXPECT_EQ(automatic.int8_quads(), cpu_features().amx_int8);
+  KVCache fp8({1, 1, 1, 64, 64, DType::fp8_e4m3, 0, 0});
+  EXPECT_FALSE(fp8.int8_quads());
+}
+
 // The chunk split and merge order do not depend on the thread count: bitwise identical results.
 TEST_P(KVQuantDecode, BitwiseIdenticalAcrossThreadCounts) {
   std::mt19937_64 rng(7);
   for (const QuantReading& reading : kQuantReadings) {
     const DType dt = reading.dt;
     const ScopedEnv widen("TOKENMIX_FP8_WIDEN", reading.fp8_widen);
-    KVCache cache({1, 2, 1, 64, 4500, dt, 0, 0});
+    KVCache cache(read_as({1, 2, 1, 64, 4500, dt, 0, 0}, reading));
     fill(cache, 0, {4500, 1500}, rng);
     StridedTensor q(2, 2, 8, 64, Layout::bthd);
     q.fill_random(rng);
@@ -707,7 +776,7 @@ TEST_P(KVQuantDecode, Int8QuadsExactOutsideTheFastReadingsRange) {
         SCOPED_TRACE("d_h=" + std::to_string(dh) + " T_new=" + std::to_string(tnew) + " q scale " +
                      std::to_string(q_scale));
         const std::int64_t hq = 8, hkv = 2, n = 300;
-        KVCache cache({1, 2, hkv, dh, 400, DType::int8, 0, 0});
+        KVCache cache(amx_tiles({1, 2, hkv, dh, 400, DType::int8, 0, 0}));  // quads
         for (std::int64_t seq = 0; seq < 2; ++seq) {
           std::vector<float> k(static_cast<std::size_t>(n * hkv * dh)), v(k.size());
           for (std::size_t i = 0; i < k.size(); ++i) {
@@ -839,7 +908,7 @@ bool amx_usable(DType dt) {
 // cache that would use them.
 void expect_amx_refused(DType dt) {
   std::mt19937_64 rng(4);
-  KVCache cache({1, 1, 1, 64, 100, dt, 0, 0});
+  KVCache cache(amx_tiles({1, 1, 1, 64, 100, dt, 0, 0}));
   const auto k = test_rows(80, 64, rng), v = test_rows(80, 64, rng);
   cache.append(0, 0, ConstTensorView::bthd(k.data(), 1, 80, 1, 64),
                ConstTensorView::bthd(v.data(), 1, 80, 1, 64));
@@ -909,7 +978,7 @@ TEST_P(DecodeAmx, ForcedOnMatchesOracleOrIsRefused) {
                    " H_kv=" + std::to_string(c.hkv) + " d_h=" + std::to_string(c.dh) +
                    " block=" + std::to_string(block));
       const std::int64_t B = static_cast<std::int64_t>(c.lengths.size());
-      KVCache cache({2, B, c.hkv, c.dh, 2200, dt, block, 0});
+      KVCache cache(amx_tiles({2, B, c.hkv, c.dh, 2200, dt, block, 0}));
       fill(cache, 1, c.lengths, rng);
       StridedTensor q(B, amx_tnew(dt, c.tnew), c.hq, c.dh, Layout::strided);
       q.fill_random(rng);
@@ -933,7 +1002,7 @@ TEST_P(DecodeAmx, UnitsTakeTheTilesFromTheirDtypesRowCount) {
     const std::int64_t rows = sh.tnew * (sh.hq / sh.hkv);
     const bool tiles = dt == DType::int8 && rows >= 4;
     SCOPED_TRACE("T_new=" + std::to_string(sh.tnew) + " rows=" + std::to_string(rows));
-    KVCache cache({1, 2, sh.hkv, dh, 1200, dt, 0, 0});
+    KVCache cache(amx_tiles({1, 2, sh.hkv, dh, 1200, dt, 0, 0}));
     fill(cache, 0, {1100, 650}, rng);
     StridedTensor q(2, sh.tnew, sh.hq, dh, Layout::strided);
     q.fill_random(rng);
@@ -957,7 +1026,7 @@ TEST_P(DecodeAmx, WideRangeMatchesOracle) {
   const DType dt = GetParam();
   if (!amx_usable(dt)) return expect_amx_refused(dt);
   std::mt19937_64 rng(57);
-  KVCache cache({1, 1, 2, 128, 700, dt, 0, 0});
+  KVCache cache(amx_tiles({1, 1, 2, 128, 700, dt, 0, 0}));
   fill_wide_range(cache, 0, 650, rng);
   for (const float q_scale : {1.0f, 1e-15f, 1e15f}) {
     SCOPED_TRACE("q scale " + std::to_string(q_scale));
@@ -979,7 +1048,7 @@ TEST_P(DecodeAmx, VariantsAndRollingCacheMatchOracle) {
   for (std::int64_t rolling : {0, 1}) {
     SCOPED_TRACE(rolling ? "rolling" : "full");
     expect_variants_match_oracle(
-        dt, rolling != 0, 1, hkv, dh, tnew, var, rng,
+        amx_reading(dt), rolling != 0, 1, hkv, dh, tnew, var, rng,
         [&](const StridedTensor& q, const KVCache& cache, StridedTensor& out,
             std::vector<float>& lse) { decode_amx_switch(q, cache, 1, "on", out, lse, var.o); });
   }
@@ -993,7 +1062,7 @@ TEST_P(DecodeAmx, NonFiniteQueryUnitTakesTheFmaProducts) {
   if (!amx_usable(dt)) return expect_amx_refused(dt);
   std::mt19937_64 rng(90);
   const std::int64_t hq = 8, hkv = 2, dh = 64, tnew = amx_tnew(dt, 4);
-  KVCache cache({2, 1, hkv, dh, 1000, dt, 0, 0});
+  KVCache cache(amx_tiles({2, 1, hkv, dh, 1000, dt, 0, 0}));
   fill(cache, 1, {900}, rng);
   StridedTensor q(1, tnew, hq, dh, Layout::bthd);
   q.fill_random(rng);
@@ -1032,7 +1101,7 @@ TEST_P(DecodeAmx, NonFiniteQueryUnitTakesTheFmaProducts) {
 // `on` for a call on another path is refused; `off` runs any path.
 TEST_P(DecodeAmx, OtherPathsRefuseOn) {
   std::mt19937_64 rng(3);
-  KVCache cache({2, 1, 1, 64, 200, GetParam(), 0, 0});
+  KVCache cache(amx_tiles({2, 1, 1, 64, 200, GetParam(), 0, 0}));
   fill(cache, 1, {150}, rng);
   StridedTensor q(1, 4, 4, 64, Layout::bthd);
   q.fill_random(rng);
@@ -1185,6 +1254,48 @@ TEST(DecodeAmxSwitch, ValuesAndCacheDtypeAreChecked) {
   EXPECT_TRUE(!decode_amx(DType::fp8_e4m3) || decode_amx(DType::int8));
   EXPECT_EQ(decode_amx(DType::bf16), decode_amx(DType::fp8_e4m3));
   EXPECT_TRUE(!cpu_features().amx_bf16 || cpu_features().amx_int8);
+}
+
+// An int8 cache in rows has no tile products: TOKENMIX_DECODE_AMX=on is refused on every path,
+// naming the layout, and the cache is read by the FMA products otherwise.
+TEST(DecodeAmxSwitch, Int8RowsRefuseOn) {
+  std::mt19937_64 rng(5);
+  KVCache cache({1, 1, 1, 64, 200, DType::int8, 0, 0, 0, false});
+  fill(cache, 0, {150}, rng);
+  StridedTensor q(1, 4, 4, 64, Layout::bthd);
+  q.fill_random(rng);
+  StridedTensor out(1, 4, 4, 64, Layout::bthd);
+  std::vector<float> lse(16, kPoison);
+  for (const Isa isa : {Isa::automatic, Isa::avx512}) {
+    if (isa == Isa::avx512 && !testkit::isa_unavailable_reason(isa).empty()) continue;
+    DecodeOptions o;
+    o.isa = isa;
+    try {
+      decode_amx_switch(q, cache, 0, "on", out, lse, o);
+      ADD_FAILURE() << "TOKENMIX_DECODE_AMX=on accepted on an int8 cache in rows";
+    } catch (const UnsupportedError& e) {
+      EXPECT_NE(std::string(e.what()).find("plain rows"), std::string::npos) << e.what();
+    }
+  }
+  decode_amx_switch(q, cache, 0, "", out, lse, {});
+  expect_decode_matches(out, lse, {cache_oracle(q, 0, cache, 0)});
+}
+
+// KVCacheConfig::int8_quads belongs to int8 caches: set for another dtype, an ArgumentError that
+// names it and the dtype.
+TEST(KVQuantCache, Int8QuadsOnAnotherDtypeIsRefused) {
+  for (const DType dt : {DType::f32, DType::bf16, DType::f16, DType::fp8_e4m3})
+    for (const bool quads : {false, true}) {
+      try {
+        KVCache cache({1, 1, 1, 64, 64, dt, 0, 0, 0, quads});
+        ADD_FAILURE() << "int8_quads accepted for " << to_string(dt);
+      } catch (const ArgumentError& e) {
+        EXPECT_NE(std::string(e.what()).find("config.int8_quads applies to an int8 cache only"),
+                  std::string::npos)
+            << e.what();
+        EXPECT_NE(std::string(e.what()).find(to_string(dt)), std::string::npos) << e.what();
+      }
+    }
 }
 
 }  // namespace

@@ -257,6 +257,9 @@ void DecodeUnits(const DecodeArgs& a) {
   // K's d_h % 4 tail features (plain rows after the quads) go through int8_x24_t (q · 2^24) or
   // int8_t. Each element's products are those of the plain layout, in the same order.
   constexpr bool kInt8 = std::is_same_v<TB, std::int8_t>;
+  // An int8 cache in plain rows (KVCacheConfig::int8_quads false: CPUs without AMX-INT8) is read
+  // as above without the quads: the plain widening (LoadB of int8_t, unit 1), no AMX units.
+  const bool quads = kInt8 && a.layout.int8_quads;
   // fp8 E4M3 on AVX-512 and AVX2 has a second widening, straight into fp32 bits (fp8_e4m3_direct_t,
   // microkernel-inl.h: no conversion instruction, LoadB returns q · 2^−120, subnormal fp32 for
   // subnormal codes), used when the call asks for it (DecodeArgs::fp8_direct) and this worker's
@@ -438,7 +441,7 @@ void DecodeUnits(const DecodeArgs& a) {
     // int8: K read through int8_quad_t in this unit (see kInt8; the tile products' S is at unit 1).
     bool k_fast = false;
     if constexpr (kInt8) {
-      if (!amx_unit) {
+      if (!amx_unit && quads) {
         // max |scale·q| (a NaN may pass over or come out: NaN takes the exact reading, and a NaN
         // query's row is NaN either way)
         VF vm = hn::Zero(d);
@@ -551,6 +554,8 @@ void DecodeUnits(const DecodeArgs& a) {
       }
       if (s_tiles) {
         // (S written, in key order)
+      } else if (kInt8 && !quads) {
+        s_product(reinterpret_cast<const TP*>(kt), reinterpret_cast<const TP*>(kt_next));
       } else if constexpr (kInt8) {
         // The quads' features, then the d_h % 4 tail rows (accumulated: the same k order).
         const std::int64_t dq = a.layout.quad_features();
@@ -605,7 +610,7 @@ void DecodeUnits(const DecodeArgs& a) {
       }
       // int8: V read through int8_quad_t if every scale of the tile is 0 or at least 2^−64.
       bool v_fast = false;
-      if (kInt8 && !amx_unit) {  // (the tile products read q: unit 1)
+      if (kInt8 && quads && !amx_unit) {  // (the tile products read q: unit 1; rows: unit 1)
         const VF lo = hn::Set(d, 0x1.0p-64f);
         auto bad = hn::Lt(lo, lo);  // none
         for (std::int64_t i = 0; i < nv; i += N) {
@@ -779,7 +784,9 @@ void DecodeUnits(const DecodeArgs& a) {
                                                        true, dh_vec, vn, cur);
         };
         const TB* vk_next = vt_next != nullptr ? vt_next + k0 * vld : nullptr;
-        if constexpr (kInt8) {  // the key quads (pv_product)
+        if (kInt8 && !quads) {
+          pv_product(reinterpret_cast<const TP*>(vk), reinterpret_cast<const TP*>(vk_next));
+        } else if constexpr (kInt8) {  // the key quads (pv_product)
           if (v_fast) {
             pv_product(reinterpret_cast<const int8_quad_t*>(vk),
                        reinterpret_cast<const int8_quad_t*>(vk_next));

@@ -554,10 +554,9 @@ void DecodeUnits(const DecodeArgs& a) {
       }
       if (s_tiles) {
         // (S written, in key order)
-      } else if (kInt8 && !quads) {
-        s_product(reinterpret_cast<const TP*>(kt), reinterpret_cast<const TP*>(kt_next));
-      } else if constexpr (kInt8) {
-        // The quads' features, then the d_h % 4 tail rows (accumulated: the same k order).
+      } else if (quads) {
+        // The quads' features, then the d_h % 4 tail rows (accumulated: the same k order). An
+        // int8 cache in plain rows takes the plain widening (the last branch, TP = int8_t).
         const std::int64_t dq = a.layout.quad_features();
         const auto tail = [&](const auto* kk) {
           using TT = std::remove_cv_t<std::remove_pointer_t<decltype(kk)>>;
@@ -565,14 +564,16 @@ void DecodeUnits(const DecodeArgs& a) {
           ColumnBlocks<kRD, kVD, 1>(d, nrows, qs + dq * nrows, nrows, kk, kKeyTile, dh - dq, st,
                                     kKeyTile, true, nv, kNoPrefetch, nullptr);
         };
-        if (k_fast) {
-          s_product(reinterpret_cast<const int8_quad_t*>(kt),
-                    reinterpret_cast<const int8_quad_t*>(kt_next));
-          if (dq < dh) tail(reinterpret_cast<const int8_x24_t*>(kt + dq * kKeyTile));
-        } else {
-          s_product(reinterpret_cast<const int8_quad_exact_t*>(kt),
-                    reinterpret_cast<const int8_quad_exact_t*>(kt_next));
-          if (dq < dh) tail(kt + dq * kKeyTile);
+        if constexpr (kInt8) {  // (quads is false for every other cache element)
+          if (k_fast) {
+            s_product(reinterpret_cast<const int8_quad_t*>(kt),
+                      reinterpret_cast<const int8_quad_t*>(kt_next));
+            if (dq < dh) tail(reinterpret_cast<const int8_x24_t*>(kt + dq * kKeyTile));
+          } else {
+            s_product(reinterpret_cast<const int8_quad_exact_t*>(kt),
+                      reinterpret_cast<const int8_quad_exact_t*>(kt_next));
+            if (dq < dh) tail(kt + dq * kKeyTile);
+          }
         }
       } else if (kQuadBuilt && k_direct && quad) {
         s_product(reinterpret_cast<const TQ*>(kt), reinterpret_cast<const TQ*>(kt_next));
@@ -784,15 +785,15 @@ void DecodeUnits(const DecodeArgs& a) {
                                                        true, dh_vec, vn, cur);
         };
         const TB* vk_next = vt_next != nullptr ? vt_next + k0 * vld : nullptr;
-        if (kInt8 && !quads) {
-          pv_product(reinterpret_cast<const TP*>(vk), reinterpret_cast<const TP*>(vk_next));
-        } else if constexpr (kInt8) {  // the key quads (pv_product)
-          if (v_fast) {
-            pv_product(reinterpret_cast<const int8_quad_t*>(vk),
-                       reinterpret_cast<const int8_quad_t*>(vk_next));
-          } else {
-            pv_product(reinterpret_cast<const int8_quad_exact_t*>(vk),
-                       reinterpret_cast<const int8_quad_exact_t*>(vk_next));
+        if (quads) {  // the key quads (int8 in plain rows: the last branch)
+          if constexpr (kInt8) {
+            if (v_fast) {
+              pv_product(reinterpret_cast<const int8_quad_t*>(vk),
+                         reinterpret_cast<const int8_quad_t*>(vk_next));
+            } else {
+              pv_product(reinterpret_cast<const int8_quad_exact_t*>(vk),
+                         reinterpret_cast<const int8_quad_exact_t*>(vk_next));
+            }
           }
         } else if (kQuadBuilt && quad && v_direct) {
           pv_product(reinterpret_cast<const TQ*>(vk), reinterpret_cast<const TQ*>(vk_next));

@@ -94,7 +94,7 @@ struct KVCacheConfig {
   /// 1.26–1.28× the time of rows at T_new = 1 and 2 on AMD Zen 4). Unset: quads where the CPU
   /// (after TOKENMIX_CPU_CAP) has AMX-INT8, rows elsewhere. Every path reads either; the results
   /// are the same bits. Setting it for another dtype is an ArgumentError.
-  std::optional<bool> int8_quads;
+  std::optional<bool> int8_quads = std::nullopt;
 };
 
 class KVCache;

@@ -256,6 +256,16 @@ tokenmix_bench_json_test(bench_decode_roofline_window
                          -- bench decode --batch 3 --tnew 2 --cache-tokens 100 --cache-dtype f16
                             --lengths mixed --window 16 --hq 4 --hkv 2 --dh 16 --threads 1
                             --repeats 1 --json)
+# --rounds N: the case list visited N times round-robin (a slow phase of a shared machine takes
+# part of every case's samples); one line per case, after the last round, with "rounds": N.
+tokenmix_bench_json_test(bench_decode_rounds
+                         --lines 2 --values rounds=2 --values cache_dtype=f32,int8
+                         -- bench decode --cache-tokens 64 --cache-dtype f32,int8 --rounds 2
+                            --hq 4 --hkv 2 --dh 16 --threads 1 --repeats 1 --json)
+tokenmix_cli_test(bench_decode_rounds_progress
+                  ARGS bench decode --cache-tokens 64 --cache-dtype f32,bf16 --rounds 2 --hq 4
+                       --hkv 2 --dh 16 --threads 1 --repeats 1 TIMEOUT 600
+                  STDERR "cache=f32 .*round 1/2.*cache=bf16 .*round 1/2.*cache=f32 .*round 2/2.*cache=bf16 .*round 2/2")
 tokenmix_bench_json_test(bench_forward_batch_list
                          --lines 2 --values batch=1,2 --values op=forward
                          -- bench forward --batch 1,2 --tq 32 --hq 2 --hkv 1 --dh 8 --threads 1
@@ -413,6 +423,10 @@ tokenmix_cli_error(error_bench_bad_lengths "--lengths: foo not in"
                    ARGS bench decode --cache-tokens 64 --lengths foo)
 tokenmix_cli_error(error_bench_mixed_lengths_forward "--lengths mixed applies only to decode.*got op forward"
                    ARGS bench forward --tq 16 --lengths mixed)
+tokenmix_cli_error(error_bench_rounds_zero "bench: --rounds must be >= 1; got 0"
+                   ARGS bench decode --cache-tokens 64 --rounds 0)
+tokenmix_cli_error(error_bench_rounds_forward "--rounds applies only to decode.*got op forward with --rounds 2"
+                   ARGS bench forward --tq 16 --rounds 2)
 tokenmix_cli_error(error_bench_cache_tokens_zero "bench: --cache-tokens values must be >= 1; got 0"
                    ARGS bench decode --cache-tokens 0)
 # Score-variant flags: bad values, sinks of the wrong length, file mode only, --dsinks needs them.

@@ -484,7 +484,7 @@ std::string to_json(const BenchResult& r) {
        << ", \"seconds_max\": " << r.seconds_max << ", \"lengths\": \"" << r.lengths
        << "\", \"cache_tokens_total\": " << r.cache_tokens_total
        << ", \"cache_tokens_min\": " << r.cache_tokens_min
-       << ", \"cache_tokens_max\": " << r.cache_tokens_max;
+       << ", \"cache_tokens_max\": " << r.cache_tokens_max << ", \"rounds\": " << r.rounds;
   }
   os << ", \"cpu\": \"" << cpu_features().model << "\"}";
   return os.str();
@@ -547,6 +547,9 @@ void check_positive_list(const char* name, const std::vector<std::int64_t>& valu
 // first used, so a case minutes later was set against the machine as it had been then: on a
 // shared 2-vCPU Xeon the two-thread sgemm read 300 to 449 GFLOP/s within one session, the FMA
 // peak of a core 155 to 222 (docs/performance.md, 2026-12-05), and ratio_roofline moved with it.
+// Slow phases of such a host last minutes and took whole runs of consecutive cases (AMD Zen 4,
+// 2026-12-06: the AVX2 T_new = 8 step at 34.9 ms in a table, 23.3 ms minutes later): --rounds N
+// visits the case list N times, round-robin, and reports each case from all its samples.
 std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   check_positive_list("--tnew", cfg.tnew);
   check_positive_list("--cache-tokens", cfg.cache_tokens);
@@ -607,7 +610,18 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   std::vector<std::uint16_t> q16, o16;
   // --dtype bf16/f16: the queries and outputs in that dtype (q keeps the rounded values).
   const DType qdt = cfg.dtype;
-  for (const DecodeCase& c : cases) {
+  // Each case's timed steps and ceiling passes, pooled over the rounds (BenchConfig::rounds):
+  // visit v is case v % cases of round v / cases.
+  struct Samples {
+    std::vector<double> times, ceiling, ceiling_gflops;
+  };
+  std::vector<Samples> samples(cases.size());
+  const std::size_t visits = cases.size() * static_cast<std::size_t>(cfg.rounds);
+  for (std::size_t visit = 0; visit < visits; ++visit) {
+    const std::size_t ci = visit % cases.size();
+    const std::size_t round = visit / cases.size();
+    const bool last_round = round + 1 == static_cast<std::size_t>(cfg.rounds);
+    const DecodeCase& c = cases[ci];
     if (c.batch != B) {
       B = c.batch;
       Tn = 0;
@@ -642,7 +656,9 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     if (cfg.progress) {
       std::cerr << "[bench] decode B=" << B << " T_new=" << Tn << " T_k=" << c.tk
                 << (mixed ? " (mixed)" : "") << " cache=" << to_string(c.dtype)
-                << " threads=" << c.threads << " isa=" << to_string(c.isa) << "\n";
+                << " threads=" << c.threads << " isa=" << to_string(c.isa);
+      if (cfg.rounds > 1) std::cerr << " round " << round + 1 << "/" << cfg.rounds;
+      std::cerr << "\n";
     }
     const std::vector<std::int64_t> lengths = decode_lengths(B, c.tk, mixed);
     const std::int64_t longest = *std::max_element(lengths.begin(), lengths.end());
@@ -686,7 +702,8 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     (void)stream->pass_gbps(c.threads);
     const std::int64_t rss_before = status_kib("VmRSS:");
     const bool peak_ok = reset_peak_rss();
-    std::vector<double> times, ceiling, ceiling_gflops;
+    std::vector<double>&times = samples[ci].times, &ceiling = samples[ci].ceiling,
+    &ceiling_gflops = samples[ci].ceiling_gflops;
     for (int r = 0; r < cfg.repeats; ++r) {  // the ceilings' passes, then a step: same conditions
       ceiling_gflops.push_back(sgemm->pass_gflops(c.threads, 2));
       // OpenBLAS's worker threads spin for up to 2^28 TSC cycles after a call (0.13 s at
@@ -699,8 +716,10 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
       times.push_back(seconds_since(t0));
     }
     const std::int64_t peak = status_kib("VmHWM:");
+    if (!last_round) continue;  // the result from every round's samples, after the last one
     BenchResult res{};
     res.op = "decode";
+    res.rounds = cfg.rounds;
     res.batch = B;
     res.tq = Tn;
     res.tk = c.tk;
@@ -823,6 +842,16 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
   }
   if (cfg.repeats < 1)
     throw ArgumentError(ErrorCode::invalid_argument, "bench: --repeats must be >= 1");
+  if (cfg.rounds < 1) {
+    throw ArgumentError(ErrorCode::invalid_argument,
+                        "bench: --rounds must be >= 1; got " + std::to_string(cfg.rounds));
+  }
+  if (cfg.rounds != 1 && cfg.op != "decode") {
+    throw ArgumentError(ErrorCode::invalid_argument,
+                        "bench: --rounds applies only to decode (its cases are revisited "
+                        "round-robin); got op " +
+                            cfg.op + " with --rounds " + std::to_string(cfg.rounds));
+  }
   if (cfg.lengths != "equal" && cfg.lengths != "mixed") {
     throw ArgumentError(ErrorCode::invalid_argument,
                         "bench: --lengths must be equal or mixed; got '" + cfg.lengths + "'");

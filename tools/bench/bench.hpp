@@ -81,8 +81,12 @@ struct BenchConfig {
   std::vector<Isa> isas = {Isa::automatic};
   DType dtype = DType::f32;  ///< forward/backward: q, k, v, out (and gradients) element type
   int repeats = 5;           ///< timed runs per case (median reported)
-  bool json = false;         ///< one JSON object per line per case
-  bool progress = true;      ///< progress lines on stderr
+  /// decode: visits of the whole case list, round-robin: each case is timed `repeats` times per
+  /// round and its figures are the medians of all rounds' samples (so a slow phase of a shared
+  /// machine lasting minutes takes part of every case's samples, not all of a few cases').
+  int rounds = 1;
+  bool json = false;     ///< one JSON object per line per case
+  bool progress = true;  ///< progress lines on stderr
   // decode only: one case per (batch, tnew, cache_tokens, cache_dtype, threads, isa); tq is not
   // used.
   std::vector<std::int64_t> cache_tokens = {4096, 32768,
@@ -139,6 +143,7 @@ struct BenchResult {
   /// shared machine moved the figure within this case
   double seconds_min = 0.0, seconds_max = 0.0;
   std::string lengths = "equal";  ///< decode: BenchConfig::lengths of the case
+  int rounds = 1;                 ///< decode: BenchConfig::rounds (samples: rounds · repeats)
   /// decode: Σ_b L_b, min_b L_b and max_b L_b of the cached positions (tk is the nominal T_k)
   std::int64_t cache_tokens_total = 0, cache_tokens_min = 0, cache_tokens_max = 0;
   BenchVariants variants;  ///< the case's score variants (to_json writes them)

@@ -58,6 +58,11 @@ Command add_bench_command(CLI::App& parent) {
   app->add_flag("--no-causal", o->no_causal, "Full (non-causal) attention");
   app->add_option("--repeats", o->config.repeats, "Timed runs per case (the median is reported)")
       ->capture_default_str();
+  app->add_option("--rounds", o->config.rounds,
+                  "decode: visit the whole case list this many times, round-robin; each case's "
+                  "figures are the medians of its rounds x repeats samples (steps and ceiling "
+                  "passes), so a slow phase of a shared machine takes part of every case")
+      ->capture_default_str();
   app->add_flag("--json", o->config.json, "One JSON object per line per case instead of a table");
   app->add_option("--cache-tokens", o->config.cache_tokens,
                   "decode: cached positions T_k per sequence, one case each (comma-separated)")

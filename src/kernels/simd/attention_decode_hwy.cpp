@@ -292,6 +292,16 @@ void DecodeUnits(const DecodeArgs& a) {
   // A V tile the direct unit cannot take (v_direct false) is then read through
   // fp8_e4m3_quad_f16unit_t, the f16 reading's values in the same column order.
   constexpr bool kQuadBuilt = kDirectBuilt && kSplitBuilt && kVD % 4 == 0;
+  // AVX-512: a unit that reads fp8 directly keeps the regular 6 × 4 blocking with the quad
+  // reading however many rows it has (ColumnBlocks splits them into blocks of at most 6), not the
+  // tall 12 × 2 blocking with the plain direct reading: each B vector serves fewer rows, but
+  // the quads' widening is cheaper. AMD Zen 4, B = 1, g = 4, one process alternating the two
+  // call by call (the same bits): hot (T_k = 2048, one thread) T_new = 2 / 3 / 4 / 8 / 16
+  // 0.90 / 0.92 / 0.89 / 0.91 / 0.91× the time; T_k = 32768, two threads, T_new = 2 / 4 / 8
+  // 0.91 / 0.89 / 0.90×. AVX2 (2 × 4 regular blocks) was 1.03–1.05× slower: tall there.
+  // docs/performance.md, 2026-12-06.
+  constexpr bool kDirectRegularOnly =
+      kQuadBuilt && (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL);
   using TQ = std::conditional_t<kQuadBuilt, fp8_e4m3_quad_t, TB>;
   using TQ16 = std::conditional_t<kQuadBuilt, fp8_e4m3_quad_f16unit_t, TB>;
   // A bf16 cache is read by the products through bf16_split_t (microkernel-inl.h) where the
@@ -472,7 +482,10 @@ void DecodeUnits(const DecodeArgs& a) {
     }
     std::fill(acc, acc + nrows * dh, 0.0f);
     const bool capped = a.var.softcap > 0.0f;
-    const bool tall = nrows > kRD;  // several row blocks: the tall blocking (see kRT)
+    // Several row blocks: the tall blocking (see kRT), except for fp8 read directly on AVX-512
+    // (kDirectRegularOnly), which keeps the regular blocking and its quad reading at every row
+    // count.
+    const bool tall = nrows > kRD && !(kDirectRegularOnly && direct_unit);
     // Columns of a product in register blocks (ColumnBlocks: [0, floor(columns / w_blk) · w_blk)),
     // which the split readings compute in their own column order (bf16 pairs, fp8 quads).
     const std::int64_t w_blk = (tall ? kVT : kVD) * N;

@@ -702,8 +702,7 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     (void)stream->pass_gbps(c.threads);
     const std::int64_t rss_before = status_kib("VmRSS:");
     const bool peak_ok = reset_peak_rss();
-    std::vector<double>&times = samples[ci].times, &ceiling = samples[ci].ceiling,
-    &ceiling_gflops = samples[ci].ceiling_gflops;
+    auto& [times, ceiling, ceiling_gflops] = samples[ci];  // this case's, over the rounds
     for (int r = 0; r < cfg.repeats; ++r) {  // the ceilings' passes, then a step: same conditions
       ceiling_gflops.push_back(sgemm->pass_gflops(c.threads, 2));
       // OpenBLAS's worker threads spin for up to 2^28 TSC cycles after a call (0.13 s at

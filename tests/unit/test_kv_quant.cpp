@@ -706,7 +706,9 @@ TEST_P(KVQuantDecode, BitwiseIdenticalAcrossThreadCounts) {
 // prescaled by 2^sh, the unit 2^−120 folded into the scales; simd/attention_decode_hwy.cpp)
 // gives the same bits as the f16 reading wherever no product is subnormal, and both match the
 // oracle: on caches whose elements span 2^−14 of their row's largest (about one code in eight
-// subnormal), over shapes across tile edges, d_h tails and the tall blocking (T_new > 1). And its
+// subnormal), over shapes across tile edges, d_h tails and the tall blocking (T_new > 1; on AVX2
+// units whose row blocks hold more than 4 rows convert each tile to bf16 words first: 20, 52, 64
+// and 128 rows, d_h 40, 7, 72 and 24). And its
 // guards: a tile whose V scales reach 2^7 (rows ×2·10^5 in keys [64, 128)) and queries whose
 // largest |scale·q| is outside [2^−60, 2^61) (×1e−20, ×3e20) are read through f16 bits — the
 // same bits again — and so is every unit of a call whose workers flush subnormals (MXCSR DAZ and
@@ -819,11 +821,9 @@ TEST_P(KVQuantDecode, Fp8DirectReadingSameBitsAsF16) {
   struct Shape {
     std::int64_t len, tnew, hq, hkv, dh;
   };
-  const Shape shapes[] = {{2100, 1, 8, 2, 128},
-                          {700, 5, 8, 2, 40},
-                          {300, 13, 4, 1, 7},
-                          {130, 2, 6, 3, 64},
-                          {64, 1, 4, 4, 16}};
+  const Shape shapes[] = {{2100, 1, 8, 2, 128}, {700, 5, 8, 2, 40}, {300, 13, 4, 1, 7},
+                          {130, 2, 6, 3, 64},   {64, 1, 4, 4, 16},  {400, 16, 8, 2, 72},
+                          {260, 33, 4, 1, 24}};
   std::int64_t subnormal_codes = 0;
   for (const Shape& sh : shapes) {
     KVCache cache({1, 1, sh.hkv, sh.dh, sh.len, DType::fp8_e4m3, 0, 0});

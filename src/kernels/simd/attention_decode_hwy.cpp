@@ -235,6 +235,36 @@ HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std
   return x;
 }
 
+// n fp8 E4M3 codes (n a multiple of 64) as bf16 words, for the products of a tall unit that reads
+// fp8 directly (see kFp8TilesAsBf16): direct, the code's bits placed as bf16 bits s 0000eeee
+// mmm0000 (the upper half of the direct fp32 bits, fp8_e4m3_direct_t: the E4M3 value × 2^−120,
+// subnormal for subnormal codes); otherwise the f16 reading's value q · 2^−8 (at most 4 significant
+// bits and normal: exact in bf16).
+template <class D>
+HWY_INLINE void Fp8TileToBf16(D d, const fp8_e4m3_t* HWY_RESTRICT src, std::int64_t n, bool direct,
+                              hwy::bfloat16_t* HWY_RESTRICT dst) {
+  const hn::Repartition<std::int16_t, D> d16;  // 2·Lanes words
+  const hn::Rebind<std::int8_t, decltype(d16)> d8;
+  const hn::Rebind<hwy::bfloat16_t, D> dbf;
+  const std::int64_t N16 = static_cast<std::int64_t>(hn::Lanes(d16));
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+  const auto* bytes = reinterpret_cast<const std::int8_t*>(src);
+  auto* out = reinterpret_cast<std::int16_t*>(dst);
+  const auto mask = hn::Set(d16, static_cast<std::int16_t>(0x87f0));
+  for (std::int64_t i = 0; i < n; i += 64) {
+    if (direct) {
+      for (std::int64_t x = i; x < i + 64; x += N16) {
+        const auto b = hn::PromoteTo(d16, hn::LoadU(d8, bytes + x));  // sign in bits 7–15
+        hn::StoreU(hn::And(hn::ShiftLeft<4>(b), mask), d16, out + x);
+      }
+    } else {
+      for (std::int64_t x = i; x < i + 64; x += N) {
+        hn::StoreU(hn::DemoteTo(dbf, LoadB(d, src + x)), dbf, dst + x);  // (exact, see above)
+      }
+    }
+  }
+}
+
 template <class TB>
 void DecodeUnits(const DecodeArgs& a) {
   // Quantized caches (SPEC "Quantized KV cache"): K's row scales δ_u multiply the score lanes
@@ -302,6 +332,21 @@ void DecodeUnits(const DecodeArgs& a) {
   // docs/performance.md, 2026-12-06.
   constexpr bool kDirectRegularOnly =
       kQuadBuilt && (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL);
+  // AVX2: a tall unit that reads fp8 directly, in row blocks of more than 4 rows (the 6 × 2
+  // blocking; not the 4 × 3 blocks of kThreeVectorSmallBlocks, e.g. T_new = 2 at g = 4), converts
+  // each K and V tile once into bf16 words (Fp8TileToBf16: 5 instructions per 16 codes; the direct
+  // bits' upper half, or q · 2^−8 where the unit reads a tile through f16 bits), and every row
+  // block reads those through the bf16 split reading (1.5 instructions per vector) instead of
+  // widening the codes itself (4 per vector): the same values, each element's k loop unchanged
+  // (the same bits). The tile pair ahead is prefetched through the cursor (linear), spread over the
+  // products (a burst of prefetches with the conversion made T_new = 5 from memory 1.04× slower).
+  // AMD Zen 4, the AVX2 path forced, one process alternating the two call by call (the same
+  // output bits), two threads, T_k = 32768 from memory: T_new = 3 / 4 / 5 / 8 / 16 / 64 0.98 /
+  // 0.96 / 0.94 / 0.92 / 0.905 / 0.89× the time (T_k = 4096, hot: T_new = 3 / 4 0.97 / 0.95×);
+  // the 4 × 3 blocks so converted (T_new = 2) 1.02–1.03×. AVX-512 (whose direct units keep the
+  // regular blocks and the quad reading: kDirectRegularOnly) took 1.05–1.22× the time in tall units
+  // so converted. docs/performance.md, 2026-12-06 (tenth session).
+  constexpr bool kFp8TilesAsBf16 = kDirectBuilt && kSplitBuilt && HWY_TARGET == HWY_AVX2;
   using TQ = std::conditional_t<kQuadBuilt, fp8_e4m3_quad_t, TB>;
   using TQ16 = std::conditional_t<kQuadBuilt, fp8_e4m3_quad_f16unit_t, TB>;
   // A bf16 cache is read by the products through bf16_split_t (microkernel-inl.h) where the
@@ -491,6 +536,14 @@ void DecodeUnits(const DecodeArgs& a) {
     const std::int64_t w_blk = (tall ? kVT : kVD) * N;
     // The quad reading (kQuadBuilt) in this unit: fp8 read directly, the regular blocking.
     const bool quad = kQuadBuilt && direct_unit && !tall;
+    // fp8 read directly in a tall unit of row blocks of more than 4 rows (see kFp8TilesAsBf16;
+    // ColumnBlocks sizes the blocks so): each K and V tile converted once into bf16 words in the
+    // worker's scratch (the portable kernel's K and V tile slots), read as a bf16 cache.
+    const std::int64_t row_blocks = (nrows + kRT - 1) / kRT;
+    const bool tiles_bf16 =
+        kFp8TilesAsBf16 && direct_unit && tall && (nrows + row_blocks - 1) / row_blocks > 4;
+    auto* const k_bf16 = reinterpret_cast<hwy::bfloat16_t*>(a.scratch.at(a.slots.k_f32, worker));
+    auto* const v_bf16 = reinterpret_cast<hwy::bfloat16_t*>(a.scratch.at(a.slots.v_f32, worker));
     const VF cap = hn::Set(d, a.var.softcap), inv_cap = hn::Set(d, 1.0f / a.var.softcap);
 
     for (std::int64_t u0 = kb; u0 < k1; u0 += kKeyTile) {
@@ -509,10 +562,10 @@ void DecodeUnits(const DecodeArgs& a) {
       // cursor (the pf pointers are then null), a quantized pair's scales included. Not for int8 /
       // fp8 by default: their widening makes a step compute-bound, and the cursor's bookkeeping
       // measured 3–7 % slower there (Zen 3); per call on AVX-512 and AVX2 (kLinearByCall) every
-      // dtype.
+      // dtype; and an fp8 unit that converts its tiles to bf16 (tiles_bf16).
       const bool linear =
           !v_in_place && !amx_unit &&
-          ((kLinearPrefetch<TB> && !kQuant) || (kLinearByCall && a.linear_prefetch));
+          (tiles_bf16 || (kLinearPrefetch<TB> && !kQuant) || (kLinearByCall && a.linear_prefetch));
       PrefetchCursor cursor;
       if (linear && has_next) {
         cursor.next = reinterpret_cast<const std::uint8_t*>(k_layer + next);
@@ -587,6 +640,15 @@ void DecodeUnits(const DecodeArgs& a) {
                       reinterpret_cast<const int8_quad_exact_t*>(kt_next));
             if (dq < dh) tail(kt + dq * kKeyTile);
           }
+        }
+      } else if (tiles_bf16) {
+        // The whole K tile [d_h][64] (a last tile's keys past nt are masked below), at K's unit:
+        // the direct bits (k_direct) or q · 2^−8.
+        if constexpr (kFp8TilesAsBf16) {
+          Fp8TileToBf16(d, kt, a.layout.tile_elems(), k_direct, k_bf16);
+          constexpr const bf16_split_t* kNoPrefetch = nullptr;
+          s_product(reinterpret_cast<const bf16_split_t*>(k_bf16), kNoPrefetch);
+          UnsplitPairs(st, kKeyTile, nrows, nv / w_blk * w_blk);
         }
       } else if (kQuadBuilt && k_direct && quad) {
         s_product(reinterpret_cast<const TQ*>(kt), reinterpret_cast<const TQ*>(kt_next));
@@ -759,6 +821,14 @@ void DecodeUnits(const DecodeArgs& a) {
 #endif
         continue;  // the next tile (d_h % 64 == 0: no scalar tail)
       }
+      // tiles_bf16: the V tile's nt rows [nt][d_h] (in whole 64-byte lines), at V's unit: the
+      // direct bits (v_direct) or q · 2^−8 (v_elem_unit). (A tall unit: one sub-tile, k0 = 0.)
+      if constexpr (kFp8TilesAsBf16) {
+        if (tiles_bf16) {
+          Fp8TileToBf16(d, vt, std::min(a.layout.tile_elems(), (nt * vld + 63) / 64 * 64), v_direct,
+                        v_bf16);
+        }
+      }
       for (std::int64_t k0 = 0; k0 < nt; k0 += sub) {
         const std::int64_t nk = std::min(sub, nt - k0);
         const TB* vk = vt + k0 * vld;
@@ -808,6 +878,9 @@ void DecodeUnits(const DecodeArgs& a) {
                          reinterpret_cast<const int8_quad_exact_t*>(vk_next));
             }
           }
+        } else if (tiles_bf16) {
+          constexpr const bf16_split_t* kNoPrefetch = nullptr;
+          pv_product(reinterpret_cast<const bf16_split_t*>(v_bf16 + k0 * vld), kNoPrefetch);
         } else if (kQuadBuilt && quad && v_direct) {
           pv_product(reinterpret_cast<const TQ*>(vk), reinterpret_cast<const TQ*>(vk_next));
         } else if (kQuadBuilt && quad) {
@@ -831,7 +904,7 @@ void DecodeUnits(const DecodeArgs& a) {
       }
     }
     // Õ's blocked columns back in order (the split readings; the scalar tail is in order).
-    if (kSplit && !amx_unit) UnsplitPairs(acc, dh, nrows, dh_vec / w_blk * w_blk);
+    if ((kSplit || tiles_bf16) && !amx_unit) UnsplitPairs(acc, dh, nrows, dh_vec / w_blk * w_blk);
     if (quad) UnsplitQuads(acc, dh, nrows, dh_vec / w_blk * w_blk);
 #if TOKENMIX_HAVE_AMX
     if constexpr (kAmxBuilt) {

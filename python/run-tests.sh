@@ -68,10 +68,11 @@ fi
 "$py" -c 'import numpy, torch, transformers as t
 print("numpy", numpy.__version__, "| torch", torch.__version__, "| transformers", t.__version__)'
 
-# Build the wheel (incremental in build/python/<tag>) and install it. The compiler is CMake's
-# default (c++), as in scripts/test.sh's C++ builds, not Python's sysconfig CXX (g++, which
-# scikit-build-core sets when CXX is unset): ccache keys on the compiler's name, so the wheel's
-# objects are then the release build's cache hits instead of a fifth compile of the kernels.
+# Build the wheel (incremental in build/python-<tag>: pyproject.toml) and install it. The compiler
+# is CMake's default (c++), as in scripts/test.sh's C++ builds, not Python's sysconfig CXX (g++,
+# which scikit-build-core sets when CXX is unset): ccache keys on the compiler's name, so the
+# wheel's objects are then the release build's cache hits instead of a fifth compile of the
+# kernels (with the build directory at build/release's depth, see pyproject.toml).
 export CXX=${CXX:-c++}
 echo "== pip wheel ."
 rm -rf "$wheel_dir"

@@ -184,6 +184,13 @@ template <class TB>
 constexpr bool kThreeVectorSmallBlocks = false;
 #endif
 
+// The rows of the largest row block ColumnBlocks makes of `rows` at register blocking R
+// (ceil(rows / R) blocks whose sizes differ by at most one).
+constexpr std::int64_t LargestRowBlock(std::int64_t rows, std::int64_t R) {
+  const std::int64_t blocks = (rows + R - 1) / R;
+  return blocks == 0 ? 0 : (rows + blocks - 1) / blocks;
+}
+
 template <int R, int VN, std::int64_t kARow, class D, class TB>
 HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std::int64_t a_k,
                                      const TB* b, std::int64_t ldb, std::int64_t K, float* c,
@@ -193,7 +200,7 @@ HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std
   std::int64_t x = 0;
   const std::int64_t blocks = (rows + R - 1) / R;
   if constexpr (kThreeVectorSmallBlocks<TB> && VN == 2) {
-    if ((rows + blocks - 1) / blocks <= 4) {  // every row block: at most 4 rows
+    if (LargestRowBlock(rows, R) <= 4) {  // every row block: at most 4 rows
       const std::int64_t W3 = 3 * N;
       std::int64_t blocks3 = vec / W3;  // 3-vector blocks, leaving a multiple of W columns
       while (blocks3 > 0 && (vec - blocks3 * W3) % W != 0) --blocks3;
@@ -251,16 +258,14 @@ HWY_INLINE void Fp8TileToBf16(D d, const fp8_e4m3_t* HWY_RESTRICT src, std::int6
   const auto* bytes = reinterpret_cast<const std::int8_t*>(src);
   auto* out = reinterpret_cast<std::int16_t*>(dst);
   const auto mask = hn::Set(d16, static_cast<std::int16_t>(0x87f0));
-  for (std::int64_t i = 0; i < n; i += 64) {
-    if (direct) {
-      for (std::int64_t x = i; x < i + 64; x += N16) {
-        const auto b = hn::PromoteTo(d16, hn::LoadU(d8, bytes + x));  // sign in bits 7–15
-        hn::StoreU(hn::And(hn::ShiftLeft<4>(b), mask), d16, out + x);
-      }
-    } else {
-      for (std::int64_t x = i; x < i + 64; x += N) {
-        hn::StoreU(hn::DemoteTo(dbf, LoadB(d, src + x)), dbf, dst + x);  // (exact, see above)
-      }
+  if (direct) {
+    for (std::int64_t x = 0; x < n; x += N16) {
+      const auto b = hn::PromoteTo(d16, hn::LoadU(d8, bytes + x));  // sign in bits 7–15
+      hn::StoreU(hn::And(hn::ShiftLeft<4>(b), mask), d16, out + x);
+    }
+  } else {
+    for (std::int64_t x = 0; x < n; x += N) {
+      hn::StoreU(hn::DemoteTo(dbf, LoadB(d, src + x)), dbf, dst + x);  // (exact, see above)
     }
   }
 }
@@ -539,9 +544,8 @@ void DecodeUnits(const DecodeArgs& a) {
     // fp8 read directly in a tall unit of row blocks of more than 4 rows (see kFp8TilesAsBf16;
     // ColumnBlocks sizes the blocks so): each K and V tile converted once into bf16 words in the
     // worker's scratch (the portable kernel's K and V tile slots), read as a bf16 cache.
-    const std::int64_t row_blocks = (nrows + kRT - 1) / kRT;
     const bool tiles_bf16 =
-        kFp8TilesAsBf16 && direct_unit && tall && (nrows + row_blocks - 1) / row_blocks > 4;
+        kFp8TilesAsBf16 && direct_unit && tall && LargestRowBlock(nrows, kRT) > 4;
     auto* const k_bf16 = reinterpret_cast<hwy::bfloat16_t*>(a.scratch.at(a.slots.k_f32, worker));
     auto* const v_bf16 = reinterpret_cast<hwy::bfloat16_t*>(a.scratch.at(a.slots.v_f32, worker));
     const VF cap = hn::Set(d, a.var.softcap), inv_cap = hn::Set(d, 1.0f / a.var.softcap);

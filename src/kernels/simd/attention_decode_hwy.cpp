@@ -184,6 +184,28 @@ template <class TB>
 constexpr bool kThreeVectorSmallBlocks = false;
 #endif
 
+// AVX2, an f32 cache: a product of several row blocks runs each column block's k loop in chunks
+// of kKChunk<TB> rows of B, every row block over one chunk before the next (C stored and loaded
+// again in between: each element's k order unchanged, the same bits), so that the B rows the row
+// blocks read in turn are 32 lines, not a whole tile's 64 (Õ) or 128 (S). A stand-alone 6 × 2 k
+// loop over a 64-row f32 strip 512 bytes apart (Õ's shape at d_h = 128), six row blocks on AMD
+// Zen 4: 0.18 ns per FMA, 0.155 in chunks of 32 rows, 0.145 with the rows padded to 528 bytes
+// (L1 set conflicts); over 128 rows 256 bytes apart (S's shape): 0.178, 0.155 in chunks, 0.175
+// padded (not set conflicts; not explained). In the kernel (one process alternating the two, the
+// same output bits), AVX2 forced: hot (T_k = 1024, one thread) T_new = 2 / 4 / 8 / 16 / 64 0.95 /
+// 0.97 / 0.95 / 0.97 / 0.975× the time; T_k = 32768, two threads, T_new = 2 / 4 / 8 / 16 / 64
+// 0.94–0.98 / 0.98 / 0.97 / 0.99 / 0.98×. Not for AVX-512 (f32 hot T_new = 4 / 8 / 16 1.03–1.04×)
+// nor for the narrower caches on AVX2 (bf16, int8, fp8 hot 1.01–1.05×; why the chunks were left
+// out on 2026-12-03, when they were tried for every cache). docs/performance.md, 2026-12-06
+// (eleventh session).
+#if HWY_TARGET == HWY_AVX2
+template <class TB>
+constexpr std::int64_t kKChunk = std::is_same_v<TB, float> ? 32 : 0;
+#else
+template <class TB>
+constexpr std::int64_t kKChunk = 0;
+#endif
+
 // The rows of the largest row block ColumnBlocks makes of `rows` at register blocking R
 // (ceil(rows / R) blocks whose sizes differ by at most one).
 constexpr std::int64_t LargestRowBlock(std::int64_t rows, std::int64_t R) {
@@ -225,14 +247,19 @@ HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std
     sharers = std::clamp<std::int64_t>(lines, 1, blocks);
     cursor->sharers = sharers;
   }
+  // The k loop in chunks of kc rows of B (kKChunk), or whole.
+  const std::int64_t kc = kKChunk<TB> > 0 && blocks > 1 ? kKChunk<TB> : K;
   for (; x + W <= vec; x += W) {
-    const TB* pfx = BColumn(pf, x);
-    for (std::int64_t i = 0, r0 = 0; i < blocks; ++i) {
-      const std::int64_t n = rows / blocks + (i < rows % blocks ? 1 : 0);  // this block's rows
-      GemmRows<R, VN, true, kARow>(d, n, a + r0 * kARow, kARow, a_k, BColumn(b, x), ldb, K,
-                                   c + r0 * ldc + x, ldc, accumulate, nullptr, pfx,
-                                   i < sharers ? cursor : nullptr);
-      r0 += n, pfx = nullptr;
+    for (std::int64_t k0 = 0; k0 < K; k0 += kc) {
+      const TB* pfx = pf != nullptr ? BColumn(pf, x) + k0 * ldb : nullptr;
+      for (std::int64_t i = 0, r0 = 0; i < blocks; ++i) {
+        const std::int64_t n = rows / blocks + (i < rows % blocks ? 1 : 0);  // this block's rows
+        GemmRows<R, VN, true, kARow>(d, n, a + r0 * kARow + k0 * a_k, kARow, a_k,
+                                     BColumn(b, x) + k0 * ldb, ldb, std::min(kc, K - k0),
+                                     c + r0 * ldc + x, ldc, accumulate || k0 > 0, nullptr, pfx,
+                                     i < sharers ? cursor : nullptr);
+        r0 += n, pfx = nullptr;
+      }
     }
   }
   for (; x + N <= vec; x += N) {

@@ -505,6 +505,8 @@ std::vector<QuantCase> quant_cases() {
   for (std::int64_t g : {1, 4, 8}) cases.push_back({{700, 65}, 2, 2 * g, 2, 32});
   cases.push_back({{300, 129}, 3, 4, 1, 40});
   cases.push_back({{200, 64}, 4, 6, 3, 7});
+  // d_h < 4: an int8 cache in quads has no quad features, only its d_h % 4 tail rows.
+  for (std::int64_t dh : {1, 3}) cases.push_back({{130, 65}, 2, 8, 2, dh});
   cases.push_back({{2, 1}, 4, 4, 2, 16});  // T_new > L: leading rows see no key
   return cases;
 }
@@ -629,11 +631,12 @@ TEST_P(KVQuantDecode, VariantsAndRollingCacheMatchOracle) {
 
 // An int8 cache in rows and one in quads (KVCacheConfig::int8_quads) hold the same q and scales,
 // and every path reads each element's products in the same order from either: the same bits,
-// over tile edges, d_h tails (37: a tail after the quads) and T_new of the regular and tall blocks.
+// over tile edges, d_h tails (37: a tail after the quads; 3 and 1: no quad features, the tail
+// alone) and T_new of the regular and tall blocks.
 // The default follows the CPU: quads where it has AMX-INT8 (after TOKENMIX_CPU_CAP).
 TEST_P(KVQuantDecode, Int8RowsAndQuadsSameBits) {
   std::mt19937_64 rng(4242);
-  for (const std::int64_t dh : {64, 37})
+  for (const std::int64_t dh : {64, 37, 3, 1})
     for (const std::int64_t tnew : {1, 2, 5}) {
       SCOPED_TRACE("d_h=" + std::to_string(dh) + " T_new=" + std::to_string(tnew));
       const std::int64_t hq = 8, hkv = 2;

@@ -247,10 +247,12 @@ HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std
     sharers = std::clamp<std::int64_t>(lines, 1, blocks);
     cursor->sharers = sharers;
   }
-  // The k loop in chunks of kc rows of B (kKChunk), or whole.
-  const std::int64_t kc = kKChunk<TB> > 0 && blocks > 1 ? kKChunk<TB> : K;
+  // The k loop in chunks of kc rows of B (kKChunk), or whole; one pass even for K = 0 (an int8
+  // cache in quads with d_h < 4 has no quad features: C is then zeroed, or left as it is).
+  const std::int64_t kc =
+      kKChunk<TB> > 0 && blocks > 1 ? kKChunk<TB> : std::max<std::int64_t>(K, 1);
   for (; x + W <= vec; x += W) {
-    for (std::int64_t k0 = 0; k0 < K; k0 += kc) {
+    for (std::int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kc) {
       const TB* pfx = pf != nullptr ? BColumn(pf, x) + k0 * ldb : nullptr;
       for (std::int64_t i = 0, r0 = 0; i < blocks; ++i) {
         const std::int64_t n = rows / blocks + (i < rows % blocks ? 1 : 0);  // this block's rows

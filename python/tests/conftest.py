@@ -8,6 +8,13 @@ next to tokenmix's float32 rounding. Tolerances are stated where they are used, 
 
 from __future__ import annotations
 
+import os
+
+# Every kernel scratch block is filled with 0xFF (NaN) before each use, so a kernel reading
+# scratch it did not write in the same call fails a test instead of passing on stale values
+# (src/kernels/scratch_arena.hpp). Set before tokenmix is imported; subprocesses inherit it.
+os.environ["TOKENMIX_POISON_SCRATCH"] = "1"
+
 import numpy as np
 import pytest
 import torch

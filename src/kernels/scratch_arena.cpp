@@ -1,6 +1,8 @@
 // src/kernels/scratch_arena.cpp — the one allocation function of the kernels (scratch_arena.hpp).
 #include "kernels/scratch_arena.hpp"
 
+#include <atomic>
+#include <cstdlib>
 #include <new>
 #include <string>
 
@@ -36,6 +38,25 @@ std::int64_t scratch_add(std::int64_t a, std::int64_t b, const CallSite& site, c
 
 void AlignedFree::operator()(std::byte* p) const noexcept {
   ::operator delete[](p, std::align_val_t{kScratchAlign});
+}
+
+namespace {
+std::atomic<int> poisoning{-1};  // -1: TOKENMIX_POISON_SCRATCH not read yet; else 0 or 1
+}  // namespace
+
+bool scratch_poisoning() {
+  int on = poisoning.load(std::memory_order_relaxed);
+  if (on < 0) {
+    const char* env = std::getenv("TOKENMIX_POISON_SCRATCH");
+    int expected = -1;
+    poisoning.compare_exchange_strong(expected, env != nullptr && std::string(env) == "1");
+    on = poisoning.load(std::memory_order_relaxed);
+  }
+  return on == 1;
+}
+
+void set_scratch_poisoning(bool on) {
+  poisoning.store(on ? 1 : 0);
 }
 
 AlignedBytes allocate_bytes(std::int64_t bytes, const CallSite& site, const char* what) {
@@ -93,10 +114,12 @@ ScratchArena::ScratchArena(const ScratchLayout& layout, std::int64_t workers, co
     pooled_ = i;
     pool.used = i + 1;
     view_ = {pool.block[i].get(), layout.bytes()};
+    poison_scratch(view_.base, bytes);
     return;
   }
   memory_ = allocate_bytes(bytes, layout.site(), what);
   view_ = {memory_.get(), layout.bytes()};
+  poison_scratch(view_.base, bytes);
 }
 
 ScratchArena::~ScratchArena() {

@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 namespace tokenmix::kernels {
@@ -43,6 +44,22 @@ using AlignedBytes = std::unique_ptr<std::byte[], AlignedFree>;
 /// `bytes` bytes aligned to kScratchAlign, or ResourceError(out_of_memory) naming the entry
 /// point, the kernel, `what` and the size. Never returns null (0 bytes gives a 64-byte block).
 AlignedBytes allocate_bytes(std::int64_t bytes, const CallSite& site, const char* what);
+
+/// Test aid against kernels that read scratch they did not write in the same call. While
+/// poisoning is on, every scratch block handed to a kernel (ScratchArena, ReusableScratch, the
+/// layer's partial products) is filled with 0xFF bytes first: NaN as fp32, bf16 or fp16, −1 as
+/// an integer. A stale element then turns an output into NaN instead of a small wrong value that
+/// a tolerance can hide (2026-12-06: an int8 cache's decode with d_h < 4 read stale partial
+/// scores; the float64-oracle test passed because they were ≈ 1e-9, and fails when poisoned).
+/// It starts on when the environment variable TOKENMIX_POISON_SCRATCH is "1" (read at the first
+/// scratch request); the unit tests turn it on for every test (tests/unit/test_scratch_poison.cpp)
+/// and the Python tests through the variable (python/tests/conftest.py). Off, poison_scratch
+/// costs one relaxed atomic load and a predictable branch.
+bool scratch_poisoning();
+void set_scratch_poisoning(bool on);
+inline void poison_scratch(void* p, std::int64_t bytes) {
+  if (bytes > 0 && scratch_poisoning()) std::memset(p, 0xFF, static_cast<std::size_t>(bytes));
+}
 
 /// A buffer of `count` elements of T at byte `offset` of each worker's region.
 template <class T>
@@ -90,7 +107,8 @@ struct WorkerScratch {
 /// allocate_bytes (ResourceError on failure, naming `what`). A small arena (at most
 /// kPooledScratchBytes) reuses a block of the calling thread's pool instead (a few blocks per
 /// thread, kept for the next call and taken in stack order: arenas are locals of a kernel call),
-/// so a tiny call makes no heap allocation. The memory's contents are unspecified either way.
+/// so a tiny call makes no heap allocation. The memory's contents are unspecified either way
+/// (poisoned under TOKENMIX_POISON_SCRATCH=1).
 inline constexpr std::int64_t kPooledScratchBytes = 256 * 1024;
 
 class ScratchArena {
@@ -113,7 +131,8 @@ class ScratchArena {
 };
 
 /// A buffer reused across calls (e.g. thread_local, for decode steps): grows through
-/// allocate_bytes when a call needs more, never shrinks.
+/// allocate_bytes when a call needs more, never shrinks. Each reserve() poisons the bytes asked
+/// for under TOKENMIX_POISON_SCRATCH=1 (the contents are unspecified otherwise).
 class ReusableScratch {
  public:
   std::byte* reserve(std::int64_t bytes, const CallSite& site, const char* what) {
@@ -123,6 +142,7 @@ class ReusableScratch {
       memory_ = allocate_bytes(bytes, site, what);
       capacity_ = bytes;
     }
+    poison_scratch(memory_.get(), bytes);
     return memory_.get();
   }
 

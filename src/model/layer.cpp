@@ -13,6 +13,7 @@
 
 #include "api/decode_internal.hpp"
 #include "kernels/kernel_skeleton.hpp"
+#include "kernels/scratch_arena.hpp"
 #include "kernels/small_gemm.hpp"
 #include "model/kv_cache_access.hpp"
 #include "tokenmix/kv_cache.hpp"
@@ -110,6 +111,7 @@ void small_gemm(std::int64_t M, std::int64_t K, const float* A, std::span<const 
   std::vector<float>& scratch = gemm_scratch();
   const std::size_t need = partial_elems(M, K, ld_total);
   if (scratch.size() < need) scratch.resize(need);
+  kernels::poison_scratch(scratch.data(), static_cast<std::int64_t>(need * sizeof(float)));
   float* const part = scratch.data();
   const std::int64_t units = static_cast<std::int64_t>(ps.size()) * chunks;
   const int team = kernels::team_size(

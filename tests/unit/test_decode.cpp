@@ -415,6 +415,48 @@ TEST_P(Decode, WindowIgnoresEverythingBeforeIt) {
   }
 }
 
+// The same on a rolling cache (KVCacheConfig::window): its ring of R = round_up(W + 64, 64) slots
+// still holds positions the window no longer sees, in the tiles it reads (the ring's oldest
+// slots, next to visible ones); NaN keys and values there leave every row finite and equal to the
+// oracle's, on every path, contiguous and paged. Positions older than the ring are overwritten.
+TEST_P(Decode, RollingCacheIgnoresHeldPositionsBeforeTheWindow) {
+  std::mt19937_64 rng(37);
+  const std::int64_t W = 100, tnew = 2;
+  Filled f = make_kv({700, 251}, 2, 48, rng);
+  Filled zeroed = f;
+  for (std::int64_t b = 0; b < 2; ++b) {
+    const std::int64_t first = f.lengths[static_cast<std::size_t>(b)] - tnew + 1 - W;
+    for (std::int64_t t = 0; t < first; ++t)
+      for (std::int64_t h = 0; h < 2; ++h)
+        for (std::int64_t x = 0; x < 48; ++x) {
+          f.K(b, t, h, x) = f.V(b, t, h, x) = std::nanf("");
+          zeroed.K(b, t, h, x) = zeroed.V(b, t, h, x) = 0.0f;
+        }
+  }
+  StridedTensor q(2, tnew, 8, 48, Layout::bthd);
+  q.fill_random(rng);
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (std::int64_t block : {0, 64}) {
+      SCOPED_TRACE(std::string(to_string(dtype)) + " block " + std::to_string(block));
+      KVCache cache({1, 2, 2, 48, 700, dtype, block, 0, W});
+      fill_cache(cache, 0, f);
+      ASSERT_GT(cache.first_position(0, 0), 0);  // the ring has wrapped: old slots reused
+      const VariantOptions vo({"window", W, 0.0, false, true}, 8, GetParam());
+      StridedTensor out(2, tnew, 8, 48, Layout::bthd);
+      std::vector<float> lse(2 * 8 * tnew, kPoison);
+      attention_decode(q.view, cache, 0, out.view, TensorView::bht(lse.data(), 2, 8, tnew),
+                       vo.decode);
+      for (std::int64_t b = 0; b < 2; ++b) {
+        const auto ref =
+            oracle(q, b, zeroed, dtype, vo.oracle, f.lengths[static_cast<std::size_t>(b)]);
+        const auto [err, lse_err] = decode_errors(out, lse, b, ref);
+        EXPECT_LE(err, kVariantBound) << "sequence " << b;
+        EXPECT_LE(lse_err, kVariantBound) << "sequence " << b;
+      }
+    }
+  }
+}
+
 // Split-KV merging stays thread-count independent with every variant (sinks join the merge).
 TEST_P(Decode, VariantsBitwiseIdenticalAcrossThreadCounts) {
   std::mt19937_64 rng(17);

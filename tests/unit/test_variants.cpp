@@ -905,6 +905,49 @@ TEST_P(Variants, VarlenMatchesOracle) {
   }
 }
 
+// Random cases, forward and backward against the float64 oracle: 40 draws per path from one
+// fixed seed of B, T_q and T_k (1 … 130 each: tile edges, T_q ≶ T_k), GQA ratio, d_h (1 … 64, odd
+// widths), causal or not, either alignment, the memory layout, and by coins a window, soft-
+// capping, ALiBi, sinks, key lengths and one of the masks (its broadcast dimensions and memory
+// layout drawn too). The tables above pair these up a few at a time; here any combination can
+// meet.
+TEST_P(Variants, RandomCasesMatchOracleForwardAndBackward) {
+  std::mt19937_64 draws(20261206), rng(20261207);
+  const auto pick = [&draws](std::int64_t lo, std::int64_t hi) {  // uniform in [lo, hi]
+    return lo + static_cast<std::int64_t>(draws() % static_cast<std::uint64_t>(hi - lo + 1));
+  };
+  const std::int64_t widths[] = {1, 3, 8, 16, 17, 33, 64};
+  const MaskShape masks[] = {MaskShape::causal_shape, MaskShape::left_pad,
+                             MaskShape::right_pad,    MaskShape::band,
+                             MaskShape::random_bool,  MaskShape::random_bias};
+  for (int draw = 0; draw < 40; ++draw) {
+    VariantCase c;
+    c.B = pick(1, 3);
+    c.Tq = pick(0, 3) == 0 ? std::array<std::int64_t, 4>{1, 63, 64, 65}[pick(0, 3)] : pick(1, 130);
+    c.Tk = pick(0, 3) == 0 ? c.Tq : pick(1, 130);
+    c.Hkv = pick(1, 3);
+    c.Hq = c.Hkv * pick(1, 4);
+    c.D = widths[pick(0, std::size(widths) - 1)];
+    c.causal = pick(0, 3) != 0;
+    c.align = pick(0, 1) == 0 ? CausalAlign::bottom_right : CausalAlign::top_left;
+    c.layout = std::array<Layout, 3>{Layout::bthd, Layout::bhtd, Layout::strided}[pick(0, 2)];
+    if (pick(0, 2) == 0) c.window = pick(1, 150);
+    if (pick(0, 2) == 0) c.softcap = std::array<double, 3>{0.7, 5.0, 30.0}[pick(0, 2)];
+    c.alibi = pick(0, 2) == 0;
+    c.sinks = pick(0, 2) == 0;
+    c.key_lengths = pick(0, 3) == 0;
+    if (pick(0, 2) == 0) {
+      c.mask = masks[pick(0, std::size(masks) - 1)];
+      for (bool& full : c.mask_full) full = pick(0, 1) == 0;
+      c.mask_memory = std::array<MaskMemory, 3>{MaskMemory::dense, MaskMemory::padded,
+                                                MaskMemory::transposed}[pick(0, 2)];
+    }
+    SCOPED_TRACE("draw " + std::to_string(draw));
+    ExpectForwardMatches(c, GetParam(), rng);
+    ExpectBackwardMatches(c, GetParam(), rng);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllIsas, Variants, AllIsas(), IsaName);
 
 }  // namespace

@@ -212,80 +212,113 @@ struct Inputs {
   }
 };
 
+// Forward of shape s in dt on `isa` against the float64 oracle; where the path computes in fp32
+// (rounds_p false), also the fp32 path on the widened inputs, rounded: the same bits.
+void check_forward(DType dt, const Shape& s, Isa isa, std::mt19937_64& rng) {
+  SCOPED_TRACE(name_of(s, dt));
+  Inputs in(dt, s, rng);
+  Tensor16 out(dt, s.B, s.Tq, s.Hq, s.D, s.layout);
+  out.poison();
+  std::vector<float> lse(static_cast<std::size_t>(s.B * s.Hq * s.Tq), kPoison);
+  AttentionOptions o;
+  o.isa = isa;
+  o.causal = s.causal;
+  attention_forward(in.q.view, in.k.view, in.v.view, out.view,
+                    TensorView::bht(lse.data(), s.B, s.Hq, s.Tq), o);
+  reference::Options ro;
+  ro.causal = s.causal;
+  const auto v64 = in.v.to64();
+  const auto ref = reference::attention_forward(in.q.to64(), in.k.to64(), v64, ro);
+  EXPECT_LE(err16(out, ref.out), fwd_bound(dt) + dp_extra(isa, dt, v64, ref.out));
+  EXPECT_LE(lse_err(lse, ref.lse), kFp32Fwd);
+  if (rounds_p(isa, dt)) return;
+
+  // The fp32 path on the widened inputs, rounded, gives the same bits (same arithmetic).
+  StridedTensor q32 = in.q.to32(s.layout), k32 = in.k.to32(s.layout), v32 = in.v.to32(s.layout);
+  StridedTensor out32(s.B, s.Tq, s.Hq, s.D, s.layout);
+  attention_forward(q32.view, k32.view, v32.view, out32.view, {}, o);
+  EXPECT_TRUE(rounds_of(out, out32));
+}
+
+// Backward likewise: dQ, dK, dV against the oracle, and the fp32 backward on the widened q, k, v,
+// O, dO (and the same L) rounds to the same bits.
+void check_backward(DType dt, const Shape& s, Isa isa, std::mt19937_64& rng) {
+  SCOPED_TRACE(name_of(s, dt));
+  Inputs in(dt, s, rng);
+  Tensor16 out(dt, s.B, s.Tq, s.Hq, s.D, s.layout), dout(dt, s.B, s.Tq, s.Hq, s.D, s.layout);
+  dout.fill_random(rng);
+  std::vector<float> lse(static_cast<std::size_t>(s.B * s.Hq * s.Tq), kPoison);
+  AttentionOptions o;
+  o.isa = isa;
+  o.causal = s.causal;
+  const TensorView lse_view = TensorView::bht(lse.data(), s.B, s.Hq, s.Tq);
+  attention_forward(in.q.view, in.k.view, in.v.view, out.view, lse_view, o);
+  Tensor16 dq(dt, s.B, s.Tq, s.Hq, s.D, s.layout), dk(dt, s.B, s.Tk, s.Hkv, s.D, s.layout),
+      dv(dt, s.B, s.Tk, s.Hkv, s.D, s.layout);
+  dq.poison();
+  dk.poison();
+  dv.poison();
+  attention_backward(in.q.view, in.k.view, in.v.view, out.view, lse_view, dout.view, dq.view,
+                     dk.view, dv.view, o);
+  reference::Options ro;
+  ro.causal = s.causal;
+  const auto ref =
+      reference::attention_backward(in.q.to64(), in.k.to64(), in.v.to64(), dout.to64(), ro);
+  // Gradient floor 1: gradients may vanish (e.g. a key no query sees).
+  EXPECT_LE(err16(dq, ref.dq, 1.0), bwd_bound(dt));
+  EXPECT_LE(err16(dk, ref.dk, 1.0), bwd_bound(dt));
+  EXPECT_LE(err16(dv, ref.dv, 1.0), bwd_bound(dt));
+
+  // The fp32 backward on the widened q, k, v, O, dO (and the same L) rounds to the same bits.
+  StridedTensor q32 = in.q.to32(s.layout), k32 = in.k.to32(s.layout), v32 = in.v.to32(s.layout),
+                o32 = out.to32(s.layout), do32 = dout.to32(s.layout);
+  StridedTensor dq32(s.B, s.Tq, s.Hq, s.D, s.layout), dk32(s.B, s.Tk, s.Hkv, s.D, s.layout),
+      dv32(s.B, s.Tk, s.Hkv, s.D, s.layout);
+  attention_backward(q32.view, k32.view, v32.view, o32.view, lse_view, do32.view, dq32.view,
+                     dk32.view, dv32.view, o);
+  EXPECT_TRUE(rounds_of(dq, dq32));
+  EXPECT_TRUE(rounds_of(dk, dk32));
+  EXPECT_TRUE(rounds_of(dv, dv32));
+}
+
 class ReducedPrecision : public PerIsaTest {};
 
 TEST_P(ReducedPrecision, ForwardMatchesOracleAndRoundsTheFp32Path) {
   std::mt19937_64 rng(13);
   for (DType dt : {DType::bf16, DType::f16}) {
-    for (const Shape& s : shapes()) {
-      SCOPED_TRACE(name_of(s, dt));
-      Inputs in(dt, s, rng);
-      Tensor16 out(dt, s.B, s.Tq, s.Hq, s.D, s.layout);
-      out.poison();
-      std::vector<float> lse(static_cast<std::size_t>(s.B * s.Hq * s.Tq), kPoison);
-      AttentionOptions o;
-      o.isa = GetParam();
-      o.causal = s.causal;
-      attention_forward(in.q.view, in.k.view, in.v.view, out.view,
-                        TensorView::bht(lse.data(), s.B, s.Hq, s.Tq), o);
-      reference::Options ro;
-      ro.causal = s.causal;
-      const auto v64 = in.v.to64();
-      const auto ref = reference::attention_forward(in.q.to64(), in.k.to64(), v64, ro);
-      EXPECT_LE(err16(out, ref.out), fwd_bound(dt) + dp_extra(GetParam(), dt, v64, ref.out));
-      EXPECT_LE(lse_err(lse, ref.lse), kFp32Fwd);
-      if (rounds_p(GetParam(), dt)) continue;
-
-      // The fp32 path on the widened inputs, rounded, gives the same bits (same arithmetic).
-      StridedTensor q32 = in.q.to32(s.layout), k32 = in.k.to32(s.layout), v32 = in.v.to32(s.layout);
-      StridedTensor out32(s.B, s.Tq, s.Hq, s.D, s.layout);
-      attention_forward(q32.view, k32.view, v32.view, out32.view, {}, o);
-      EXPECT_TRUE(rounds_of(out, out32));
-    }
+    for (const Shape& s : shapes()) check_forward(dt, s, GetParam(), rng);
   }
 }
 
 TEST_P(ReducedPrecision, BackwardMatchesOracleAndRoundsTheFp32Path) {
   std::mt19937_64 rng(17);
   for (DType dt : {DType::bf16, DType::f16}) {
-    for (const Shape& s : shapes()) {
-      SCOPED_TRACE(name_of(s, dt));
-      Inputs in(dt, s, rng);
-      Tensor16 out(dt, s.B, s.Tq, s.Hq, s.D, s.layout), dout(dt, s.B, s.Tq, s.Hq, s.D, s.layout);
-      dout.fill_random(rng);
-      std::vector<float> lse(static_cast<std::size_t>(s.B * s.Hq * s.Tq), kPoison);
-      AttentionOptions o;
-      o.isa = GetParam();
-      o.causal = s.causal;
-      const TensorView lse_view = TensorView::bht(lse.data(), s.B, s.Hq, s.Tq);
-      attention_forward(in.q.view, in.k.view, in.v.view, out.view, lse_view, o);
-      Tensor16 dq(dt, s.B, s.Tq, s.Hq, s.D, s.layout), dk(dt, s.B, s.Tk, s.Hkv, s.D, s.layout),
-          dv(dt, s.B, s.Tk, s.Hkv, s.D, s.layout);
-      dq.poison();
-      dk.poison();
-      dv.poison();
-      attention_backward(in.q.view, in.k.view, in.v.view, out.view, lse_view, dout.view, dq.view,
-                         dk.view, dv.view, o);
-      reference::Options ro;
-      ro.causal = s.causal;
-      const auto ref =
-          reference::attention_backward(in.q.to64(), in.k.to64(), in.v.to64(), dout.to64(), ro);
-      // Gradient floor 1: gradients may vanish (e.g. a key no query sees).
-      EXPECT_LE(err16(dq, ref.dq, 1.0), bwd_bound(dt));
-      EXPECT_LE(err16(dk, ref.dk, 1.0), bwd_bound(dt));
-      EXPECT_LE(err16(dv, ref.dv, 1.0), bwd_bound(dt));
+    for (const Shape& s : shapes()) check_backward(dt, s, GetParam(), rng);
+  }
+}
 
-      // The fp32 backward on the widened q, k, v, O, dO (and the same L) rounds to the same bits.
-      StridedTensor q32 = in.q.to32(s.layout), k32 = in.k.to32(s.layout), v32 = in.v.to32(s.layout),
-                    o32 = out.to32(s.layout), do32 = dout.to32(s.layout);
-      StridedTensor dq32(s.B, s.Tq, s.Hq, s.D, s.layout), dk32(s.B, s.Tk, s.Hkv, s.D, s.layout),
-          dv32(s.B, s.Tk, s.Hkv, s.D, s.layout);
-      attention_backward(q32.view, k32.view, v32.view, o32.view, lse_view, do32.view, dq32.view,
-                         dk32.view, dv32.view, o);
-      EXPECT_TRUE(rounds_of(dq, dq32));
-      EXPECT_TRUE(rounds_of(dk, dk32));
-      EXPECT_TRUE(rounds_of(dv, dv32));
-    }
+// Random shapes, bf16 and f16, forward and backward as above: 30 draws per path from one fixed
+// seed of B, T_q and T_k (1 … 150: the lane blocks' and key tile's edges), GQA ratio 1 … 7, d_h
+// (5 … 72, odd widths), layout, causal or not. Not d_h = 1 with T > 1: there D_t = dO_t · O_t is
+// one product, so O's rounding to 16 bits reaches dQ unaveraged and bwd_bound (4 units) is not a
+// bound (bf16, B 2, T 84 × 85: 0.0186 against 0.0157, the same on every path, while the rounding
+// check passed). 1000 draws per path passed once (2026-12-06).
+TEST_P(ReducedPrecision, RandomShapesMatchOracleAndRoundTheFp32Path) {
+  std::mt19937_64 draws(20261206), rng(20261208);
+  const auto pick = [&draws](std::int64_t lo, std::int64_t hi) {  // uniform in [lo, hi]
+    return lo + static_cast<std::int64_t>(draws() % static_cast<std::uint64_t>(hi - lo + 1));
+  };
+  const std::int64_t widths[] = {5, 8, 16, 17, 24, 33, 64, 72};
+  for (int draw = 0; draw < 30; ++draw) {
+    Shape s{pick(1, 2), pick(1, 150), 0, 0, pick(1, 3), widths[pick(0, std::size(widths) - 1)]};
+    s.Tk = pick(0, 2) == 0 ? s.Tq : pick(1, 150);
+    s.Hq = s.Hkv * pick(1, 7);
+    s.layout = std::array<Layout, 3>{Layout::bthd, Layout::bhtd, Layout::strided}[pick(0, 2)];
+    s.causal = pick(0, 3) != 0;
+    const DType dt = pick(0, 1) == 0 ? DType::bf16 : DType::f16;
+    SCOPED_TRACE("draw " + std::to_string(draw));
+    check_forward(dt, s, GetParam(), rng);
+    check_backward(dt, s, GetParam(), rng);
   }
 }
 

@@ -374,6 +374,41 @@ TEST_P(Decode, VariantsMatchFloat64Reference) {
   }
 }
 
+// Sets K and V of every position before the window of each sequence's first new query (T_new
+// queries, window W) to NaN in f, and returns the oracle's input: f with zeros there instead
+// (those positions are invisible, any value will do).
+Filled nan_before_window(Filled& f, std::int64_t W, std::int64_t tnew) {
+  Filled zeroed = f;
+  for (std::size_t b = 0; b < f.lengths.size(); ++b) {
+    const std::int64_t first = f.lengths[b] - tnew + 1 - W;
+    for (std::int64_t t = 0; t < first; ++t)
+      for (std::int64_t h = 0; h < f.hkv; ++h)
+        for (std::int64_t x = 0; x < f.dh; ++x) {
+          const auto bi = static_cast<std::int64_t>(b);
+          f.K(bi, t, h, x) = f.V(bi, t, h, x) = std::nanf("");
+          zeroed.K(bi, t, h, x) = zeroed.V(bi, t, h, x) = 0.0f;
+        }
+  }
+  return zeroed;
+}
+
+// Decode with window W over `cache` on `isa`, every sequence against the oracle over `zeroed`.
+void expect_window_decode_matches(StridedTensor& q, const KVCache& cache, Filled& zeroed,
+                                  DType dtype, std::int64_t W, Isa isa) {
+  const std::int64_t B = q.view.shape[0], tnew = q.view.shape[1], hq = q.view.shape[2];
+  const VariantOptions vo({"window", W, 0.0, false, true}, hq, isa);
+  StridedTensor out(B, tnew, hq, zeroed.dh, Layout::bthd);
+  std::vector<float> lse(static_cast<std::size_t>(B * hq * tnew), kPoison);
+  attention_decode(q.view, cache, 0, out.view, TensorView::bht(lse.data(), B, hq, tnew), vo.decode);
+  for (std::int64_t b = 0; b < B; ++b) {
+    const auto ref =
+        oracle(q, b, zeroed, dtype, vo.oracle, zeroed.lengths[static_cast<std::size_t>(b)]);
+    const auto [err, lse_err] = decode_errors(out, lse, b, ref);
+    EXPECT_LE(err, kVariantBound) << to_string(dtype) << " sequence " << b;
+    EXPECT_LE(lse_err, kVariantBound) << to_string(dtype) << " sequence " << b;
+  }
+}
+
 // Keys before the window are not part of the result: NaN keys and values there (also in the
 // masked lanes of the tile holding the window's start) leave every row finite and equal to the
 // oracle's, on every path; a cache without the window propagates the NaN (so the test can fail).
@@ -381,33 +416,14 @@ TEST_P(Decode, WindowIgnoresEverythingBeforeIt) {
   std::mt19937_64 rng(31);
   const std::int64_t W = 100, tnew = 2;
   Filled f = make_kv({1500, 333}, 2, 48, rng);
-  Filled zeroed = f;  // the oracle's input: those positions are invisible, any value will do
-  for (std::int64_t b = 0; b < 2; ++b) {
-    const std::int64_t first = f.lengths[static_cast<std::size_t>(b)] - tnew + 1 - W;
-    for (std::int64_t t = 0; t < first; ++t)
-      for (std::int64_t h = 0; h < 2; ++h)
-        for (std::int64_t x = 0; x < 48; ++x) {
-          f.K(b, t, h, x) = f.V(b, t, h, x) = std::nanf("");
-          zeroed.K(b, t, h, x) = zeroed.V(b, t, h, x) = 0.0f;
-        }
-  }
+  Filled zeroed = nan_before_window(f, W, tnew);
   StridedTensor q(2, tnew, 8, 48, Layout::bthd);
   q.fill_random(rng);
   for (DType dtype : {DType::f32, DType::bf16}) {
     KVCache cache({1, 2, 2, 48, 1500, dtype, 64, 0});
     fill_cache(cache, 0, f);
-    const VariantOptions vo({"window", W, 0.0, false, true}, 8, GetParam());
+    expect_window_decode_matches(q, cache, zeroed, dtype, W, GetParam());
     StridedTensor out(2, tnew, 8, 48, Layout::bthd);
-    std::vector<float> lse(2 * 8 * tnew, kPoison);
-    attention_decode(q.view, cache, 0, out.view, TensorView::bht(lse.data(), 2, 8, tnew),
-                     vo.decode);
-    for (std::int64_t b = 0; b < 2; ++b) {
-      const auto ref =
-          oracle(q, b, zeroed, dtype, vo.oracle, f.lengths[static_cast<std::size_t>(b)]);
-      const auto [err, lse_err] = decode_errors(out, lse, b, ref);
-      EXPECT_LE(err, kVariantBound) << to_string(dtype) << " sequence " << b;
-      EXPECT_LE(lse_err, kVariantBound) << to_string(dtype) << " sequence " << b;
-    }
     DecodeOptions plain;
     plain.isa = GetParam();
     attention_decode(q.view, cache, 0, out.view, {}, plain);
@@ -423,36 +439,16 @@ TEST_P(Decode, RollingCacheIgnoresHeldPositionsBeforeTheWindow) {
   std::mt19937_64 rng(37);
   const std::int64_t W = 100, tnew = 2;
   Filled f = make_kv({700, 251}, 2, 48, rng);
-  Filled zeroed = f;
-  for (std::int64_t b = 0; b < 2; ++b) {
-    const std::int64_t first = f.lengths[static_cast<std::size_t>(b)] - tnew + 1 - W;
-    for (std::int64_t t = 0; t < first; ++t)
-      for (std::int64_t h = 0; h < 2; ++h)
-        for (std::int64_t x = 0; x < 48; ++x) {
-          f.K(b, t, h, x) = f.V(b, t, h, x) = std::nanf("");
-          zeroed.K(b, t, h, x) = zeroed.V(b, t, h, x) = 0.0f;
-        }
-  }
+  Filled zeroed = nan_before_window(f, W, tnew);
   StridedTensor q(2, tnew, 8, 48, Layout::bthd);
   q.fill_random(rng);
   for (DType dtype : {DType::f32, DType::bf16}) {
     for (std::int64_t block : {0, 64}) {
-      SCOPED_TRACE(std::string(to_string(dtype)) + " block " + std::to_string(block));
+      SCOPED_TRACE("block " + std::to_string(block));
       KVCache cache({1, 2, 2, 48, 700, dtype, block, 0, W});
       fill_cache(cache, 0, f);
       ASSERT_GT(cache.first_position(0, 0), 0);  // the ring has wrapped: old slots reused
-      const VariantOptions vo({"window", W, 0.0, false, true}, 8, GetParam());
-      StridedTensor out(2, tnew, 8, 48, Layout::bthd);
-      std::vector<float> lse(2 * 8 * tnew, kPoison);
-      attention_decode(q.view, cache, 0, out.view, TensorView::bht(lse.data(), 2, 8, tnew),
-                       vo.decode);
-      for (std::int64_t b = 0; b < 2; ++b) {
-        const auto ref =
-            oracle(q, b, zeroed, dtype, vo.oracle, f.lengths[static_cast<std::size_t>(b)]);
-        const auto [err, lse_err] = decode_errors(out, lse, b, ref);
-        EXPECT_LE(err, kVariantBound) << "sequence " << b;
-        EXPECT_LE(lse_err, kVariantBound) << "sequence " << b;
-      }
+      expect_window_decode_matches(q, cache, zeroed, dtype, W, GetParam());
     }
   }
 }

@@ -831,8 +831,81 @@ struct VarlenRun {
   }
 };
 
+// The options of one varlen case: the causal mask and its alignment, sinks with ALiBi, a window,
+// soft-capping.
+struct VarlenVariants {
+  bool causal = true;
+  bool top_left = false;
+  bool sinks_and_alibi = false;
+  std::optional<std::int64_t> window;
+  std::optional<double> softcap;
+};
+
+// One varlen forward and backward on `isa` against the float64 oracle: sequences of query lengths
+// lq and key lengths lk (packed, cu_seqlens as i64 or i32), H_q / H_kv heads of width d. A path
+// without score variants must refuse a case that asks for one.
+void ExpectVarlenMatches(const std::vector<std::int64_t>& lq, const std::vector<std::int64_t>& lk,
+                         std::int64_t hq, std::int64_t hkv, std::int64_t d, Layout layout,
+                         const VarlenVariants& vv, bool i64, Isa isa, std::mt19937_64& rng) {
+  VarlenRun r(lq, lk, hq, hkv, d, layout, rng);
+  AttentionOptions o;
+  o.isa = isa;
+  reference::Options ro;
+  o.causal = ro.causal = vv.causal;
+  if (vv.top_left) {
+    o.align = CausalAlign::top_left;
+    ro.align = reference::Align::top_left;
+  }
+  if (vv.sinks_and_alibi) {
+    o.sinks = {r.sinks.data(), DType::f32, 1, {r.Hq}, {1}};
+    o.alibi_slopes = {r.slopes.data(), DType::f32, 1, {r.Hq}, {1}};
+    for (float x : r.sinks) ro.sinks.push_back(x);
+    for (float x : r.slopes) ro.alibi_slopes.push_back(x);
+  }
+  if (vv.window) o.window = ro.window = *vv.window;
+  if (vv.softcap) o.softcap = ro.softcap = *vv.softcap;
+  const auto fwd = [&] {
+    attention_forward_varlen(VarlenRun::packed(r.q), VarlenRun::packed(r.k), VarlenRun::packed(r.v),
+                             r.cu_view(i64, false), r.cu_view(i64, true), VarlenRun::packed(r.out),
+                             r.lse_view(), o);
+  };
+  const bool variant = vv.sinks_and_alibi || vv.window || vv.softcap;
+  if (variant && !supports_variants(isa)) {
+    ExpectRefused(fwd, "fwd", isa);
+    return;
+  }
+  fwd();
+  const auto ref =
+      reference::attention_forward_varlen(r.q.to64(), r.k.to64(), r.v.to64(), r.cu_q, r.cu_k, ro);
+  EXPECT_LE(rel_err(r.out, ref.out), kForwardBound) << "O";
+  ErrorAccumulator lse_acc;
+  for (std::int64_t h = 0; h < r.Hq; ++h)
+    for (std::int64_t t = 0; t < r.cu_q.back(); ++t)
+      lse_acc.add(r.lse[static_cast<std::size_t>(h * r.cu_q.back() + t)], ref.lse.at(0, h, t, 0));
+  EXPECT_LE(lse_acc.value(1.0), kForwardBound) << "L";
+
+  r.dq.poison();
+  r.dk.poison();
+  r.dv.poison();
+  std::fill(r.dsinks.begin(), r.dsinks.end(), kPoison);
+  TensorView ds{};
+  if (vv.sinks_and_alibi) ds = {r.dsinks.data(), DType::f32, 1, {r.Hq}, {1}};
+  attention_backward_varlen(VarlenRun::packed(r.q), VarlenRun::packed(r.k), VarlenRun::packed(r.v),
+                            VarlenRun::packed(r.out), r.lse_view(), VarlenRun::packed(r.dout),
+                            r.cu_view(i64, false), r.cu_view(i64, true), VarlenRun::packed(r.dq),
+                            VarlenRun::packed(r.dk), VarlenRun::packed(r.dv), o, ds);
+  const auto bref = reference::attention_backward_varlen(r.q.to64(), r.k.to64(), r.v.to64(),
+                                                         r.dout.to64(), r.cu_q, r.cu_k, ro);
+  const double g = max_abs(r.dout) * max_abs(r.v) / std::sqrt(static_cast<double>(d));
+  EXPECT_LE(rel_err(r.dq, bref.dq, g), kBackwardBound) << "dq";
+  EXPECT_LE(rel_err(r.dk, bref.dk, g), kBackwardBound) << "dk";
+  EXPECT_LE(rel_err(r.dv, bref.dv, g), kBackwardBound) << "dv";
+  if (vv.sinks_and_alibi) {
+    EXPECT_LE(rel_err_flat(r.dsinks, bref.dsinks), kBackwardBound) << "dsinks";
+  }
+}
+
 TEST_P(Variants, VarlenMatchesOracle) {
-  const Isa isa = GetParam();
   std::mt19937_64 rng(1210);
   // Sequences of lengths straddling the tiles, with empty ones (no queries; no keys).
   const std::vector<std::int64_t> lq{5, 0, 64, 3, 65, 1, 7}, lk{7, 4, 64, 0, 130, 1, 7};
@@ -841,67 +914,55 @@ TEST_P(Variants, VarlenMatchesOracle) {
     for (int variants = 0; variants < 3; ++variants, ++config) {
       SCOPED_TRACE("layout " + std::string(layout_name(layout)) + ", variants " +
                    std::to_string(variants));
-      VarlenRun r(lq, lk, 4, 2, 12, layout, rng);
-      AttentionOptions o;
-      o.isa = isa;
-      reference::Options ro;
+      VarlenVariants vv;
       if (variants >= 1) {  // sinks and ALiBi, top-left
-        o.align = CausalAlign::top_left;
-        ro.align = reference::Align::top_left;
-        o.sinks = {r.sinks.data(), DType::f32, 1, {r.Hq}, {1}};
-        o.alibi_slopes = {r.slopes.data(), DType::f32, 1, {r.Hq}, {1}};
-        for (float x : r.sinks) ro.sinks.push_back(x);
-        for (float x : r.slopes) ro.alibi_slopes.push_back(x);
+        vv.top_left = true;
+        vv.sinks_and_alibi = true;
       }
       if (variants == 2) {  // plus a window and soft-capping, non-causal
-        o.window = 6;
-        o.softcap = 2.5;
-        o.causal = ro.causal = false;
-        ro.window = 6;
-        ro.softcap = 2.5;
+        vv.window = 6;
+        vv.softcap = 2.5;
+        vv.causal = false;
       }
-      const bool i64 = config % 2 == 1;
-      const auto fwd = [&] {
-        attention_forward_varlen(VarlenRun::packed(r.q), VarlenRun::packed(r.k),
-                                 VarlenRun::packed(r.v), r.cu_view(i64, false),
-                                 r.cu_view(i64, true), VarlenRun::packed(r.out), r.lse_view(), o);
-      };
-      if (variants >= 1 && !supports_variants(isa)) {
-        ExpectRefused(fwd, "fwd", isa);
-        continue;
-      }
-      fwd();
-      const auto ref = reference::attention_forward_varlen(r.q.to64(), r.k.to64(), r.v.to64(),
-                                                           r.cu_q, r.cu_k, ro);
-      EXPECT_LE(rel_err(r.out, ref.out), kForwardBound) << "O";
-      ErrorAccumulator lse_acc;
-      for (std::int64_t h = 0; h < r.Hq; ++h)
-        for (std::int64_t t = 0; t < r.cu_q.back(); ++t)
-          lse_acc.add(r.lse[static_cast<std::size_t>(h * r.cu_q.back() + t)],
-                      ref.lse.at(0, h, t, 0));
-      EXPECT_LE(lse_acc.value(1.0), kForwardBound) << "L";
-
-      r.dq.poison();
-      r.dk.poison();
-      r.dv.poison();
-      std::fill(r.dsinks.begin(), r.dsinks.end(), kPoison);
-      TensorView ds{};
-      if (variants >= 1) ds = {r.dsinks.data(), DType::f32, 1, {r.Hq}, {1}};
-      attention_backward_varlen(VarlenRun::packed(r.q), VarlenRun::packed(r.k),
-                                VarlenRun::packed(r.v), VarlenRun::packed(r.out), r.lse_view(),
-                                VarlenRun::packed(r.dout), r.cu_view(i64, false),
-                                r.cu_view(i64, true), VarlenRun::packed(r.dq),
-                                VarlenRun::packed(r.dk), VarlenRun::packed(r.dv), o, ds);
-      const auto bref = reference::attention_backward_varlen(r.q.to64(), r.k.to64(), r.v.to64(),
-                                                             r.dout.to64(), r.cu_q, r.cu_k, ro);
-      const double g = max_abs(r.dout) * max_abs(r.v) / std::sqrt(12.0);
-      EXPECT_LE(rel_err(r.dq, bref.dq, g), kBackwardBound) << "dq";
-      EXPECT_LE(rel_err(r.dk, bref.dk, g), kBackwardBound) << "dk";
-      EXPECT_LE(rel_err(r.dv, bref.dv, g), kBackwardBound) << "dv";
-      if (variants >= 1) {
-        EXPECT_LE(rel_err_flat(r.dsinks, bref.dsinks), kBackwardBound) << "dsinks";
-      }
+      ExpectVarlenMatches(lq, lk, 4, 2, 12, layout, vv, config % 2 == 1, GetParam(), rng);
     }
+  }
+}
+
+// Random varlen batches, forward and backward against the float64 oracle: 25 draws per path from
+// one fixed seed of the number of sequences (1 … 6), each one's query and key lengths (0 … 130,
+// empty sequences and tile edges; T_q ≶ T_k within a sequence), GQA ratio, d_h (1 … 64, odd
+// widths), the layout, i32 or i64 offsets, and by coins causal or not, the alignment, sinks with
+// ALiBi, a window and soft-capping.
+TEST_P(Variants, RandomVarlenBatchesMatchOracle) {
+  std::mt19937_64 draws(20261213), rng(20261214);
+  const auto pick = [&draws](std::int64_t lo, std::int64_t hi) {  // uniform in [lo, hi]
+    return lo + static_cast<std::int64_t>(draws() % static_cast<std::uint64_t>(hi - lo + 1));
+  };
+  const std::int64_t widths[] = {1, 3, 8, 16, 17, 33, 64};
+  const auto length = [&pick] {
+    return pick(0, 3) == 0 ? std::array<std::int64_t, 5>{0, 1, 63, 64, 65}[pick(0, 4)]
+                           : pick(1, 130);
+  };
+  for (int draw = 0; draw < 25; ++draw) {
+    std::vector<std::int64_t> lq, lk;
+    for (std::int64_t n = pick(1, 6); n > 0; --n) {
+      lq.push_back(length());
+      lk.push_back(pick(0, 2) == 0 ? lq.back() : length());
+    }
+    const std::int64_t hkv = pick(1, 3), hq = hkv * pick(1, 4);
+    const std::int64_t d = widths[pick(0, std::size(widths) - 1)];
+    const Layout layout =
+        std::array<Layout, 3>{Layout::bthd, Layout::bhtd, Layout::strided}[pick(0, 2)];
+    const bool i64 = pick(0, 1) == 0;
+    VarlenVariants vv;
+    vv.causal = pick(0, 3) != 0;
+    vv.top_left = pick(0, 2) == 0;
+    vv.sinks_and_alibi = pick(0, 2) == 0;
+    if (pick(0, 2) == 0) vv.window = pick(1, 150);
+    if (pick(0, 2) == 0) vv.softcap = std::array<double, 3>{0.7, 5.0, 30.0}[pick(0, 2)];
+    SCOPED_TRACE("draw " + std::to_string(draw));
+    ExpectVarlenMatches(lq, lk, hq, hkv, d, layout, vv, i64, GetParam(), rng);
   }
 }
 

@@ -9,6 +9,8 @@ of [B,T,H,d_h], and a strided slice. Tolerances: conftest.py (FWD_*, BWD_*).
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -191,3 +193,122 @@ def test_empty_keys_give_zeros_like_pytorch():
     q, kv = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 0, 8)
     out = tmt.scaled_dot_product_attention(q, kv, kv)
     assert torch.equal(out, F.scaled_dot_product_attention(q, kv, kv))
+
+
+# ---------------------------------------------------------------------------------------------
+# Random calls: any combination of the arguments can meet
+
+
+def visible(B, H_q, T_q, T_k, attn_mask, is_causal):
+    """[B, H_q, T_q, T_k] bool: key u takes part in row t (PyTorch's is_causal: top-left)."""
+    vis = torch.ones(T_q, T_k, dtype=torch.bool)
+    if is_causal:
+        vis = vis.tril()
+    if attn_mask is not None:
+        vis = vis & (attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf"))
+    return vis.expand(B, H_q, T_q, T_k)
+
+
+def moved_gradients(q, k, v, o_used, g, attn_mask, is_causal, scale, groups):
+    """float64 gradients of SDPA with D_t = <dO_t, O_t> formed from o_used (SPEC 4.7).
+
+    The kernels form D from the O they are given: for bf16, O rounded to 16 bits. dS = P ⊙ (dP − D)
+    is linear in D, so with o_used = the rounded O these are exactly what the kernels compute, up
+    to fp32 arithmetic and the final rounding; with o_used = None (the exact O = P V), PyTorch's
+    autograd gradients (the test checks that too). A row that sees no key has P = 0: no gradient
+    (tokenmix's documented zeros). q, k, v, o_used, g: float64 [B, H, T, E].
+    """
+    K, V = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    s = scale if scale is not None else 1.0 / q.shape[-1] ** 0.5
+    S = s * q @ K.transpose(-1, -2)
+    if is_causal:  # PyTorch's is_causal: top-left, query i sees keys j <= i
+        S = S.masked_fill(torch.ones(S.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    if attn_mask is not None:
+        S = S.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else S + attn_mask
+    P = torch.softmax(S, dim=-1).nan_to_num(0.0)  # softmax of a row of −∞ alone: NaN → 0
+    D = (g * (P @ V if o_used is None else o_used)).sum(-1, keepdim=True)
+    dS = P * (g @ V.transpose(-1, -2) - D)
+    dq, dK, dV = s * dS @ K, s * dS.transpose(-1, -2) @ q, P.transpose(-1, -2) @ g
+    B, H_kv, T, E = k.shape
+    return dq, dK.view(B, H_kv, groups, T, E).sum(2), dV.view(B, H_kv, groups, T, E).sum(2)
+
+
+def test_random_calls_match_float64_sdpa():
+    """80 calls from one fixed seed, each against float64 PyTorch SDPA on the same (rounded) inputs:
+    B, H_kv, GQA ratio, T_q and T_k (tile edges, T_q ≶ T_k), d_h (1 … 64), float32 or bfloat16,
+    is_causal, scale, memory layout per tensor, a boolean or additive mask broadcast over any of
+    its dimensions (some rows fully masked), which inputs require grad.
+
+    Output: float32 FWD_* (conftest.py); bfloat16 one rounding of an fp32 result, 2^-8 of max|O|,
+    plus 2^-8 of max|v| where the path rounds P before P·V (avx512_bf16). A row that sees no key
+    gives 0 (documented; so does the PyTorch 2.15 of these tests, where older versions gave NaN:
+    only the rows that see a key are compared with PyTorch). Gradients against moved_gradients: float32 with the exact O, BWD_*;
+    bfloat16 with the rounded O, one rounding plus the fp32 error (no allowance for D). Where every
+    row sees a key, moved_gradients with the exact O is checked against PyTorch's autograd.
+    """
+    rnd = random.Random(20261206)
+    for draw in range(80):
+        B, H_kv, groups = rnd.randint(1, 3), rnd.randint(1, 3), rnd.randint(1, 3)
+        H_q = H_kv * groups
+        T_q = rnd.choice([1, 2, 7, 63, 64, 65, rnd.randint(1, 100)])
+        T_k = rnd.choice([T_q, rnd.randint(1, 100)])
+        E = rnd.choice([1, 3, 8, 16, 17, 64])
+        dtype = rnd.choice([torch.float32, torch.float32, torch.bfloat16])
+        is_causal = rnd.random() < 0.4
+        scale = rnd.choice([None, None, 0.3, 1.7])
+        gen = torch.Generator().manual_seed(draw)
+
+        def tensor(H, T):
+            if rnd.random() < 0.3:  # a transposed view of [B, T, H, E]
+                x = torch.randn(B, T, H, E, generator=gen, dtype=torch.float64).to(dtype)
+                x = x.transpose(1, 2)
+            else:
+                x = torch.randn(B, H, T, E, generator=gen, dtype=torch.float64).to(dtype)
+            return x.requires_grad_(rnd.random() < 0.7)
+
+        q, k, v = tensor(H_q, T_q), tensor(H_kv, T_k), tensor(H_kv, T_k)
+        mask = None
+        if not is_causal and rnd.random() < 0.5:
+            shape = [rnd.choice([1, B]), rnd.choice([1, H_q]), rnd.choice([1, T_q]),
+                     rnd.choice([1, T_k])]
+            if rnd.random() < 0.5:
+                mask = torch.rand(*shape, generator=gen) < 0.8
+            else:
+                mask = torch.randn(*shape, generator=gen)
+                mask[torch.rand(*shape, generator=gen) < 0.1] = float("-inf")
+        kw = dict(attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=groups > 1)
+        what = f"draw {draw}: B {B} H {H_q}/{H_kv} T {T_q}x{T_k} E {E} {dtype} causal {is_causal}"
+
+        out = tmt.scaled_dot_product_attention(q, k, v, **kw)
+        assert out.dtype == dtype and out.shape == (B, H_q, T_q, E), what
+        q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        m64 = mask.double() if mask is not None and mask.is_floating_point() else mask
+        ref = F.scaled_dot_product_attention(q64, k64, v64, **dict(kw, attn_mask=m64))
+        seen = visible(B, H_q, T_q, T_k, mask, is_causal).any(-1)  # rows that see a key
+        assert torch.all(out.detach()[~seen] == 0), what
+        if dtype == torch.float32:
+            assert_close(out.detach()[seen], ref.detach()[seen], FWD_ATOL, FWD_RTOL, what)
+        else:
+            extra = 2.0**-8 * v64.abs().max().item()
+            assert_close(out.detach()[seen], ref.detach()[seen], FWD_ATOL + extra,
+                         2.0**-8 + FWD_RTOL, what)
+        if not any(x.requires_grad for x in (q, k, v)):
+            continue
+        g = torch.randn(B, H_q, T_q, E, generator=gen, dtype=torch.float64).to(dtype)
+        out.backward(g)
+        args = (q64.detach(), k64.detach(), v64.detach())
+        rest = (g.double(), m64, is_causal, scale, groups)
+        exact = moved_gradients(*args, None, *rest)
+        moved = moved_gradients(*args, out.detach().double(), *rest)
+        if bool(seen.all()):
+            ref.backward(g.double())
+            for e, x64, name in zip(exact, (q64, k64, v64), "qkv"):
+                assert_close(e, x64.grad, 1e-10, 1e-10, f"{what}: d{name} formula vs autograd")
+        for x, e, m, name in zip((q, k, v), exact, moved, "qkv"):
+            if not x.requires_grad:
+                assert x.grad is None, what
+            elif dtype == torch.float32:
+                assert_close(x.grad, e, BWD_ATOL, BWD_RTOL, f"{what}: d{name}")
+            else:
+                bound = 2.0**-8 + BWD_ATOL
+                assert_close(x.grad, m, bound, bound, f"{what}: d{name}")

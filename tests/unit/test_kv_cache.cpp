@@ -21,6 +21,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdio>
@@ -36,6 +37,7 @@
 
 #include "api/decode_internal.hpp"
 #include "kernels/kv_element.hpp"
+#include "kv_oracle.hpp"
 #include "test_util.hpp"
 
 namespace tokenmix::testing {
@@ -941,6 +943,274 @@ TEST(KVCacheErrors, DecodeScratchFailureLeavesCacheUnchanged) {
     layer.prefill(U(200), 1, 200, twin, 0, p2, 0);
     EXPECT_TRUE(Snapshot(c) == Snapshot(twin));
     EXPECT_EQ(0, std::memcmp(p1.data(), p2.data(), p1.size() * sizeof(float)));
+  }
+}
+
+// Random churn: 12 caches from one fixed seed (1–2 layers, 1–3 sequences, H_kv 1–2, d_h 1–17,
+// every dtype, contiguous or paged with a pool of 2–8 blocks, rolling or not), each taking 40
+// random operations: appends of 1–70 positions to some sequences of one layer, truncate, release,
+// reset of one sequence or of all, and calls that must fail (past the capacity, into a released
+// sequence, beyond the pool's free blocks, below a rolling cache's oldest position, a NaN row
+// into a quantized cache). A model keeps each layer's length, oldest held position and the values
+// the cache held for every position right after its append. After every operation: a failed
+// call left the cache byte for byte as it was, lengths and oldest positions match the model, and
+// every held row still holds its values (no operation on one sequence or layer touches another's
+// rows, however the pool hands blocks round). After the appends, each stored row is the appended
+// one as the dtype stores it (f32 exactly, bf16 / f16 rounded to nearest even; int8 within half
+// a step δ = max|x| / 127, and x / δ's fp32 rounding, 127u; fp8 within 2^-4 relative, or half
+// its smallest step, 2^-10 δ, δ = max|x| / 448). At the end, a decode of every non-empty sequence
+// of layer 0 against the float64 oracle over the held values (or, where a rolling cache no longer
+// holds the keys of even one query, its refusal). 2000 draws passed once (2026-12-06).
+TEST(KVCacheChurn, RandomOperationsKeepEveryHeldRow) {
+  std::mt19937_64 draws(20261217), rng(20261218);
+  const auto pick = [&draws](std::int64_t lo, std::int64_t hi) {  // uniform in [lo, hi]
+    return lo + static_cast<std::int64_t>(draws() % static_cast<std::uint64_t>(hi - lo + 1));
+  };
+  std::normal_distribution<float> dist;
+  const DType dtypes[] = {DType::f32, DType::bf16, DType::f16, DType::int8, DType::fp8_e4m3};
+  for (int draw = 0; draw < 12; ++draw) {
+    KVCacheConfig cfg;
+    cfg.layers = pick(1, 2);
+    cfg.batch = pick(1, 3);
+    cfg.heads_kv = pick(1, 2);
+    cfg.head_dim = std::array<std::int64_t, 4>{1, 3, 8, 17}[pick(0, 3)];
+    cfg.capacity = pick(60, 300);
+    cfg.dtype = dtypes[pick(0, 4)];
+    if (pick(0, 1) == 0) {
+      cfg.block_tokens = 64;
+      cfg.pool_blocks = pick(2, 8);
+    }
+    if (pick(0, 2) == 0) cfg.window = pick(1, 40);
+    const std::int64_t L = cfg.layers, B = cfg.batch, H = cfg.heads_kv, D = cfg.head_dim;
+    SCOPED_TRACE("draw " + std::to_string(draw) + ": " + std::to_string(L) + " layers, B " +
+                 std::to_string(B) + ", H_kv " + std::to_string(H) + ", d_h " + std::to_string(D) +
+                 ", T_max " + std::to_string(cfg.capacity) + ", " + to_string(cfg.dtype) +
+                 ", block " + std::to_string(cfg.block_tokens) + " pool " +
+                 std::to_string(cfg.pool_blocks) + ", window " + std::to_string(cfg.window));
+    KVCache cache(cfg);
+    const std::int64_t R = cache.retained_positions();
+    const bool quantized = kernels::is_quantized(cfg.dtype);
+
+    // The model: per (layer, sequence) length, oldest held position, held values [pos][H][2][D].
+    struct Seq {
+      std::int64_t length = 0, first = 0;
+      std::vector<std::vector<double>> rows;  // rows[pos]: H·2·D values (K then V per head)
+    };
+    std::vector<Seq> model(static_cast<std::size_t>(L * B));
+    std::vector<bool> active(static_cast<std::size_t>(B), true);
+    const auto seq = [&](std::int64_t l, std::int64_t b) -> Seq& { return model[l * B + b]; };
+    const auto held = [&](std::int64_t l, std::int64_t b, std::int64_t pos) {
+      std::vector<double> r;
+      for (std::int64_t h = 0; h < H; ++h)
+        for (bool value : {false, true})
+          for (double x : cached_row(cache, l, b, pos, h, value)) r.push_back(x);
+      return r;
+    };
+    // A paged cache without a window: sequence b holds ⌈max_l length / block⌉ blocks (its layers
+    // share them), so the free blocks are known, and so is when an append must find too few.
+    const bool counted = cache.paged() && cfg.window == 0;
+    const auto blocks_of = [&](std::int64_t b, std::int64_t extra, std::int64_t layer) {
+      std::int64_t longest = 0;
+      for (std::int64_t l = 0; l < L; ++l)
+        longest = std::max(longest, seq(l, b).length + (l == layer ? extra : 0));
+      return (longest + cfg.block_tokens - 1) / cfg.block_tokens;
+    };
+    const auto blocks_held = [&] {
+      std::int64_t n = 0;
+      for (std::int64_t b = 0; b < B; ++b) n += active[b] ? blocks_of(b, 0, 0) : 0;
+      return n;
+    };
+    const auto check_all = [&](const std::string& after) {
+      for (std::int64_t l = 0; l < L; ++l)
+        for (std::int64_t b = 0; b < B; ++b) {
+          if (!active[b]) continue;
+          const Seq& m = seq(l, b);
+          ASSERT_EQ(cache.length(b, l), m.length) << after << ", layer " << l << " seq " << b;
+          ASSERT_EQ(cache.first_position(b, l), m.first)
+              << after << ", layer " << l << " seq " << b;
+          for (std::int64_t p = m.first; p < m.length; ++p)
+            ASSERT_EQ(held(l, b, p), m.rows[p])
+                << after << ", layer " << l << " seq " << b << " position " << p;
+        }
+      EXPECT_GE(cache.free_blocks(), 0);
+      EXPECT_LE(cache.free_blocks(), cache.pool_blocks());
+      if (counted) {
+        EXPECT_EQ(cache.free_blocks(), cache.pool_blocks() - blocks_held()) << after;
+      }
+    };
+    // Calls that must fail: a typed error, the cache byte for byte as it was.
+    const auto expect_refused = [&](const std::string& what, auto&& call) {
+      const Snapshot before(cache);
+      try {
+        call();
+        ADD_FAILURE() << what << ": no error";
+      } catch (const Error& e) {
+        EXPECT_TRUE(Snapshot(cache) == before)
+            << what << ": the cache changed (" << e.what() << ")";
+      }
+    };
+    // The stored values of a fresh append against the appended ones, as the dtype stores them.
+    const auto expect_stored = [&](const std::vector<double>& got, const float* x) {
+      for (std::int64_t r = 0; r < 2 * H; ++r) {  // a K or V row of one head
+        const float* row = x + r * D;
+        const double* g = got.data() + r * D;
+        double amax = 0.0;
+        for (std::int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(double(row[i])));
+        for (std::int64_t i = 0; i < D; ++i) {
+          const double want = cfg.dtype == DType::f32    ? row[i]
+                              : cfg.dtype == DType::bf16 ? bf16_to_f32(f32_to_bf16(row[i]))
+                              : cfg.dtype == DType::f16  ? f16_to_f32(f32_to_f16(row[i]))
+                                                         : row[i];
+          const double delta = amax / (cfg.dtype == DType::int8 ? 127.0 : 448.0);
+          const double tol = !quantized ? 0.0
+                             : cfg.dtype == DType::int8
+                                 ? 0.5 * delta * (1 + 4e-5)
+                                 : 0x1.0p-4 * std::fabs(want) + 0x1.0p-10 * delta;
+          ASSERT_LE(std::fabs(g[i] - want), tol) << "element " << i << " of row " << r;
+        }
+      }
+    };
+
+    for (int op = 0; op < 40; ++op) {
+      const std::int64_t kind = pick(0, 19);
+      const std::int64_t b = pick(0, B - 1);
+      std::string what = "op " + std::to_string(op);
+      if (kind <= 11) {  // append T_new positions to sequences b … b + nb − 1 of layer l
+        const std::int64_t l = pick(0, L - 1), nb = pick(1, B - b);
+        const std::int64_t tnew = pick(0, 1) == 0 ? pick(1, 8) : pick(1, 70);
+        what += ": append " + std::to_string(tnew) + " to layer " + std::to_string(l) + " seqs " +
+                std::to_string(b) + "+" + std::to_string(nb);
+        std::vector<float> k(static_cast<std::size_t>(nb * tnew * H * D)), v(k.size());
+        for (float& x : k) x = dist(rng);
+        for (float& x : v) x = dist(rng);
+        const auto view = [&](std::vector<float>& x) {
+          return ConstTensorView::bthd(x.data(), nb, tnew, H, D);
+        };
+        bool fits = true;
+        for (std::int64_t i = b; i < b + nb; ++i)
+          fits = fits && active[i] && seq(l, i).length + tnew <= cfg.capacity;
+        if (!fits) {
+          expect_refused(what, [&] { cache.append(l, b, view(k), view(v)); });
+          continue;
+        }
+        if (quantized && pick(0, 9) == 0) {  // a NaN row: nothing of the batch appended
+          std::vector<float> bad = k;
+          bad[bad.size() - 1] = std::numeric_limits<float>::quiet_NaN();
+          expect_refused(what + " (NaN)", [&] { cache.append(l, b, view(bad), view(v)); });
+        }
+        const std::int64_t free_before = cache.free_blocks();
+        std::int64_t more = 0;  // blocks the append takes (counted caches)
+        for (std::int64_t i = b; counted && i < b + nb; ++i)
+          more += blocks_of(i, tnew, l) - blocks_of(i, 0, 0);
+        try {
+          cache.append(l, b, view(k), view(v));
+          if (counted) {
+            EXPECT_LE(more, free_before) << what << ": appended into blocks the pool did not have";
+          }
+        } catch (const ArgumentError& e) {  // the pool ran out: refused whole, nothing changed
+          ASSERT_TRUE(cache.paged()) << what << ": " << e.what();
+          if (counted) {
+            EXPECT_GT(more, free_before) << what << ": refused with enough free blocks";
+          }
+          EXPECT_NE(std::string(e.what()).find("block"), std::string::npos) << e.what();
+          EXPECT_EQ(cache.free_blocks(), free_before);
+          check_all(what + " (refused)");
+          continue;
+        }
+        for (std::int64_t i = 0; i < nb; ++i) {
+          Seq& m = seq(l, b + i);
+          m.rows.resize(static_cast<std::size_t>(m.length + tnew));
+          m.length += tnew;
+          m.first = std::max(m.first, m.length - R);
+          for (std::int64_t t = std::max<std::int64_t>(0, tnew - R); t < tnew; ++t) {
+            const std::int64_t pos = m.length - tnew + t;
+            m.rows[pos] = held(l, b + i, pos);
+            std::vector<float> x;  // the appended K and V rows of every head, as held() orders them
+            for (std::int64_t h = 0; h < H; ++h)
+              for (const std::vector<float>* src : {&k, &v})
+                for (std::int64_t e = 0; e < D; ++e)
+                  x.push_back((*src)[static_cast<std::size_t>(((i * tnew + t) * H + h) * D + e)]);
+            expect_stored(m.rows[pos], x.data());
+          }
+        }
+      } else if (kind <= 15) {  // truncate
+        if (!active[b]) {
+          expect_refused(what + ": truncate a released sequence", [&] { cache.truncate(b, 0); });
+          continue;
+        }
+        std::int64_t longest = 0;
+        for (std::int64_t l = 0; l < L; ++l) longest = std::max(longest, seq(l, b).length);
+        const std::int64_t n = pick(0, longest + 2);
+        what += ": truncate seq " + std::to_string(b) + " to " + std::to_string(n);
+        bool ok = n <= longest;
+        for (std::int64_t l = 0; l < L; ++l)
+          ok = ok && (n == 0 || n >= seq(l, b).length || n >= seq(l, b).first);
+        if (!ok) {
+          expect_refused(what, [&] { cache.truncate(b, n); });
+          continue;
+        }
+        cache.truncate(b, n);
+        for (std::int64_t l = 0; l < L; ++l) {
+          Seq& m = seq(l, b);
+          if (n >= m.length) continue;
+          m.length = n;
+          if (n == 0) m.first = 0;
+          m.rows.resize(static_cast<std::size_t>(n));
+        }
+      } else if (kind == 16) {  // release
+        what += ": release seq " + std::to_string(b);
+        cache.release(b);
+        active[b] = false;
+        for (std::int64_t l = 0; l < L; ++l) seq(l, b) = Seq{};
+      } else if (kind <= 18) {  // reset one
+        what += ": reset seq " + std::to_string(b);
+        cache.reset(b);
+        active[b] = true;
+        for (std::int64_t l = 0; l < L; ++l) seq(l, b) = Seq{};
+      } else if (pick(0, 1) == 0) {  // reset all
+        what += ": reset";
+        cache.reset();
+        std::fill(active.begin(), active.end(), true);
+        for (Seq& m : model) m = Seq{};
+        if (cache.paged()) {
+          EXPECT_EQ(cache.free_blocks(), cache.pool_blocks());
+        }  // (a contiguous cache's sequences keep their blocks)
+      } else {
+        continue;
+      }
+      check_all(what);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+
+    // Decode every non-empty active sequence of layer 0 against the oracle over the held values.
+    for (std::int64_t b = 0; b < B; ++b) {
+      if (!active[b] || seq(0, b).length == 0) continue;
+      // T_new ≤ 3 queries whose keys are all still held (a rolling cache: the window's keys of
+      // the first query from first_position on); none such: the call must be refused.
+      const Seq& m = seq(0, b);
+      std::int64_t tnew = std::min<std::int64_t>(m.length, 3);
+      if (cfg.window && m.first > 0) tnew = std::min(tnew, m.length - m.first - cfg.window + 1);
+      const std::int64_t hq = 2 * H;
+      DecodeOptions o;
+      o.first_seq = b;
+      reference::Options ro;
+      if (cfg.window) o.window = ro.window = cfg.window;
+      if (tnew < 1) {
+        StridedTensor q1(1, 1, hq, D, Layout::bthd), out1(1, 1, hq, D, Layout::bthd);
+        q1.fill_random(rng);
+        EXPECT_THROW(attention_decode(q1.view, cache, 0, out1.view, {}, o), ArgumentError);
+        continue;
+      }
+      // q [B, …] (cache_oracle reads its row b); the call gets row b alone, as sequence b.
+      StridedTensor q(B, tnew, hq, D, Layout::bthd), out(1, tnew, hq, D, Layout::bthd);
+      q.fill_random(rng);
+      TensorView row_b = q.view;
+      row_b.data = static_cast<float*>(q.view.data) + b * q.view.strides[0];
+      row_b.shape[0] = 1;
+      std::vector<float> lse(static_cast<std::size_t>(hq * tnew), kPoison);
+      attention_decode(row_b, cache, 0, out.view, TensorView::bht(lse.data(), 1, hq, tnew), o);
+      expect_decode_matches(out, lse, {cache_oracle(q, b, cache, 0, ro)});
+    }
   }
 }
 

@@ -501,7 +501,7 @@ def test_torch_attn_mask_bool_and_float_broadcast(kind, mshape):
     shape = shapes[mshape]
     if kind == "bool":
         mask = torch.rand(shape) > 0.3
-        mask[..., 0] = True  # every row sees a key (PyTorch gives NaN otherwise)
+        mask[..., 0] = True  # every row sees a key (older PyTorch gives NaN otherwise)
     else:
         mask = torch.randn(shape)
     if mshape == "expand":

@@ -953,14 +953,16 @@ TEST(KVCacheErrors, DecodeScratchFailureLeavesCacheUnchanged) {
 // sequence, beyond the pool's free blocks, below a rolling cache's oldest position, a NaN row
 // into a quantized cache). A model keeps each layer's length, oldest held position and the values
 // the cache held for every position right after its append. After every operation: a failed
-// call left the cache byte for byte as it was, lengths and oldest positions match the model, and
+// call left the cache byte for byte as it was, lengths and oldest positions match the model,
 // every held row still holds its values (no operation on one sequence or layer touches another's
-// rows, however the pool hands blocks round). After the appends, each stored row is the appended
-// one as the dtype stores it (f32 exactly, bf16 / f16 rounded to nearest even; int8 within half
-// a step δ = max|x| / 127, and x / δ's fp32 rounding, 127u; fp8 within 2^-4 relative, or half
-// its smallest step, 2^-10 δ, δ = max|x| / 448). At the end, a decode of every non-empty sequence
-// of layer 0 against the float64 oracle over the held values (or, where a rolling cache no longer
-// holds the keys of even one query, its refusal). 2000 draws passed once (2026-12-06).
+// rows, however the pool hands blocks round), and on a paged cache without a window the pool's
+// free blocks are what the lengths leave (an append is refused exactly when they are too few).
+// After the appends, each stored row is the appended one as the dtype stores it (f32 exactly, bf16
+// / f16 rounded to nearest even; int8 within half a step δ = max|x| / 127, and x / δ's fp32
+// rounding, 127u; fp8 within 2^-4 relative, or half its smallest step, 2^-10 δ, δ = max|x| / 448).
+// At the end, a decode of every non-empty sequence of layer 0 against the float64 oracle over the
+// held values (or, where a rolling cache no longer holds the keys of even one query, its refusal).
+// 2000 draws passed once (2026-12-06).
 TEST(KVCacheChurn, RandomOperationsKeepEveryHeldRow) {
   std::mt19937_64 draws(20261217), rng(20261218);
   const auto pick = [&draws](std::int64_t lo, std::int64_t hi) {  // uniform in [lo, hi]

@@ -469,10 +469,8 @@ TEST_P(DecodeMulti, Bf16CacheBitwiseEqualsF32CacheOfTheSameValues) {
 // capping, ALiBi and sinks (each by a coin), 1 or 2 threads. The tests above pair these up a few
 // at a time; here any combination can meet.
 TEST_P(DecodeMulti, RandomCallsMatchTheCacheOracle) {
-  std::mt19937_64 rng(20261206);
-  const auto pick = [&rng](std::int64_t lo, std::int64_t hi) {  // uniform in [lo, hi]
-    return lo + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(hi - lo + 1));
-  };
+  Picker pick(20261206);  // the cases and, from the same stream, their data (pick.gen)
+  std::mt19937_64& rng = pick.gen;
   const std::int64_t widths[] = {1, 3, 8, 16, 17, 32, 48, 64, 65, 100, 128, 130};
   for (int draw = 0; draw < 100; ++draw) {
     const std::int64_t B = pick(1, 3), hkv = pick(1, 3), g = pick(1, 5), hq = g * hkv;

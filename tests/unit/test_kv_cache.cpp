@@ -964,10 +964,8 @@ TEST(KVCacheErrors, DecodeScratchFailureLeavesCacheUnchanged) {
 // held values (or, where a rolling cache no longer holds the keys of even one query, its refusal).
 // 2000 draws passed once (2026-12-06).
 TEST(KVCacheChurn, RandomOperationsKeepEveryHeldRow) {
-  std::mt19937_64 draws(20261217), rng(20261218);
-  const auto pick = [&draws](std::int64_t lo, std::int64_t hi) {  // uniform in [lo, hi]
-    return lo + static_cast<std::int64_t>(draws() % static_cast<std::uint64_t>(hi - lo + 1));
-  };
+  Picker pick(20261217);
+  std::mt19937_64 rng(20261218);
   std::normal_distribution<float> dist;
   const DType dtypes[] = {DType::f32, DType::bf16, DType::f16, DType::int8, DType::fp8_e4m3};
   for (int draw = 0; draw < 12; ++draw) {

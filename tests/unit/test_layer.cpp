@@ -563,10 +563,8 @@ TEST_P(LayerVariantsIsa, ForwardAndSinkGradientMatchFloat64) {
 // (2e-5; measured ≤ 1e-6 over 300 draws per path), not to its rounding: with every query over the
 // cache's values, bf16 and f16 fresh prefills err by up to 2.3e-3 and 2e-4.
 TEST_P(LayerVariantsIsa, RandomLayersPrefillAndStepMatchFloat64) {
-  std::mt19937_64 draws(20261215), rng(20261216);
-  const auto pick = [&draws](std::int64_t lo, std::int64_t hi) {  // uniform in [lo, hi]
-    return lo + static_cast<std::int64_t>(draws() % static_cast<std::uint64_t>(hi - lo + 1));
-  };
+  Picker pick(20261215);
+  std::mt19937_64 rng(20261216);
   std::normal_distribution<float> dist;
   const DType dtypes[] = {DType::f32, DType::bf16, DType::f16, DType::int8, DType::fp8_e4m3};
   for (int draw = 0; draw < 12; ++draw) {

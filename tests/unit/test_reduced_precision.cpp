@@ -374,10 +374,8 @@ TEST_P(ReducedPrecision, BackwardMatchesOracleAndRoundsTheFp32Path) {
 // follows the rounded O (move_to_rounded_o): under the former allowance of 4 rounding units for
 // D it failed (bf16, B 2, T 84 × 85: 0.0186 against 0.0157, on every path).
 TEST_P(ReducedPrecision, RandomShapesMatchOracleAndRoundTheFp32Path) {
-  std::mt19937_64 draws(20261206), rng(20261208);
-  const auto pick = [&draws](std::int64_t lo, std::int64_t hi) {  // uniform in [lo, hi]
-    return lo + static_cast<std::int64_t>(draws() % static_cast<std::uint64_t>(hi - lo + 1));
-  };
+  Picker pick(20261206);
+  std::mt19937_64 rng(20261208);
   const std::int64_t widths[] = {1, 2, 5, 8, 16, 17, 24, 33, 64, 72};
   for (int draw = 0; draw < 30; ++draw) {
     Shape s{pick(1, 2), pick(1, 150), 0, 0, pick(1, 3), widths[pick(0, std::size(widths) - 1)]};

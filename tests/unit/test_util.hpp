@@ -35,6 +35,17 @@ using testkit::layout_name;
 using testkit::rel_err;
 using testkit::StridedTensor;
 
+/// The random-case suites' integer draws: pick(lo, hi) is uniform in [lo, hi] (up to the modulo's
+/// bias) from a fixed seed, so a suite draws the same cases on every machine. `gen` is the
+/// generator itself, for a suite that draws its data from the same stream.
+struct Picker {
+  std::mt19937_64 gen;
+  explicit Picker(std::uint64_t seed) : gen(seed) {}
+  std::int64_t operator()(std::int64_t lo, std::int64_t hi) {
+    return lo + static_cast<std::int64_t>(gen() % static_cast<std::uint64_t>(hi - lo + 1));
+  }
+};
+
 /// rel_err for flat arrays of the same length (vectors, spans, Tensor64::data).
 template <class A, class B>
 double rel_err_flat(const A& x, const B& r) {

@@ -935,10 +935,8 @@ TEST_P(Variants, VarlenMatchesOracle) {
 // widths), the layout, i32 or i64 offsets, and by coins causal or not, the alignment, sinks with
 // ALiBi, a window and soft-capping.
 TEST_P(Variants, RandomVarlenBatchesMatchOracle) {
-  std::mt19937_64 draws(20261213), rng(20261214);
-  const auto pick = [&draws](std::int64_t lo, std::int64_t hi) {  // uniform in [lo, hi]
-    return lo + static_cast<std::int64_t>(draws() % static_cast<std::uint64_t>(hi - lo + 1));
-  };
+  Picker pick(20261213);
+  std::mt19937_64 rng(20261214);
   const std::int64_t widths[] = {1, 3, 8, 16, 17, 33, 64};
   const auto length = [&pick] {
     return pick(0, 3) == 0 ? std::array<std::int64_t, 5>{0, 1, 63, 64, 65}[pick(0, 4)]
@@ -973,10 +971,8 @@ TEST_P(Variants, RandomVarlenBatchesMatchOracle) {
 // layout drawn too). The tables above pair these up a few at a time; here any combination can
 // meet.
 TEST_P(Variants, RandomCasesMatchOracleForwardAndBackward) {
-  std::mt19937_64 draws(20261206), rng(20261207);
-  const auto pick = [&draws](std::int64_t lo, std::int64_t hi) {  // uniform in [lo, hi]
-    return lo + static_cast<std::int64_t>(draws() % static_cast<std::uint64_t>(hi - lo + 1));
-  };
+  Picker pick(20261206);
+  std::mt19937_64 rng(20261207);
   const std::int64_t widths[] = {1, 3, 8, 16, 17, 33, 64};
   const MaskShape masks[] = {MaskShape::causal_shape, MaskShape::left_pad,
                              MaskShape::right_pad,    MaskShape::band,

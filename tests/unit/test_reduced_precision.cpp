@@ -260,7 +260,7 @@ void move_to_rounded_o(reference::BackwardResult& ref, const reference::Tensor64
                        const reference::ForwardResult& exact, Tensor16& out_rounded,
                        const reference::Options& ro, const Segment& seg) {
   const std::int64_t Hq = q.shape[2], D = q.shape[3], group = Hq / k.shape[2], b = seg.b;
-  const double s = 1.0 / std::sqrt(static_cast<double>(D));
+  const double s = ro.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));  // as the oracle
   for (std::int64_t h = 0; h < Hq; ++h)
     for (std::int64_t i = 0; i < seg.nq; ++i) {
       const std::int64_t t = seg.q0 + i;

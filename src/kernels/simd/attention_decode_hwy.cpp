@@ -742,77 +742,96 @@ void DecodeUnits(const DecodeArgs& a) {
         }
       }
 
-      // Score variants, mask (4.3, window) and online softmax (4.4), row by row.
-      for (std::int64_t r = 0; r < nrows; ++r) {
+      // Score variants, mask (4.3, window) and online softmax (4.4), in groups of kSoftmaxGroup
+      // rows: first each row's variants, mask and max m', then each row's exponentials, sum and
+      // rescale. Every row goes through the same operations in the same order as row by row (the
+      // same bits), but the group's reductions, and then its exps, are adjacent in the program,
+      // so the core overlaps their latency chains instead of finishing one row's max → exp →
+      // sum before the next row's starts. AMD Zen 4, one process alternating the two call by call
+      // (the same output bits), hot (T_k = 2048, one thread), T_new = 1 / 2: AVX-512 0.96–0.99×
+      // the time for every cache dtype, AVX2 forced 0.96–0.995×; T_new = 4 and 16 0.95–1.0×
+      // (groups of 4 and 16 no better); T_k = 32768 from memory, two threads: within the noise
+      // (docs/performance.md, 2026-12-06, fourteenth session).
+      constexpr std::int64_t kSoftmaxGroup = 8;
+      float m_group[kSoftmaxGroup];
+      for (std::int64_t r0 = 0; r0 < nrows; r0 += kSoftmaxGroup) {
+        const std::int64_t r1 = std::min(nrows, r0 + kSoftmaxGroup);
+        for (std::int64_t r = r0; r < r1; ++r) {
 #if TOKENMIX_HAVE_AMX
-        if constexpr (kAmxBuilt) {
-          if (amx_unit) amx::keep_awake();
-        }
+          if constexpr (kAmxBuilt) {
+            if (amx_unit) amx::keep_awake();
+          }
 #endif
-        float* score = st + r * kKeyTile;
-        const std::int64_t t = t0 + r / g;
-        const std::int64_t end = a.visible_end(b, t), begin = a.visible_begin(b, t);
-        if (capped) {  // cap(z) = c·tanh(z / c)
+          float* score = st + r * kKeyTile;
+          const std::int64_t t = t0 + r / g;
+          const std::int64_t end = a.visible_end(b, t), begin = a.visible_begin(b, t);
+          if (capped) {  // cap(z) = c·tanh(z / c)
+            for (std::int64_t i = 0; i < nv; i += N) {
+              const VF z = hn::Load(d, score + i);
+              hn::Store(hn::Mul(cap, TanhRational(d, hn::Mul(z, inv_cap))), d, score + i);
+            }
+          }
+          if (a.var.alibi != nullptr) {  // S += m_h (u − p), u − p = u0 + i − (end − 1)
+            const VF slope = hn::Set(d, a.var.alibi[j * g + r % g]);
+            const std::int64_t rel = u0 - (end - 1);
+            for (std::int64_t i = 0; i < nv; i += N) {
+              const VF dist = hn::Iota(d, static_cast<float>(rel + i));
+              hn::Store(hn::MulAdd(slope, dist, hn::Load(d, score + i)), d, score + i);
+            }
+          }
+          // Tile crosses some row's end or window start: −∞ for lanes outside [begin, end).
+          if (partial) {
+            const auto lo_minus_1 = hn::Set(  // lane ≥ lo ⟺ lo − 1 < lane (no integer Ge here)
+                di,
+                static_cast<std::int32_t>(std::clamp<std::int64_t>(begin - u0, 0, kKeyTile) - 1));
+            const auto hi = hn::Set(
+                di, static_cast<std::int32_t>(std::clamp<std::int64_t>(end - u0, 0, kKeyTile)));
+            for (std::int64_t i = 0; i < nv; i += N) {
+              const auto lane = hn::Iota(di, static_cast<std::int32_t>(i));
+              const auto visible =
+                  hn::RebindMask(d, hn::And(hn::Lt(lo_minus_1, lane), hn::Lt(lane, hi)));
+              hn::Store(hn::IfThenElse(visible, hn::Load(d, score + i), hn::Set(d, kNegInf)), d,
+                        score + i);
+            }
+          }
+          // The row's max (same order of Max either way); fuse_ks: S_u ← δ_u · S_u on the way.
+          const auto scaled = [&](std::int64_t i) {
+            if (!fuse_ks) return hn::Load(d, score + i);
+            const VF z = scale_scores(hn::Load(d, score + i), hn::LoadU(d, ks + i));
+            hn::Store(z, d, score + i);
+            return z;
+          };
+          VF vmax = scaled(0);
+          for (std::int64_t i = N; i < nv; i += N) vmax = hn::Max(vmax, scaled(i));
+          m_group[r - r0] = max_nan(m_run[r], hn::GetLane(hn::MaxOfLanes(d, vmax)));
+        }
+        for (std::int64_t r = r0; r < r1; ++r) {
+          float* score = st + r * kKeyTile;
+          const float m_old = m_run[r], m_new = m_group[r - r0];
+          // A row with nothing visible yet keeps P = 0 (shift 0: e^{−∞} = 0).
+          const VF shift = hn::Set(d, m_new == kNegInf ? 0.0f : m_new);
+          VF vsum = hn::Zero(d);
           for (std::int64_t i = 0; i < nv; i += N) {
-            const VF z = hn::Load(d, score + i);
-            hn::Store(hn::Mul(cap, TanhRational(d, hn::Mul(z, inv_cap))), d, score + i);
+            const VF p = ExpNaN(d, hn::Sub(hn::Load(d, score + i), shift));  // NaN score: l = NaN
+            if constexpr (kQuant) {  // P_u δ_u for P V (V's row scales follow the tile); l: P_u
+              hn::Store(hn::Mul(p, hn::Mul(hn::LoadU(d, vs + i), v_unit)), d, score + i);
+            } else {
+              hn::Store(p, d, score + i);
+            }
+            vsum = hn::Add(vsum, p);
           }
-        }
-        if (a.var.alibi != nullptr) {  // S += m_h (u − p), u − p = u0 + i − (end − 1)
-          const VF slope = hn::Set(d, a.var.alibi[j * g + r % g]);
-          const std::int64_t rel = u0 - (end - 1);
-          for (std::int64_t i = 0; i < nv; i += N) {
-            const VF dist = hn::Iota(d, static_cast<float>(rel + i));
-            hn::Store(hn::MulAdd(slope, dist, hn::Load(d, score + i)), d, score + i);
+          if (m_new > m_old && m_old != kNegInf) {  // rescale Õ and l by e^{m − m'}
+            const float alpha = std::exp(m_old - m_new);
+            float* o = acc + r * dh;
+            const VF va = hn::Set(d, alpha);
+            std::int64_t x = 0;
+            for (; x < dh_vec; x += N) hn::StoreU(hn::Mul(hn::LoadU(d, o + x), va), d, o + x);
+            for (; x < dh; ++x) o[x] *= alpha;
+            l_run[r] *= alpha;
           }
+          l_run[r] += hn::GetLane(hn::SumOfLanes(d, vsum));
+          m_run[r] = m_new;
         }
-        // Tile crosses some row's end or window start: −∞ for lanes outside [begin, end).
-        if (partial) {
-          const auto lo_minus_1 = hn::Set(  // lane ≥ lo ⟺ lo − 1 < lane (no integer Ge here)
-              di, static_cast<std::int32_t>(std::clamp<std::int64_t>(begin - u0, 0, kKeyTile) - 1));
-          const auto hi = hn::Set(
-              di, static_cast<std::int32_t>(std::clamp<std::int64_t>(end - u0, 0, kKeyTile)));
-          for (std::int64_t i = 0; i < nv; i += N) {
-            const auto lane = hn::Iota(di, static_cast<std::int32_t>(i));
-            const auto visible =
-                hn::RebindMask(d, hn::And(hn::Lt(lo_minus_1, lane), hn::Lt(lane, hi)));
-            hn::Store(hn::IfThenElse(visible, hn::Load(d, score + i), hn::Set(d, kNegInf)), d,
-                      score + i);
-          }
-        }
-        // The row's max (same order of Max either way); fuse_ks: S_u ← δ_u · S_u on the way.
-        const auto scaled = [&](std::int64_t i) {
-          if (!fuse_ks) return hn::Load(d, score + i);
-          const VF z = scale_scores(hn::Load(d, score + i), hn::LoadU(d, ks + i));
-          hn::Store(z, d, score + i);
-          return z;
-        };
-        VF vmax = scaled(0);
-        for (std::int64_t i = N; i < nv; i += N) vmax = hn::Max(vmax, scaled(i));
-        const float m_old = m_run[r], m_new = max_nan(m_old, hn::GetLane(hn::MaxOfLanes(d, vmax)));
-        // A row with nothing visible yet keeps P = 0 (shift 0: e^{−∞} = 0).
-        const VF shift = hn::Set(d, m_new == kNegInf ? 0.0f : m_new);
-        VF vsum = hn::Zero(d);
-        for (std::int64_t i = 0; i < nv; i += N) {
-          const VF p = ExpNaN(d, hn::Sub(hn::Load(d, score + i), shift));  // NaN score: l = NaN
-          if constexpr (kQuant) {  // P_u δ_u for P V (V's row scales follow the tile); l: P_u
-            hn::Store(hn::Mul(p, hn::Mul(hn::LoadU(d, vs + i), v_unit)), d, score + i);
-          } else {
-            hn::Store(p, d, score + i);
-          }
-          vsum = hn::Add(vsum, p);
-        }
-        if (m_new > m_old && m_old != kNegInf) {  // rescale Õ and l by e^{m − m'}
-          const float alpha = std::exp(m_old - m_new);
-          float* o = acc + r * dh;
-          const VF va = hn::Set(d, alpha);
-          std::int64_t x = 0;
-          for (; x < dh_vec; x += N) hn::StoreU(hn::Mul(hn::LoadU(d, o + x), va), d, o + x);
-          for (; x < dh; ++x) o[x] *= alpha;
-          l_run[r] *= alpha;
-        }
-        l_run[r] += hn::GetLane(hn::SumOfLanes(d, vsum));
-        m_run[r] = m_new;
       }
 
       // Õ += P V over the tile's nt keys, d_h in register blocks, then single vectors, then

@@ -358,6 +358,44 @@ LayerOracle layer_oracle(const CausalSelfAttention& layer, std::span<const float
   return r;
 }
 
+// The K/V rows a KVCache held for one sequence, read back (kv_oracle.hpp: cached_row; bf16 / f16
+// widened, int8 / fp8 dequantized) after each call, before a rolling cache drops them, and which
+// queries attended the fresh fp32 K/V instead: those of a call into an empty sequence on an
+// unquantized cache (layer.hpp: prefill).
+struct HeldSequence {
+  Tensor64 k, v;            // [1, T, H_kv, d_h]
+  std::vector<bool> fresh;  // [T]
+  HeldSequence(std::int64_t T, std::int64_t hkv, std::int64_t dh)
+      : k(std::array<std::int64_t, 4>{1, T, hkv, dh}),
+        v(std::array<std::int64_t, 4>{1, T, hkv, dh}),
+        fresh(static_cast<std::size_t>(T), false) {}
+  // Positions [from, to) of sequence b, as the cache holds them now.
+  void read_back(const KVCache& cache, std::int64_t b, std::int64_t from, std::int64_t to) {
+    const std::int64_t hkv = k.shape[2], dh = k.shape[3];
+    for (std::int64_t p = from; p < to; ++p)
+      for (std::int64_t j = 0; j < hkv; ++j) {
+        const auto kr = cached_row(cache, 0, b, p, j, false);
+        const auto vr = cached_row(cache, 0, b, p, j, true);
+        for (std::int64_t x = 0; x < dh; ++x) {
+          k.at(0, p, j, x) = kr[static_cast<std::size_t>(x)];
+          v.at(0, p, j, x) = vr[static_cast<std::size_t>(x)];
+        }
+      }
+  }
+  // The layer's output [T, d] in double with each query over the K/V it attended: the oracle's
+  // (fresh) or the held rows, through the oracle's options and W_O.
+  std::vector<double> expected(const CausalSelfAttention& layer, const LayerOracle& ref) const {
+    const Tensor64 y_fresh = reference::attention_forward(ref.q, ref.k, ref.v, ref.opts).out;
+    Tensor64 y = reference::attention_forward(ref.q, k, v, ref.opts).out;
+    const std::int64_t T = y.shape[1], hq = y.shape[2], dh = y.shape[3];
+    for (std::int64_t t = 0; t < T; ++t)
+      if (fresh[static_cast<std::size_t>(t)])
+        for (std::int64_t n = 0; n < hq * dh; ++n)
+          y.at(0, t, n / dh, n % dh) = y_fresh.at(0, t, n / dh, n % dh);
+    return output_projection(layer, y);
+  }
+};
+
 // The variant layer config of the tests below, and its oracle options.
 struct VariantLayer {
   std::vector<float> slopes, sinks;
@@ -385,10 +423,14 @@ class LayerVariantsIsa : public PerIsaTest {};
 
 // prefill / step with window, soft-capping, ALiBi and sinks against the float64 layer with the
 // same options, on plain and rolling (KVCacheConfig::window = 40, ring R = 128) caches,
-// contiguous and paged, fp32 / bf16 / f16: two sequences seeded with P_b = 1 and 5 positions
+// contiguous and paged, every cache dtype: two sequences seeded with P_b = 1 and 5 positions
 // (the oracle's K/V), then a chunk of 150 tokens for both (bottom-right against different
-// lengths; on the rolling cache in pieces of R − W + 1 = 89), then 5 steps. Bounds as in
-// test_kv_cache.cpp (fp32: the same arithmetic as the forward; bf16 / f16: 2·u_e).
+// lengths; on the rolling cache in pieces of R − W + 1 = 89), then 5 steps.
+// Plain caches: the oracle attends over the K/V rows the cache holds (HeldSequence, read back
+// after each call), so every dtype is held to the fp32 forward bound (2e-5). Rolling caches drop
+// rows within the chunk's call (its first pieces' keys are overwritten by its last), so they
+// cannot be read back: the oracle's own K/V, with the bounds of test_kv_cache.cpp for the
+// cache's rounding (bf16 / f16: 2·u_e; int8 / fp8: the quantization's error).
 TEST_P(LayerVariantsIsa, PrefillAndStepsMatchFloat64) {
   VariantLayer vl(GetParam());
   CausalSelfAttention layer(vl.config);
@@ -404,18 +446,20 @@ TEST_P(LayerVariantsIsa, PrefillAndStepsMatchFloat64) {
     ref[b] = layer_oracle(layer, u[b], P[b] + chunk + steps, vl.oracle);
   }
   for (DType dtype : {DType::f32, DType::bf16, DType::f16, DType::int8, DType::fp8_e4m3}) {
-    // int8 / fp8: the quantization's error (test_kv_cache.cpp's bounds and reasoning).
-    const double bound = dtype == DType::f32    ? 1e-4
-                         : dtype == DType::bf16 ? 0x1.0p-8
-                         : dtype == DType::f16  ? 0x1.0p-11
-                         : dtype == DType::int8 ? 0x1.0p-6
-                                                : 0x1.0p-4;
+    // Rolling caches: the rounding of the cache's values against the oracle's.
+    const double rolling_bound = dtype == DType::f32    ? 1e-4
+                                 : dtype == DType::bf16 ? 0x1.0p-8
+                                 : dtype == DType::f16  ? 0x1.0p-11
+                                 : dtype == DType::int8 ? 0x1.0p-6
+                                                        : 0x1.0p-4;
     for (std::int64_t block : {0, 64})
       for (std::int64_t rolling : {0, 40}) {
         SCOPED_TRACE(std::string(to_string(dtype)) + " block=" + std::to_string(block) +
                      " cache window=" + std::to_string(rolling));
         KVCache cache({1, 2, 2, 16, 1000, dtype, block, 0, rolling});
+        std::vector<HeldSequence> held;
         for (int b = 0; b < 2; ++b) {  // seed: the oracle's post-RoPE K and V
+          held.emplace_back(P[b] + chunk + steps, 2, 16);
           std::vector<float> k(static_cast<std::size_t>(P[b] * 2 * 16)), v(k.size());
           for (std::size_t i = 0; i < k.size(); ++i) {
             k[i] = static_cast<float>(ref[b].k.data[i]);
@@ -423,6 +467,7 @@ TEST_P(LayerVariantsIsa, PrefillAndStepsMatchFloat64) {
           }
           cache.append(0, b, ConstTensorView::bthd(k.data(), 1, P[b], 2, 16),
                        ConstTensorView::bthd(v.data(), 1, P[b], 2, 16));
+          if (!rolling) held[b].read_back(cache, b, 0, P[b]);
         }
         std::vector<float> got[2];
         for (int b = 0; b < 2; ++b) got[b].assign(u[b].size(), kPoison);
@@ -430,25 +475,32 @@ TEST_P(LayerVariantsIsa, PrefillAndStepsMatchFloat64) {
         for (int b = 0; b < 2; ++b)
           std::copy_n(u[b].begin() + P[b] * d, chunk * d, ub.begin() + b * chunk * d);
         layer.prefill(ub, 2, chunk, cache, 0, ob);
-        for (int b = 0; b < 2; ++b)
+        for (int b = 0; b < 2; ++b) {
           std::copy_n(ob.begin() + b * chunk * d, chunk * d, got[b].begin() + P[b] * d);
+          if (!rolling) held[b].read_back(cache, b, P[b], P[b] + chunk);
+        }
         for (std::int64_t s = 0; s < steps; ++s) {
           std::vector<float> us(static_cast<std::size_t>(2 * d)), os(us.size(), kPoison);
           for (int b = 0; b < 2; ++b)
             std::copy_n(u[b].begin() + (P[b] + chunk + s) * d, d, us.begin() + b * d);
           layer.step(us, 2, cache, 0, os);
-          for (int b = 0; b < 2; ++b)
+          for (int b = 0; b < 2; ++b) {
             std::copy_n(os.begin() + b * d, d, got[b].begin() + (P[b] + chunk + s) * d);
+            const std::int64_t p = P[b] + chunk + s;
+            if (!rolling) held[b].read_back(cache, b, p, p + 1);
+          }
         }
         for (int b = 0; b < 2; ++b) {
           EXPECT_EQ(cache.length(b), P[b] + chunk + steps);
           if (rolling) {
             EXPECT_EQ(cache.first_position(b), P[b] + chunk + steps - 128);
           }
+          const std::vector<double> want = rolling ? ref[b].out : held[b].expected(layer, ref[b]);
           const std::size_t from = static_cast<std::size_t>(P[b] * d);
           const std::vector<float> g(got[b].begin() + from, got[b].end());
-          const std::vector<double> r(ref[b].out.begin() + from, ref[b].out.end());
-          EXPECT_LE(rel_err_flat(g, r), bound) << "sequence " << b;
+          const std::vector<double> r(want.begin() + from, want.end());
+          EXPECT_LE(rel_err_flat(g, r), rolling ? rolling_bound : kForwardBound)
+              << "sequence " << b;
         }
       }
   }
@@ -635,29 +687,15 @@ TEST_P(LayerVariantsIsa, RandomLayersPrefillAndStepMatchFloat64) {
                  std::to_string(B));
     std::vector<std::vector<float>> u(static_cast<std::size_t>(B)), got(u.size());
     std::vector<LayerOracle> ref(u.size());
-    std::vector<Tensor64> k_held, v_held;            // [1, T_b, H_kv, d_h]: what the cache held
-    std::vector<std::vector<bool>> fresh(u.size());  // query t attended over the fp32 K/V
+    std::vector<HeldSequence> held;  // what the cache held, which queries were fresh
     for (std::int64_t b = 0; b < B; ++b) {
       u[b].resize(static_cast<std::size_t>(T[b] * d));
       for (float& x : u[b]) x = dist(rng);
       ref[b] = layer_oracle(layer, u[b], T[b], oracle);
       got[b].assign(u[b].size(), kPoison);
-      k_held.emplace_back(std::array<std::int64_t, 4>{1, T[b], hkv, dh});
-      v_held.emplace_back(std::array<std::int64_t, 4>{1, T[b], hkv, dh});
-      fresh[b].assign(static_cast<std::size_t>(T[b]), false);
+      held.emplace_back(T[b], hkv, dh);
     }
     KVCache cache({1, B, hkv, dh, 256, dtype, block, 0, rolling});
-    const auto read_back = [&](std::int64_t b, std::int64_t from, std::int64_t to) {
-      for (std::int64_t p = from; p < to; ++p)
-        for (std::int64_t j = 0; j < hkv; ++j) {
-          const auto kr = cached_row(cache, 0, b, p, j, false);
-          const auto vr = cached_row(cache, 0, b, p, j, true);
-          for (std::int64_t x = 0; x < dh; ++x) {
-            k_held[b].at(0, p, j, x) = kr[static_cast<std::size_t>(x)];
-            v_held[b].at(0, p, j, x) = vr[static_cast<std::size_t>(x)];
-          }
-        }
-    };
     for (std::int64_t b = 0; b < B; ++b) {  // seed: the oracle's post-RoPE K and V
       if (P[b] == 0) continue;
       std::vector<float> k(static_cast<std::size_t>(P[b] * hkv * dh)), v(k.size());
@@ -667,7 +705,7 @@ TEST_P(LayerVariantsIsa, RandomLayersPrefillAndStepMatchFloat64) {
       }
       cache.append(0, b, ConstTensorView::bthd(k.data(), 1, P[b], hkv, dh),
                    ConstTensorView::bthd(v.data(), 1, P[b], hkv, dh));
-      read_back(b, 0, P[b]);
+      held[b].read_back(cache, b, 0, P[b]);
     }
     std::vector<std::int64_t> at = P;  // each sequence's next position
     for (const Call& c : calls) {
@@ -682,22 +720,16 @@ TEST_P(LayerVariantsIsa, RandomLayersPrefillAndStepMatchFloat64) {
       for (std::int64_t i = 0; i < c.nb; ++i) {
         const std::int64_t b = c.first + i;
         std::copy_n(ob.begin() + i * c.n * d, c.n * d, got[b].begin() + at[b] * d);
-        if (at[b] == 0 && !kernels::is_quantized(dtype)) std::fill_n(fresh[b].begin(), c.n, true);
-        read_back(b, at[b], at[b] + c.n);
+        if (at[b] == 0 && !kernels::is_quantized(dtype)) {
+          std::fill_n(held[b].fresh.begin(), c.n, true);
+        }
+        held[b].read_back(cache, b, at[b], at[b] + c.n);
         at[b] += c.n;
       }
     }
     for (std::int64_t b = 0; b < B; ++b) {
       EXPECT_EQ(cache.length(b), T[b]);
-      // Y: each query row over the K/V it attended (fresh: the oracle's; else the cache's).
-      const Tensor64 y_fresh =
-          reference::attention_forward(ref[b].q, ref[b].k, ref[b].v, oracle).out;
-      Tensor64 y = reference::attention_forward(ref[b].q, k_held[b], v_held[b], oracle).out;
-      for (std::int64_t t = 0; t < T[b]; ++t)
-        if (fresh[b][static_cast<std::size_t>(t)])
-          for (std::int64_t n = 0; n < hq * dh; ++n)
-            y.at(0, t, n / dh, n % dh) = y_fresh.at(0, t, n / dh, n % dh);
-      const std::vector<double> want = output_projection(layer, y);
+      const std::vector<double> want = held[b].expected(layer, ref[b]);
       const std::size_t from = static_cast<std::size_t>(P[b] * d);
       const std::vector<float> g(got[b].begin() + from, got[b].end());
       const std::vector<double> r(want.begin() + from, want.end());

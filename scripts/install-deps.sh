@@ -34,7 +34,8 @@ packages=(
   libomp5-14          # ... and its TSan annotation tool, libarcher.so
   # 64-bit ARM cross build, tests under qemu-user (scripts/test-aarch64.sh)
   g++-aarch64-linux-gnu  # cross compiler (pulls the arm64 libc, libstdc++ and libgomp)
-  qemu-user              # qemu-aarch64 runs the arm64 test binary
+  qemu-user              # qemu-aarch64 runs the arm64 test binary; qemu-x86_64 -cpu max is the
+                         # AVX2-only CPU of scripts/test-avx2-cpu.sh (AVX2, no AVX-512)
   libopenblas-dev:arm64  # arm64 libraries through Debian multiarch (dpkg --add-architecture)
   libhwy-dev:arm64
   libgtest-dev:arm64

@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# README command 2, and what CI runs (.ci/run). From a fresh Debian 12 machine:
+# README's test command, and with --full what CI runs (.ci/run). From a fresh Debian 12 machine:
 #   1. install the Debian packages (scripts/install-deps.sh; does nothing if all are there),
 #      then check that every C++ file is clang-formatted (scripts/check-format.sh);
 #   2. Release build of everything in build/release, then ctest; then ctest again with
-#      TOKENMIX_CPU_CAP=avx2 and =portable (the library then behaves as on a CPU without the
-#      capped features), so an AVX2-only and a non-x86 CPU are tested on every machine;
-#   3. Debug build with AddressSanitizer + UBSan (-DTOKENMIX_SANITIZE=ON) of the library, tools
-#      and tests (not the benchmarks) in build/sanitize, then ctest under the sanitizers;
-#   4. fuzzing (scripts/fuzz.sh): libFuzzer targets under ASan + UBSan, about a minute each;
-#   5. ThreadSanitizer (scripts/tsan.sh): the multi-threaded kernel tests;
-#   6. Python package (python/run-tests.sh): `pip wheel .` into a persistent virtual environment
+#      TOKENMIX_CPU_CAP=avx2 (on a CPU with AVX-512; elsewhere the uncapped run is the AVX2 one)
+#      and =portable (the library then behaves as on a CPU without the capped features);
+#   3. Python package (python/run-tests.sh): `pip wheel .` into a persistent virtual environment
 #      (${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv; NumPy, PyTorch and transformers installed
 #      from PyPI once, when missing), then pytest on python/tests (exit status 5, "no tests ran",
-#      is a failure).
+#      is a failure);
+#   4. the AVX2-only CPU (scripts/test-avx2-cpu.sh, x86-64 only): no instruction beyond x86-64
+#      outside a dispatched call in any object (scripts/check-isa-confinement.py), then the CLI,
+#      the kernels' unit tests on the avx2 and portable paths and the Python module under
+#      `qemu-x86_64 -cpu max` (AVX2, no AVX-512), and natively where the CPU has no AVX-512;
+# and with --full (CI) also:
+#   5. Debug build with AddressSanitizer + UBSan (-DTOKENMIX_SANITIZE=ON) of the library, tools
+#      and tests (not the benchmarks) in build/sanitize, then ctest under the sanitizers;
+#   6. fuzzing (scripts/fuzz.sh): libFuzzer targets under ASan + UBSan, about a minute each;
+#   7. ThreadSanitizer (scripts/tsan.sh): the multi-threaded kernel tests.
 # Both ctest runs include the install test `install.consumer` (tests/consumer: `cmake --install`
 # into a scratch prefix, then a standalone find_package(tokenmix) project built against it with
 # the shared and the static library) and `readme.example` (the C++ example in README.md).
@@ -21,11 +26,23 @@
 #
 # 64-bit ARM (cross build, tests under qemu-user) is scripts/test-aarch64.sh, run separately.
 #
+# Usage: scripts/test.sh [--full]
 # Environment: TOKENMIX_JOBS (parallel build and test jobs, default 2); TOKENMIX_FUZZ_SECONDS
 # (fuzzing time per target, default 60).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 root=$(pwd)
+
+full=0
+for arg in "$@"; do
+  case $arg in
+    --full) full=1 ;;
+    *)
+      echo "usage: scripts/test.sh [--full]   (unknown argument: $arg)" >&2
+      exit 2
+      ;;
+  esac
+done
 
 jobs=${TOKENMIX_JOBS:-2}
 release_dir=build/release
@@ -157,6 +174,10 @@ run_stage "format: clang-format" bash scripts/check-format.sh
 if build_stage "release: configure + build" "$release_dir" -DCMAKE_BUILD_TYPE=Release; then
   test_stage "release: ctest" "$release_dir"
   for cap in avx2 portable; do
+    if [[ $cap == avx2 ]] && ! grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
+      skip "release: ctest, CPU cap $cap" "no AVX-512 here: the uncapped run is the AVX2 one"
+      continue
+    fi
     TOKENMIX_CPU_CAP=$cap test_stage "release: ctest, CPU cap $cap" "$release_dir" "cap-$cap" \
       --exclude-regex '^install\.'
   done
@@ -166,7 +187,47 @@ else
   skip "release: ctest, CPU cap portable" "build failed"
 fi
 
-# 3. Debug + AddressSanitizer + UndefinedBehaviorSanitizer. The options apply to the test
+# 3. Python package and its tests against PyTorch; independent of the C++ stages above.
+python_stage() {
+  local name="python: wheel + pytest" start=$SECONDS log="$logs/python-pytest.log" rc note
+  banner "$name"
+  env -u ASAN_OPTIONS -u UBSAN_OPTIONS -u LSAN_OPTIONS TOKENMIX_JOBS="$jobs" \
+    bash python/run-tests.sh 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  note=$(grep -E '^=+ .*(passed|failed|errors?|no tests ran).* in [0-9.]+s' "$log" | tail -n 1 | tr -d '=')
+  note=$(echo ${note:-no pytest summary})
+  if [[ $rc -eq 0 ]]; then
+    record "$name" passed $((SECONDS - start)) "$note"
+  else
+    record "$name" FAILED $((SECONDS - start)) "$note (exit $rc)"
+  fi
+}
+python_stage
+
+# 4. The AVX2-only CPU (scripts/test-avx2-cpu.sh): whatever x86-64 CPU runs this, the build is
+#    run as on one without AVX-512, under QEMU (and natively where the CPU has none).
+venv=${TOKENMIX_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv}
+if [[ "$(uname -m)" != x86_64 ]]; then
+  skip "avx2-only CPU (qemu)" "not an x86-64 host"
+elif [[ ! -x "$release_dir/tests/tokenmix_tests" || ! -x "$release_dir/tools/cli/tokenmix" ]]; then
+  skip "avx2-only CPU (qemu)" "release build failed"
+else
+  avx2_python=()
+  if "$venv/bin/python" -c 'import tokenmix, torch' 2>/dev/null; then
+    avx2_python=("$venv/bin/python")
+  fi
+  run_stage "avx2-only CPU (qemu)" env -u ASAN_OPTIONS -u UBSAN_OPTIONS -u LSAN_OPTIONS \
+    TOKENMIX_JOBS="$jobs" bash scripts/test-avx2-cpu.sh "$release_dir" "${avx2_python[@]}"
+  [[ ${#avx2_python[@]} -eq 0 ]] && stage_notes[-1]="the Python module not installed: not run"
+fi
+
+if [[ $full -eq 0 ]]; then
+  summary
+  echo "(scripts/test.sh --full adds the sanitizer, fuzzing and ThreadSanitizer stages: CI runs it)"
+  exit $failed
+fi
+
+# 5. Debug + AddressSanitizer + UndefinedBehaviorSanitizer. The options apply to the test
 #    programs, to gtest's test discovery during the build and to the install test's consumer.
 export ASAN_OPTIONS="halt_on_error=1:abort_on_error=0:detect_leaks=1:strict_string_checks=1:check_initialization_order=1:strict_init_order=1:detect_stack_use_after_return=1"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
@@ -187,33 +248,16 @@ else
   skip "sanitize: ctest" "build failed"
 fi
 
-# 4. Fuzzing (scripts/fuzz.sh): clang + libFuzzer with ASan + UBSan; replays the committed
+# 6. Fuzzing (scripts/fuzz.sh): clang + libFuzzer with ASan + UBSan; replays the committed
 #    corpus (past crashes included) through ctest, then fuzzes each target for
 #    TOKENMIX_FUZZ_SECONDS (default 60) seconds. Its own sanitizer options.
 run_stage "fuzz: build, corpus, ${TOKENMIX_FUZZ_SECONDS:-60} s per target" \
   env -u ASAN_OPTIONS -u UBSAN_OPTIONS -u LSAN_OPTIONS bash scripts/fuzz.sh
 
-# 5. ThreadSanitizer (scripts/tsan.sh): clang + LLVM's OpenMP (libomp) with its TSan
+# 7. ThreadSanitizer (scripts/tsan.sh): clang + LLVM's OpenMP (libomp) with its TSan
 #    annotations (libarcher), the multi-threaded kernel tests.
 run_stage "tsan: kernel tests" env -u ASAN_OPTIONS -u UBSAN_OPTIONS -u LSAN_OPTIONS \
   bash scripts/tsan.sh
-
-# 6. Python package and its tests against PyTorch; independent of the C++ stages above.
-python_stage() {
-  local name="python: wheel + pytest" start=$SECONDS log="$logs/python-pytest.log" rc note
-  banner "$name"
-  env -u ASAN_OPTIONS -u UBSAN_OPTIONS -u LSAN_OPTIONS TOKENMIX_JOBS="$jobs" \
-    bash python/run-tests.sh 2>&1 | tee "$log"
-  rc=${PIPESTATUS[0]}
-  note=$(grep -E '^=+ .*(passed|failed|errors?|no tests ran).* in [0-9.]+s' "$log" | tail -n 1 | tr -d '=')
-  note=$(echo ${note:-no pytest summary})
-  if [[ $rc -eq 0 ]]; then
-    record "$name" passed $((SECONDS - start)) "$note"
-  else
-    record "$name" FAILED $((SECONDS - start)) "$note (exit $rc)"
-  fi
-}
-python_stage
 
 summary
 exit $failed

@@ -31,11 +31,12 @@ sgemm through NumPy's ``matmul`` on 2048 x 2048 matrices, limited to the same th
 threadpoolctl, best of 10) is printed too, and each side's FLOP/s as a fraction of it. (PyTorch's
 own ``torch.mm`` is not used: on the AMD machine of docs/performance.md it moved between 98 and
 173 GFLOP/s within one run, OpenBLAS between 193 and 204.) With ``--dtype bf16`` / ``f16`` the
-ceiling is a GEMM in that dtype instead: ``torch.mm`` on 2048 x 2048 bfloat16 / float16
-matrices (oneDNN where PyTorch's CPU build uses it for the dtype), same threads, best of 10; its
-line names it. Where one such GEMM would take over ``CEILING_GEMM_BUDGET_S`` (a CPU without
-bf16/f16 GEMM hardware, where PyTorch runs a scalar loop) the size halves until it fits, down to
-512, and the line says so: the ceiling stays a measurement of this CPU, in seconds, not minutes.
+ceiling is the fastest GEMM the CPU has for it: ``torch.mm`` on 2048 x 2048 bfloat16 / float16
+matrices (oneDNN where PyTorch's CPU build uses it for the dtype), same threads, best of 10, or
+the fp32 GEMM above over the widened operands where that is faster (a CPU without bf16/f16 GEMM
+instructions, where PyTorch runs a scalar loop); its line names which, and the other's rate.
+Where one dtype GEMM would take over ``CEILING_GEMM_BUDGET_S`` the size halves until it fits,
+down to 512, and the line says so: the ceiling stays a measurement of this CPU, in seconds.
 The forward agreement ``max|diff|`` is between the two sides' outputs in the dtype, so at
 bfloat16 it is of the order of the dtype's rounding (2^-8 relative), not 1e-6.
 
@@ -792,10 +793,20 @@ def main(argv: List[str] | None = None) -> int:
     else:
         size = gemm_ceiling_torch_size(DTYPES[args.dtype])
         ceiling = gemm_ceiling_torch_gflops(DTYPES[args.dtype], n=size)
-        print(f"{args.dtype} GEMM ceiling (torch.mm {args.dtype} {size}^3, {threads} thread(s), "
-              f"best of 10): {ceiling:.1f} GFLOP/s" +
-              ("" if size == 2048 else
-               f" (2048^3 would take over {CEILING_GEMM_BUDGET_S} s per GEMM on this CPU)"))
+        dtype_gemm = (f"torch.mm {args.dtype} {size}^3, {threads} thread(s), best of 10" +
+                      ("" if size == 2048 else
+                       f"; 2048^3 would take over {CEILING_GEMM_BUDGET_S} s per GEMM on this CPU"))
+        # The fastest GEMM this CPU has: where it has no bf16/f16 GEMM instructions (AVX2-only
+        # CPUs: PyTorch's scalar loop), the fp32 GEMM over the widened operands.
+        fp32 = gemm_ceiling_gflops(threads)
+        if fp32 > ceiling:
+            print(f"{args.dtype} GEMM ceiling (OpenBLAS sgemm via numpy.matmul 2048^3 over the "
+                  f"widened operands, {threads} thread(s), best of 10): {fp32:.1f} GFLOP/s, the "
+                  f"fastest GEMM here ({dtype_gemm}: {ceiling:.1f} GFLOP/s)")
+            ceiling = fp32
+        else:
+            print(f"{args.dtype} GEMM ceiling ({dtype_gemm}): {ceiling:.1f} GFLOP/s "
+                  f"(fp32 sgemm: {fp32:.1f})")
     sys.stdout.flush()
 
     rows = []

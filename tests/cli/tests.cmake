@@ -221,6 +221,13 @@ tokenmix_cli_test(bench_decode_variants_json
                   ARGS bench decode --cache-tokens 256 --cache-dtype f32 --hq 4 --hkv 2 --dh 16 --repeats 1
                        --json --window 64 --sinks 0,1,2,3 TIMEOUT 600
                   STDOUT "\"op\": \"decode\".*\"ceiling_kind\": \"openblas_sgemm_2048\", \"sgemm_core\": \"[A-Za-z0-9_]+\".*\"window\": 64, \"softcap\": null, \"alibi\": false, \"sinks\": \\[0, 1, 2, 3\\]")
+# bf16 on a CPU without bf16 GEMM instructions (TOKENMIX_CPU_CAP=avx2: as on AMD Zen 3, where
+# oneDNN has no bf16 matmul): the ceiling is sgemm over the widened operands, and says so.
+tokenmix_cli_test(bench_bf16_ceiling_without_bf16_gemm
+                  ARGS bench forward --tq 64 --hq 4 --hkv 2 --dh 16 --repeats 1 --json --dtype bf16
+                       TIMEOUT 600
+                  STDOUT "\"op\": \"forward\".*\"dtype\": \"bf16\", \"ceiling_kind\": \"openblas_sgemm_2048 \\(no bf16 GEMM instructions on this CPU")
+set_tests_properties(cli_bench_bf16_ceiling_without_bf16_gemm PROPERTIES ENVIRONMENT "TOKENMIX_CPU_CAP=avx2")
 # Quantized caches (int8, fp8 E4M3): the same decode keys plus tokens_per_s; bytes count scales.
 tokenmix_cli_test(bench_decode_quantized_json
                   ARGS bench decode --cache-tokens 256 --cache-dtype int8,fp8_e4m3 --hq 4 --hkv 2

@@ -238,6 +238,19 @@ std::vector<std::int64_t> decode_lengths(std::int64_t B, std::int64_t T_k, bool 
   return lengths;
 }
 
+bool cpu_has_bf16_gemm() {
+  const CpuFeatures& f = cpu_features();
+  return f.avx512_bf16 || f.amx_bf16;
+}
+
+double bf16_ceiling_gflops(int threads, std::string& kind) {
+  if (cpu_has_bf16_gemm()) return bf16_gemm_ceiling_gflops(threads, kind);
+  kind =
+      "openblas_sgemm_2048 (no bf16 GEMM instructions on this CPU: the fp32 GEMM over the "
+      "widened operands is its fastest)";
+  return sgemm_ceiling_gflops(threads);
+}
+
 double bf16_gemm_ceiling_gflops(int threads, std::string& kind, int repeats) {
 #ifdef TOKENMIX_HAVE_ONEDNN
   using dnnl::memory;
@@ -257,7 +270,14 @@ double bf16_gemm_ceiling_gflops(int threads, std::string& kind, int repeats) {
   const memory::desc a_md({n, n}, memory::data_type::bf16, memory::format_tag::ab);
   const memory::desc b_md({n, n}, memory::data_type::bf16, memory::format_tag::ab);
   const memory::desc c_md({n, n}, memory::data_type::f32, memory::format_tag::ab);
-  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), eng);
+  dnnl::matmul::primitive_desc pd;
+  try {
+    pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, c_md), eng);
+  } catch (const dnnl::error& e) {
+    omp_set_num_threads(saved);
+    throw UnsupportedError(std::string("bench: oneDNN has no bf16 matmul for this CPU (") +
+                           e.what() + "); its ceiling is the sgemm over widened operands");
+  }
   const dnnl::matmul prim(pd);
   memory am(a_md, eng, a.data()), bm(b_md, eng, b.data()), cm(c_md, eng, c.data());
   double best = 0.0;
@@ -880,7 +900,7 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
   if (!cfg.json) {
     out << "tokenmix bench " << cfg.op << " (" << to_string(cfg.dtype) << ") on "
         << cpu_features().model << "\n";
-    if (cfg.dtype != DType::bf16)
+    if (cfg.dtype != DType::bf16 || !cpu_has_bf16_gemm())
       out << "  sgemm ceiling: OpenBLAS " << sgemm_core() << " kernel\n";
     if (cfg.variants.any()) out << "  variants: " << cfg.variants.describe() << "\n";
     char head[256];
@@ -899,11 +919,12 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
     const testkit::AttentionShape& sh = c.shape;
     if (!ceilings.count(c.threads)) {
       if (cfg.progress) {
-        std::cerr << "[bench] measuring " << (bf16 ? "the oneDNN bf16 GEMM" : "sgemm")
+        std::cerr << "[bench] measuring "
+                  << (bf16 && cpu_has_bf16_gemm() ? "the oneDNN bf16 GEMM" : "sgemm")
                   << " 2048^3 ceiling, " << c.threads << " thread(s)\n";
       }
-      ceilings[c.threads] = bf16 ? bf16_gemm_ceiling_gflops(c.threads, ceiling_kind)
-                                 : sgemm_ceiling_gflops(c.threads);
+      ceilings[c.threads] =
+          bf16 ? bf16_ceiling_gflops(c.threads, ceiling_kind) : sgemm_ceiling_gflops(c.threads);
     }
     if (cfg.progress) {
       std::cerr << "[bench] " << cfg.op << " B=" << sh.B << " T_q=" << sh.T_q << " T_k=" << sh.T_k

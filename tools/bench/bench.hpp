@@ -3,8 +3,8 @@
 // Every figure is a ratio to a ceiling measured in the same run on the same machine:
 //   forward/backward: useful GFLOP/s (SPEC "Useful-work counts") / OpenBLAS sgemm 2048³ GFLOP/s
 //           for f32 and f16 activations (f16 runs fp32 products on widened operands), / a bf16
-//           GEMM 2048³ (oneDNN matmul, bf16 × bf16 → f32, on the best ISA oneDNN finds) for bf16;
-//           the JSON says which (ceiling_kind) and the dtype
+//           GEMM 2048³ (oneDNN matmul, bf16 × bf16 → f32) for bf16 where the CPU has bf16 GEMM
+//           instructions (sgemm elsewhere); the JSON says which (ceiling_kind) and the dtype
 //   decode: K/V bytes read per second (SPEC "decode bytes") / streaming read bandwidth (a
 //           multi-threaded sum over a 1 GiB buffer, ≫ L3), one attention_decode step on a
 //           KVCache; the same run also measures forward's sgemm ceiling and reports the roofline
@@ -184,11 +184,18 @@ std::string sgemm_ceiling_warning();
 /// AVX-512, and OPENBLAS_CORETYPE's value (nullptr: unset).
 std::string sgemm_ceiling_warning(std::string core, bool avx512, const char* forced);
 
-/// The bf16 ceiling: C (f32) = A B with A, B bf16, n = 2048, through oneDNN's matmul (its best
-/// ISA here: AMX, AVX512-BF16, or its own conversion elsewhere), `threads` OpenMP threads; best
-/// GFLOP/s of `repeats`. `kind` receives a description (library, ISA). Throws UnsupportedError
-/// when this build has no oneDNN (libdnnl-dev).
+/// Whether the CPU has bf16 GEMM instructions (AVX512-BF16 or AMX-BF16, as CpuFeatures reports
+/// them under TOKENMIX_CPU_CAP).
+bool cpu_has_bf16_gemm();
+/// The bf16 GEMM: C (f32) = A B with A, B bf16, n = 2048, through oneDNN's matmul (its best ISA
+/// here: AMX or AVX512-BF16), `threads` OpenMP threads; best GFLOP/s of `repeats`. `kind`
+/// receives a description (library, ISA). Throws UnsupportedError when this build has no oneDNN
+/// (libdnnl-dev) or oneDNN has no bf16 matmul for the CPU.
 double bf16_gemm_ceiling_gflops(int threads, std::string& kind, int repeats = 10);
+/// The ceiling of a bf16 case: the bf16 GEMM where the CPU has bf16 GEMM instructions; elsewhere
+/// (AVX2-only CPUs, where oneDNN has no bf16 matmul) the fastest GEMM it has, sgemm over the
+/// widened operands, and `kind` says so.
+double bf16_ceiling_gflops(int threads, std::string& kind);
 
 /// One forward or backward case of the bench: seeded contiguous [B, T, H, d_h] inputs and
 /// outputs of `shape`, the call that is timed, its useful FLOPs (SPEC "Useful-work counts", from

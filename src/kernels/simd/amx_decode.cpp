@@ -1,7 +1,9 @@
 // src/kernels/simd/amx_decode.cpp — decode's per-tile products over an int8, fp8 or bf16 cache on
-// AMX tiles (amx_decode.hpp: the planes, their exactness and the column order). Compiled with
-// -mamx-tile -mamx-int8 -mamx-bf16 -mavx512f/bw/vl/dq/bf16/vbmi; called only where
-// CpuFeatures::amx_int8 (int8 cache) or amx_bf16 (fp8, bf16 cache) holds.
+// AMX tiles (amx_decode.hpp: the planes, their exactness and the column order). The file is
+// compiled for the x86-64 baseline; every function after the includes carries the AMX and
+// AVX-512 target (HWY_PUSH_ATTRIBUTES: docs/design.md, "ISA confinement"), and is called only
+// from the AVX-512 decode kernel where CpuFeatures::amx_int8 (int8 cache) or amx_bf16 (fp8,
+// bf16 cache) holds. Nothing here is initialized dynamically: the fp8 tables are constexpr.
 //
 // Tiles (one configuration, palette 1, every tile 16 rows × 64 bytes):
 //   tmm0–tmm3  C: 16 rows × 16 int32 / fp32 columns (four column blocks of a product)
@@ -39,10 +41,18 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
+
+#include "hwy/base.h"  // HWY_PUSH_ATTRIBUTES
+
+// Every function defined from here to HWY_POP_ATTRIBUTES is compiled for AMX + AVX-512; the
+// headers above (the STL's templates included) keep the baseline.
+HWY_PUSH_ATTRIBUTES(
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,amx-tile,amx-int8,amx-bf16")
 
 namespace tokenmix::kernels::amx {
 namespace {
@@ -117,11 +127,8 @@ Workspace& workspace() {
 }
 
 // 2^k for k ∈ [−126, 127] (a normal fp32 number), from its bits.
-inline float pow2(int k) {
-  const std::uint32_t bits = static_cast<std::uint32_t>(k + 127) << 23;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+constexpr float pow2(int k) {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(k + 127) << 23);
 }
 // e with x ∈ [2^(e−1), 2^e) for a normal positive x, from its bits.
 inline int exponent_of(float x) {
@@ -135,33 +142,38 @@ inline int exponent_of(float x) {
 // (as kv_element.hpp's e4m3_to_f32, here so that no inline function of another header is
 // compiled for AMX in this file). Every such value has at most 4 significant bits and is ≥ 2^−17:
 // a normal bf16 number, whose bits are the top half of the fp32 ones.
-inline float e4m3_unit_value(unsigned c) {
+constexpr float e4m3_unit_value(unsigned c) {
   const unsigned e = (c >> 3) & 0xfu, m = c & 7u;
   return e == 0 ? static_cast<float>(m) * 0x1p-17f
                 : pow2(static_cast<int>(e) - 15) * (1.0f + m / 8.0f);
 }
 
 // The low and high bytes of those bf16 bits, for the 128 codes without a sign bit.
+// Computed by the compiler (constexpr): a dynamic initializer here would run at load time on
+// every CPU, compiled for AVX-512.
 struct Fp8Tables {
-  alignas(64) std::uint8_t lo[128], hi[128];
-  Fp8Tables() {
+  alignas(64) std::uint8_t lo[128] = {}, hi[128] = {};
+  constexpr Fp8Tables() {
     for (unsigned c = 0; c < 128; ++c) {
-      std::uint32_t bits;
-      const float v = e4m3_unit_value(c);
-      std::memcpy(&bits, &v, sizeof bits);
+      const auto bits = std::bit_cast<std::uint32_t>(e4m3_unit_value(c));
       lo[c] = static_cast<std::uint8_t>(bits >> 16), hi[c] = static_cast<std::uint8_t>(bits >> 24);
     }
   }
 };
-const Fp8Tables kFp8Tables;
+constexpr Fp8Tables kFp8Tables;
 
 // 64 fp8 codes → the low and high bytes of their bf16 values (two byte permutes over the 128-entry
 // tables, held in registers for a tile's rewrite; VPERMI2B reads bits 0–6 of each code, the sign
 // is or-ed into the high byte).
+// (The constructors here are written out: an implicit one would not carry the target.)
 struct Fp8Widen {
-  __m512i lo0 = _mm512_load_si512(kFp8Tables.lo), lo1 = _mm512_load_si512(kFp8Tables.lo + 64);
-  __m512i hi0 = _mm512_load_si512(kFp8Tables.hi), hi1 = _mm512_load_si512(kFp8Tables.hi + 64);
-  __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i lo0, lo1, hi0, hi1, sign;
+  Fp8Widen()
+      : lo0(_mm512_load_si512(kFp8Tables.lo)),
+        lo1(_mm512_load_si512(kFp8Tables.lo + 64)),
+        hi0(_mm512_load_si512(kFp8Tables.hi)),
+        hi1(_mm512_load_si512(kFp8Tables.hi + 64)),
+        sign(_mm512_set1_epi8(static_cast<char>(0x80))) {}
   void operator()(__m512i codes, __m512i& lo, __m512i& hi) const {
     lo = _mm512_permutex2var_epi8(lo0, codes, lo1);
     hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, codes, hi1), codes, sign,
@@ -200,8 +212,13 @@ inline void rewrite_bf16(__m512i a, __m512i b, std::uint8_t* out, std::int64_t o
 // What the bf16 rewrites saw, for the fallbacks (amx_decode.hpp): the largest |v| bits (sign
 // cleared) and the smallest of those bits minus 1 (0 wraps to 0xffff: zeros pass), per lane.
 struct Bf16Scan {
-  __m512i top = _mm512_setzero_si512(), low = _mm512_set1_epi16(-1);
-  const __m512i magnitude = _mm512_set1_epi16(0x7fff), one = _mm512_set1_epi16(1);
+  __m512i top, low;
+  const __m512i magnitude, one;
+  Bf16Scan()
+      : top(_mm512_setzero_si512()),
+        low(_mm512_set1_epi16(-1)),
+        magnitude(_mm512_set1_epi16(0x7fff)),
+        one(_mm512_set1_epi16(1)) {}
   // K: only the top is checked (a subnormal key is read as 0 within the stated error).
   void top_of(__m512i v) { top = _mm512_max_epu16(top, _mm512_and_si512(v, magnitude)); }
   void both_of(__m512i v) {
@@ -888,3 +905,5 @@ void unpermute(float* acc) {
 }  // namespace tokenmix::kernels::amx
 
 #undef TOKENMIX_AMX_INT8_PRODUCTS_STRIDED
+
+HWY_POP_ATTRIBUTES

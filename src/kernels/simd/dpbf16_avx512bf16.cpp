@@ -1,6 +1,7 @@
-// src/kernels/simd/dpbf16_avx512bf16.cpp — see dpbf16.hpp. Compiled with -mavx512f -mavx512bw
-// -mavx512vl -mavx512dq -mavx512bf16 on x86-64 only (src/CMakeLists.txt); nothing here runs
-// unless dispatch chose the avx512_bf16 path (CPUID AVX512_BF16 + OS ZMM state).
+// src/kernels/simd/dpbf16_avx512bf16.cpp — see dpbf16.hpp. x86-64 only (src/CMakeLists.txt),
+// compiled for the baseline; every function after the includes carries the AVX-512 + BF16 target
+// (HWY_PUSH_ATTRIBUTES: docs/design.md, "ISA confinement"). Nothing here runs unless dispatch
+// chose the avx512_bf16 path (CPUID AVX512_BF16 + OS ZMM state).
 //
 // vdpbf16ps (_mm512_dpbf16_ps): acc[i] += a[2i]·b[2i] + a[2i+1]·b[2i+1] in fp32; a product of
 // two bf16 values is exact in fp32. The instruction treats bf16 denormal inputs as zero and
@@ -9,7 +10,10 @@
 
 #include <cstring>
 
+#include "hwy/base.h"  // HWY_PUSH_ATTRIBUTES
 #include "kernels/simd/dpbf16.hpp"
+
+HWY_PUSH_ATTRIBUTES("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
 namespace tokenmix::kernels::dpbf16 {
 namespace {
@@ -91,3 +95,5 @@ void PackPairs(const float* src, std::int64_t n, std::uint16_t* dst) {
 }
 
 }  // namespace tokenmix::kernels::dpbf16
+
+HWY_POP_ATTRIBUTES

@@ -4,8 +4,8 @@
 // A KVCache holds, for n layers and B sequences, the post-RoPE keys K and values V of every
 // cached position of every KV head: [n, B, T, H_kv, d_h] each, in fp32, bf16 or f16 (converted
 // on write with round-to-nearest-even; read back and accumulated in fp32). Its storage is
-// SPEC 4.8's figure, 2 · n · B · T_max · H_kv · d_h · sizeof(element) (kv_cache_bytes in
-// layer.hpp), plus the block tables and lengths (memory_bytes() reports the total).
+// SPEC 4.8's figure, 2 · n · B · T_max · H_kv · d_h · sizeof(element) (kv_cache_bytes
+// below), plus the block tables and lengths (memory_bytes() reports the total).
 //
 // Quantized caches (dtype int8 or fp8_e4m3, SPEC "Reduced precision → Quantized KV cache"): each
 // K or V row of one (position, KV head) is stored as d_h one-byte elements q and one fp32 scale
@@ -91,21 +91,31 @@ struct KVCacheConfig {
   /// int8 only: the layout of the K and V tiles. true: VNNI-4 quads (four consecutive elements of
   /// a row, or of a feature, per 32-bit word), which AMX-INT8 multiplies as they are; false: plain
   /// rows, which the FMA paths widen one instruction cheaper per vector (AVX2 read quads at
-  /// 1.26–1.28× the time of rows at T_new = 1 and 2 on AMD Zen 4). Unset: quads where the CPU
-  /// (after TOKENMIX_CPU_CAP) has AMX-INT8, rows elsewhere. Every path reads either; the results
-  /// are the same bits. Setting it for another dtype is an ArgumentError.
+  /// 1.26–1.28× the time of rows at T_new = 1 and 2 on AMD Zen 4). Unset: rows, on every CPU
+  /// (the layout follows the config, never the CPU); on a CPU with AMX-INT8 ask for quads to get
+  /// decode's tile products. Every path reads either; the results are the same bits. Setting it
+  /// for another dtype is an ArgumentError.
   std::optional<bool> int8_quads = std::nullopt;
 };
 
+/// KV-cache bytes (SPEC 4.8): 2 · n_layers · B · T · H_kv · d_h · sizeof(element).
+/// Throws ArgumentError(overflow) if the product does not fit in 64 bits. For a quantized
+/// int8 / fp8_e4m3 cache (one byte per element plus an fp32 scale per row) pass head_dim + 4 and
+/// element_bytes 1 (what KVCache::storage_bytes holds).
+std::uint64_t kv_cache_bytes(std::int64_t n_layers, std::int64_t batch, std::int64_t tokens,
+                             std::int64_t heads_kv, std::int64_t head_dim,
+                             std::size_t element_bytes);
+
 class KVCache;
 namespace detail {
-struct KVCacheAccess;  // read access for the decode kernels (src/api/decode.cpp)
+struct KVCacheAccess;  // read access for the decode kernels (src/decode/decode.cpp)
 }
 
 class KVCache {
  public:
   /// Positions per key tile: K is stored transposed in tiles of this many keys (SIMD lanes).
-  /// Equal to the internal KVTileLayout::kKeyTile (static_assert in src/api/kv_cache_access.hpp).
+  /// Equal to the internal KVTileLayout::kKeyTile (static_assert in
+  /// src/decode/kv_cache_access.hpp).
   static constexpr std::int64_t kKeyTile = 64;
 
   /// Validates the configuration (positive sizes, known dtype, block size a multiple of 64, no

@@ -21,11 +21,10 @@
 #include <vector>
 
 #include "tokenmix/attention.hpp"
+#include "tokenmix/kv_cache.hpp"  // KVCache, kv_cache_bytes
 #include "tokenmix/rope.hpp"
 
 namespace tokenmix {
-
-class KVCache;  // tokenmix/kv_cache.hpp
 
 struct LayerConfig {
   std::int64_t d_model = 0;         ///< d
@@ -52,14 +51,6 @@ struct LayerGradients {
   /// [H_q] dσ_h of the attention sinks (SPEC "Score variants": sinks); empty without sinks.
   std::vector<float> d_sinks;
 };
-
-/// KV-cache bytes (SPEC 4.8): 2 · n_layers · B · T · H_kv · d_h · sizeof(element).
-/// Throws ArgumentError(overflow) if the product does not fit in 64 bits. For a quantized
-/// int8 / fp8_e4m3 cache (one byte per element plus an fp32 scale per row) pass head_dim + 4 and
-/// element_bytes 1 (what KVCache::storage_bytes holds).
-std::uint64_t kv_cache_bytes(std::int64_t n_layers, std::int64_t batch, std::int64_t tokens,
-                             std::int64_t heads_kv, std::int64_t head_dim,
-                             std::size_t element_bytes);
 
 class CausalSelfAttention {
  public:

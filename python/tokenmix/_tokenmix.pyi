@@ -136,9 +136,9 @@ class KVCache:
     d_h, SPEC "Quantized KV cache"; rows holding NaN or ±inf are refused) (SPEC 4.8). block_tokens = 0: contiguous; else paged with blocks of that many
     positions (a multiple of 64) from a pool of pool_blocks (0 = enough for all at capacity).
     window = W ≥ 1: a rolling buffer for a sliding-window layer (only the last
-    retained_positions ≥ W positions are kept; storage O(W)). int8_quads (int8 only): the tiles
-    in VNNI-4 quads (True, what AMX-INT8 multiplies) or plain rows (False); None: quads where the
-    CPU has AMX-INT8. Every path reads both, with the same bits. Every mutating method validates
+    retained_positions ≥ W positions are kept; storage O(W)). int8_quads (int8 only): the
+    tiles in VNNI-4 quads (True, what AMX-INT8 multiplies: ask for it on such a CPU) or plain rows
+    (False, the default on every CPU). Every path reads both, with the same bits. Every mutating method validates
     first: on error the cache is unchanged."""
     def __init__(self, layers: int, batch: int, heads_kv: int, head_dim: int, capacity: int,
                  dtype: str = "f32", block_tokens: int = 0, pool_blocks: int = 0,

@@ -45,7 +45,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "api/decode_internal.hpp"
+#include "decode/decode_internal.hpp"
 #include "kernels/kernel_skeleton.hpp"
 #include "kernels/registry.hpp"
 #include "kernels/scratch_arena.hpp"

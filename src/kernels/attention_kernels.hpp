@@ -167,7 +167,7 @@ struct BackwardArgs {
   // O and dO (SPEC "Score variants": sinks) once for every path.
 };
 
-// ---- Decode: attention of a few new queries against a KVCache (src/api/decode.cpp) ----
+// ---- Decode: attention of a few new queries against a KVCache (src/decode/decode.cpp) ----
 // Cache layout: KVTileLayout (kernels/kv_tile_layout.hpp), element type `dtype`.
 // Work unit = (sequence b, KV head j, query block, key chunk); units are independent and each
 // writes its own partial (unnormalised Õ = Σ_u e^{S_u − m} v_u, running max m,
@@ -197,8 +197,8 @@ struct DecodeArgs {
   float scale = 1.0f;
   /// Score variants (SPEC "Score variants used by real models"): window, softcap, alibi (the
   /// [H_q] slopes, contiguous) are applied by the kernels; sinks ([H_q], contiguous) by the merge
-  /// in src/api/decode.cpp (the sink joins the merged denominator). Masks and key lengths are not
-  /// decode options (their fields stay empty).
+  /// in src/decode/decode.cpp (the sink joins the merged denominator). Masks and key lengths are
+  /// not decode options (their fields stay empty).
   ScoreVariants var;
   /// Rolling cache: slots per sequence (position u lives in slot u mod ring); 0 = off.
   std::int64_t ring = 0;

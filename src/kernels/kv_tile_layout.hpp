@@ -1,6 +1,6 @@
 // src/kernels/kv_tile_layout.hpp — where each K and V element of a KVCache lives: the one
 // description of the cache's tile layout, used by its writer (KVCache::append / truncate,
-// src/model/kv_cache.cpp) and its readers (the decode kernels, via DecodeArgs).
+// src/decode/kv_cache.cpp) and its readers (the decode kernels, via DecodeArgs).
 //
 // Per layer, the storage is [pool_blocks][H_kv][block_tokens / kKeyTile][K tile, V tile]:
 //   K tile [d_h][kKeyTile]   the kKeyTile keys of a feature are contiguous (SIMD lanes)

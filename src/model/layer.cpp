@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
-#include "api/decode_internal.hpp"
+#include "decode/decode_internal.hpp"
+#include "decode/kv_cache_access.hpp"
 #include "kernels/kernel_skeleton.hpp"
 #include "kernels/scratch_arena.hpp"
 #include "kernels/small_gemm.hpp"
-#include "model/kv_cache_access.hpp"
 #include "tokenmix/kv_cache.hpp"
 #include "util/validate.hpp"
 
@@ -223,30 +223,6 @@ DecodeOptions decode_options(const AttentionOptions& a, std::int64_t first_seq) 
 }
 
 }  // namespace
-
-std::uint64_t kv_cache_bytes(std::int64_t n_layers, std::int64_t batch, std::int64_t tokens,
-                             std::int64_t heads_kv, std::int64_t head_dim,
-                             std::size_t element_bytes) {
-  constexpr const char* fn = "kv_cache_bytes";
-  const std::pair<const char*, std::int64_t> args[] = {{"n_layers", n_layers},
-                                                       {"batch", batch},
-                                                       {"tokens", tokens},
-                                                       {"heads_kv", heads_kv},
-                                                       {"head_dim", head_dim}};
-  for (auto [name, x] : args) {
-    if (x < 0)
-      fail(ErrorCode::invalid_argument, fn,
-           std::string(name) + " must be >= 0; got " + std::to_string(x));
-  }
-  if (element_bytes > static_cast<std::size_t>(INT64_MAX)) {
-    fail(ErrorCode::overflow, fn, "element_bytes is too large");
-  }
-  // bytes = 2 · n · B · T · H_kv · d_h · sizeof(element)   (SPEC 4.8)
-  std::int64_t bytes = 2;
-  for (auto [name, x] : args) bytes = checked_mul(bytes, x, fn, "the KV-cache size");
-  bytes = checked_mul(bytes, static_cast<std::int64_t>(element_bytes), fn, "the KV-cache size");
-  return static_cast<std::uint64_t>(bytes);
-}
 
 CausalSelfAttention::CausalSelfAttention(const LayerConfig& config) : config_(config) {
   constexpr const char* fn = "CausalSelfAttention";

@@ -18,8 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "decode/kv_cache_access.hpp"
 #include "kernels/kv_element.hpp"
-#include "model/kv_cache_access.hpp"
 #include "test_util.hpp"
 
 namespace tokenmix::testing {

@@ -29,7 +29,7 @@
 #include <utility>
 #include <vector>
 
-#include "api/decode_internal.hpp"
+#include "decode/decode_internal.hpp"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kv_element.hpp"
 #include "kv_oracle.hpp"

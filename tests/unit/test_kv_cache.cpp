@@ -35,7 +35,7 @@
 #include <string>
 #include <vector>
 
-#include "api/decode_internal.hpp"
+#include "decode/decode_internal.hpp"
 #include "kernels/kv_element.hpp"
 #include "kv_oracle.hpp"
 #include "test_util.hpp"
@@ -862,7 +862,7 @@ TEST(KVCacheErrors, FailedDecodeWritesNothing) {
   }
 }
 
-/// Sets the decode scratch limit (test seam, api/decode_internal.hpp) for one scope.
+/// Sets the decode scratch limit (test seam, decode/decode_internal.hpp) for one scope.
 struct ScratchLimit {
   explicit ScratchLimit(std::int64_t bytes) { detail::set_decode_scratch_limit_for_testing(bytes); }
   ~ScratchLimit() { detail::set_decode_scratch_limit_for_testing(-1); }

@@ -26,7 +26,7 @@
 #include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr (ScopedFlushSubnormals)
 #endif
 
-#include "api/decode_internal.hpp"
+#include "decode/decode_internal.hpp"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kv_element.hpp"
 #include "kv_oracle.hpp"
@@ -671,8 +671,9 @@ TEST_P(KVQuantDecode, Int8RowsAndQuadsSameBits) {
       EXPECT_EQ(0, std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(float)));
       EXPECT_EQ(0, std::memcmp(lses[0].data(), lses[1].data(), lses[0].size() * sizeof(float)));
     }
+  // Unset: rows, whatever the CPU (the layout follows the config: one layout on every machine).
   KVCache automatic({1, 1, 1, 64, 64, DType::int8, 0, 0});
-  EXPECT_EQ(automatic.int8_quads(), cpu_features().amx_int8);
+  EXPECT_FALSE(automatic.int8_quads());
   KVCache fp8({1, 1, 1, 64, 64, DType::fp8_e4m3, 0, 0});
   EXPECT_FALSE(fp8.int8_quads());
 }

@@ -2,7 +2,7 @@
 // compiled once per target (x86: AVX-512 = AVX3, AVX2+FMA; AArch64: NEON) and exported per
 // target and cache element type as attention_decode_<f32|bf16|f16|int8|fp8_e4m3>_<avx512|avx2|neon>
 // (the registry picks one). Unit contract: DecodeArgs in attention_kernels.hpp; chunks are merged
-// by src/api/decode.cpp.
+// by src/decode/decode.cpp.
 //
 // A unit is (sequence b, KV head j, query block, chunk of ≤ 1024 keys). Its rows are all g query
 // heads of group j × the block's query positions (r = t_local · g + h_local), so each K/V tile is

@@ -1,9 +1,10 @@
-// src/model/kv_cache.cpp — KVCache: contiguous and paged K/V storage for decoding (SPEC 4.8).
+// src/decode/kv_cache.cpp — KVCache: contiguous and paged K/V storage for decoding (SPEC 4.8).
 // Layout and guarantees: tokenmix/kv_cache.hpp. Every method validates first and mutates after,
 // so a throwing call leaves the cache byte-for-byte unchanged.
 #include "tokenmix/kv_cache.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -11,11 +12,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "dispatch/cpu_cap.hpp"
+#include "decode/kv_cache_access.hpp"
 #include "kernels/kv_element.hpp"
-#include "model/kv_cache_access.hpp"
 #include "tokenmix/error.hpp"
-#include "tokenmix/layer.hpp"
 #include "util/huge_pages.hpp"
 #include "util/validate.hpp"
 
@@ -30,6 +29,30 @@ std::string str(std::int64_t x) {
 }
 
 }  // namespace
+
+std::uint64_t kv_cache_bytes(std::int64_t n_layers, std::int64_t batch, std::int64_t tokens,
+                             std::int64_t heads_kv, std::int64_t head_dim,
+                             std::size_t element_bytes) {
+  constexpr const char* fn = "kv_cache_bytes";
+  const std::pair<const char*, std::int64_t> args[] = {{"n_layers", n_layers},
+                                                       {"batch", batch},
+                                                       {"tokens", tokens},
+                                                       {"heads_kv", heads_kv},
+                                                       {"head_dim", head_dim}};
+  for (auto [name, x] : args) {
+    if (x < 0)
+      fail(ErrorCode::invalid_argument, fn,
+           std::string(name) + " must be >= 0; got " + std::to_string(x));
+  }
+  if (element_bytes > static_cast<std::size_t>(INT64_MAX)) {
+    fail(ErrorCode::overflow, fn, "element_bytes is too large");
+  }
+  // bytes = 2 · n · B · T · H_kv · d_h · sizeof(element)   (SPEC 4.8)
+  std::int64_t bytes = 2;
+  for (auto [name, x] : args) bytes = checked_mul(bytes, x, fn, "the KV-cache size");
+  bytes = checked_mul(bytes, static_cast<std::int64_t>(element_bytes), fn, "the KV-cache size");
+  return static_cast<std::uint64_t>(bytes);
+}
 
 DType parse_cache_dtype(const std::string& text, const char* what) {
   for (DType d : {DType::f32, DType::bf16, DType::f16, DType::int8, DType::fp8_e4m3}) {
@@ -62,7 +85,9 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
              (*c.int8_quads ? "true" : "false") + ") with config.dtype " + to_string(c.dtype));
   }
   // int8: quads where AMX-INT8 can take the tiles as they are, rows elsewhere (KVCacheConfig).
-  int8_quads_ = c.dtype == DType::int8 && c.int8_quads.value_or(detail::cpu_features(fn).amx_int8);
+  // The layout follows the config, never the CPU: a cache is laid out the same on every machine
+  // (rows unless quads are asked for; docs/design.md, "The KV cache and decode").
+  int8_quads_ = c.dtype == DType::int8 && c.int8_quads.value_or(false);
   if (c.block_tokens < 0 || c.block_tokens % kKeyTile != 0) {
     fail(ErrorCode::invalid_argument, fn,
          "config.block_tokens must be 0 (contiguous) or a positive multiple of " + str(kKeyTile) +

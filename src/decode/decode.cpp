@@ -1,4 +1,4 @@
-// src/api/decode.cpp — attention_decode: validate, split the keys into fixed chunks, run the
+// src/decode/decode.cpp — attention_decode: validate, split the keys into fixed chunks, run the
 // kernel of the chosen ISA on every (sequence, KV head, query block, chunk) unit, then merge the
 // chunks of each row in chunk order (SPEC "Merging partial results").
 //
@@ -29,14 +29,14 @@
 #include <string>
 #include <vector>
 
-#include "api/decode_internal.hpp"
+#include "decode/decode_internal.hpp"
+#include "decode/kv_cache_access.hpp"
 #include "dispatch/cpu_cap.hpp"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kv_element.hpp"
 #include "kernels/nonfinite.hpp"
 #include "kernels/registry.hpp"
 #include "kernels/scratch_arena.hpp"
-#include "model/kv_cache_access.hpp"
 #include "tokenmix/error.hpp"
 #include "tokenmix/kv_cache.hpp"
 #include "util/validate.hpp"

@@ -1,5 +1,5 @@
-// src/api/decode_internal.hpp — internal entry points of attention_decode (src/api/decode.cpp)
-// for the layer (src/model/layer.cpp) and the tests.
+// src/decode/decode_internal.hpp — internal entry points of attention_decode
+// (src/decode/decode.cpp) for the layer (src/model/layer.cpp) and the tests.
 #pragma once
 
 #include <cstdint>

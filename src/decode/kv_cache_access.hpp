@@ -1,6 +1,6 @@
-// src/model/kv_cache_access.hpp — internal read access to a KVCache for the decode entry point,
+// src/decode/kv_cache_access.hpp — internal read access to a KVCache for the decode entry point,
 // and the cache's tile layout (kernels/kv_tile_layout.hpp), built in one place for the writer
-// (src/model/kv_cache.cpp) and the readers (src/api/decode.cpp → the decode kernels).
+// (src/decode/kv_cache.cpp) and the readers (src/decode/decode.cpp → the decode kernels).
 #pragma once
 
 #include <cstdint>

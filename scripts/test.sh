@@ -241,7 +241,7 @@ if build_stage "sanitize: configure + build" "$sanitize_dir" \
   # the three Release stages above; the sanitizer stage runs everything else (the CI's 40 min).
   # Nor are the decode suites run again on the avx512_bf16 path here: its decode kernels are the
   # avx512 path's functions (kernels/registry.cpp; only its bf16 forward differs), which the
-  # avx512 instances run under the sanitizers (108 s of test time on AMD Zen 4, 2026-12-06).
+  # avx512 instances run under the sanitizers (108 s of test time on AMD Zen 4, D-ci-5).
   test_stage "sanitize: ctest" "$sanitize_dir" "" --exclude-regex \
     'VariantsMatchFloat64Reference|MatchesFloat64ReferenceAllDtypesAndCaches|RollingCacheMatchesOracle|PrefillThenStepsEqualsFullForward|VariantsAcrossShapesAndAlignments|CombinedVariantsMatchOracleBackward|AttentionVsReference|/(Decode|DecodeMulti|KVQuantDecode|KVQuantWiden|KVCacheLayer)[.].*/avx512_bf16'
 else

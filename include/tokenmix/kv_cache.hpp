@@ -26,7 +26,7 @@
 // features in lanes), in the order it reads them: one (sequence, KV head) is a single forward
 // stream through memory, so nothing is repacked per step and the hardware prefetcher follows
 // one stream per thread (separate K and V regions were 25 % slower per thread, docs/
-// performance.md). Two flavours share that layout and the kernels:
+// performance.md, D-decode-1). Two flavours share that layout and the kernels:
 //   contiguous  one block of T_max (rounded up to 64) positions per sequence, fixed;
 //   paged       a shared pool of fixed-size blocks; each sequence has a block table and takes
 //               blocks as it grows; truncate / release / reset return blocks to the pool.

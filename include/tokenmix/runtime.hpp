@@ -34,7 +34,7 @@ namespace tokenmix {
 /// avx512_bf16 is avx512 plus AVX512-BF16 (`vdpbf16ps`) for the bf16 forward's products; it
 /// needs CpuFeatures::avx512_bf16 (TOKENMIX_CPU_CAP=avx2 or portable hides it). Opt-in only
 /// (TOKENMIX_ISA / options.isa): on the Intel Xeon it was measured on, its bf16 forward is
-/// slower than avx512's widening one (docs/performance.md).
+/// slower than avx512's widening one (docs/performance.md, D-bf16-2).
 enum class Isa { automatic = 0, portable = 1, avx2 = 2, avx512 = 3, neon = 4, avx512_bf16 = 5 };
 
 const char* to_string(Isa isa) noexcept;

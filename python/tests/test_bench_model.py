@@ -1,7 +1,7 @@
 """Smoke runs of ``python -m tokenmix.bench --model`` and ``--overhead`` (tokenmix/_bench_model.py)
 at tiny sizes: every case runs and prints its line, both sides agree (hidden states, greedy
 tokens), and bad options are refused. The figures themselves are measured on a quiet machine
-(docs/performance.md), not here."""
+(docs/performance.md, "PyTorch side by side"), not here."""
 
 import re
 

@@ -29,7 +29,7 @@ that; SPEC "Useful-work counts"). The load average before and after is printed, 
 processes on the machine change the figures. The fp32 GEMM ceiling of the same run (OpenBLAS
 sgemm through NumPy's ``matmul`` on 2048 x 2048 matrices, limited to the same threads with
 threadpoolctl, best of 10) is printed too, and each side's FLOP/s as a fraction of it. (PyTorch's
-own ``torch.mm`` is not used: on the AMD machine of docs/performance.md it moved between 98 and
+own ``torch.mm`` is not used: on AMD Zen 4 (docs/performance.md, D-bench-8) it moved between 98 and
 173 GFLOP/s within one run, OpenBLAS between 193 and 204.) With ``--dtype bf16`` / ``f16`` the
 ceiling is the fastest GEMM the CPU has for it: ``torch.mm`` on 2048 x 2048 bfloat16 / float16
 matrices (oneDNN where PyTorch's CPU build uses it for the dtype), same threads, best of 10, or
@@ -200,7 +200,7 @@ _AVX512_BLAS_KERNELS = {"skylakex", "cooperlake", "sapphirerapids"}
 def blas_ceiling_warning(kernel: str, isa: str) -> str:
     """Empty, or why the fp32 GEMM ceiling is below this CPU's: OpenBLAS runs a kernel without
     AVX-512 where tokenmix's kernels run AVX-512 (as ``tokenmix bench`` warns; docs/performance.md,
-    AMD Zen 5 with OPENBLAS_CORETYPE=Haswell)."""
+    D-bench-1: AMD Zen 5, OPENBLAS_CORETYPE=Haswell)."""
     if not isa.startswith("avx512") or kernel.lower() in _AVX512_BLAS_KERNELS:
         return ""
     return (f"warning: the GEMM ceiling runs OpenBLAS's {kernel} kernel, which has no AVX-512, while "

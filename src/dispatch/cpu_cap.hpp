@@ -23,9 +23,9 @@ bool fp8_direct_widening(const char* fn);
 /// The automatic choice of fp8_direct_widening for a CPU (`amd`: vendor AuthenticAMD; `family`:
 /// CPUID's display family, base + extended): true on the CPUs the direct reading was measured
 /// faster on, AMD family 19h (Zen 4, both x86 paths) and 1Ah (Zen 5, both x86 paths;
-/// docs/performance.md). Zen 3 (19h, AVX2 only) was not measured; Intel keeps the f16 reading:
+/// docs/performance.md, D-fp8-6). Zen 3 (19h, AVX2 only) not measured; Intel keeps the f16 reading:
 /// there an FMA with a subnormal operand takes a microcode assist, and a cache of mostly
-/// subnormal codes read directly ran 100× slower (a Xeon of family 6 model 207, 2026-12-05).
+/// subnormal codes read directly ran 100× slower (a Xeon of family 6 model 207, D-fp8-7).
 bool fp8_direct_preferred(bool amd, unsigned family);
 
 /// Decode on AVX-512 and AVX2: prefetch every cache dtype's next tile pair in address order
@@ -37,7 +37,7 @@ bool linear_decode_prefetch(const char* fn);
 
 /// The automatic choice of linear_decode_prefetch (`intel`: vendor GenuineIntel): true on Intel,
 /// where address order measured faster for every cache dtype on both x86 paths (a Xeon of family
-/// 6 model 207, docs/performance.md, 2026-12-05); false elsewhere (AMD Zen 3, Zen 4 and Zen 5:
+/// 6 model 207, docs/performance.md, D-prefetch-6); false elsewhere (AMD Zen 3, Zen 4 and Zen 5:
 /// the per-dtype choices measured there).
 bool linear_prefetch_preferred(bool intel);
 

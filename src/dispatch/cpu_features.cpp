@@ -211,8 +211,8 @@ Isa cpu_cap(const char* fn) {
 
 bool fp8_direct_preferred(bool amd, unsigned family) {
   // AMD family 19h (Zen 3, Zen 4) and 1Ah (Zen 5): measured faster on Zen 4's avx512 path and its
-  // avx2 path forced (2026-12-02/03), and on Zen 5's (T_new = 1, one thread, hot: 0.200 → 0.170 ms
-  // on avx512, 0.367 → 0.336 on avx2; 2026-12-04). Zen 3 (AVX2 only) not measured.
+  // avx2 path forced (D-fp8-2, D-fp8-3), and on Zen 5's (T_new = 1, one thread, hot: 0.200 → 0.170
+  // ms on avx512, 0.367 → 0.336 on avx2; D-fp8-6). Zen 3 (AVX2 only) not measured.
   return amd && (family == 0x19u || family == 0x1Au);
 }
 
@@ -227,7 +227,7 @@ bool linear_prefetch_preferred(bool intel) {
   // 14.2 → 13.3, 26.5 → 25.3 ms; f16 T_new = 2 5.97 → 4.91; fp8 T_new = 1 3.15 → 2.94; int8
   // T_new = 1 / 4 2.78 → 2.71, 7.35 → 7.33; T_new = 1 bf16 and f16 within noise. The AVX2 path
   // forced: int8 T_new = 1 / 2 / 4 4.25 → 3.40, 7.35 → 6.41, 13.05 → 12.22 ms, fp8 T_new = 1 / 4
-  // 4.91 → 3.97, 14.95 → 14.17 (2026-12-05).
+  // 4.91 → 3.97, 14.95 → 14.17 (D-prefetch-6).
   return intel;
 }
 

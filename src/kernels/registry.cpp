@@ -119,7 +119,7 @@ std::array<KernelSet, 5> make_sets() {
        "pairs, fp32 accumulation; P rounded to bf16 before P V, intrinsics in their own "
        "translation unit); every other kernel is the avx512 one. Opt-in: on Intel Xeon (Emerald "
        "Rapids, no AMX) vdpbf16ps runs at half the FMA issue rate and this forward is 1.7x slower "
-       "than avx512's widening one (docs/performance.md)",
+       "than avx512's widening one (docs/performance.md, D-bf16-2)",
        /*score_variants=*/true,
        /*automatic=*/false},
   }};

@@ -64,7 +64,7 @@ struct KernelSet {
   bool score_variants = false;
   /// Isa::automatic may pick this path (the highest runnable path with this flag). False: opt-in
   /// only (TOKENMIX_ISA / options.isa), for a path measured slower than the one below it on the
-  /// CPUs it has run on (docs/performance.md).
+  /// CPUs it has run on (docs/performance.md, D-bf16-2).
   bool automatic = true;
 
   /// Built into this binary (its f32 forward exists): the path can run where the CPU can.

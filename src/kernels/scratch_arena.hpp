@@ -49,7 +49,7 @@ AlignedBytes allocate_bytes(std::int64_t bytes, const CallSite& site, const char
 /// poisoning is on, every scratch block handed to a kernel (ScratchArena, ReusableScratch, the
 /// layer's partial products) is filled with 0xFF bytes first: NaN as fp32, bf16 or fp16, −1 as
 /// an integer. A stale element then turns an output into NaN instead of a small wrong value that
-/// a tolerance can hide (2026-12-06: an int8 cache's decode with d_h < 4 read stale partial
+/// a tolerance can hide (D-ci-6: an int8 cache's decode with d_h < 4 read stale partial
 /// scores; the float64-oracle test passed because they were ≈ 1e-9, and fails when poisoned).
 /// It starts on when the environment variable TOKENMIX_POISON_SCRATCH is "1" (read at the first
 /// scratch request); the unit tests turn it on for every test (tests/unit/test_scratch_poison.cpp)

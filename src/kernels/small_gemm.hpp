@@ -33,7 +33,7 @@ void small_gemm_chunk_portable(std::int64_t M, std::int64_t K, const float* A, c
 /// line more where that is a multiple of 1 KiB. Rows a multiple of 4 KiB apart (n = 4096: 16 KiB)
 /// fall in the same L1 sets and alias in the store-to-load forwarding of x86 cores: the SIMD
 /// chunk's 4–8-row path, which loads and stores a line of every row of P in turn, spent 40 % of
-/// an 8-row step in the load after those stores on AMD Zen 4 (docs/performance.md, 2026-12-03).
+/// an 8-row step in the load after those stores on AMD Zen 4 (docs/performance.md, D-layer-5).
 inline std::int64_t small_gemm_row_stride(std::int64_t n) {
   const std::int64_t lines = (n + 15) / 16 * 16;
   return lines % 256 == 0 ? lines + 16 : lines;

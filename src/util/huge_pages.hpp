@@ -15,7 +15,7 @@ namespace tokenmix::detail {
 // Linux: advise the 2 MiB-aligned interior of [data, data + bytes) as MADV_HUGEPAGE, then
 // collapse it (MADV_COLLAPSE, Linux ≥ 6.1) — call after the range has been written once (advising
 // before first touch was slower). A sweep then runs without a page walk every 4 KiB; the figures
-// are in docs/performance.md ("huge pages"). Advisory only: any failure (older kernel, THP
+// are in docs/performance.md, D-mem-1. Advisory only: any failure (older kernel, THP
 // disabled) is ignored.
 inline void back_with_huge_pages(void* data, std::size_t bytes) {
 #if defined(__linux__)

@@ -454,7 +454,7 @@ TEST(Dispatch, InvalidFp8WideningIsAnArgumentErrorNamingTheVariable) {
 
 // The automatic fp8 widening (TOKENMIX_FP8_WIDEN unset) as a function of the CPU alone, so the
 // table holds on every machine: direct on AMD family 19h (Zen 3, Zen 4) and 1Ah (Zen 5), where
-// it was measured faster (docs/performance.md); f16 bits on every other family and vendor.
+// it was measured faster (docs/performance.md, D-fp8-6); f16 bits on every other family and vendor.
 TEST(Dispatch, Fp8DirectWideningIsPreferredOnAmdFamilies19hAnd1AhOnly) {
   struct Cpu {
     bool amd;
@@ -498,7 +498,7 @@ TEST(Dispatch, InvalidLinearPrefetchIsAnArgumentErrorNamingTheVariable) {
 
 // The automatic prefetch order (TOKENMIX_LINEAR_PREFETCH unset) as a function of the CPU's vendor
 // alone, so the table holds on every machine: every cache dtype in address order on Intel, where
-// it was measured faster (docs/performance.md, 2026-12-05); each path's per-dtype choice
+// it was measured faster (docs/performance.md, D-prefetch-6); each path's per-dtype choice
 // elsewhere.
 TEST(Dispatch, LinearPrefetchForEveryCacheDtypeIsPreferredOnIntelOnly) {
   EXPECT_TRUE(detail::linear_prefetch_preferred(true));

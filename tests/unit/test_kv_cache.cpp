@@ -962,7 +962,7 @@ TEST(KVCacheErrors, DecodeScratchFailureLeavesCacheUnchanged) {
 // rounding, 127u; fp8 within 2^-4 relative, or half its smallest step, 2^-10 δ, δ = max|x| / 448).
 // At the end, a decode of every non-empty sequence of layer 0 against the float64 oracle over the
 // held values (or, where a rolling cache no longer holds the keys of even one query, its refusal).
-// 2000 draws passed once (2026-12-06).
+// 2000 draws passed once (D-tests-1).
 TEST(KVCacheChurn, RandomOperationsKeepEveryHeldRow) {
   Picker pick(20261217);
   std::mt19937_64 rng(20261218);

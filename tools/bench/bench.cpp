@@ -566,9 +566,9 @@ void check_positive_list(const char* name, const std::vector<std::int64_t>& valu
 // KV head 0 (sequence 0) vs float64. The sgemm ceiling was once measured when a thread count was
 // first used, so a case minutes later was set against the machine as it had been then: on a
 // shared 2-vCPU Xeon the two-thread sgemm read 300 to 449 GFLOP/s within one session, the FMA
-// peak of a core 155 to 222 (docs/performance.md, 2026-12-05), and ratio_roofline moved with it.
+// peak of a core 155 to 222 (docs/performance.md, D-bench-5), and ratio_roofline moved with it.
 // Slow phases of such a host last minutes and took whole runs of consecutive cases (AMD Zen 4,
-// 2026-12-06: the AVX2 T_new = 8 step at 34.9 ms in a table, 23.3 ms minutes later): --rounds N
+// D-bench-6: the AVX2 T_new = 8 step at 34.9 ms in a table, 23.3 ms minutes later): --rounds N
 // visits the case list N times, round-robin, and reports each case from all its samples.
 std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   check_positive_list("--tnew", cfg.tnew);
@@ -727,7 +727,7 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
       ceiling_gflops.push_back(sgemm->pass_gflops(c.threads, 2));
       // OpenBLAS's worker threads spin for up to 2^28 TSC cycles after a call (0.13 s at
       // 2.1 GHz) before they sleep; a read pass right after the sgemm once measured 17.8 GB/s
-      // against 34.8 for its neighbours (Intel Xeon, docs/performance.md, 2026-12-05).
+      // against 34.8 for its neighbours (Intel Xeon, docs/performance.md, D-bench-5).
       std::this_thread::sleep_for(std::chrono::milliseconds(kAfterSgemmMs));
       ceiling.push_back(stream->pass_gbps(c.threads));
       const auto t0 = Clock::now();

@@ -177,7 +177,7 @@ std::string sgemm_core();
 
 /// Empty, or why the sgemm ceiling is below this CPU's: OpenBLAS runs a kernel without AVX-512
 /// on a CPU whose AVX-512 tokenmix's kernels use (OPENBLAS_CORETYPE=Haswell on an AMD Zen 5:
-/// 212 GFLOP/s on two threads where OpenBLAS's AVX-512 kernel does 405, docs/performance.md),
+/// 212 GFLOP/s on two threads where its AVX-512 kernel does 405, docs/performance.md, D-bench-1),
 /// so ratios to it come out too high (ratio_roofline above 1). `tokenmix bench` prints it.
 std::string sgemm_ceiling_warning();
 /// The rule behind it, for a given OpenBLAS core name (any case), whether tokenmix's kernels run

@@ -2,7 +2,7 @@
 // target and dispatched at run time to the widest vectors the CPU has (AVX-512, AVX2, NEON).
 //
 // The ceiling must be what one core can read, not what the bench's baseline (SSE2) build can
-// add up: on the Xeon of docs/performance.md an SSE2 loop read 10.8 GB/s per core where 512-bit
+// add up: on a Xeon (docs/performance.md, D-bench-3) SSE2 read 10.8 GB/s per core where 512-bit
 // loads read 16 GB/s (numpy.max, and this loop, agree), so the old ceiling flattered every
 // memory-bound ratio by about 1.4×.
 // clang-format off

@@ -257,7 +257,7 @@ inline float bf16_value(std::uint16_t bits) {
 // P row, per V rewrite step and per query row of the combine), so the requests are spread over
 // the whole tile, as the FMA kernel's are. Asked for in a burst during the rewrites instead, the
 // int8 step took 3.4 ms against 2.8–2.9 spread (T_k = 32768, T_new = 1, two threads;
-// docs/performance.md, 2026-12-05, third session). Lines per call of each phase (int8: ≈ 230 of a
+// docs/performance.md, D-amx-4). Lines per call of each phase (int8: ≈ 230 of a
 // pair's 264 at d_h = 128 and 4 rows; values() asks for the rest at its end):
 constexpr std::int64_t kPfPerKStep = 1, kPfPerRow = 4, kPfPerSoftmaxRow = 16, kPfPerVStep = 2;
 
@@ -265,8 +265,8 @@ constexpr std::int64_t kPfPerKStep = 1, kPfPerRow = 4, kPfPerSoftmaxRow = 16, kP
 // pair) copy the cache's quads to contiguous B tiles first (64-byte copies, no shuffles), as the
 // tile loads with the cache's row strides (256 and 4·d_h bytes) measured slower when repeated:
 // Intel Xeon (family 6 model 207), T_k = 2048, one thread, median of alternated runs, T_new = 4
-// and 16 at 0.95× the time of direct loads, T_new = 1 level (docs/performance.md, 2026-12-05,
-// seventh session). A unit of one block loads the cache's tiles as they are.
+// and 16 at 0.95× the time of direct loads, T_new = 1 level (docs/performance.md,
+// D-amx-8). A unit of one block loads the cache's tiles as they are.
 constexpr std::int64_t kInt8CopyRows = 4;
 
 // The next `lines` lines of the pair ahead into L2 (as many as are left).
@@ -281,7 +281,7 @@ inline void pf_take(Workspace& w, std::int64_t lines) {
 // next product waited ≈ 300–400 ns on an Intel Xeon (family 6 model 207); one every ≈ 60 ns of
 // vector work keeps it awake (TILEZERO and TILELOADD do not). Called every 8 rewrite steps, per
 // softmax row and per P row: int8, T_k = 32768, T_new = 1, two threads, 4.0 → 3.4 ms
-// (docs/performance.md, 2026-12-05, third session).
+// (docs/performance.md, D-amx-4).
 inline void wake(Workspace& w) {
   switch (w.wakes++ & 3) {
     case 0:

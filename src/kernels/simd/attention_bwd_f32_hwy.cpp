@@ -690,7 +690,7 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
             if (!any) continue;
             for (std::int64_t r = rows; r < chunk; ++r) rb[r] = re[r] = 0;
             // Q and dO rows are read in place (packing them per chunk was slower, docs/
-            // performance.md "Backward"); only a non-unit d_h stride forces a copy.
+            // performance.md, D-bwd-3); only a non-unit d_h stride forces a copy.
             std::int64_t ldq = 0, lddo = 0;
             const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq, VecWiden());
             const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo, VecWiden());

@@ -80,7 +80,7 @@ static_assert(kSub % 4 == 0, "an int8 V sub-tile starts at a key quad");
 // for caches of 1- and 2-byte elements, whose tile pair is in L2 by then (PrefetchStream): on AMD
 // Zen 4, T_new = 1, one thread, T_k = 32768, 7.7 → 6.4 ms (bf16) and 6.7 → 6.3 ms (int8), hot
 // 6–7 % for bf16, int8 and fp8; f32 (32 KiB V tiles) was 2–3 % slower, and AVX2 measured within
-// noise there (docs/performance.md, 2026-12-02).
+// noise there (docs/performance.md, D-decode-5).
 constexpr bool kWholeTilePVNarrow = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL;
 // Bytes of a unit's stream between the tile computed on and the one prefetched (whole tile
 // pairs of K and V, at least one). AVX-512: 32 KiB (measured on AMD Zen 4: 16, 32, 64 and
@@ -102,19 +102,19 @@ constexpr std::int64_t kAheadBytes = 0;
 // (bf16, g = 4: each 32 B widened and fed to 8 FMAs) one AMD Zen 3 core streamed 10.7–11.4 GB/s
 // prefetching in the products' order and 17.6–17.9 in address order (19.3 reading linearly). The
 // kernel: T_new = 1 from 14.8 to 10.8 ms (bf16) and 33.6 to 21.3 ms (f32), 1 thread, T_k = 32768
-// (docs/performance.md, 2026-12-01). AVX-512's 64-lane blocks read K rows whole: same position
+// (docs/performance.md, D-prefetch-2). AVX-512's 64-lane blocks read K rows whole: same position
 // there for 1- and 2-byte caches (its L2 target and distance measured on AMD Zen 4,
-// docs/performance.md, 2026-12-02), linear for f32, with the cursor shared by all row blocks of a
+// docs/performance.md, D-prefetch-1), linear for f32, with the cursor shared by all row blocks of a
 // tall unit (kCursorAcrossRowBlocks): AMD Zen 5, two threads, T_k = 32768, B = 1, T_new = 4
 // 8.5–8.7 → 6.9–8.0 ms, T_new = 16 23.6–24.1 → 21.1–21.2, B = 32 mixed lengths around 4096,
-// T_new = 4 35.8–37.2 → 30.2–31.0; T_new = 1 and 64 unchanged (docs/performance.md, 2026-12-04,
-// fourth session).
+// T_new = 4 35.8–37.2 → 30.2–31.0; T_new = 1 and 64 unchanged (docs/performance.md,
+// D-prefetch-5).
 // Per call (DecodeArgs::linear_prefetch, AVX-512 and AVX2): every cache dtype linear. On an Intel
 // Xeon (family 6 model 207), two threads, T_k = 32768: AVX-512 bf16 T_new = 2 6.05 → 4.89 ms,
 // T_new = 4 8.8 → 7.84, f16 T_new = 2 5.97 → 4.91, fp8 T_new = 1 3.15 → 2.94, int8 T_new = 1
 // 2.78 → 2.71 (its scales are in the cursor's byte range); AVX2 int8 T_new = 1 4.25 → 3.40, fp8
 // 4.91 → 3.97; on AMD Zen 5 the cursor was slower for int8 and fp8 (docs/performance.md,
-// 2026-12-04 and 2026-12-05): detail::linear_prefetch_preferred.
+// D-prefetch-7 and D-prefetch-6): detail::linear_prefetch_preferred.
 #if HWY_TARGET == HWY_AVX2
 template <class TB>
 constexpr bool kLinearPrefetch = true;
@@ -162,7 +162,7 @@ bool NonFiniteIn(const TB* p, std::int64_t lo, std::int64_t hi) {
 // A's element (r, k) is at a[r·kARow + k·a_k]: the compile-time row stride of MicroKernel.
 // The rows go in ceil(rows / R) blocks of sizes that differ by at most one (8 rows at R = 6:
 // 4 + 4, not 6 + 2, whose 2-row block keeps 4 FMA chains where the latency needs 8 on AVX2):
-// AVX2 on AMD Zen 4, T_new = 2 hot, 4–9 % faster (docs/performance.md, 2026-12-03). Each
+// AVX2 on AMD Zen 4, T_new = 2 hot, 4–9 % faster (docs/performance.md, D-decode-6). Each
 // element's k loop is the same whatever the blocks (the same bits).
 // AVX2, an int8 cache or fp8 read directly: tall units whose row blocks hold at most 4 rows
 // (T_new · g = 3, 4, 7 or 8; e.g. T_new = 1 or 2 at g = 4) take 3 vectors of columns (4 × 3: 12
@@ -174,7 +174,7 @@ bool NonFiniteIn(const TB* p, std::int64_t lo, std::int64_t hi) {
 // 0.34 → 0.32 / 0.66 → 0.63 (its mask read from memory: LoadBRow); int8 at T_k = 32768 from
 // memory, two threads, 2.74–2.87 → 2.49–2.54 / 5.25–5.59 → 4.88–4.95 ms. Not for f32 (the
 // linear prefetch's pace is per 2-vector block), the bf16 split reading (its column order is per
-// block width) or fp8 through f16 bits. docs/performance.md, 2026-12-04.
+// block width) or fp8 through f16 bits. docs/performance.md, D-avx2-1.
 #if HWY_TARGET == HWY_AVX2
 template <class TB>
 constexpr bool kThreeVectorSmallBlocks =
@@ -196,8 +196,8 @@ constexpr bool kThreeVectorSmallBlocks = false;
 // 0.97 / 0.95 / 0.97 / 0.975× the time; T_k = 32768, two threads, T_new = 2 / 4 / 8 / 16 / 64
 // 0.94–0.98 / 0.98 / 0.97 / 0.99 / 0.98×. Not for AVX-512 (f32 hot T_new = 4 / 8 / 16 1.03–1.04×)
 // nor for the narrower caches on AVX2 (bf16, int8, fp8 hot 1.01–1.05×; why the chunks were left
-// out on 2026-12-03, when they were tried for every cache). docs/performance.md, 2026-12-06
-// (eleventh session).
+// out when they were first tried for every cache). docs/performance.md,
+// D-avx2-3.
 #if HWY_TARGET == HWY_AVX2
 template <class TB>
 constexpr std::int64_t kKChunk = std::is_same_v<TB, float> ? 32 : 0;
@@ -340,7 +340,7 @@ void DecodeUnits(const DecodeArgs& a) {
   // bits while no product is subnormal (tests/unit/test_kv_quant.cpp compares them bitwise).
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2
   // (AVX2: LoadB per vector, 3 integer instructions, no conversion; on AMD Zen 4 with the path
-  // forced, steps 10–17 % faster than through f16 bits; docs/performance.md, 2026-12-03.)
+  // forced, steps 10–17 % faster than through f16 bits; docs/performance.md, D-fp8-3.)
   constexpr bool kDirectBuilt = kFp8;
   const bool direct_ok = kDirectBuilt && a.fp8_direct && (_mm_getcsr() & 0x8040u) == 0;
 #else
@@ -363,7 +363,7 @@ void DecodeUnits(const DecodeArgs& a) {
   // call by call (the same bits): hot (T_k = 2048, one thread) T_new = 2 / 3 / 4 / 8 / 16
   // 0.90 / 0.92 / 0.89 / 0.91 / 0.91× the time; T_k = 32768, two threads, T_new = 2 / 4 / 8
   // 0.91 / 0.89 / 0.90×. AVX2 (2 × 4 regular blocks) was 1.03–1.05× slower: tall there.
-  // docs/performance.md, 2026-12-06.
+  // docs/performance.md, D-fp8-8.
   constexpr bool kDirectRegularOnly =
       kQuadBuilt && (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL);
   // AVX2: a tall unit that reads fp8 directly, in row blocks of more than 4 rows (the 6 × 2
@@ -379,7 +379,7 @@ void DecodeUnits(const DecodeArgs& a) {
   // 0.96 / 0.94 / 0.92 / 0.905 / 0.89× the time (T_k = 4096, hot: T_new = 3 / 4 0.97 / 0.95×);
   // the 4 × 3 blocks so converted (T_new = 2) 1.02–1.03×. AVX-512 (whose direct units keep the
   // regular blocks and the quad reading: kDirectRegularOnly) took 1.05–1.22× the time in tall units
-  // so converted. docs/performance.md, 2026-12-06 (tenth session).
+  // so converted. docs/performance.md, D-fp8-9.
   constexpr bool kFp8TilesAsBf16 = kDirectBuilt && kSplitBuilt && HWY_TARGET == HWY_AVX2;
   using TQ = std::conditional_t<kQuadBuilt, fp8_e4m3_quad_t, TB>;
   using TQ16 = std::conditional_t<kQuadBuilt, fp8_e4m3_quad_f16unit_t, TB>;
@@ -397,10 +397,10 @@ void DecodeUnits(const DecodeArgs& a) {
   // tile they cannot take: amx::values_visible). fp8 units read K and V through the tile path's
   // own widening (k_direct and v_direct off: the scores' and weights' unit is kUnit).
   // On an Intel Xeon (family 6 model 207), T_k = 32768, B = 1, g = 4, two threads, from DRAM,
-  // best of 7 calls (docs/performance.md, 2026-12-05, third session), int8: T_new = 4
+  // best of 7 calls (docs/performance.md, D-amx-4), int8: T_new = 4
   // (16 rows) 7.80 → 6.10 ms, T_new = 16 27.97 → 18.88 ms; T_new = 1 and 2 level
   // (2.78 / 2.75–2.87, 3.91–3.99 / 3.87–4.09), T_new = 3 slower (5.27 → 5.73: its 12 rows are one
-  // FMA tall block). fp8 (fourth session, a slow phase of the host), median of 9 calls alternated:
+  // FMA tall block). fp8 (D-amx-5, in a slow phase of the host), median of 9 calls alternated:
   // T_new = 4 / 16 / 64 19.3 → 16.0, 51.2 → 31.2, 257 → 203 ms; 4 rows and 8 rows slower on the
   // tiles (hot, one thread: 1.77× and 1.25× the time), 12 level.
 #if TOKENMIX_HAVE_AMX && (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
@@ -418,11 +418,11 @@ void DecodeUnits(const DecodeArgs& a) {
   // 0.89×, 0.89×), with the per-tile rewrites of the plain layout; 4 rows (T_new = 1) took
   // 1.04× then, and with the cache in quads (no rewrites) 0.81× hot and 0.88× from DRAM
   // (`tokenmix bench decode`: read ratio 0.67–0.72 → 0.75–0.80 at T_k = 32768)
-  // (docs/performance.md, 2026-12-05, seventh session). bf16 (whose FMA products read the cache
+  // (docs/performance.md, D-amx-8). bf16 (whose FMA products read the cache
   // with two instructions per 2·Lanes elements, bf16_split_t) only where rows − 9·⌈rows / 16⌉ > 10:
   // a tile unit costs about 0.64 of a 16-row FMA block per tile (the rewrites) plus 0.56 per 16-row
   // block of its A tiles, fitted to T_k = 32768, two threads, alternated calls
-  // (docs/performance.md, 2026-12-05, fifth session): 16 rows (T_new = 4) 1.00–1.24× the FMA
+  // (docs/performance.md, D-amx-6): 16 rows (T_new = 4) 1.00–1.24× the FMA
   // time, 20 and 24 rows 1.11–1.30×, 32 rows 0.74–0.97×, 36 rows 1.13×, 40 rows 0.93×, 48 rows
   // 0.89×, 64 rows 0.48–0.89×.
   const auto amx_unit_pays = [](std::int64_t rows) {
@@ -471,7 +471,7 @@ void DecodeUnits(const DecodeArgs& a) {
 
   // Runs of consecutive units per worker (DecodeArgs::run_units): on AMD Zen 5, T_k = 32768,
   // T_new = 1, two threads, int8 1.94–2.00 → 1.43 ms, bf16 T_new = 4 5.6–7.6 → 5.1–5.2 ms
-  // (docs/performance.md, 2026-12-04).
+  // (docs/performance.md, D-decode-8).
   const std::int64_t run = DecodeArgs::run_units(units, omp_get_num_threads());
 #if TOKENMIX_HAVE_AMX
   bool amx_worker = false, amx_configured = false;
@@ -751,7 +751,7 @@ void DecodeUnits(const DecodeArgs& a) {
       // (the same output bits), hot (T_k = 2048, one thread), T_new = 1 / 2: AVX-512 0.96–0.99×
       // the time for every cache dtype, AVX2 forced 0.96–0.995×; T_new = 4 and 16 0.95–1.0×
       // (groups of 4 and 16 no better); T_k = 32768 from memory, two threads: within the noise
-      // (docs/performance.md, 2026-12-06, fourteenth session).
+      // (docs/performance.md, D-softmax-2).
       constexpr std::int64_t kSoftmaxGroup = 8;
       float m_group[kSoftmaxGroup];
       for (std::int64_t r0 = 0; r0 < nrows; r0 += kSoftmaxGroup) {

@@ -25,7 +25,7 @@
 // About 13 vector operations per 16 scores on AVX-512 against about 30 for Highway's Exp
 // (hwy/contrib/math, 1 ULP), which it replaced: the per-row softmax's share of a hot T_new = 1
 // decode step fell from ≈ 12 % to ≈ 8 % on AMD Zen 4, the step by 0–9 % (docs/performance.md,
-// 2026-12-02). Accuracy: 0.85 ULP from e^x in float64 at most over the normal range
+// D-softmax-1). Accuracy: 0.85 ULP from e^x in float64 at most over the normal range
 // (tests/unit/test_softmax_exp.cpp asserts the bound on every path).
 //
 // Highway "-inl" header: included once per target from a foreach_target translation unit.

@@ -46,8 +46,8 @@ struct PrefetchCursor {
 // T_new = 1 step (bf16 cache, T_k = 32768, one thread) took 12.3 ms prefetching into L1 and
 // 7.8 ms into L2 on AVX-512 (no software prefetch: 8.3 ms); the AVX2 path there (forced), whose
 // cursor prefetched into L1: f32 21.7 → 12.3–13.6 ms, bf16 10.0 → 8.8, int8 8.2 → 6.8 (on AMD
-// Zen 3 a PREFETCHT2 cursor had measured within noise of L1). docs/performance.md, 2026-12-02
-// and 2026-12-03. NEON: L1 (not measured).
+// Zen 3 a PREFETCHT2 cursor had measured within noise of L1). docs/performance.md, D-prefetch-1
+// and D-prefetch-3. NEON: L1 (not measured).
 HWY_INLINE void PrefetchStream(const std::uint8_t* p) {
 #if (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2) && \
     !defined(HWY_DISABLE_CACHE_CONTROL)
@@ -165,7 +165,7 @@ HWY_INLINE hn::Vec<D> LoadB(D d, const fp8_e4m3_quad_f16unit_t* HWY_RESTRICT p) 
 // [x, x+2, …, x+2·Lanes−2 | x+1, x+3, …]; UnsplitPairs puts them back in order (each output
 // element's k loop is unchanged: the same bits). A k loop of 4 rows × 4 vectors (8 × 2,
 // 12 × 2) on AMD Zen 4: 0.29 → 0.275 (0.30 → 0.29, 0.30 → 0.285) ns per zmm FMA; AVX2 4 × 2
-// and 6 × 2 there 5–10 % faster (docs/performance.md, 2026-12-02).
+// and 6 × 2 there 5–10 % faster (docs/performance.md, D-bf16-4).
 struct bf16_split_t {
   std::uint16_t bits;
 };
@@ -342,7 +342,7 @@ HWY_INLINE void UnsplitQuads(float* HWY_RESTRICT c, std::int64_t ldc, std::int64
 // hot decode at T_new = 2 and 4 was 4–5 % faster through both the direct and the f16 widening
 // (an 8 × 2 k loop with its broadcasts: 0.34 → 0.32 ns per FMA, direct). Other targets: 2 (AVX2's
 // tall blocks measured 2–3 % slower per vector there, f16 widening). docs/performance.md,
-// 2026-12-03.
+// D-fp8-4.
 constexpr int kFp8PairVectors = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL ? 4 : 2;
 
 // VN consecutive vectors of B (one k row of the microkernel) widened to fp32. fp8 E4M3 pairs
@@ -487,7 +487,7 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
   // reads B, shared among the blocks that advance the cursor in turn). A step shorter than a
   // line: the line holding the cursor, each k (so each line is asked for kLine / step times), not
   // one line every kLine / step k: that test of k's residue cost 12 % of a hot bf16 step on AVX2
-  // (T_new = 1, AMD Zen 4; docs/performance.md, 2026-12-03).
+  // (T_new = 1, AMD Zen 4; docs/performance.md, D-prefetch-4).
   const std::int64_t step =
       cursor != nullptr ? std::max<std::int64_t>(1, row_bytes / cursor->sharers) : row_bytes;
   const std::int64_t cur_lines = step >= kLine ? step / kLine : 1;         // lines per k
@@ -537,7 +537,7 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
       // AVX2: the quad row loaded again for each k (the pointer made opaque), not kept in
       // registers for its four k: AVX2's 16 registers hold the 4 × 3 blocks' accumulators, and
       // the hoisted loads spilled them (1.17–1.2× the plain layout's time, hot and from DRAM,
-      // with the path forced on an Intel Xeon; docs/performance.md, 2026-12-05, seventh session).
+      // with the path forced on an Intel Xeon; docs/performance.md, D-int8-4).
       asm volatile("" : "+r"(p));
 #endif
       V bv[VN];
@@ -562,7 +562,7 @@ HWY_INLINE void MicroKernel(D d, const float* HWY_RESTRICT a, std::int64_t a_row
   // same FMAs in the same order: the same bits). Intel Xeon (family 6 model 207), one thread,
   // T_k = 2048, median over alternated runs: f32 T_new = 4 0.85–0.88× the time, bf16 T_new = 2
   // 0.89–0.97×, f32 T_new = 8 0.96×; blocks of ≤ 6 rows measured level to 1.11× and are left
-  // as they were (docs/performance.md, 2026-12-05, sixth session).
+  // as they were (docs/performance.md, D-decode-7).
   std::int64_t k = 0;
   if constexpr (R >= 7) {
     if (pf != nullptr || cursor != nullptr) {

@@ -52,7 +52,7 @@ HWY_INLINE V ExpNaN(D d, V x) {
 // 2^−64 (x < −64·ln 2). Far keys under ALiBi (scores down to −m·T) otherwise give a band of
 // subnormal weights per row, and subnormal operands of the dS, dQ, dK products cost a microcode
 // assist per vector op on x86: the backward with ALiBi at T = 2048 took 4.2 s instead of 1.1 s
-// (Intel Xeon, docs/performance.md). A weight < 2^−64 of a row whose weights sum to 1 changes no
+// (Xeon; docs/performance.md, D-bwd-5). A weight < 2^−64 of a row whose weights sum to 1 changes no
 // fp32 result (T · 2^−64 ≪ 2^−24 for any T < 2^31); NaN x still gives NaN (Lt is false).
 template <class D, class V>
 HWY_INLINE V ExpNaNFlushTiny(D d, V x) {

@@ -3,7 +3,7 @@
 // portable one. The decode step's projections read 168 MB of fp32 weights per token for a
 // Llama-3-8B-shaped layer: the chunk is bound by that stream, and the portable loop (the x86-64
 // baseline: 4-lane SSE2, one core at about half of what it can read on AMD Zen 5) by its
-// arithmetic (docs/performance.md, 2026-12-01).
+// arithmetic (docs/performance.md, D-layer-2).
 //
 // Per group of G ≤ 8 reduction rows: for each row m of A and each vector of columns j, P[m][j] is
 // loaded (the chunk's first group: taken as 0), the G terms fl(A[m][k] · B[k][j]) are added to it
@@ -77,7 +77,7 @@ inline void AddColumnsScalar(std::int64_t M, std::int64_t K, const float* HWY_RE
 // streams are more than the hardware prefetchers keep ahead of. The one-token step of a
 // Llama-3-8B-shaped layer on AMD Zen 4 (M = 1, 168 MB of weights), best step of each round: one
 // thread 9.4–10.3 → 7.1–8.1 ms (AVX-512) and 8.8–9.2 → 7.4–7.8 ms (AVX2), two threads 5–8 %
-// faster (docs/performance.md, 2026-12-03).
+// faster (docs/performance.md, D-layer-4).
 template <int G>
 HWY_INLINE void AddRows(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, std::int64_t n,
                         std::int64_t g, float* HWY_RESTRICT p, bool first) {
@@ -140,7 +140,7 @@ constexpr std::int64_t kPanelK = 128;
 // distinct sets. In a model k loop on AMD Zen 4 (8 rows × 3 vectors of mul + add pairs, each
 // row's element of A broadcast), A rows 16 KiB apart took 0.69–0.96 ns per pair and 16.06 KiB
 // apart 0.38–0.43; the layer's step of 8 sequences, 2 threads: 12.0–17.6 → 9.7–12.7 ms
-// (docs/performance.md, 2026-12-03).
+// (docs/performance.md, D-layer-6).
 struct APanel {
   alignas(64) float a[kPanelRows * kPanelK];
   void copy(std::int64_t rows, std::int64_t K, const float* A, std::int64_t ks, std::int64_t len) {

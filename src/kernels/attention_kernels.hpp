@@ -233,11 +233,11 @@ struct DecodeArgs {
   WorkerScratch scratch;                  // ... in these regions (worker w: scratch.at(slot, w))
   int threads = 1;
   /// fp8 E4M3 cache on AVX-512: read the codes straight as fp32 bits where the kernel can
-  /// (simd/attention_decode_hwy.cpp, kDirectBuilt; detail::fp8_direct_widening decides). Same
+  /// (simd/decode_units-inl.h, kDirectBuilt; detail::fp8_direct_widening decides). Same
   /// results as false while no product is subnormal; other kernels ignore it.
   bool fp8_direct = false;
   /// AVX-512 and AVX2: prefetch the next K/V tile pair in address order for every cache dtype,
-  /// not only those of the path's per-dtype choice (simd/attention_decode_hwy.cpp, kLinearPrefetch;
+  /// not only those of the path's per-dtype choice (simd/decode_units-inl.h, kLinearPrefetch;
   /// detail::linear_decode_prefetch decides). The same results either way; other kernels ignore
   /// it.
   bool linear_prefetch = false;

@@ -1,8 +1,9 @@
-// src/kernels/simd/attention_decode_hwy.cpp — decode attention over a KVCache, SIMD (Highway),
-// compiled once per target (x86: AVX-512 = AVX3, AVX2+FMA; AArch64: NEON) and exported per
-// target and cache element type as attention_decode_<f32|bf16|f16|int8|fp8_e4m3>_<avx512|avx2|neon>
-// (the registry picks one). Unit contract: DecodeArgs in attention_kernels.hpp; chunks are merged
-// by src/decode/decode.cpp.
+// src/kernels/simd/decode_units-inl.h — decode attention over a KVCache, SIMD (Highway): the
+// DecodeUnits<TB> template, TB the cache element type. Each attention_decode_<dtype>_hwy.cpp
+// includes it once per target (x86: AVX-512 = AVX3, AVX2+FMA; AArch64: NEON) and exports its
+// one element type as attention_decode_<dtype>_<avx512|avx2|neon> (the registry picks one): one
+// translation unit per cache dtype, so they compile in parallel. Unit contract: DecodeArgs in
+// attention_kernels.hpp; chunks are merged by src/decode/decode.cpp.
 //
 // A unit is (sequence b, KV head j, query block, chunk of ≤ 1024 keys). Its rows are all g query
 // heads of group j × the block's query positions (r = t_local · g + h_local), so each K/V tile is
@@ -23,17 +24,14 @@
 // window), m' = max(m, max S), P = e^{S − m'}, l ← l e^{m − m'} + Σ P, Õ ← Õ e^{m − m'} (only
 // when m grows). With a window, tiles before the first row's window start are not read.
 // exp: SoftmaxExp (exp-inl.h, through ExpNaN), 0.85 ULP, exactly 0 for −∞.
-// Highway's per-target re-inclusion: these includes must follow foreach_target.h, in order.
-// clang-format off
-#undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "kernels/simd/attention_decode_hwy.cpp"
-#include "hwy/foreach_target.h"  // IWYU pragma: keep
-// clang-format: the includes below must follow foreach_target.h
-#include "hwy/highway.h"
-#include "kernels/simd/microkernel-inl.h"
-#include "kernels/simd/nonfinite-inl.h"
-#include "kernels/simd/tanh-inl.h"
-// clang-format on
+//
+// Highway "-inl" header: included once per target from a foreach_target translation unit.
+#if defined(TOKENMIX_KERNELS_SIMD_DECODE_UNITS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef TOKENMIX_KERNELS_SIMD_DECODE_UNITS_INL_H_
+#undef TOKENMIX_KERNELS_SIMD_DECODE_UNITS_INL_H_
+#else
+#define TOKENMIX_KERNELS_SIMD_DECODE_UNITS_INL_H_
+#endif
 
 #include <omp.h>
 
@@ -42,9 +40,13 @@
 #include <limits>
 #include <type_traits>
 
+#include "hwy/highway.h"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kv_element.hpp"
 #include "kernels/nonfinite.hpp"
+#include "kernels/simd/microkernel-inl.h"
+#include "kernels/simd/nonfinite-inl.h"
+#include "kernels/simd/tanh-inl.h"
 #include "kernels/simd/work_units.hpp"
 #if TOKENMIX_HAVE_AMX
 #include "kernels/simd/amx_decode.hpp"
@@ -974,27 +976,4 @@ void DecodeUnits(const DecodeArgs& a) {
 }  // namespace tokenmix::kernels::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
-#if HWY_ONCE
-namespace tokenmix::kernels {
-
-// One kernel per (target, cache element type); the registry picks by the cache's dtype.
-using hwy::bfloat16_t;
-using hwy::float16_t;
-const DecodeKernel attention_decode_f32_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<float>);
-const DecodeKernel attention_decode_bf16_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<bfloat16_t>);
-const DecodeKernel attention_decode_f16_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<float16_t>);
-const DecodeKernel attention_decode_int8_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<std::int8_t>);
-const DecodeKernel attention_decode_fp8_e4m3_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<fp8_e4m3_t>);
-const DecodeKernel attention_decode_f32_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<float>);
-const DecodeKernel attention_decode_bf16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<bfloat16_t>);
-const DecodeKernel attention_decode_f16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<float16_t>);
-const DecodeKernel attention_decode_int8_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<std::int8_t>);
-const DecodeKernel attention_decode_fp8_e4m3_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<fp8_e4m3_t>);
-const DecodeKernel attention_decode_f32_neon = TOKENMIX_SIMD_NEON(DecodeUnits<float>);
-const DecodeKernel attention_decode_bf16_neon = TOKENMIX_SIMD_NEON(DecodeUnits<bfloat16_t>);
-const DecodeKernel attention_decode_f16_neon = TOKENMIX_SIMD_NEON(DecodeUnits<float16_t>);
-const DecodeKernel attention_decode_int8_neon = TOKENMIX_SIMD_NEON(DecodeUnits<std::int8_t>);
-const DecodeKernel attention_decode_fp8_e4m3_neon = TOKENMIX_SIMD_NEON(DecodeUnits<fp8_e4m3_t>);
-
-}  // namespace tokenmix::kernels
-#endif  // HWY_ONCE
+#endif  // include guard (per target)

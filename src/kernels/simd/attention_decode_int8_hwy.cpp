@@ -1,0 +1,23 @@
+// src/kernels/simd/attention_decode_int8_hwy.cpp — decode over an int8 cache:
+// DecodeUnits<std::int8_t> (decode_units-inl.h), compiled once per target and exported
+// as attention_decode_int8_avx512 / _avx2 / _neon (kernels/registry.cpp). One file per
+// cache dtype: a new dtype is its reader (kv_element.hpp, LoadB in microkernel-inl.h), one such
+// file and a registry line. The includes below must follow foreach_target.h, in order.
+// clang-format off
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/simd/attention_decode_int8_hwy.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// clang-format: the includes below must follow foreach_target.h
+#include "hwy/highway.h"
+#include "kernels/simd/decode_units-inl.h"
+// clang-format on
+
+#if HWY_ONCE
+namespace tokenmix::kernels {
+
+const DecodeKernel attention_decode_int8_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<std::int8_t>);
+const DecodeKernel attention_decode_int8_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<std::int8_t>);
+const DecodeKernel attention_decode_int8_neon = TOKENMIX_SIMD_NEON(DecodeUnits<std::int8_t>);
+
+}  // namespace tokenmix::kernels
+#endif  // HWY_ONCE

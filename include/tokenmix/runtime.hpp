@@ -91,7 +91,7 @@ bool linear_decode_prefetch();
 /// (query positions × the heads of a KV group, e.g. T_new ≥ 4 at 4 query heads per KV head; int8:
 /// from 4 rows, T_new ≥ 1 there; bf16: from 32 rows, T_new ≥ 8 there, and not at 36 rows; d_h a
 /// multiple of 64 up to 256). An int8 cache must hold its tiles in quads
-/// (KVCacheConfig::int8_quads, the default where the CPU has AMX-INT8); one in rows always takes
+/// (KVCacheConfig::int8_quads = true; rows are the default on every CPU); one in rows always takes
 /// the FMA products.
 /// - int8 (AMX-INT8, TDPBSSD / TDPBUSD): the fp32 query rows and the probabilities are written as
 ///   sums of integer planes (per row: within 2^−27 of the row's largest |element| for Q, 2^−23

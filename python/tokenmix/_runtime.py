@@ -12,7 +12,7 @@ default_threads = _C.default_threads
 describe_kernel = _C.describe_kernel
 cpu_cap = _C.cpu_cap  # None, or the TOKENMIX_CPU_CAP cap in effect ("portable"/"avx2"/"avx512")
 # True if the avx512 decode kernel reads an fp8 E4M3 cache straight as fp32 bits, False if through
-# f16 bits (TOKENMIX_FP8_WIDEN=direct|f16; automatic: direct on AMD Zen 4). Same results either way.
+# f16 bits (TOKENMIX_FP8_WIDEN=direct|f16; automatic: direct on AMD family 19h/1Ah, Zen 3 to Zen 5). Same results either way.
 fp8_direct_widening = _C.fp8_direct_widening
 # True if the avx512 / avx2 decode kernels prefetch every cache dtype's next tile pair in address
 # order, False if each path's per-dtype choice (TOKENMIX_LINEAR_PREFETCH=all|per-dtype; automatic:

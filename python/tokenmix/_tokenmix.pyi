@@ -116,7 +116,7 @@ def linear_decode_prefetch() -> bool:
     read at each call; automatic: all on Intel). Same results either way."""
 def decode_amx(cache_dtype: str = "int8") -> bool:
     """True if decode over a `cache_dtype` cache ("int8", "fp8_e4m3" or "bf16") on the avx512 paths
-    runs the products of its units of >= 16 rows (bf16: from 32 rows) on AMX tiles: AMX-INT8 for
+    runs the products of its larger units (int8 from 4 rows, fp8 from 16, bf16 from 32) on AMX tiles: AMX-INT8 for
     int8, AMX-BF16 for fp8 and bf16 (a bf16 tile holding NaN, inf, subnormal or huge values takes
     an exact fallback) (TOKENMIX_DECODE_AMX=on|off, read at each call; automatic: where the CPU
     has them,

@@ -218,14 +218,11 @@ Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, s
   if (o.softcap) a.var.softcap = static_cast<float>(*o.softcap);
   a.ring = ring;
   a.dtype = cc.dtype;
-  a.fp8_direct = cc.dtype == DType::fp8_e4m3 && detail::fp8_direct_widening(fn);
-  a.linear_prefetch = detail::linear_decode_prefetch(fn);
-  // AMX tile products for an int8, fp8 or bf16 cache, on the avx512 paths
-  // (kernels/simd/amx_decode.hpp).
-  // An int8 cache in rows (KVCacheConfig::int8_quads false) has no tile products.
-  a.amx = (cc.dtype == DType::int8 || cc.dtype == DType::fp8_e4m3 || cc.dtype == DType::bf16) &&
-          detail::decode_amx(fn, isa == Isa::avx512 || isa == Isa::avx512_bf16, to_string(isa),
-                             cc.dtype, cc.dtype != DType::int8 || cache.int8_quads());
+  // The kernel and its per-CPU choices, decided once (dispatch/cpu_cap.hpp, choose_decode).
+  const detail::DecodeChoice choice = detail::choose_decode(fn, isa, cc.dtype, cache.int8_quads());
+  a.fp8_direct = choice.fp8_direct;
+  a.linear_prefetch = choice.linear_prefetch;
+  a.amx = choice.amx;
   const std::int64_t g = a.group();
   a.qblock = std::max<std::int64_t>(1, std::min(a.tnew, kMaxRows / g));
   a.qblocks = (a.tnew + a.qblock - 1) / a.qblock;
@@ -235,8 +232,7 @@ Plan make_plan(const char* fn, const ConstTensorView& q, const KVCache& cache, s
   // Units only for the chunks each sequence has (a.units() once chunk_first is filled).
   const std::int64_t units = total_chunks * a.hkv * a.qblocks, rows = a.rows_max();
   plan.team = static_cast<int>(std::clamp<std::int64_t>(a.threads, 1, units));
-  // The kernel for this path and the cache's dtype (kernels/registry.cpp).
-  plan.named = kernels::select_decode(fn, isa, cc.dtype);
+  plan.named = choice.kernel;
   // One buffer, reused across calls: per-worker scratch regions (DecodeScratch), then the
   // partials (Õ, m, l) of every unit and the contiguous [H_q] slopes and sinks.
   const kernels::CallSite site{fn, plan.named.name};

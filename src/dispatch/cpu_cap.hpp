@@ -2,6 +2,7 @@
 // naming the calling entry point (runtime.hpp documents the variable).
 #pragma once
 
+#include "kernels/registry.hpp"
 #include "tokenmix/runtime.hpp"
 
 namespace tokenmix::detail {
@@ -52,5 +53,18 @@ bool linear_prefetch_preferred(bool intel);
 /// `tiles_fit` false (an int8 cache in rows, not quads): never (`on`: UnsupportedError).
 bool decode_amx(const char* fn, bool path_has_amx, const char* path, DType cache,
                 bool tiles_fit = true);
+
+/// What runs for one decode call, decided once, in one place, when its path is resolved: the
+/// kernel of (path, cache dtype) from the registry and the three per-CPU choices of the decode
+/// wing (each documented above, each printed by `tokenmix info`). `int8_quads`: the cache's int8
+/// tiles are VNNI-4 quads (KVCache::int8_quads), without which an int8 cache has no tile products.
+/// Throws what select_decode and the three switches throw, naming `fn`.
+struct DecodeChoice {
+  kernels::NamedKernel<kernels::DecodeKernel> kernel;
+  bool fp8_direct = false;       ///< kernels::DecodeArgs::fp8_direct (fp8_direct_widening)
+  bool linear_prefetch = false;  ///< kernels::DecodeArgs::linear_prefetch (linear_decode_prefetch)
+  bool amx = false;              ///< kernels::DecodeArgs::amx (decode_amx)
+};
+DecodeChoice choose_decode(const char* fn, Isa isa, DType cache, bool int8_quads);
 
 }  // namespace tokenmix::detail

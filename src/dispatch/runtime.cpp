@@ -124,4 +124,20 @@ const char* version() noexcept {
   return TOKENMIX_VERSION;
 }
 
+namespace detail {
+
+DecodeChoice choose_decode(const char* fn, Isa isa, DType cache, bool int8_quads) {
+  DecodeChoice c;
+  c.fp8_direct = cache == DType::fp8_e4m3 && fp8_direct_widening(fn);
+  c.linear_prefetch = linear_decode_prefetch(fn);
+  // AMX tile products for an int8, fp8 or bf16 cache, on the avx512 paths
+  // (kernels/simd/amx_decode.hpp); an int8 cache in rows has none.
+  c.amx = (cache == DType::int8 || cache == DType::fp8_e4m3 || cache == DType::bf16) &&
+          decode_amx(fn, isa == Isa::avx512 || isa == Isa::avx512_bf16, to_string(isa), cache,
+                     cache != DType::int8 || int8_quads);
+  c.kernel = kernels::select_decode(fn, isa, cache);
+  return c;
+}
+
+}  // namespace detail
 }  // namespace tokenmix

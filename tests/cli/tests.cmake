@@ -221,6 +221,11 @@ tokenmix_cli_test(bench_decode_variants_json
                   ARGS bench decode --cache-tokens 256 --cache-dtype f32 --hq 4 --hkv 2 --dh 16 --repeats 1
                        --json --window 64 --sinks 0,1,2,3 TIMEOUT 600
                   STDOUT "\"op\": \"decode\".*\"ceiling_kind\": \"openblas_sgemm_2048\", \"sgemm_core\": \"[A-Za-z0-9_]+\".*\"window\": 64, \"softcap\": null, \"alibi\": false, \"sinks\": \\[0, 1, 2, 3\\]")
+# forward / backward: the sgemm ceiling's passes, interleaved with the timed calls, and their
+# spread (issue 58: one slow ceiling pass decides no ratio).
+tokenmix_cli_test(bench_ceiling_spread_json
+                  ARGS bench backward --tq 64 --hq 4 --hkv 2 --dh 16 --repeats 3 --json TIMEOUT 600
+                  STDOUT "\"op\": \"backward\".*\"ceiling_gflops\": [0-9.e+-]+.*\"ceiling_min\": [0-9.e+-]+, \"ceiling_max\": [0-9.e+-]+")
 # bf16 on a CPU without bf16 GEMM instructions (TOKENMIX_CPU_CAP=avx2: as on AMD Zen 3, where
 # oneDNN has no bf16 matmul): the ceiling is sgemm over the widened operands, and says so.
 tokenmix_cli_test(bench_bf16_ceiling_without_bf16_gemm

@@ -113,9 +113,12 @@ struct BenchResult {
   std::string sgemm_core;  ///< OpenBLAS's kernel family for sgemm (sgemm_core()), every op
   double seconds;          ///< median wall time of one call
   double gflops;           ///< useful GFLOP/s
-  double ceiling_gflops;   ///< SgemmCeiling, best of several, same thread count (decode: see there)
-  double ratio;            ///< gflops / ceiling_gflops
-  double max_rel_err;      ///< vs float64 reference on a slice: max|x − r| / max|r|
+  /// forward/backward: the sgemm ceiling's median over passes interleaved with the timed calls
+  /// (one per call), or oneDNN's bf16 GEMM measured once; decode: see below
+  double ceiling_gflops;
+  double ceiling_min = 0.0, ceiling_max = 0.0;  ///< forward/backward: the passes' spread
+  double ratio;                                 ///< gflops / ceiling_gflops
+  double max_rel_err;        ///< vs float64 reference on a slice: max|x − r| / max|r|
   std::int64_t extra_bytes;  ///< peak resident memory growth during the call
   // decode only (to_json writes them for op "decode"; there gflops counts the useful FLOPs
   // 4·d_h·H_q·Σ_b pairs_b (the (query, key) pairs each sequence's T_new queries see, bottom-right

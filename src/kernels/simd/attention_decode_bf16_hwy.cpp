@@ -14,11 +14,6 @@
 
 #if HWY_ONCE
 namespace tokenmix::kernels {
-
-const DecodeKernel attention_decode_bf16_avx512 =
-    TOKENMIX_SIMD_AVX512(DecodeUnits<hwy::bfloat16_t>);
-const DecodeKernel attention_decode_bf16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<hwy::bfloat16_t>);
-const DecodeKernel attention_decode_bf16_neon = TOKENMIX_SIMD_NEON(DecodeUnits<hwy::bfloat16_t>);
-
+TOKENMIX_DECODE_KERNELS(bf16, hwy::bfloat16_t);
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

@@ -14,10 +14,6 @@
 
 #if HWY_ONCE
 namespace tokenmix::kernels {
-
-const DecodeKernel attention_decode_f16_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<hwy::float16_t>);
-const DecodeKernel attention_decode_f16_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<hwy::float16_t>);
-const DecodeKernel attention_decode_f16_neon = TOKENMIX_SIMD_NEON(DecodeUnits<hwy::float16_t>);
-
+TOKENMIX_DECODE_KERNELS(f16, hwy::float16_t);
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

@@ -14,10 +14,6 @@
 
 #if HWY_ONCE
 namespace tokenmix::kernels {
-
-const DecodeKernel attention_decode_f32_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<float>);
-const DecodeKernel attention_decode_f32_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<float>);
-const DecodeKernel attention_decode_f32_neon = TOKENMIX_SIMD_NEON(DecodeUnits<float>);
-
+TOKENMIX_DECODE_KERNELS(f32, float);
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

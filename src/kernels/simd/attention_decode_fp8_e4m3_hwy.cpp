@@ -14,10 +14,6 @@
 
 #if HWY_ONCE
 namespace tokenmix::kernels {
-
-const DecodeKernel attention_decode_fp8_e4m3_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<fp8_e4m3_t>);
-const DecodeKernel attention_decode_fp8_e4m3_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<fp8_e4m3_t>);
-const DecodeKernel attention_decode_fp8_e4m3_neon = TOKENMIX_SIMD_NEON(DecodeUnits<fp8_e4m3_t>);
-
+TOKENMIX_DECODE_KERNELS(fp8_e4m3, fp8_e4m3_t);
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

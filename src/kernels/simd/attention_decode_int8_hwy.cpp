@@ -14,10 +14,6 @@
 
 #if HWY_ONCE
 namespace tokenmix::kernels {
-
-const DecodeKernel attention_decode_int8_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<std::int8_t>);
-const DecodeKernel attention_decode_int8_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<std::int8_t>);
-const DecodeKernel attention_decode_int8_neon = TOKENMIX_SIMD_NEON(DecodeUnits<std::int8_t>);
-
+TOKENMIX_DECODE_KERNELS(int8, std::int8_t);
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

@@ -977,3 +977,12 @@ void DecodeUnits(const DecodeArgs& a) {
 HWY_AFTER_NAMESPACE();
 
 #endif  // include guard (per target)
+
+// The three exports of one cache dtype's translation unit (its HWY_ONCE part): the kernel per
+// target, attention_decode_<dtype>_<avx512|avx2|neon>, null where the target is not compiled.
+#ifndef TOKENMIX_DECODE_KERNELS
+#define TOKENMIX_DECODE_KERNELS(dtype, TB)                                                      \
+  const DecodeKernel attention_decode_##dtype##_avx512 = TOKENMIX_SIMD_AVX512(DecodeUnits<TB>); \
+  const DecodeKernel attention_decode_##dtype##_avx2 = TOKENMIX_SIMD_AVX2(DecodeUnits<TB>);     \
+  const DecodeKernel attention_decode_##dtype##_neon = TOKENMIX_SIMD_NEON(DecodeUnits<TB>)
+#endif

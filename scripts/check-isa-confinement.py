@@ -31,6 +31,8 @@ import subprocess
 import sys
 
 # Scopes (qualified-name prefixes, template arguments removed) whose code runs only after dispatch.
+# A new intrinsic file (functions under HWY_PUSH_ATTRIBUTES, called only from a dispatched kernel)
+# puts its functions in a namespace of its own and adds that namespace here.
 DISPATCHED_SCOPES = re.compile(
     r"(^|::)N_(AVX2|AVX3|AVX3_DL|AVX3_ZEN4|AVX3_SPR)::"
     r"|^tokenmix::kernels::amx::"

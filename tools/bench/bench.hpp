@@ -195,10 +195,6 @@ bool cpu_has_bf16_gemm();
 /// receives a description (library, ISA). Throws UnsupportedError when this build has no oneDNN
 /// (libdnnl-dev) or oneDNN has no bf16 matmul for the CPU.
 double bf16_gemm_ceiling_gflops(int threads, std::string& kind, int repeats = 10);
-/// The ceiling of a bf16 case: the bf16 GEMM where the CPU has bf16 GEMM instructions; elsewhere
-/// (AVX2-only CPUs, where oneDNN has no bf16 matmul) the fastest GEMM it has, sgemm over the
-/// widened operands, and `kind` says so.
-double bf16_ceiling_gflops(int threads, std::string& kind);
 
 /// One forward or backward case of the bench: seeded contiguous [B, T, H, d_h] inputs and
 /// outputs of `shape`, the call that is timed, its useful FLOPs (SPEC "Useful-work counts", from

@@ -113,6 +113,26 @@ bool linear_decode_prefetch();
 /// another value, or for another cache_dtype.
 bool decode_amx(DType cache_dtype = DType::int8);
 
+/// Decode's per-CPU choices on one path, as attention_decode makes them for each call there: the
+/// path's entry in the kernel registry says which choices its decode kernels have (portable and
+/// neon: none of them; avx2: the fp8 widening and the prefetch order; avx512: also AMX), and the
+/// CPU with the TOKENMIX_FP8_WIDEN / TOKENMIX_LINEAR_PREFETCH / TOKENMIX_DECODE_AMX switches picks
+/// among those (fp8_direct_widening, linear_decode_prefetch, decode_amx above). `tokenmix info`
+/// prints it for the resolved path.
+struct DecodeTuning {
+  Isa isa = Isa::portable;        ///< the resolved path these choices are for
+  bool fp8_direct = false;        ///< an fp8 cache's codes widened straight into fp32 bits
+  bool linear_prefetch = false;   ///< every cache dtype prefetched in address order
+  std::string prefetch_by_dtype;  ///< the path's prefetch order per dtype otherwise
+  bool amx_int8 = false;          ///< an int8 cache in quads: AMX-INT8 tile products
+  bool amx_fp8 = false;           ///< an fp8 cache: AMX-BF16 tile products
+  bool amx_bf16 = false;          ///< a bf16 cache: AMX-BF16 tile products
+};
+/// The decode tuning of path `isa` (automatic: the one resolve_isa picks) on this CPU. Throws what
+/// resolve_isa and the three switches throw (TOKENMIX_DECODE_AMX=on where the path or the CPU has
+/// no tile products: UnsupportedError).
+DecodeTuning decode_tuning(Isa isa = Isa::automatic);
+
 /// Paths compiled into this build and runnable on this CPU, lowest first (always has portable).
 std::vector<Isa> available_isas();
 
@@ -125,7 +145,7 @@ Isa resolve_isa(Isa requested, const char* fn = "resolve_isa");
 int default_threads();
 
 /// One-line description of the kernels behind a path (their names, as in the kernel registry,
-/// src/kernels/registry.cpp), for `tokenmix info`.
+/// src/dispatch/registry.cpp), for `tokenmix info`.
 std::string describe_kernel(Isa isa);
 
 /// Library version, "MAJOR.MINOR.PATCH".

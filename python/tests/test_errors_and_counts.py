@@ -73,7 +73,7 @@ def test_unallocatable_scratch_is_a_resource_error(isa):
             tm.attention_forward(q, k, v, out=out, lse=lse, isa=isa)
         assert isinstance(e.value, MemoryError) and e.value.code == "out_of_memory"
         msg = str(e.value)
-        # (the avx512_bf16 path runs the avx512 kernels on float32: kernels/registry.cpp)
+        # (the avx512_bf16 path runs the avx512 kernels on float32: dispatch/registry.cpp)
         kname = "avx512" if isa == "avx512_bf16" else isa
         assert msg.startswith("attention_forward: ") and f"attention_fwd_f32_{kname}" in msg, msg
         assert "bytes" in msg, msg

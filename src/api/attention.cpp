@@ -11,9 +11,9 @@
 
 #include "api/short_query.hpp"
 #include "api/variants.hpp"
+#include "dispatch/registry.hpp"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kernel_skeleton.hpp"
-#include "kernels/registry.hpp"
 #include "tokenmix/error.hpp"
 #include "util/validate.hpp"
 

@@ -46,8 +46,8 @@
 #include <cstring>
 
 #include "decode/decode_internal.hpp"
+#include "dispatch/registry.hpp"
 #include "kernels/kernel_skeleton.hpp"
-#include "kernels/registry.hpp"
 #include "kernels/scratch_arena.hpp"
 
 namespace tokenmix::detail {

@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "api/variants.hpp"
+#include "dispatch/registry.hpp"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/kernel_skeleton.hpp"
 #include "kernels/kv_element.hpp"
-#include "kernels/registry.hpp"
 #include "tokenmix/attention.hpp"
 #include "tokenmix/error.hpp"
 #include "util/validate.hpp"

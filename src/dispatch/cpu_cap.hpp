@@ -2,7 +2,7 @@
 // naming the calling entry point (runtime.hpp documents the variable).
 #pragma once
 
-#include "kernels/registry.hpp"
+#include "dispatch/registry.hpp"
 #include "tokenmix/runtime.hpp"
 
 namespace tokenmix::detail {
@@ -44,7 +44,8 @@ bool linear_prefetch_preferred(bool intel);
 
 /// Decode over an int8, fp8_e4m3 or bf16 cache (`cache`) on the avx512 paths: run the per-tile
 /// products of units of ≥ 16 rows (bf16: where they pay) on AMX tiles (kernels::DecodeArgs::amx,
-/// simd/amx_decode.hpp). `path_has_amx`: the call runs an avx512 path (`path` names the one it
+/// simd/amx_decode.hpp). `path_has_amx`: the path the call runs has them (its registry entry
+/// KernelSet::decode_tunables: the avx512 paths of a build with AMX; `path` names the one it
 /// runs). TOKENMIX_DECODE_AMX, read now: `off` never; `on` requires it (UnsupportedError naming
 /// `fn` where it cannot run: the CPU lacks the features, no Linux grant, or another path); unset or
 /// empty: where the path has it, cpu_features(fn).amx_int8 (int8) or amx_bf16 (fp8, bf16) holds

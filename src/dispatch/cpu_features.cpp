@@ -262,7 +262,9 @@ bool decode_amx(const char* fn, bool path_has_amx, const char* path, DType cache
   if (!path_has_amx) {
     if (forced) {
       throw UnsupportedError(std::string(fn) + ": TOKENMIX_DECODE_AMX=on, but this call runs the " +
-                             path + " path (AMX tile products exist on the avx512 paths only)");
+                             path +
+                             " path, whose decode kernels have no AMX tile products (the avx512 "
+                             "paths of a build with AMX have them)");
     }
     return false;
   }

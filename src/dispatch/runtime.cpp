@@ -1,5 +1,5 @@
 // src/dispatch/runtime.cpp — ISA choice (one per public call), threads and version. Which
-// paths exist and which kernels they run comes from the kernel registry (kernels/registry.cpp).
+// paths exist and which kernels they run comes from the kernel registry (dispatch/registry.cpp).
 #include "tokenmix/runtime.hpp"
 
 #include <omp.h>
@@ -8,7 +8,7 @@
 #include <string>
 
 #include "dispatch/cpu_cap.hpp"
-#include "kernels/registry.hpp"
+#include "dispatch/registry.hpp"
 #include "tokenmix/error.hpp"
 
 #ifndef TOKENMIX_VERSION
@@ -120,6 +120,20 @@ std::string describe_kernel(Isa isa) {
   return names + ": " + set.description;
 }
 
+DecodeTuning decode_tuning(Isa isa) {
+  constexpr const char* fn = "decode_tuning";
+  DecodeTuning t;
+  t.isa = resolve_isa(isa, fn);
+  t.prefetch_by_dtype = kernels::kernel_set(t.isa).decode_tunables.prefetch_by_dtype;
+  t.amx_int8 = detail::choose_decode(fn, t.isa, DType::int8, /*int8_quads=*/true).amx;
+  const detail::DecodeChoice fp8 = detail::choose_decode(fn, t.isa, DType::fp8_e4m3, false);
+  t.fp8_direct = fp8.fp8_direct;
+  t.linear_prefetch = fp8.linear_prefetch;
+  t.amx_fp8 = fp8.amx;
+  t.amx_bf16 = detail::choose_decode(fn, t.isa, DType::bf16, false).amx;
+  return t;
+}
+
 const char* version() noexcept {
   return TOKENMIX_VERSION;
 }
@@ -127,14 +141,16 @@ const char* version() noexcept {
 namespace detail {
 
 DecodeChoice choose_decode(const char* fn, Isa isa, DType cache, bool int8_quads) {
+  // Only among the choices the path's registry entry has (KernelSet::decode_tunables); a switch
+  // that applies to the call is read (and a bad value refused) whatever the path.
+  const kernels::DecodeTunables& has = kernels::kernel_set(isa).decode_tunables;
   DecodeChoice c;
-  c.fp8_direct = cache == DType::fp8_e4m3 && fp8_direct_widening(fn);
-  c.linear_prefetch = linear_decode_prefetch(fn);
-  // AMX tile products for an int8, fp8 or bf16 cache, on the avx512 paths
-  // (kernels/simd/amx_decode.hpp); an int8 cache in rows has none.
+  c.fp8_direct = cache == DType::fp8_e4m3 && fp8_direct_widening(fn) && has.fp8_direct;
+  c.linear_prefetch = linear_decode_prefetch(fn) && has.linear_prefetch;
+  // AMX tile products for an int8, fp8 or bf16 cache (kernels/simd/amx_decode.hpp); an int8
+  // cache in rows has none.
   c.amx = (cache == DType::int8 || cache == DType::fp8_e4m3 || cache == DType::bf16) &&
-          decode_amx(fn, isa == Isa::avx512 || isa == Isa::avx512_bf16, to_string(isa), cache,
-                     cache != DType::int8 || int8_quads);
+          decode_amx(fn, has.amx, to_string(isa), cache, cache != DType::int8 || int8_quads);
   c.kernel = kernels::select_decode(fn, isa, cache);
   return c;
 }

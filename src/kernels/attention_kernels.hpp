@@ -3,7 +3,7 @@
 // checked: shapes agree, pointers are valid, sizes fit, outputs do not alias inputs.
 //
 // Which kernel runs for which ISA and dtype is decided in one place, the registry
-// (kernels/registry.cpp); this header only declares the kernels it lists.
+// (dispatch/registry.cpp); this header only declares the kernels it lists.
 #pragma once
 
 #include <algorithm>

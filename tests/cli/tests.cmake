@@ -85,15 +85,21 @@ tokenmix_cli_test(bench_help_variants ARGS bench --help
 tokenmix_cli_test(check_help ARGS check --help STDOUT "--isa")
 tokenmix_cli_test(info_help ARGS info --help STDOUT "info")
 tokenmix_cli_test(info ARGS info
-                  STDOUT "tokenmix [0-9]+\\.[0-9]+\\.[0-9]+.*cpu:.*available paths: portable.*kernel path: .*fp8 cache: +(direct|f16) widening on avx512/avx2 \\((automatic|TOKENMIX_FP8_WIDEN=[a-z0-9]+)\\).*decode prefetch: address order for (every cache dtype|f32 on avx512, all but int8/fp8 on avx2 \\(the others row by row\\)) \\((automatic|TOKENMIX_LINEAR_PREFETCH=[a-z-]+)\\).*threads: +[1-9]")
+                  STDOUT "tokenmix [0-9]+\\.[0-9]+\\.[0-9]+.*cpu:.*available paths: portable.*kernel path: .*fp8 cache: +(direct widening into fp32 bits|widening through f16 bits) on [a-z0-9_]+ \\((automatic|TOKENMIX_FP8_WIDEN=[a-z0-9]+)\\).*decode prefetch: (address order for every cache dtype|address order for f32, the others row by row|address order for f32/bf16/f16, int8/fp8 row by row|row by row) on [a-z0-9_]+ \\((automatic|TOKENMIX_LINEAR_PREFETCH=[a-z-]+)\\).*threads: +[1-9]")
 # TOKENMIX_LINEAR_PREFETCH: `tokenmix info` names a forced choice; a bad value is one line on
 # stderr and exit 2, before any output.
 tokenmix_cli_test(info_linear_prefetch_forced ARGS info
-                  STDOUT "decode prefetch: address order for f32 on avx512, all but int8/fp8 on avx2 \\(the others row by row\\) \\(TOKENMIX_LINEAR_PREFETCH=per-dtype\\)")
+                  STDOUT "decode prefetch: (address order for f32, the others row by row|address order for f32/bf16/f16, int8/fp8 row by row|row by row) on [a-z0-9_]+ \\(TOKENMIX_LINEAR_PREFETCH=per-dtype\\)")
 set_tests_properties(cli_info_linear_prefetch_forced PROPERTIES
                      ENVIRONMENT "TOKENMIX_LINEAR_PREFETCH=per-dtype")
+# The tuning is the resolved path's registry entry's (dispatch/registry.cpp): the portable path
+# has neither the direct fp8 reading nor the prefetch cursor, whatever the switches ask.
+tokenmix_cli_test(info_portable_decode_tuning ARGS info
+                  STDOUT "kernel path:     portable .*fp8 cache:       widening through f16 bits on portable \\(TOKENMIX_FP8_WIDEN=direct\\).*decode prefetch: row by row on portable \\(TOKENMIX_LINEAR_PREFETCH=all\\)")
+set_tests_properties(cli_info_portable_decode_tuning PROPERTIES
+                     ENVIRONMENT "TOKENMIX_ISA=portable;TOKENMIX_FP8_WIDEN=direct;TOKENMIX_LINEAR_PREFETCH=all")
 tokenmix_cli_test(info_linear_prefetch_all ARGS info
-                  STDOUT "decode prefetch: address order for every cache dtype \\(TOKENMIX_LINEAR_PREFETCH=all\\)")
+                  STDOUT "decode prefetch: address order for every cache dtype on [a-z0-9_]+ \\(TOKENMIX_LINEAR_PREFETCH=all\\)")
 set_tests_properties(cli_info_linear_prefetch_all PROPERTIES ENVIRONMENT "TOKENMIX_LINEAR_PREFETCH=all")
 tokenmix_cli_test(info_bad_linear_prefetch ARGS info EXPECT_RC 2 ONE_LINE_ERROR
                   STDOUT_NOT "tokenmix [0-9]"
@@ -102,7 +108,7 @@ set_tests_properties(cli_info_bad_linear_prefetch PROPERTIES ENVIRONMENT "TOKENM
 # TOKENMIX_DECODE_AMX: `off` is shown as such on every CPU; a bad value, and `on` under a CPU cap
 # that hides AMX, are one line on stderr and exit 2, before any output.
 tokenmix_cli_test(info_decode_amx_off ARGS info
-                  STDOUT "int8 decode:     FMA products \\(no AMX-INT8 tile products\\) \\(TOKENMIX_DECODE_AMX=off\\).*fp8 decode:      FMA products \\(no AMX-BF16 tile products\\) \\(TOKENMIX_DECODE_AMX=off\\).*bf16 decode:     FMA products \\(no AMX-BF16 tile products\\) \\(TOKENMIX_DECODE_AMX=off\\)")
+                  STDOUT "int8 decode:     FMA products \\(no AMX-INT8 tile products\\) on [a-z0-9_]+ \\(TOKENMIX_DECODE_AMX=off\\).*fp8 decode:      FMA products \\(no AMX-BF16 tile products\\) on [a-z0-9_]+ \\(TOKENMIX_DECODE_AMX=off\\).*bf16 decode:     FMA products \\(no AMX-BF16 tile products\\) on [a-z0-9_]+ \\(TOKENMIX_DECODE_AMX=off\\)")
 set_tests_properties(cli_info_decode_amx_off PROPERTIES ENVIRONMENT "TOKENMIX_DECODE_AMX=off")
 tokenmix_cli_test(info_bad_decode_amx ARGS info EXPECT_RC 2 ONE_LINE_ERROR
                   STDOUT_NOT "tokenmix [0-9]"
@@ -110,7 +116,7 @@ tokenmix_cli_test(info_bad_decode_amx ARGS info EXPECT_RC 2 ONE_LINE_ERROR
 set_tests_properties(cli_info_bad_decode_amx PROPERTIES ENVIRONMENT "TOKENMIX_DECODE_AMX=sometimes")
 tokenmix_cli_test(info_decode_amx_on_hidden ARGS info EXPECT_RC 2 ONE_LINE_ERROR
                   STDOUT_NOT "tokenmix [0-9]"
-                  STDERR "TOKENMIX_DECODE_AMX=on, but AMX-INT8 cannot run here")
+                  STDERR "TOKENMIX_DECODE_AMX=on, but this call runs the portable path, whose decode kernels have no AMX tile products")
 set_tests_properties(cli_info_decode_amx_on_hidden PROPERTIES
                      ENVIRONMENT "TOKENMIX_DECODE_AMX=on;TOKENMIX_CPU_CAP=portable")
 tokenmix_cli_test(check ARGS check STDOUT "PASS .*PASS .*[0-9]+ of [0-9]+ checks passed"

@@ -1,4 +1,4 @@
-// tests/unit/test_dispatch.cpp — the kernel registry (src/kernels/registry.cpp), the CPU cap
+// tests/unit/test_dispatch.cpp — the kernel registry (src/dispatch/registry.cpp), the CPU cap
 // TOKENMIX_CPU_CAP (runtime.hpp), entry-point names in ISA errors, and ResourceError from the
 // kernels' one allocation function (src/kernels/scratch_arena.hpp).
 //
@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "dispatch/cpu_cap.hpp"
+#include "dispatch/registry.hpp"
 #include "kernels/kv_tile_layout.hpp"
-#include "kernels/registry.hpp"
 #include "kernels/scratch_arena.hpp"
 #include "test_util.hpp"
 #include "tokenmix/tokenmix.hpp"
@@ -503,6 +503,55 @@ TEST(Dispatch, InvalidLinearPrefetchIsAnArgumentErrorNamingTheVariable) {
 TEST(Dispatch, LinearPrefetchForEveryCacheDtypeIsPreferredOnIntelOnly) {
   EXPECT_TRUE(detail::linear_prefetch_preferred(true));
   EXPECT_FALSE(detail::linear_prefetch_preferred(false));
+}
+
+// Decode's tuning is a field of each registry entry (KernelSet::decode_tunables): portable and
+// neon have none of the choices, avx2 the fp8 widening and the prefetch order, the avx512 paths
+// also AMX where the build has it. decode_tuning(path) and each decode call pick only among the
+// entry's choices, whatever the switches ask; the expectations read the CPU through the public
+// switch functions, so they hold on every CPU.
+TEST(Dispatch, DecodeTuningIsTheResolvedPathsRegistryEntry) {
+  const ScopedEnv cap("TOKENMIX_CPU_CAP", nullptr);
+  const ScopedEnv isa_env("TOKENMIX_ISA", nullptr);
+  const ScopedEnv amx("TOKENMIX_DECODE_AMX", nullptr);
+  for (const kernels::KernelSet& set : kernels::kernel_sets()) {
+    const bool simd_x86 =
+        set.isa == Isa::avx2 || set.isa == Isa::avx512 || set.isa == Isa::avx512_bf16;
+    EXPECT_EQ(set.decode_tunables.fp8_direct, simd_x86) << to_string(set.isa);
+    EXPECT_EQ(set.decode_tunables.linear_prefetch, simd_x86) << to_string(set.isa);
+    if (set.isa != Isa::avx512 && set.isa != Isa::avx512_bf16) {
+      EXPECT_FALSE(set.decode_tunables.amx) << to_string(set.isa);
+    }
+    EXPECT_NE(std::string(set.decode_tunables.prefetch_by_dtype), "") << to_string(set.isa);
+  }
+  for (const Isa isa : available_isas()) {
+    const kernels::DecodeTunables& has = kernels::kernel_set(isa).decode_tunables;
+    for (const char* widen : {"direct", "f16"}) {
+      for (const char* order : {"all", "per-dtype"}) {
+        const ScopedEnv w("TOKENMIX_FP8_WIDEN", widen);
+        const ScopedEnv o("TOKENMIX_LINEAR_PREFETCH", order);
+        const DecodeTuning t = decode_tuning(isa);
+        EXPECT_EQ(t.isa, isa);
+        EXPECT_EQ(t.fp8_direct, has.fp8_direct && std::string(widen) == "direct")
+            << to_string(isa) << " " << widen;
+        EXPECT_EQ(t.linear_prefetch, has.linear_prefetch && std::string(order) == "all")
+            << to_string(isa) << " " << order;
+        EXPECT_EQ(t.prefetch_by_dtype, has.prefetch_by_dtype);
+      }
+    }
+    const DecodeTuning automatic = decode_tuning(isa);
+    EXPECT_EQ(automatic.fp8_direct, has.fp8_direct && fp8_direct_widening()) << to_string(isa);
+    EXPECT_EQ(automatic.linear_prefetch, has.linear_prefetch && linear_decode_prefetch())
+        << to_string(isa);
+    if (!has.amx) {
+      EXPECT_FALSE(automatic.amx_int8 || automatic.amx_fp8 || automatic.amx_bf16) << to_string(isa);
+      const ScopedEnv on("TOKENMIX_DECODE_AMX", "on");
+      expect_error<UnsupportedError>(
+          [isa] { (void)decode_tuning(isa); }, ErrorCode::unsupported,
+          {"decode_tuning", "TOKENMIX_DECODE_AMX=on", to_string(isa), "no AMX tile products"});
+    }
+  }
+  EXPECT_EQ(decode_tuning().isa, resolve_isa(Isa::automatic));
 }
 
 // ---- ResourceError ---------------------------------------------------------------------------

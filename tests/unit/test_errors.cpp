@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/registry.hpp"
+#include "dispatch/registry.hpp"
 #include "test_util.hpp"
 
 namespace tokenmix::testing {

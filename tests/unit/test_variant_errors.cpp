@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/registry.hpp"
+#include "dispatch/registry.hpp"
 #include "test_util.hpp"
 #include "tokenmix/tokenmix.hpp"
 

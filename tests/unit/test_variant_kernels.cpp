@@ -22,8 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "dispatch/registry.hpp"
 #include "kernels/attention_kernels.hpp"
-#include "kernels/registry.hpp"
 #include "reference/reference.hpp"
 #include "test_util.hpp"
 

@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "api/variants.hpp"
-#include "kernels/registry.hpp"
+#include "dispatch/registry.hpp"
 #include "reference/reference.hpp"
 #include "test_util.hpp"
 #include "tokenmix/tokenmix.hpp"

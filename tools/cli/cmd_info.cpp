@@ -11,11 +11,9 @@ namespace {
 
 int run_info() {
   const Isa chosen = resolve_isa(Isa::automatic);  // may throw (bad TOKENMIX_ISA): before output
-  const bool fp8_direct = fp8_direct_widening();   // may throw (bad TOKENMIX_FP8_WIDEN): ditto
-  const bool linear = linear_decode_prefetch();    // may throw (bad TOKENMIX_LINEAR_PREFETCH)
-  // May throw (bad TOKENMIX_DECODE_AMX, or `on` where a cache's tile products cannot run).
-  const bool amx_int8 = decode_amx(DType::int8), amx_fp8 = decode_amx(DType::fp8_e4m3),
-             amx_bf16 = decode_amx(DType::bf16);
+  // May throw (a bad TOKENMIX_FP8_WIDEN / TOKENMIX_LINEAR_PREFETCH / TOKENMIX_DECODE_AMX, or `on`
+  // where the path or the CPU has no tile products): before any output too.
+  const DecodeTuning tuning = decode_tuning(chosen);
   const CpuFeatures& cpu = cpu_features();
   std::cout << "tokenmix " << version() << "\n";
   std::cout << "cpu:             " << (cpu.model.empty() ? "(unknown)" : cpu.model) << "\n";
@@ -36,38 +34,33 @@ int run_info() {
                     ? std::string(", TOKENMIX_ISA=") + std::getenv("TOKENMIX_ISA")
                     : std::string())
             << ") - " << describe_kernel(chosen) << "\n";
-  const char* widen_env = std::getenv("TOKENMIX_FP8_WIDEN");
-  const bool widen_forced = widen_env != nullptr && *widen_env != '\0';
-  std::cout << "fp8 cache:       " << (fp8_direct ? "direct" : "f16")
-            << " widening on avx512/avx2 ("
-            << (widen_forced ? std::string("TOKENMIX_FP8_WIDEN=") + widen_env
-                             : std::string("automatic"))
-            << ")\n";
-  const char* linear_env = std::getenv("TOKENMIX_LINEAR_PREFETCH");
-  const bool linear_forced = linear_env != nullptr && *linear_env != '\0';
-  std::cout << "decode prefetch: address order for "
-            << (linear ? "every cache dtype"
-                       : "f32 on avx512, all but int8/fp8 on avx2 (the others row by row)")
-            << " ("
-            << (linear_forced ? std::string("TOKENMIX_LINEAR_PREFETCH=") + linear_env
-                              : std::string("automatic"))
-            << ")\n";
-  const char* amx_env = std::getenv("TOKENMIX_DECODE_AMX");
-  const bool amx_forced = amx_env != nullptr && *amx_env != '\0';
-  const std::string amx_how =
-      amx_forced ? std::string("TOKENMIX_DECODE_AMX=") + amx_env : std::string("automatic");
+  // Decode's tuning on that path (its registry entry's choices, picked for this CPU): each line
+  // says whether a TOKENMIX_* switch or the automatic choice decided it.
+  const auto how = [](const char* var) {
+    const char* env = std::getenv(var);
+    return env != nullptr && *env != '\0' ? std::string(var) + "=" + env : std::string("automatic");
+  };
+  const std::string path = to_string(chosen);
+  std::cout << "fp8 cache:       "
+            << (tuning.fp8_direct ? "direct widening into fp32 bits" : "widening through f16 bits")
+            << " on " << path << " (" << how("TOKENMIX_FP8_WIDEN") << ")\n";
+  std::cout << "decode prefetch: "
+            << (tuning.linear_prefetch ? std::string("address order for every cache dtype")
+                                       : tuning.prefetch_by_dtype)
+            << " on " << path << " (" << how("TOKENMIX_LINEAR_PREFETCH") << ")\n";
+  const std::string amx_how = how("TOKENMIX_DECODE_AMX");
   std::cout << "int8 decode:     "
-            << (amx_int8 ? "AMX-INT8 tile products in units of >= 4 rows on avx512"
-                         : "FMA products (no AMX-INT8 tile products)")
-            << " (" << amx_how << ")\n";
+            << (tuning.amx_int8 ? "AMX-INT8 tile products in units of >= 4 rows (cache in quads)"
+                                : "FMA products (no AMX-INT8 tile products)")
+            << " on " << path << " (" << amx_how << ")\n";
   std::cout << "fp8 decode:      "
-            << (amx_fp8 ? "AMX-BF16 tile products in units of >= 16 rows on avx512"
-                        : "FMA products (no AMX-BF16 tile products)")
-            << " (" << amx_how << ")\n";
+            << (tuning.amx_fp8 ? "AMX-BF16 tile products in units of >= 16 rows"
+                               : "FMA products (no AMX-BF16 tile products)")
+            << " on " << path << " (" << amx_how << ")\n";
   std::cout << "bf16 decode:     "
-            << (amx_bf16 ? "AMX-BF16 tile products in units of >= 32 rows on avx512"
-                         : "FMA products (no AMX-BF16 tile products)")
-            << " (" << amx_how << ")\n";
+            << (tuning.amx_bf16 ? "AMX-BF16 tile products in units of >= 32 rows"
+                                : "FMA products (no AMX-BF16 tile products)")
+            << " on " << path << " (" << amx_how << ")\n";
   std::cout << "threads:         " << default_threads() << " (default; --threads overrides)\n";
   return kExitOk;
 }

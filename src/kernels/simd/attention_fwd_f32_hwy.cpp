@@ -3,7 +3,7 @@
 // Compiled once per target (x86: AVX-512 = Highway's AVX3, AVX2+FMA; AArch64: NEON) by Highway's
 // foreach_target mechanism and exported per target as attention_fwd_f32_avx512 / _avx2 / _neon;
 // the
-// registry (kernels/registry.cpp) maps the resolved path to one of them. Exact attention
+// registry (dispatch/registry.cpp) maps the resolved path to one of them. Exact attention
 // (SPEC 4.2–4.5, 4.8); no T×T matrix.
 //
 // Work unit: (batch b, KV head j, a chunk of the g query heads of group j, a block of query

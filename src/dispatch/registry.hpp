@@ -1,5 +1,6 @@
-// src/kernels/registry.hpp — which kernel runs, for every ISA path and dtype: the one table
-// (kernels/registry.cpp) that dispatch, `tokenmix info` and the tests read.
+// src/dispatch/registry.hpp — which kernel runs, for every ISA path and dtype, and how it may be
+// tuned per CPU: the one table (dispatch/registry.cpp) that dispatch, `tokenmix info` and the
+// tests read.
 //
 // One KernelSet per ISA path (portable, avx2, avx512, neon, avx512_bf16 — avx512 with the
 // AVX512-BF16 bf16 forward, appended last); an x86 build compiles no neon
@@ -50,6 +51,16 @@ struct NamedKernel {
   Fn fn = nullptr;             // null: not built or not implemented
 };
 
+/// Which of decode's per-CPU choices a path's decode kernels implement
+/// (KernelSet::decode_tunables).
+struct DecodeTunables {
+  bool fp8_direct = false;  ///< fp8 codes widened straight into fp32 bits (DecodeArgs::fp8_direct)
+  bool linear_prefetch = false;  ///< every cache dtype prefetched in address order on request
+  bool amx = false;              ///< AMX tile products (DecodeArgs::amx; int8 quads, fp8, bf16)
+  /// The prefetch order per cache dtype when linear_prefetch is not chosen, for `tokenmix info`.
+  const char* prefetch_by_dtype = "row by row";
+};
+
 struct KernelSet {
   Isa isa = Isa::portable;
   bool (*runs_on)(const CpuFeatures&) = nullptr;       // the CPU/OS features the path needs
@@ -66,6 +77,11 @@ struct KernelSet {
   /// only (TOKENMIX_ISA / options.isa), for a path measured slower than the one below it on the
   /// CPUs it has run on (docs/performance.md, D-bf16-2).
   bool automatic = true;
+  /// Decode's per-CPU tuning that this path's decode kernels take (DecodeArgs): the entry carries
+  /// its tuning with its kernels, as XNNPACK's configs do. Dispatch picks the values once per call
+  /// from the CPU and the TOKENMIX_* switches (dispatch/cpu_cap.hpp: decode_tuning), only among
+  /// what the entry has; `tokenmix info` prints them for the resolved path.
+  DecodeTunables decode_tunables;
 
   /// Built into this binary (its f32 forward exists): the path can run where the CPU can.
   bool compiled() const { return forward[0].fn != nullptr; }

@@ -1,7 +1,7 @@
-// src/kernels/registry.cpp — the kernel registry (registry.hpp): which kernel runs for every
+// src/dispatch/registry.cpp — the kernel registry (registry.hpp): which kernel runs for every
 // ISA path and dtype. To answer "which kernel runs for bf16 decode on AVX2?", read the avx2
 // entry's decode[bf16] below.
-#include "kernels/registry.hpp"
+#include "dispatch/registry.hpp"
 
 #include <array>
 #include <string>
@@ -14,6 +14,24 @@ namespace {
 // T_k bound of the SIMD kernels: query/key positions live in int32 lanes.
 constexpr std::int64_t kInt32LaneKeys = (std::int64_t{1} << 31) - 2;
 constexpr std::int64_t kAnyKeys = INT64_MAX;
+
+// Decode tuning per path (KernelSet::decode_tunables; the kernels' side: simd/decode_units-inl.h).
+// The portable and NEON kernels read fp8 through f16 bits or the scalar decoding, have no
+// prefetch cursor and no tile products.
+constexpr DecodeTunables kNoDecodeTuning{false, false, false, "row by row"};
+// AVX2: the direct fp8 reading (D-fp8-3); by default address order for f32, bf16 and f16, row by
+// row for int8 and fp8 (D-prefetch-2), every dtype on request (D-prefetch-6).
+constexpr DecodeTunables kAvx2DecodeTuning{true, true, false,
+                                           "address order for f32/bf16/f16, int8/fp8 row by row"};
+// AVX-512: as AVX2, with address order for f32 only by default (D-prefetch-1), and the AMX tile
+// products where the build has them (simd/amx_decode.cpp; D-amx-4).
+#if TOKENMIX_HAVE_AMX
+constexpr bool kAmxBuilt = true;
+#else
+constexpr bool kAmxBuilt = false;
+#endif
+constexpr DecodeTunables kAvx512DecodeTuning{true, true, kAmxBuilt,
+                                             "address order for f32, the others row by row"};
 
 // Column order = DType values: f32, bf16, f16 (decode: then int8, fp8_e4m3, cache_column).
 // Forward/backward bf16/f16 columns: the fp32 kernels with operands widened on pack and outputs
@@ -39,7 +57,9 @@ std::array<KernelSet, 5> make_sets() {
        "and runs an online softmax per row; score variants (window, softcap, ALiBi, sinks, "
        "masks, key lengths) by key ranges and element-wise score terms; bf16/f16 activations "
        "widened to fp32 on pack, O/dQ/dK/dV rounded once on store",
-       /*score_variants=*/true},
+       /*score_variants=*/true,
+       /*automatic=*/true,
+       kNoDecodeTuning},
       {Isa::avx2,
        [](const CpuFeatures& f) { return f.avx2_fma; },
        {{"attention_fwd_f32_avx2", attention_fwd_f32_avx2},
@@ -65,7 +85,9 @@ std::array<KernelSet, 5> make_sets() {
        "and fp8 row scales folded into the scores and probabilities); bf16/f16 "
        "activations widened to fp32 where Q, K, V tiles are packed (fp32 products), outputs "
        "rounded once on store",
-       /*score_variants=*/true},
+       /*score_variants=*/true,
+       /*automatic=*/true,
+       kAvx2DecodeTuning},
       {Isa::avx512,
        [](const CpuFeatures& f) { return f.avx512f; },
        {{"attention_fwd_f32_avx512", attention_fwd_f32_avx512},
@@ -82,7 +104,9 @@ std::array<KernelSet, 5> make_sets() {
        kInt32LaneKeys,
        "Highway AVX-512 (16 lanes, 6x4 microkernel): the same flash forward, backward and "
        "decode kernels as avx2 with 64 query rows per lane block",
-       /*score_variants=*/true},
+       /*score_variants=*/true,
+       /*automatic=*/true,
+       kAvx512DecodeTuning},
       {Isa::neon,
        [](const CpuFeatures& f) { return f.neon; },
        {{"attention_fwd_f32_neon", attention_fwd_f32_neon},
@@ -100,7 +124,9 @@ std::array<KernelSet, 5> make_sets() {
        "Highway NEON, AArch64 Advanced SIMD (4 lanes, 6x4 microkernel): the same flash forward, "
        "backward and decode kernels as avx2 with 16 query rows per lane block; bf16/f16 caches "
        "widened exactly in registers (shift / FCVTL)",
-       /*score_variants=*/true},
+       /*score_variants=*/true,
+       /*automatic=*/true,
+       kNoDecodeTuning},
       {Isa::avx512_bf16,
        [](const CpuFeatures& f) { return f.avx512_bf16; },
        {{"attention_fwd_f32_avx512", attention_fwd_f32_avx512},
@@ -121,7 +147,8 @@ std::array<KernelSet, 5> make_sets() {
        "Rapids, no AMX) vdpbf16ps runs at half the FMA issue rate and this forward is 1.7x slower "
        "than avx512's widening one (docs/performance.md, D-bf16-2)",
        /*score_variants=*/true,
-       /*automatic=*/false},
+       /*automatic=*/false,
+       kAvx512DecodeTuning},
   }};
 }
 

@@ -1,5 +1,6 @@
 """Type stubs of the native extension tokenmix._tokenmix (python/src: module.cpp and one file per
-area — attention.cpp, ops.cpp, kv_cache.cpp, layer.cpp, runtime.cpp, errors.cpp, convert.cpp).
+area — attention.cpp, ops.cpp, kv_cache.cpp, layer.cpp, runtime.cpp, errors.cpp, convert.cpp,
+bench_ceilings.cpp).
 
 Use the ``tokenmix`` package: its functions allocate outputs, handle layouts and call these.
 Arrays are native-endian float32 NumPy arrays or CPU torch tensors ("Array"), passed without

@@ -55,7 +55,7 @@ echo "== virtual environment: $venv ($("$py" --version))"
 # Packages, installed only when missing (module name = requirement).
 missing=()
 for spec in numpy:numpy torch:torch pytest:pytest scikit_build_core:scikit-build-core \
-            nanobind:nanobind threadpoolctl:threadpoolctl transformers:transformers \
+            nanobind:nanobind transformers:transformers \
             ml_dtypes:ml_dtypes; do
   "$py" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
 done

@@ -24,8 +24,9 @@
 //     Python threads using one object do not race.
 //
 // Files: errors.cpp (exception types, translator), convert.cpp (arrays, options), attention.cpp,
-// ops.cpp (RoPE, softmax, merge), kv_cache.cpp (cache, decode), layer.cpp, runtime.cpp, and
-// module.cpp (NB_MODULE, calling each bind_* in turn).
+// ops.cpp (RoPE, softmax, merge), kv_cache.cpp (cache, decode), layer.cpp, runtime.cpp,
+// bench_ceilings.cpp (the benchmark ceilings of tools/bench, for tokenmix.bench) and module.cpp
+// (NB_MODULE, calling each bind_* in turn).
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -220,5 +221,7 @@ void bind_ops(nb::module_& m);        // RoPE, softmax and its Jacobian, merge_p
 void bind_kv_cache(nb::module_& m);   // KVCache, attention_decode, kv_cache_bytes
 void bind_layer(nb::module_& m);      // CausalSelfAttention (needs KVCache bound first)
 void bind_runtime(nb::module_& m);    // version, ISAs, CPU features, threads
+/// The benchmark ceilings of tools/bench/ceilings.hpp (tokenmix_ceilings), for tokenmix.bench.
+void bind_bench_ceilings(nb::module_& m);
 
 }  // namespace tokenmix_py

@@ -1,5 +1,6 @@
 """Type stubs of the native extension tokenmix._tokenmix (python/src: module.cpp and one file per
-area — attention.cpp, ops.cpp, kv_cache.cpp, layer.cpp, runtime.cpp, errors.cpp, convert.cpp).
+area — attention.cpp, ops.cpp, kv_cache.cpp, layer.cpp, runtime.cpp, errors.cpp, convert.cpp,
+bench_ceilings.cpp).
 
 Use the ``tokenmix`` package: its functions allocate outputs, handle layouts and call these.
 Arrays are native-endian float32 NumPy arrays or CPU torch tensors ("Array"), passed without
@@ -207,3 +208,44 @@ class CausalSelfAttention:
     def prefill(self, u: Array, cache: KVCache, layer: int, out: Array, first_seq: int) -> None: ...
     def step(self, u: Array, cache: KVCache, layer: int, out: Array, first_seq: int) -> None: ...
     def saved(self) -> dict[str, Any]: ...
+
+# --- the benchmark ceilings (bench_ceilings.cpp: tools/bench/ceilings.hpp, the C++ bench's own;
+# tokenmix.bench wraps them). threads 0 = all (default_threads()).
+
+class BenchSgemmCeiling:
+    """The fp32 GEMM ceiling: C = A B through OpenBLAS (the system's, as `tokenmix bench`),
+    n = 2048, seeded N(0, 1) operands (48 MiB, allocated here)."""
+    def __init__(self) -> None: ...
+    def pass_gflops(self, threads: int, calls: int) -> float:
+        """Best GFLOP/s of ``calls`` calls on ``threads`` OpenBLAS threads, no warm-up: one pass
+        interleaved with timed calls (calls < 1 → ArgumentError)."""
+    def best_gflops(self, threads: int, repeats: int = 10) -> float:
+        """A warm-up call, then the best of ``repeats``."""
+
+class BenchStreamRead:
+    """Streaming read bandwidth over a buffer of ``bytes`` (rounded down to 16 KiB blocks; under
+    one block → ArgumentError), backed by huge pages like the KV cache."""
+    def __init__(self, bytes: int) -> None: ...
+    def pass_gbps(self, threads: int) -> float:
+        """One timed read of the buffer by ``threads`` threads (the widest vectors), GB/s."""
+    bytes: int
+    kind: str
+    """"stream_read_1GiB", "stream_read_8MiB", ... (the CLI's ceiling_gbps_kind)."""
+
+def bench_sgemm_core() -> str:
+    """OpenBLAS's sgemm kernel family ("Haswell", "SkylakeX", ...)."""
+def bench_sgemm_ceiling_warning() -> str:
+    """Empty, or why the sgemm ceiling is below this CPU's (no AVX-512 in OpenBLAS's kernel)."""
+def bench_cpu_has_bf16_gemm() -> bool:
+    """AVX512-BF16 or AMX-BF16, under TOKENMIX_CPU_CAP."""
+def bench_have_onednn() -> bool:
+    """Whether the extension was built with oneDNN (the bf16 GEMM ceiling)."""
+def bench_gemm_ceiling_choice(dtype: str) -> tuple[bool, str]:
+    """(bf16 GEMM?, ceiling_kind) of forward/backward for activations of ``dtype``."""
+def bench_bf16_gemm_ceiling(threads: int, repeats: int = 10) -> tuple[float, str]:
+    """(GFLOP/s, kind) of oneDNN's bf16 matmul 2048³, best of ``repeats`` after a warm-up;
+    UnsupportedError without oneDNN or without a bf16 matmul for this CPU."""
+def bench_ceiling_spread(passes: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of a ceiling's passes; ArgumentError when empty."""
+def bench_after_sgemm_pause_s() -> float:
+    """Seconds to wait after an sgemm pass before timing anything (D-bench-5)."""

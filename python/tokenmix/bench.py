@@ -26,24 +26,26 @@ both sides alike. Reported: the median time of each side, the ratio of the media
 (``speedup`` = torch / tokenmix, > 1 means tokenmix is faster), the median of the per-round
 ratios, and tokenmix's useful FLOP/s (forward 4·d_h·H_q·P·B with P = T(T+1)/2, backward 2.5×
 that; SPEC "Useful-work counts"). The load average before and after is printed, since other
-processes on the machine change the figures. The fp32 GEMM ceiling of the same run (OpenBLAS
-sgemm through NumPy's ``matmul`` on 2048 x 2048 matrices, limited to the same threads with
-threadpoolctl, best of 10) is printed too, and each side's FLOP/s as a fraction of it. (PyTorch's
-own ``torch.mm`` is not used: on AMD Zen 4 (docs/performance.md, D-bench-8) it moved between 98 and
-173 GFLOP/s within one run, OpenBLAS between 193 and 204.) With ``--dtype bf16`` / ``f16`` the
-ceiling is the fastest GEMM the CPU has for it: ``torch.mm`` on 2048 x 2048 bfloat16 / float16
-matrices (oneDNN where PyTorch's CPU build uses it for the dtype), same threads, best of 10, or
-the fp32 GEMM above over the widened operands where that is faster (a CPU without bf16/f16 GEMM
-instructions, where PyTorch runs a scalar loop); its line names which, and the other's rate.
-Where one dtype GEMM would take over ``CEILING_GEMM_BUDGET_S`` the size halves until it fits,
-down to 512, and the line says so: the ceiling stays a measurement of this CPU, in seconds.
+processes on the machine change the figures. Each side's FLOP/s is also given as a fraction of
+the GEMM ceiling of ``tokenmix bench`` — the same C++ code (tools/bench/ceilings.hpp, through the
+extension: :class:`GemmCeiling`), the same choice and kind (``ceiling_kind``) for the dtype, and
+the same interleaving (docs/performance.md, D-bench-10): the OpenBLAS sgemm 2048³ on the same
+threads, one pass of 2 calls after each round (then a pause while OpenBLAS's workers stop
+spinning, D-bench-5), the median of a case's passes with their spread; for ``--dtype bf16`` on a
+CPU with bf16 GEMM instructions and a build with oneDNN, oneDNN's bf16 matmul 2048³ measured once
+(best of 10). f16 (fp32 products on widened operands) and bf16 elsewhere use the sgemm, and the
+kind says why. With ``--dtype bf16`` / ``f16`` PyTorch's own GEMM in the dtype (``torch.mm``, the
+same threads, best of 10) is printed next to it as a peer figure, not the ceiling: where one such
+GEMM would take over ``TORCH_GEMM_BUDGET_S`` (no bf16/f16 GEMM instructions: PyTorch's scalar
+loop) the size halves until it fits, down to 512, and the line says so.
 The forward agreement ``max|diff|`` is between the two sides' outputs in the dtype, so at
 bfloat16 it is of the order of the dtype's rounding (2^-8 relative), not 1e-6.
 
 ``--decode`` benchmarks one-token decode instead (:func:`decode_main`): for each T_k of
 ``--cache-tokens`` one tokenmix.KVCache per dtype of ``--cache-dtype`` (default all five: f32,
 bf16, f16, int8, fp8_e4m3) holding the same N(0, 1) K/V, timed side by side in alternating
-rounds, next to the streaming-read ceiling of the same run.
+rounds, next to the streaming-read ceiling of the same rounds (``tokenmix bench decode``'s, the C++
+``StreamRead`` through the extension, over a ``--stream-mib`` buffer).
 
 Score variants (SPEC "Score variants used by real models"): ``--window W``, ``--softcap C``,
 ``--alibi`` (the standard slopes 2^(−8(h+1)/H_q)) and ``--sinks V`` (one sink logit for every
@@ -74,9 +76,9 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from threadpoolctl import threadpool_info, threadpool_limits
 
 import tokenmix
+from tokenmix import _tokenmix as _C
 from tokenmix.torch import scaled_dot_product_attention as tm_sdpa
 
 
@@ -172,54 +174,54 @@ def _time(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def gemm_ceiling_gflops(threads: int, repeats: int = 10, n: int = 2048) -> float:
-    """fp32 GEMM rate of NumPy's BLAS (OpenBLAS) on ``threads`` threads: best GFLOP/s of
-    ``repeats``."""
-    rng = np.random.default_rng(7)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    with threadpool_limits(limits=threads, user_api="blas"):
-        np.matmul(a, b)  # warm-up
-        best = min(_time(lambda: np.matmul(a, b)) for _ in range(repeats))
-    time.sleep(1.0)  # OpenBLAS's workers spin for a while after a call: let them go idle first
-    return 2.0 * n ** 3 / best / 1e9
+class GemmCeiling:
+    """The GEMM ceiling of forward and backward for activations of ``dtype`` ("f32", "bf16",
+    "f16") on ``threads`` threads: ``tokenmix bench``'s, through the extension (the C++ code of
+    tools/bench/ceilings.hpp; nothing here measures a ceiling of its own). ``kind`` is the CLI's
+    ``ceiling_kind``. The sgemm is measured in passes (:meth:`pass_gflops`) interleaved with the
+    timed rounds and summarised by :func:`ceiling_spread`; oneDNN's bf16 GEMM once, here."""
+
+    def __init__(self, dtype: str, threads: int):
+        self.threads = threads
+        self.bf16_gemm, self.kind = _C.bench_gemm_ceiling_choice(dtype)
+        self._sgemm: Optional[Any] = None
+        self._once = 0.0
+        if self.bf16_gemm:
+            self._once, self.kind = _C.bench_bf16_gemm_ceiling(threads, 10)
+        else:
+            self._sgemm = _C.BenchSgemmCeiling()
+            self._sgemm.best_gflops(threads, 1)  # its warm-up, as the CLI's before a case
+
+    def pass_gflops(self) -> float:
+        """One pass: the best of 2 sgemm calls (the CLI's pass after each timed call, D-bench-10),
+        then a pause while OpenBLAS's workers stop spinning (``bench_after_sgemm_pause_s``,
+        D-bench-5), since here the next timed call is PyTorch's or ours, and either must not share
+        the cores with them; the bf16 GEMM's one measurement."""
+        if self._sgemm is None:
+            return self._once
+        gflops = self._sgemm.pass_gflops(self.threads, 2)
+        time.sleep(_C.bench_after_sgemm_pause_s())
+        return gflops
 
 
-def blas_kernel() -> str:
-    """The kernel family of NumPy's OpenBLAS (threadpoolctl's ``architecture``: "Haswell",
-    "SkylakeX", ...; set by OPENBLAS_CORETYPE or detected), or "unknown"."""
-    for info in threadpool_info():
-        if info.get("internal_api") == "openblas":
-            return str(info.get("architecture") or "unknown")
-    return "unknown"
-
-
-_AVX512_BLAS_KERNELS = {"skylakex", "cooperlake", "sapphirerapids"}
-
-
-def blas_ceiling_warning(kernel: str, isa: str) -> str:
-    """Empty, or why the fp32 GEMM ceiling is below this CPU's: OpenBLAS runs a kernel without
-    AVX-512 where tokenmix's kernels run AVX-512 (as ``tokenmix bench`` warns; docs/performance.md,
-    D-bench-1: AMD Zen 5, OPENBLAS_CORETYPE=Haswell)."""
-    if not isa.startswith("avx512") or kernel.lower() in _AVX512_BLAS_KERNELS:
-        return ""
-    return (f"warning: the GEMM ceiling runs OpenBLAS's {kernel} kernel, which has no AVX-512, while "
-            f"tokenmix runs {isa}: the ceiling is below this CPU's and ratios to it are too high; "
-            "OPENBLAS_CORETYPE=SKYLAKEX runs OpenBLAS's AVX-512 kernel")
+def ceiling_spread(passes: List[float]) -> "tuple[float, float, float]":
+    """(median, min, max) of a ceiling's passes: the C++ bench's summary (ArgumentError when
+    empty)."""
+    return _C.bench_ceiling_spread(passes)
 
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
-CEILING_GEMM_BUDGET_S = 0.25  # seconds one reduced-precision ceiling GEMM may take
+TORCH_GEMM_BUDGET_S = 0.25  # seconds one torch.mm of the reduced-precision peer figure may take
 
 
-def gemm_ceiling_torch_size(dtype: torch.dtype, n: int = 2048, probe: int = 512,
-                            budget_s: float = CEILING_GEMM_BUDGET_S) -> int:
-    """The GEMM size of the reduced-precision ceiling: ``n``, unless a ``probe``³ ``torch.mm`` in
+def torch_gemm_size(dtype: torch.dtype, n: int = 2048, probe: int = 512,
+                    budget_s: float = TORCH_GEMM_BUDGET_S) -> int:
+    """The size of the reduced-precision peer GEMM: ``n``, unless a ``probe``³ ``torch.mm`` in
     ``dtype`` predicts more than ``budget_s`` seconds for one n³ GEMM; then the largest power of
     two ≥ ``probe`` within it. A CPU without bf16/f16 GEMM hardware (AVX2-only: PyTorch's scalar
-    path, ≈ 1.3 GFLOP/s on AMD Zen 3) would take ~15 s per 2048³ GEMM, minutes for the ceiling."""
+    path, ≈ 1.3 GFLOP/s on AMD Zen 3) would take ~15 s per 2048³ GEMM, minutes for 10 of them."""
     gen = torch.Generator().manual_seed(7)
     a = torch.randn(probe, probe, generator=gen).to(dtype)
     torch.mm(a, a)  # warm-up
@@ -230,9 +232,11 @@ def gemm_ceiling_torch_size(dtype: torch.dtype, n: int = 2048, probe: int = 512,
     return size
 
 
-def gemm_ceiling_torch_gflops(dtype: torch.dtype, repeats: int = 10, n: int = 2048) -> float:
+def torch_gemm_gflops(dtype: torch.dtype, repeats: int = 10, n: int = 2048) -> float:
     """GEMM rate of ``torch.mm`` in ``dtype`` (bfloat16 / float16) on torch's threads, n³: best
-    GFLOP/s of ``repeats`` — the reduced-precision ceiling (module docstring)."""
+    GFLOP/s of ``repeats``. Kept here, not in C++: it is PyTorch's own GEMM in the dtype, a peer
+    of its SDPA in the same process (what a model's other matrix products get), printed next to
+    the ceiling, not used as one."""
     gen = torch.Generator().manual_seed(7)
     a = torch.randn(n, n, generator=gen).to(dtype)
     b = torch.randn(n, n, generator=gen).to(dtype)
@@ -241,8 +245,11 @@ def gemm_ceiling_torch_gflops(dtype: torch.dtype, repeats: int = 10, n: int = 20
     return 2.0 * n ** 3 / best / 1e9
 
 
-def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
-    """Times one (T, mode) case; mode is "fwd" or "fwd+bwd"."""
+def run_case(T: int, args: argparse.Namespace, mode: str,
+             ceiling: Optional[GemmCeiling] = None) -> Dict[str, float]:
+    """Times one (T, mode) case; mode is "fwd" or "fwd+bwd". With ``ceiling``, one of its passes
+    follows each round, and the result has the passes' median and spread (``ceiling_gflops``,
+    ``ceiling_min``, ``ceiling_max``; NaN without)."""
     B, Hq, Hkv, D = args.batch, args.heads_q, args.heads_kv, args.head_dim
     dtype = DTYPES[args.dtype]
     gen = torch.Generator().manual_seed(1234 + T)
@@ -295,10 +302,15 @@ def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
         call()
     times: Dict[str, List[float]] = {name: [] for name in calls}
     names = list(calls)
+    passes: List[float] = []
     for r in range(args.repeats):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
             times[name].append(_time(calls[name]))
+        if ceiling is not None:
+            passes.append(ceiling.pass_gflops())
+    nan = float("nan")
+    ceil_med, ceil_min, ceil_max = ceiling_spread(passes) if passes else (nan, nan, nan)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     best_torch = min(v for n, v in med.items() if n.startswith("torch"))
     torch_rounds = [
@@ -316,6 +328,9 @@ def run_case(T: int, args: argparse.Namespace, mode: str) -> Dict[str, float]:
         "gflops": flops / med["tokenmix"] / 1e9,
         "torch_gflops": flops / best_torch / 1e9,
         "max_abs_err": err,
+        "ceiling_gflops": ceil_med,
+        "ceiling_min": ceil_min,
+        "ceiling_max": ceil_max,
     }
 
 
@@ -534,26 +549,15 @@ def ring_main(args: argparse.Namespace) -> int:
 CACHE_DTYPES = ["f32", "bf16", "f16", "int8", "fp8_e4m3"]
 
 
-def stream_read_gbps(buf: np.ndarray, threads: int) -> float:
-    """One streaming read of ``buf`` (float32): ``numpy.max`` (a SIMD reduction, memory-bound;
-    ``numpy.sum``'s pairwise summation is slower than memory on one core) over ``threads``
-    equal slices in as many Python threads (NumPy's reductions release the GIL), in GB/s."""
-    if threads <= 1:
-        secs = _time(lambda: buf.max())
-    else:
-        from concurrent.futures import ThreadPoolExecutor
-        parts = np.array_split(buf, threads)
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            list(pool.map(lambda a: a.max(), parts))  # the threads exist before the timing
-            secs = _time(lambda: list(pool.map(lambda a: a.max(), parts)))
-    return buf.nbytes / secs / 1e9
-
-
-def run_decode_case(T_k: int, args: argparse.Namespace, dtypes: List[str], buf: np.ndarray,
+def run_decode_case(T_k: int, args: argparse.Namespace, dtypes: List[str], read: Any,
                     threads: int) -> Dict[str, Dict[str, float]]:
     """One T_k: a cache per dtype of ``dtypes`` filled with the same N(0, 1) K/V (appended in
     chunks of 4096 positions), one warm-up step each, then ``--repeats`` rounds, each a
-    streaming-read pass and one decode step per dtype (order alternating round by round).
+    streaming-read pass of ``read`` (the extension's ``BenchStreamRead``: ``tokenmix bench
+    decode``'s ceiling, the C++ code) and one decode step per dtype (order alternating round by
+    round). Kept in Python rather than running the CLI's decode case: that case's error slice
+    needs the float64 oracle, which the wheel does not carry, and this one times what a Python
+    generation loop pays (the binding's call) for every cache dtype side by side.
     Returns per dtype the median step time, the decode bytes (cache.decode_bytes), the cache's
     storage bytes, the median ceiling and the step's output."""
     B, Hq, Hkv, D = args.batch, args.heads_q, args.heads_kv, args.head_dim
@@ -576,7 +580,7 @@ def run_decode_case(T_k: int, args: argparse.Namespace, dtypes: List[str], buf: 
     times: Dict[str, List[float]] = {dt: [] for dt in dtypes}
     ceiling: List[float] = []
     for r in range(args.repeats):
-        ceiling.append(stream_read_gbps(buf, threads))
+        ceiling.append(read.pass_gbps(threads))
         for dt in (dtypes if r % 2 == 0 else dtypes[::-1]):
             times[dt].append(_time(lambda: step(dt)))
     res = {}
@@ -585,7 +589,7 @@ def run_decode_case(T_k: int, args: argparse.Namespace, dtypes: List[str], buf: 
                    "seconds_min": min(times[dt]), "seconds_max": max(times[dt]),
                    "bytes": float(caches[dt].decode_bytes(0, 0, B)),
                    "storage_bytes": float(caches[dt].storage_bytes),
-                   "ceiling_gbps": statistics.median(ceiling), "out": outs[dt]}
+                   "ceiling_gbps": ceiling_spread(ceiling)[0], "out": outs[dt]}
     return res
 
 
@@ -611,8 +615,8 @@ def decode_main(args: argparse.Namespace) -> int:
     threads = args.threads if args.threads > 0 else tokenmix.default_threads()
     shown = list(dict.fromkeys(args.cache_dtype))
     run = [dt for dt in CACHE_DTYPES if dt in shown or dt in ("f32", "bf16")]
-    buf = np.ones(args.stream_mib * 2**20 // 4, dtype=np.float32)  # touched: pages resident
-    ceiling_kind = f"stream_read_{args.stream_mib}MiB_numpy_max"
+    read = _C.BenchStreamRead(args.stream_mib * 2**20)  # tokenmix bench decode's read ceiling
+    ceiling_kind = read.kind
     if not args.json:
         print(f"CPU: {_cpu_model()} ({os.cpu_count()} logical CPUs)")
         print(f"tokenmix {tokenmix.__version__} (kernel path {tokenmix.resolve_isa()}), NumPy "
@@ -620,13 +624,14 @@ def decode_main(args: argparse.Namespace) -> int:
         print(f"decode: B={args.batch} T_new=1 H_q={args.heads_q} H_kv={args.heads_kv} "
               f"d_h={args.head_dim}, q float32, {threads} thread(s); median of {args.repeats} "
               f"rounds (each: a ceiling pass, then one step per cache dtype)")
-        print(f"ceiling: streaming read of a {args.stream_mib} MiB float32 buffer (numpy.max "
-              f"over {threads} slice(s) in {threads} thread(s)), median of the rounds")
+        print(f"ceiling: streaming read of a {args.stream_mib} MiB float32 buffer (tokenmix bench "
+              f"decode's, {ceiling_kind}: {threads} thread(s), the widest vectors), median of the "
+              "rounds")
         print(f"load average before: {_loadavg()}")
         sys.stdout.flush()
     rows = []
     for T_k in args.cache_tokens:
-        res = run_decode_case(T_k, args, run, buf, threads)
+        res = run_decode_case(T_k, args, run, read, threads)
         ref, base = res["f32"], res["bf16"]
         tps_bf16 = args.batch / base["seconds"]
         for dt in shown:
@@ -781,39 +786,34 @@ def main(argv: List[str] | None = None) -> int:
               + ")")
     print(f"load average before: {_loadavg()}")
     sys.stdout.flush()
-    if args.dtype == "f32":
-        ceiling = gemm_ceiling_gflops(threads)
-        print(f"fp32 GEMM ceiling (OpenBLAS sgemm via numpy.matmul 2048^3, {threads} thread(s), "
-              f"best of 10): {ceiling:.1f} GFLOP/s")
-        kernel = blas_kernel()
-        print(f"numpy's OpenBLAS sgemm kernel: {kernel}")
-        warning = blas_ceiling_warning(kernel, tokenmix.resolve_isa())
-        if warning:
-            print(warning)
+    # The ceiling: tokenmix bench's for the dtype (GemmCeiling: the C++ code, kind and passes).
+    gemm = GemmCeiling(args.dtype, threads)
+    if gemm.bf16_gemm:
+        print(f"{args.dtype} GEMM ceiling (tokenmix bench's, {gemm.kind}, {threads} thread(s), "
+              f"best of 10, measured once): {gemm.pass_gflops():.1f} GFLOP/s")
     else:
-        size = gemm_ceiling_torch_size(DTYPES[args.dtype])
-        ceiling = gemm_ceiling_torch_gflops(DTYPES[args.dtype], n=size)
-        dtype_gemm = (f"torch.mm {args.dtype} {size}^3, {threads} thread(s), best of 10" +
-                      ("" if size == 2048 else
-                       f"; 2048^3 would take over {CEILING_GEMM_BUDGET_S} s per GEMM on this CPU"))
-        # The fastest GEMM this CPU has: where it has no bf16/f16 GEMM instructions (AVX2-only
-        # CPUs: PyTorch's scalar loop), the fp32 GEMM over the widened operands.
-        fp32 = gemm_ceiling_gflops(threads)
-        if fp32 > ceiling:
-            print(f"{args.dtype} GEMM ceiling (OpenBLAS sgemm via numpy.matmul 2048^3 over the "
-                  f"widened operands, {threads} thread(s), best of 10): {fp32:.1f} GFLOP/s, the "
-                  f"fastest GEMM here ({dtype_gemm}: {ceiling:.1f} GFLOP/s)")
-            ceiling = fp32
-        else:
-            print(f"{args.dtype} GEMM ceiling ({dtype_gemm}): {ceiling:.1f} GFLOP/s "
-                  f"(fp32 sgemm: {fp32:.1f})")
+        print(f"{args.dtype} GEMM ceiling (tokenmix bench's, {gemm.kind}: OpenBLAS "
+              f"{_C.bench_sgemm_core()} kernel, {threads} thread(s), a pass of 2 calls after each "
+              "round): per case the median of its passes (min-max)")
+        warning = _C.bench_sgemm_ceiling_warning()
+        if warning:
+            print(f"warning: {warning}")
+    if args.dtype != "f32":
+        # PyTorch's own GEMM in the dtype: a peer figure (torch_gemm_gflops), not the ceiling.
+        size = torch_gemm_size(DTYPES[args.dtype])
+        peer = torch_gemm_gflops(DTYPES[args.dtype], n=size)
+        print(f"PyTorch's {args.dtype} GEMM (torch.mm {size}^3, {threads} thread(s), best of 10"
+              + ("" if size == 2048 else
+                 f"; 2048^3 would take over {TORCH_GEMM_BUDGET_S} s per GEMM on this CPU")
+              + f"): {peer:.1f} GFLOP/s, a peer figure, not the ceiling")
     sys.stdout.flush()
 
     rows = []
     for T in args.seq:
         for mode in modes:
-            r = run_case(T, args, mode)
+            r = run_case(T, args, mode, gemm)
             rows.append((T, mode, r))
+            ceiling = r["ceiling_gflops"]
             if not args.markdown:
                 exp = "" if r["torch_expanded"] != r["torch_expanded"] else \
                     f"  torch(expanded KV) {r['torch_expanded'] * 1e3:9.1f} ms"
@@ -822,18 +822,21 @@ def main(argv: List[str] | None = None) -> int:
                       f"(per-round median {r['speedup_rounds']:.2f}x)  tokenmix "
                       f"{r['gflops']:.1f} GFLOP/s ({r['gflops'] / ceiling:.2f} of GEMM), torch "
                       f"{r['torch_gflops']:.1f} ({r['torch_gflops'] / ceiling:.2f})  "
-                      f"max|diff| {r['max_abs_err']:.1e}")
+                      f"GEMM ceiling {ceiling:.1f} ({r['ceiling_min']:.1f}-"
+                      f"{r['ceiling_max']:.1f})  max|diff| {r['max_abs_err']:.1e}")
                 sys.stdout.flush()
     if args.markdown:
         print()
         print("| T | pass | PyTorch SDPA, best (ms) | tokenmix (ms) | speedup | per-round median | "
-              "tokenmix GFLOP/s (of GEMM) | PyTorch GFLOP/s (of GEMM) |")
-        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+              "tokenmix GFLOP/s (of GEMM) | PyTorch GFLOP/s (of GEMM) | GEMM ceiling (spread) |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for T, mode, r in rows:
+            ceiling = r["ceiling_gflops"]
             print(f"| {T} | {mode} | {r['best_torch'] * 1e3:.1f} | {r['tokenmix'] * 1e3:.1f} | "
                   f"{r['speedup']:.2f}x | {r['speedup_rounds']:.2f}x | {r['gflops']:.1f} "
                   f"({r['gflops'] / ceiling:.2f}) | {r['torch_gflops']:.1f} "
-                  f"({r['torch_gflops'] / ceiling:.2f}) |")
+                  f"({r['torch_gflops'] / ceiling:.2f}) | {ceiling:.1f} ({r['ceiling_min']:.1f}-"
+                  f"{r['ceiling_max']:.1f}) |")
     print(f"load average after: {_loadavg()}")
     return 0
 

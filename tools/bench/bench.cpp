@@ -1,9 +1,6 @@
 // tools/bench/bench.cpp — see bench.hpp.
 #include "bench.hpp"
 
-#include <cblas.h>
-#include <omp.h>
-
 #include <algorithm>
 #include <array>
 #include <cctype>
@@ -21,17 +18,12 @@
 #include <sstream>
 #include <thread>
 
-#ifdef TOKENMIX_HAVE_ONEDNN
-#include <oneapi/dnnl/dnnl.hpp>
-#endif
-
 #include "kernels/kv_element.hpp"
 #include "reference/reference.hpp"
 #include "testkit.hpp"
 #include "tokenmix/error.hpp"
 #include "tokenmix/kv_cache.hpp"
 #include "tokenmix/runtime.hpp"
-#include "util/huge_pages.hpp"
 
 namespace tokenmix::bench {
 namespace {
@@ -40,12 +32,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 // Peak-RSS probe: Linux resets VmHWM to the current RSS when "5" is written to clear_refs.
@@ -75,31 +61,6 @@ struct Case {
 
 }  // namespace
 
-SgemmCeiling::SgemmCeiling()
-    : a_(random_normal(std::size_t{kN} * kN, 1)), b_(random_normal(a_.size(), 2)), c_(a_.size()) {}
-
-void SgemmCeiling::run_once() {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, kN, kN, kN, 1.0f, a_.data(), kN, b_.data(),
-              kN, 0.0f, c_.data(), kN);
-}
-
-double SgemmCeiling::best_gflops(int threads, int repeats) {
-  (void)pass_gflops(threads, 1);  // warm-up
-  return pass_gflops(threads, repeats);
-}
-
-double SgemmCeiling::pass_gflops(int threads, int calls) {
-  openblas_set_num_threads(threads);
-  double best = 0.0;
-  for (int r = 0; r < calls; ++r) {
-    const auto t0 = Clock::now();
-    run_once();
-    best = std::max(best, flops() / seconds_since(t0) * 1e-9);
-  }
-  openblas_set_num_threads(default_threads());
-  return best;
-}
-
 // A ceiling below the CPU's is said, not hidden: on stderr, once per process, when the first
 // one is measured (after the arguments were checked: an error stays the one line on stderr).
 void warn_sgemm_ceiling_once() {
@@ -109,37 +70,6 @@ void warn_sgemm_ceiling_once() {
     return true;
   }();
   (void)warned;
-}
-
-double sgemm_ceiling_gflops(int threads, int repeats) {
-  warn_sgemm_ceiling_once();
-  return SgemmCeiling().best_gflops(threads, repeats);
-}
-
-std::string sgemm_core() {
-  const char* name = openblas_get_corename();
-  return name != nullptr ? name : "unknown";
-}
-
-std::string sgemm_ceiling_warning() {
-  // (TOKENMIX_CPU_CAP=avx2: AVX2 kernels, and an AVX2 sgemm is their ceiling.)
-  return sgemm_ceiling_warning(sgemm_core(), cpu_features().avx512f,
-                               std::getenv("OPENBLAS_CORETYPE"));
-}
-
-std::string sgemm_ceiling_warning(std::string core, bool avx512, const char* forced) {
-  if (!avx512) return "";
-  std::string lower = core;
-  std::transform(lower.begin(), lower.end(), lower.begin(),
-                 [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
-  // OpenBLAS 0.3's kernel families with an AVX-512 sgemm.
-  for (const char* wide : {"skylakex", "cooperlake", "sapphirerapids"})
-    if (lower == wide) return "";
-  return "the sgemm ceiling runs OpenBLAS's " + core +
-         " kernel, which has no AVX-512, on a CPU whose AVX-512 tokenmix's kernels use" +
-         (forced != nullptr ? std::string(" (OPENBLAS_CORETYPE=") + forced + ")" : std::string()) +
-         ": the ceiling is below this CPU's and ratios to it are too high; "
-         "OPENBLAS_CORETYPE=SKYLAKEX runs OpenBLAS's AVX-512 kernel";
 }
 
 std::vector<float> BenchVariants::alibi_slopes(std::int64_t H_q) const {
@@ -240,61 +170,6 @@ std::vector<std::int64_t> decode_lengths(std::int64_t B, std::int64_t T_k, bool 
   const auto span = static_cast<std::uint64_t>(2 * h + 1);
   for (std::int64_t& L : lengths) L = T_k - h + static_cast<std::int64_t>(rng() % span);
   return lengths;
-}
-
-bool cpu_has_bf16_gemm() {
-  const CpuFeatures& f = cpu_features();
-  return f.avx512_bf16 || f.amx_bf16;
-}
-
-double bf16_gemm_ceiling_gflops(int threads, std::string& kind, int repeats) {
-#ifdef TOKENMIX_HAVE_ONEDNN
-  using dnnl::memory;
-  constexpr memory::dim n = SgemmCeiling::kN;
-  const std::vector<float> a32 = random_normal(std::size_t{n} * n, 1),
-                           b32 = random_normal(a32.size(), 2);
-  std::vector<std::uint16_t> a(a32.size()), b(b32.size());
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    a[i] = kernels::f32_to_bf16(a32[i]);
-    b[i] = kernels::f32_to_bf16(b32[i]);
-  }
-  std::vector<float> c(a.size());
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(threads);  // oneDNN's OpenMP runtime takes the default team size
-  dnnl::engine eng(dnnl::engine::kind::cpu, 0);
-  dnnl::stream stream(eng);
-  const memory::desc a_md({n, n}, memory::data_type::bf16, memory::format_tag::ab);
-  const memory::desc b_md({n, n}, memory::data_type::bf16, memory::format_tag::ab);
-  const memory::desc c_md({n, n}, memory::data_type::f32, memory::format_tag::ab);
-  dnnl::matmul::primitive_desc pd;
-  try {
-    pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, c_md), eng);
-  } catch (const dnnl::error& e) {
-    omp_set_num_threads(saved);
-    throw UnsupportedError(std::string("bench: oneDNN has no bf16 matmul for this CPU (") +
-                           e.what() + "); its ceiling is the sgemm over widened operands");
-  }
-  const dnnl::matmul prim(pd);
-  memory am(a_md, eng, a.data()), bm(b_md, eng, b.data()), cm(c_md, eng, c.data());
-  double best = 0.0;
-  for (int r = 0; r < repeats + 1; ++r) {  // first run is a warm-up
-    const auto t0 = Clock::now();
-    prim.execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
-    stream.wait();
-    const double s = seconds_since(t0);
-    if (r > 0) best = std::max(best, SgemmCeiling::flops() / s * 1e-9);
-  }
-  omp_set_num_threads(saved);
-  kind = std::string("onednn_bf16_gemm_2048 (") + pd.impl_info_str() + ")";
-  return best;
-#else
-  (void)threads;
-  (void)kind;
-  (void)repeats;
-  throw UnsupportedError(
-      "bench: the bf16 ceiling needs oneDNN, which this build lacks (install libdnnl-dev: "
-      "scripts/install-deps.sh, then reconfigure)");
-#endif
 }
 
 AttentionRun::AttentionRun(const testkit::AttentionShape& shape, bool backward, Isa isa,
@@ -454,28 +329,6 @@ double AttentionRun::slice_error() const {
   return err.value();
 }
 
-StreamRead::StreamRead(std::size_t bytes) : buf_(bytes / sizeof(float) / 4096 * 4096) {
-  const std::size_t n = buf_.size();
-  // Same page treatment as the KV cache, so the ceiling is not handicapped.
-  detail::back_with_huge_pages(buf_.data(), n * sizeof(float));
-  float* buf = buf_.data();
-#pragma omp parallel for schedule(static)
-  for (std::size_t i = 0; i < n; ++i) buf[i] = static_cast<float>(i & 7);
-}
-
-double StreamRead::pass_gbps(int threads) {
-  const std::size_t blocks = buf_.size() / 4096;
-  const float* buf = buf_.data();
-  const auto t0 = Clock::now();
-  double total = 0.0;
-#pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : total)
-  for (std::size_t blk = 0; blk < blocks; ++blk)  // 16 KiB per iteration, widest vectors
-    total += sum_floats_widest(buf + blk * 4096, 4096);
-  const double s = seconds_since(t0);
-  sink_ += total;
-  return static_cast<double>(buf_.size() * sizeof(float)) / s * 1e-9;
-}
-
 std::string to_json(const BenchResult& r) {
   std::ostringstream os;
   os << std::setprecision(6) << "{\"op\": \"" << r.op << "\", \"batch\": " << r.batch
@@ -620,7 +473,6 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   std::optional<StreamRead> stream;     // 1 GiB, allocated once
   std::optional<SgemmCeiling> sgemm;    // the fp32 GEMM ceiling's operands, allocated once
   constexpr std::int64_t kFill = 4096;  // positions appended per call while filling the cache
-  constexpr int kAfterSgemmMs = 200;    // pause after each sgemm pass (see the timed loop)
   // K/V rows [B, kFill, H_kv, d_h] (regenerated when B changes; sequence b's rows are the same
   // for any B) and the queries [B, T_new, H_q, d_h] (when B or T_new changes).
   std::int64_t B = 0, Tn = 0;
@@ -723,9 +575,7 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     auto& [times, ceiling, ceiling_gflops] = samples[ci];  // this case's, over the rounds
     for (int r = 0; r < cfg.repeats; ++r) {  // the ceilings' passes, then a step: same conditions
       ceiling_gflops.push_back(sgemm->pass_gflops(c.threads, 2));
-      // OpenBLAS's worker threads spin for up to 2^28 TSC cycles after a call (0.13 s at
-      // 2.1 GHz) before they sleep; a read pass right after the sgemm once measured 17.8 GB/s
-      // against 34.8 for its neighbours (Intel Xeon, docs/performance.md, D-bench-5).
+      // OpenBLAS's spinning workers go idle before the read pass (kAfterSgemmMs, D-bench-5).
       std::this_thread::sleep_for(std::chrono::milliseconds(kAfterSgemmMs));
       ceiling.push_back(stream->pass_gbps(c.threads));
       const auto t0 = Clock::now();
@@ -769,7 +619,7 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     res.dtype = to_string(qdt);
     res.ceiling_kind = "openblas_sgemm_2048";
     res.sgemm_core = sgemm_core();
-    res.ceiling_gbps_kind = "stream_read_1GiB";
+    res.ceiling_gbps_kind = stream->kind();
     for (std::size_t i = 0; i < o16.size(); ++i)  // bf16/f16 outputs widened for the error
       o[i] = kernels::load_element(qdt, o16.data(), static_cast<std::int64_t>(i));
     res.cache_dtype = to_string(c.dtype);
@@ -898,8 +748,10 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
   if (!cfg.json) {
     out << "tokenmix bench " << cfg.op << " (" << to_string(cfg.dtype) << ") on "
         << cpu_features().model << "\n";
-    if (cfg.dtype != DType::bf16 || !cpu_has_bf16_gemm())
+    if (const GemmCeilingChoice choice = gemm_ceiling_choice(cfg.dtype); !choice.bf16_gemm) {
       out << "  sgemm ceiling: OpenBLAS " << sgemm_core() << " kernel\n";
+      if (cfg.dtype == DType::bf16) out << "  ceiling: " << choice.kind << "\n";
+    }
     if (cfg.variants.any()) out << "  variants: " << cfg.variants.describe() << "\n";
     char head[256];
     std::snprintf(head, sizeof head,
@@ -908,20 +760,16 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
                   "ratio", "max_rel_err", "extra_MiB");
     out << head;
   }
-  // The ceiling of the dtype (bench.hpp): bf16 GEMM (oneDNN) for bf16 where the CPU has bf16
-  // GEMM instructions, measured once per thread count; sgemm otherwise, measured in passes
+  // The ceiling of the dtype (gemm_ceiling_choice): bf16 GEMM (oneDNN) for bf16 where the CPU
+  // has bf16 GEMM instructions, measured once per thread count; sgemm otherwise, measured in passes
   // interleaved with the case's timed calls (one pass of 2 calls after each), the median of the
   // passes reported with their spread: one slow pass on a shared machine decides no ratio
   // (D-bench-6 for decode; on the AMD Zen 3 guest the sgemm ceiling read 161 GFLOP/s in one run
   // and 84 minutes later, issue 58).
-  const bool onednn = cfg.dtype == DType::bf16 && cpu_has_bf16_gemm();
+  const GemmCeilingChoice choice = gemm_ceiling_choice(cfg.dtype);
+  const bool onednn = choice.bf16_gemm;
   std::map<int, double> onednn_ceilings;
-  std::string ceiling_kind = "openblas_sgemm_2048";
-  if (cfg.dtype == DType::bf16 && !onednn) {
-    ceiling_kind =
-        "openblas_sgemm_2048 (no bf16 GEMM instructions on this CPU: the fp32 GEMM "
-        "over the widened operands is its fastest)";
-  }
+  std::string ceiling_kind = choice.kind;
   std::optional<SgemmCeiling> sgemm;
   if (!onednn) {
     warn_sgemm_ceiling_once();
@@ -976,9 +824,10 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
     res.sgemm_core = sgemm_core();
     res.seconds = median(times);
     res.gflops = run.useful_flops() / res.seconds * 1e-9;
-    res.ceiling_gflops = median(ceiling_passes);
-    res.ceiling_min = *std::min_element(ceiling_passes.begin(), ceiling_passes.end());
-    res.ceiling_max = *std::max_element(ceiling_passes.begin(), ceiling_passes.end());
+    const CeilingSpread spread = ceiling_spread(ceiling_passes);
+    res.ceiling_gflops = spread.median;
+    res.ceiling_min = spread.min;
+    res.ceiling_max = spread.max;
     res.ratio = res.gflops / res.ceiling_gflops;
     res.extra_bytes = peak_ok && peak >= 0 && rss_before >= 0
                           ? std::max<std::int64_t>(0, peak - rss_before) * 1024

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "ceilings.hpp"  // the ceilings (SgemmCeiling, StreamRead, ...): tokenmix_ceilings
 #include "testkit.hpp"
 #include "tokenmix/attention.hpp"
 #include "tokenmix/tensor.hpp"
@@ -152,50 +153,6 @@ struct BenchResult {
   BenchVariants variants;  ///< the case's score variants (to_json writes them)
 };
 
-/// The fp32 GEMM ceiling of forward and backward: C = A B, n = 2048, through OpenBLAS, on seeded
-/// N(0, 1) inputs. `tokenmix bench` and benchmarks/ (Google Benchmark) both time this one.
-class SgemmCeiling {
- public:
-  static constexpr int kN = 2048;
-  SgemmCeiling();
-  void run_once();                                                ///< one cblas_sgemm call
-  static constexpr double flops() { return 2.0 * kN * kN * kN; }  ///< per call
-  /// Best GFLOP/s of `repeats` calls after a warm-up, with `threads` OpenBLAS threads (OpenBLAS's
-  /// two-thread rate varies a lot from run to run on a shared VM: take enough).
-  double best_gflops(int threads, int repeats = 10);
-  /// Best GFLOP/s of `calls` calls with `threads` OpenBLAS threads, no warm-up: one pass of the
-  /// decode bench's ceiling, interleaved with its timed steps like StreamRead::pass_gbps.
-  double pass_gflops(int threads, int calls);
-
- private:
-  std::vector<float> a_, b_, c_;
-};
-
-/// sgemm 2048×2048×2048 through OpenBLAS with `threads` threads: best GFLOP/s of `repeats`.
-double sgemm_ceiling_gflops(int threads, int repeats = 10);
-
-/// OpenBLAS's kernel family for sgemm (openblas_get_corename(): "Haswell", "SkylakeX", ...),
-/// detected or forced by OPENBLAS_CORETYPE; recorded with every result (BenchResult::sgemm_core).
-std::string sgemm_core();
-
-/// Empty, or why the sgemm ceiling is below this CPU's: OpenBLAS runs a kernel without AVX-512
-/// on a CPU whose AVX-512 tokenmix's kernels use (OPENBLAS_CORETYPE=Haswell on an AMD Zen 5:
-/// 212 GFLOP/s on two threads where its AVX-512 kernel does 405, docs/performance.md, D-bench-1),
-/// so ratios to it come out too high (ratio_roofline above 1). `tokenmix bench` prints it.
-std::string sgemm_ceiling_warning();
-/// The rule behind it, for a given OpenBLAS core name (any case), whether tokenmix's kernels run
-/// AVX-512, and OPENBLAS_CORETYPE's value (nullptr: unset).
-std::string sgemm_ceiling_warning(std::string core, bool avx512, const char* forced);
-
-/// Whether the CPU has bf16 GEMM instructions (AVX512-BF16 or AMX-BF16, as CpuFeatures reports
-/// them under TOKENMIX_CPU_CAP).
-bool cpu_has_bf16_gemm();
-/// The bf16 GEMM: C (f32) = A B with A, B bf16, n = 2048, through oneDNN's matmul (its best ISA
-/// here: AMX or AVX512-BF16), `threads` OpenMP threads; best GFLOP/s of `repeats`. `kind`
-/// receives a description (library, ISA). Throws UnsupportedError when this build has no oneDNN
-/// (libdnnl-dev) or oneDNN has no bf16 matmul for the CPU.
-double bf16_gemm_ceiling_gflops(int threads, std::string& kind, int repeats = 10);
-
 /// One forward or backward case of the bench: seeded contiguous [B, T, H, d_h] inputs and
 /// outputs of `shape`, the call that is timed, its useful FLOPs (SPEC "Useful-work counts", from
 /// the case's shape) and its error against the float64 oracle on a slice of rows.
@@ -230,23 +187,6 @@ class AttentionRun {
   template <class V>
   V view(std::vector<float>& x32, std::vector<std::uint16_t>& x16, std::int64_t T,
          std::int64_t H) const;
-};
-
-/// Streaming read bandwidth: `threads` threads sum a buffer of `bytes` (≫ L3), backed by
-/// transparent huge pages like the KV cache. Each pass_gbps() is one timed read; the decode bench
-/// interleaves passes with its timed steps and reports the median of each, so load that drifts
-/// during a run (a shared VM) weighs on the ceiling and the kernel alike.
-/// Σ p[0, n) (n a multiple of 64) with the widest vectors the CPU has (stream_read_hwy.cpp).
-float sum_floats_widest(const float* p, std::size_t n);
-
-class StreamRead {
- public:
-  explicit StreamRead(std::size_t bytes = std::size_t{1} << 30);
-  double pass_gbps(int threads);
-
- private:
-  std::vector<float> buf_;
-  double sink_ = 0.0;  // keeps the sums observable
 };
 
 /// Runs every case of `config`, printing a table (or JSON lines) to `out` as it goes.

@@ -163,6 +163,13 @@ std::size_t size_of(const std::string& dtype) {
   return 0;  // quantized: elements plus scales, not recomputed here
 }
 
+// The ceilings' kinds the tool's arguments ask for (tokenmix bench --gemm-n, --read-mib; their
+// defaults otherwise).
+struct CeilingKinds {
+  std::string gemm = "openblas_sgemm_2048", read = "stream_read_1GiB";
+};
+CeilingKinds g_kinds;
+
 void check_decode(const Line& l, const std::string& lengths) {
   // Every key of the decode JSON, old and new.
   for (const char* key : {"batch",
@@ -193,10 +200,10 @@ void check_decode(const Line& l, const std::string& lengths) {
                           "cache_tokens_min",
                           "cache_tokens_max"})
     (void)l.num(key);
-  if (l.at("ceiling_kind") != "openblas_sgemm_2048")
-    fail("ceiling_kind is '" + l.at("ceiling_kind") + "', expected forward's openblas_sgemm_2048");
-  if (l.at("ceiling_gbps_kind") != "stream_read_1GiB")
-    fail("ceiling_gbps_kind is '" + l.at("ceiling_gbps_kind") + "'");
+  if (l.at("ceiling_kind") != g_kinds.gemm)
+    fail("ceiling_kind is '" + l.at("ceiling_kind") + "', expected forward's " + g_kinds.gemm);
+  if (l.at("ceiling_gbps_kind") != g_kinds.read)
+    fail("ceiling_gbps_kind is '" + l.at("ceiling_gbps_kind") + "', expected " + g_kinds.read);
   const double s = l.num("seconds"), bytes = l.num("kv_bytes"), flops = l.num("flops");
   const double gbps_c = l.num("ceiling_gbps"), gflops_c = l.num("ceiling_gflops");
   if (!(s > 0 && gbps_c > 0 && gflops_c > 0 && bytes > 0 && flops > 0))
@@ -271,6 +278,16 @@ int main(int argc, char** argv) {
     }
     if (i >= argc) throw std::invalid_argument("missing -- ARGS");
     for (++i; i < argc; ++i) tool_argv.push_back(argv[i]);
+    for (std::size_t k = 1; k + 1 < tool_argv.size(); ++k) {
+      const long n = tool_argv[k] == "--gemm-n" || tool_argv[k] == "--read-mib"
+                         ? std::stol(tool_argv[k + 1])
+                         : 0;
+      if (tool_argv[k] == "--gemm-n") g_kinds.gemm = "openblas_sgemm_" + std::to_string(n);
+      if (tool_argv[k] == "--read-mib") {
+        g_kinds.read = "stream_read_" + (n % 1024 == 0 ? std::to_string(n / 1024) + "GiB"
+                                                       : std::to_string(n) + "MiB");
+      }
+    }
 
     std::vector<std::vector<Line>> all;
     for (long r = 0; r < runs; ++r) {

@@ -220,36 +220,36 @@ tokenmix_cli_test(npy_window_softcap FIXTURES cli_npy
                   CLEAN ${_cli_a}/xo.npy ${_cli_a}/xlse.npy)
 # The bench records the variants in its JSON (one tiny case; not a timing test).
 tokenmix_cli_test(bench_variants_json
-                  ARGS bench forward --tq 64 --hq 4 --hkv 2 --dh 16 --repeats 1 --json --window 16
+                  ARGS bench forward --gemm-n 128 --tq 64 --hq 4 --hkv 2 --dh 16 --repeats 1 --json --window 16
                        --softcap 30 --alibi --sinks 0.25 TIMEOUT 600
                   STDOUT "\"op\": \"forward\".*\"window\": 16, \"softcap\": 30, \"alibi\": true, \"sinks\": \\[0.25\\]")
 tokenmix_cli_test(bench_decode_variants_json
-                  ARGS bench decode --cache-tokens 256 --cache-dtype f32 --hq 4 --hkv 2 --dh 16 --repeats 1
+                  ARGS bench decode --gemm-n 128 --read-mib 16 --cache-tokens 256 --cache-dtype f32 --hq 4 --hkv 2 --dh 16 --repeats 1
                        --json --window 64 --sinks 0,1,2,3 TIMEOUT 600
-                  STDOUT "\"op\": \"decode\".*\"ceiling_kind\": \"openblas_sgemm_2048\", \"sgemm_core\": \"[A-Za-z0-9_]+\".*\"window\": 64, \"softcap\": null, \"alibi\": false, \"sinks\": \\[0, 1, 2, 3\\]")
+                  STDOUT "\"op\": \"decode\".*\"ceiling_kind\": \"openblas_sgemm_128\", \"sgemm_core\": \"[A-Za-z0-9_]+\".*\"window\": 64, \"softcap\": null, \"alibi\": false, \"sinks\": \\[0, 1, 2, 3\\].*\"ceiling_gbps_kind\": \"stream_read_16MiB\"")
 # forward / backward: the sgemm ceiling's passes, interleaved with the timed calls, and their
 # spread (issue 58: one slow ceiling pass decides no ratio).
 tokenmix_cli_test(bench_ceiling_spread_json
-                  ARGS bench backward --tq 64 --hq 4 --hkv 2 --dh 16 --repeats 3 --json TIMEOUT 600
+                  ARGS bench backward --gemm-n 128 --tq 64 --hq 4 --hkv 2 --dh 16 --repeats 3 --json TIMEOUT 600
                   STDOUT "\"op\": \"backward\".*\"ceiling_gflops\": [0-9.e+-]+.*\"ceiling_min\": [0-9.e+-]+, \"ceiling_max\": [0-9.e+-]+")
 # bf16 on a CPU without bf16 GEMM instructions (TOKENMIX_CPU_CAP=avx2: as on AMD Zen 3, where
 # oneDNN has no bf16 matmul): the ceiling is sgemm over the widened operands, and says so.
 tokenmix_cli_test(bench_bf16_ceiling_without_bf16_gemm
-                  ARGS bench forward --tq 64 --hq 4 --hkv 2 --dh 16 --repeats 1 --json --dtype bf16
+                  ARGS bench forward --gemm-n 128 --tq 64 --hq 4 --hkv 2 --dh 16 --repeats 1 --json --dtype bf16
                        TIMEOUT 600
-                  STDOUT "\"op\": \"forward\".*\"dtype\": \"bf16\", \"ceiling_kind\": \"openblas_sgemm_2048 \\(no bf16 GEMM instructions on this CPU")
+                  STDOUT "\"op\": \"forward\".*\"dtype\": \"bf16\", \"ceiling_kind\": \"openblas_sgemm_128 \\(no bf16 GEMM instructions on this CPU")
 set_tests_properties(cli_bench_bf16_ceiling_without_bf16_gemm PROPERTIES ENVIRONMENT "TOKENMIX_CPU_CAP=avx2")
 # Quantized caches (int8, fp8 E4M3): the same decode keys plus tokens_per_s; bytes count scales.
 tokenmix_cli_test(bench_decode_quantized_json
-                  ARGS bench decode --cache-tokens 256 --cache-dtype int8,fp8_e4m3 --hq 4 --hkv 2
+                  ARGS bench decode --gemm-n 128 --read-mib 16 --cache-tokens 256 --cache-dtype int8,fp8_e4m3 --hq 4 --hkv 2
                        --dh 16 --repeats 1 --json TIMEOUT 600
                   STDOUT "\"cache_dtype\": \"int8\", \"gbps\": [0-9.e+-]+, \"ceiling_gbps\": [0-9.e+-]+, \"tokens_per_s\": [0-9.e+-]+, \"err_vs_unquantized\": [0-9.e+-]+, \"kv_outlier\": 1.*\"cache_dtype\": \"fp8_e4m3\"")
 tokenmix_cli_test(bench_decode_outlier_json
-                  ARGS bench decode --cache-tokens 128 --cache-dtype int8 --hq 2 --hkv 1 --dh 16
+                  ARGS bench decode --gemm-n 128 --read-mib 16 --cache-tokens 128 --cache-dtype int8 --hq 2 --hkv 1 --dh 16
                        --repeats 1 --json --kv-outlier 30 TIMEOUT 600
                   STDOUT "\"cache_dtype\": \"int8\".*\"kv_outlier\": 30")
 tokenmix_cli_test(bench_plain_json_has_no_variants
-                  ARGS bench backward --tq 32 --hq 2 --hkv 1 --dh 8 --repeats 1 --json TIMEOUT 600
+                  ARGS bench backward --gemm-n 128 --tq 32 --hq 2 --hkv 1 --dh 8 --repeats 1 --json TIMEOUT 600
                   STDOUT "\"window\": null, \"softcap\": null, \"alibi\": false, \"sinks\": null")
 # Issue 16: decode measures both ceilings (streaming read and forward's sgemm) and reports the
 # roofline time max(bytes / read ceiling, FLOPs / sgemm ceiling) and ratio_roofline; --batch and
@@ -263,39 +263,39 @@ endfunction()
 tokenmix_bench_json_test(bench_decode_roofline_lists
                          --lines 8 --values batch=1,3 --values tq=1,2 --values tk=64,80
                          --lengths equal
-                         -- bench decode --batch 1,3 --tnew 1,2 --cache-tokens 64,80
+                         -- bench decode --gemm-n 128 --read-mib 16 --batch 1,3 --tnew 1,2 --cache-tokens 64,80
                             --cache-dtype f32 --hq 4 --hkv 2 --dh 16 --threads 1 --repeats 1 --json)
 tokenmix_bench_json_test(bench_decode_mixed_lengths
                          --lines 3 --runs 2 --lengths mixed --values cache_dtype=f32,bf16,int8
-                         -- bench decode --batch 4 --cache-tokens 64 --cache-dtype f32,bf16,int8
+                         -- bench decode --gemm-n 128 --read-mib 16 --batch 4 --cache-tokens 64 --cache-dtype f32,bf16,int8
                             --lengths mixed --hq 4 --hkv 2 --dh 16 --threads 1 --repeats 1 --json)
 tokenmix_bench_json_test(bench_decode_roofline_window
                          --lines 1 --lengths mixed
-                         -- bench decode --batch 3 --tnew 2 --cache-tokens 100 --cache-dtype f16
+                         -- bench decode --gemm-n 128 --read-mib 16 --batch 3 --tnew 2 --cache-tokens 100 --cache-dtype f16
                             --lengths mixed --window 16 --hq 4 --hkv 2 --dh 16 --threads 1
                             --repeats 1 --json)
 # --rounds N: the case list visited N times round-robin (a slow phase of a shared machine takes
 # part of every case's samples); one line per case, after the last round, with "rounds": N.
 tokenmix_bench_json_test(bench_decode_rounds
                          --lines 2 --values rounds=2 --values cache_dtype=f32,int8
-                         -- bench decode --cache-tokens 64 --cache-dtype f32,int8 --rounds 2
+                         -- bench decode --gemm-n 128 --read-mib 16 --cache-tokens 64 --cache-dtype f32,int8 --rounds 2
                             --hq 4 --hkv 2 --dh 16 --threads 1 --repeats 1 --json)
 tokenmix_cli_test(bench_decode_rounds_progress
-                  ARGS bench decode --cache-tokens 64 --cache-dtype f32,bf16 --rounds 2 --hq 4
+                  ARGS bench decode --gemm-n 128 --read-mib 16 --cache-tokens 64 --cache-dtype f32,bf16 --rounds 2 --hq 4
                        --hkv 2 --dh 16 --threads 1 --repeats 1 TIMEOUT 600
                   STDERR "cache=f32 .*round 1/2.*cache=bf16 .*round 1/2.*cache=f32 .*round 2/2.*cache=bf16 .*round 2/2")
 tokenmix_bench_json_test(bench_forward_batch_list
                          --lines 2 --values batch=1,2 --values op=forward
-                         -- bench forward --batch 1,2 --tq 32 --hq 2 --hkv 1 --dh 8 --threads 1
+                         -- bench forward --gemm-n 128 --batch 1,2 --tq 32 --hq 2 --hkv 1 --dh 8 --threads 1
                             --repeats 1 --json)
 # The draw of --lengths mixed is fixed (std::mt19937_64, seed 16): B = 4, T_k = 64 holds
 # 312 positions in all, from 58 to 93 (not 4 · 64); the table shows the new columns.
 tokenmix_cli_test(bench_decode_mixed_table
-                  ARGS bench decode --batch 4 --cache-tokens 64 --cache-dtype f32 --lengths mixed
+                  ARGS bench decode --gemm-n 128 --read-mib 16 --batch 4 --cache-tokens 64 --cache-dtype f32 --lengths mixed
                        --hq 4 --hkv 2 --dh 16 --threads 1 --repeats 1 TIMEOUT 600
                   STDOUT "sgemm ceiling: OpenBLAS [A-Za-z0-9_]+ kernel.*lengths: mixed.*seed 16.*B T_new +T_k +sum_T_k.*GB/s ceiling +ratio +GFLOP/s +sgemm +roof_ms +r_roof.*decode +4 +1 +64 +312 ")
 tokenmix_cli_test(bench_decode_mixed_json_total
-                  ARGS bench decode --batch 4 --cache-tokens 64 --cache-dtype f32 --lengths mixed
+                  ARGS bench decode --gemm-n 128 --read-mib 16 --batch 4 --cache-tokens 64 --cache-dtype f32 --lengths mixed
                        --hq 4 --hkv 2 --dh 16 --threads 1 --repeats 1 --json TIMEOUT 600
                   STDOUT "\"lengths\": \"mixed\", \"cache_tokens_total\": 312, \"cache_tokens_min\": 58, \"cache_tokens_max\": 93")
 tokenmix_cli_test(bench_help_decode_lists ARGS bench --help
@@ -447,6 +447,14 @@ tokenmix_cli_error(error_bench_rounds_forward "--rounds applies only to decode.*
                    ARGS bench forward --tq 16 --rounds 2)
 tokenmix_cli_error(error_bench_cache_tokens_zero "bench: --cache-tokens values must be >= 1; got 0"
                    ARGS bench decode --cache-tokens 0)
+# The ceilings' sizes (--gemm-n, --read-mib): out of range, or --read-mib for an op without a
+# streaming-read ceiling, before any work.
+tokenmix_cli_error(error_bench_gemm_n_small "the sgemm ceiling's size n must be in \\[16, 16384\\]; got 8"
+                   ARGS bench forward --tq 16 --gemm-n 8)
+tokenmix_cli_error(error_bench_read_mib_zero "bench: --read-mib must be in \\[1, 1048576\\]; got 0"
+                   ARGS bench decode --cache-tokens 64 --read-mib 0)
+tokenmix_cli_error(error_bench_read_mib_forward "--read-mib applies only to decode.*got op forward"
+                   ARGS bench forward --tq 16 --read-mib 16)
 # Score-variant flags: bad values, sinks of the wrong length, file mode only, --dsinks needs them.
 tokenmix_cli_error(error_window_zero "--window: Value 0 not in range"
                    ARGS run ${_cli_qkv_a} --out ${_cli_e} --window 0)

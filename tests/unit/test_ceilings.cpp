@@ -37,7 +37,27 @@ TEST(BenchCeilings, SgemmPassIsAPositiveFiniteRate) {
   // Two calls' best is a pass too; best_gflops warms up first and takes the best of `repeats`.
   const double best = sgemm.best_gflops(1, 2);
   EXPECT_TRUE(std::isfinite(best) && best > 0.0) << best;
-  EXPECT_EQ(bench::SgemmCeiling::flops(), 2.0 * 2048 * 2048 * 2048);
+  EXPECT_EQ(sgemm.flops(), 2.0 * 2048 * 2048 * 2048);
+  EXPECT_EQ(sgemm.kind(), "openblas_sgemm_2048");
+  // Another size (tokenmix bench --gemm-n): its FLOPs and kind; a size outside [16, 16384] is an
+  // ArgumentError naming it.
+  bench::SgemmCeiling small(96);
+  EXPECT_EQ(small.n(), 96);
+  EXPECT_EQ(small.flops(), 2.0 * 96 * 96 * 96);
+  EXPECT_EQ(small.kind(), "openblas_sgemm_96");
+  EXPECT_GT(small.pass_gflops(1, 1), 0.0);
+  EXPECT_EQ(bench::gemm_ceiling_choice(DType::f32, 96).kind, "openblas_sgemm_96");
+  for (const int n : {15, 0, -4, 16385}) {
+    try {
+      bench::SgemmCeiling bad(n);
+      ADD_FAILURE() << "n = " << n << " accepted";
+    } catch (const ArgumentError& e) {
+      EXPECT_NE(std::string(e.what()).find("[16, 16384]; got " + std::to_string(n)),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_THROW((void)bench::gemm_ceiling_choice(DType::f32, n), ArgumentError) << n;
+  }
   EXPECT_FALSE(bench::sgemm_core().empty());
   for (const auto& [threads, calls] : {std::pair{0, 1}, std::pair{-1, 1}, std::pair{1, 0}})
     EXPECT_THROW(sgemm.pass_gflops(threads, calls), ArgumentError) << threads << " " << calls;

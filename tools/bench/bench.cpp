@@ -470,7 +470,7 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   }
   const std::int64_t Hq = cfg.hq, Hkv = cfg.hkv, D = cfg.dh, g = Hq / Hkv;
   std::vector<BenchResult> results;
-  std::optional<StreamRead> stream;     // 1 GiB, allocated once
+  std::optional<StreamRead> stream;     // cfg.read_mib (1 GiB), allocated once
   std::optional<SgemmCeiling> sgemm;    // the fp32 GEMM ceiling's operands, allocated once
   constexpr std::int64_t kFill = 4096;  // positions appended per call while filling the cache
   // K/V rows [B, kFill, H_kv, d_h] (regenerated when B changes; sequence b's rows are the same
@@ -515,13 +515,15 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
       }
     }
     if (!stream) {
-      if (cfg.progress)
-        std::cerr << "[bench] allocating the 1 GiB streaming-read buffer (the ceiling)\n";
-      stream.emplace();
+      if (cfg.progress) {
+        std::cerr << "[bench] allocating the " << cfg.read_mib
+                  << " MiB streaming-read buffer (the ceiling)\n";
+      }
+      stream.emplace(static_cast<std::size_t>(cfg.read_mib) << 20);
       // The ceiling's warning (a kernel without AVX-512), once, after the arguments were checked.
       const std::string warning = sgemm_ceiling_warning();
       if (!warning.empty()) std::cerr << "[bench] warning: " << warning << "\n";
-      sgemm.emplace();
+      sgemm.emplace(cfg.gemm_n);
     }
     if (cfg.progress) {
       std::cerr << "[bench] decode B=" << B << " T_new=" << Tn << " T_k=" << c.tk
@@ -617,7 +619,7 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     res.ceiling_gflops = median(ceiling_gflops);
     res.ratio_gflops = res.gflops / res.ceiling_gflops;
     res.dtype = to_string(qdt);
-    res.ceiling_kind = "openblas_sgemm_2048";
+    res.ceiling_kind = sgemm->kind();
     res.sgemm_core = sgemm_core();
     res.ceiling_gbps_kind = stream->kind();
     for (std::size_t i = 0; i < o16.size(); ++i)  // bf16/f16 outputs widened for the error
@@ -729,6 +731,18 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
                         "length per sequence); got op " +
                             cfg.op);
   }
+  if (cfg.read_mib < 1 || cfg.read_mib > (std::int64_t{1} << 20)) {
+    throw ArgumentError(
+        ErrorCode::invalid_argument,
+        "bench: --read-mib must be in [1, 1048576]; got " + std::to_string(cfg.read_mib));
+  }
+  if (cfg.read_mib != BenchConfig{}.read_mib && cfg.op != "decode") {
+    throw ArgumentError(ErrorCode::invalid_argument,
+                        "bench: --read-mib applies only to decode (its streaming-read ceiling); "
+                        "got op " +
+                            cfg.op);
+  }
+  (void)gemm_ceiling_choice(cfg.dtype, cfg.gemm_n);  // --gemm-n in range, before any work
   (void)cfg.variants.sink_values(cfg.hq);  // --sinks: 1 or H_q values, checked before any work
   if (cfg.op == "decode") return run_decode(cfg, out);
   const bool backward = cfg.op == "backward";
@@ -748,7 +762,8 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
   if (!cfg.json) {
     out << "tokenmix bench " << cfg.op << " (" << to_string(cfg.dtype) << ") on "
         << cpu_features().model << "\n";
-    if (const GemmCeilingChoice choice = gemm_ceiling_choice(cfg.dtype); !choice.bf16_gemm) {
+    if (const GemmCeilingChoice choice = gemm_ceiling_choice(cfg.dtype, cfg.gemm_n);
+        !choice.bf16_gemm) {
       out << "  sgemm ceiling: OpenBLAS " << sgemm_core() << " kernel\n";
       if (cfg.dtype == DType::bf16) out << "  ceiling: " << choice.kind << "\n";
     }
@@ -766,14 +781,14 @@ std::vector<BenchResult> run(const BenchConfig& cfg, std::ostream& out) {
   // passes reported with their spread: one slow pass on a shared machine decides no ratio
   // (D-bench-6 for decode; on the AMD Zen 3 guest the sgemm ceiling read 161 GFLOP/s in one run
   // and 84 minutes later, issue 58).
-  const GemmCeilingChoice choice = gemm_ceiling_choice(cfg.dtype);
+  const GemmCeilingChoice choice = gemm_ceiling_choice(cfg.dtype, cfg.gemm_n);
   const bool onednn = choice.bf16_gemm;
   std::map<int, double> onednn_ceilings;
   std::string ceiling_kind = choice.kind;
   std::optional<SgemmCeiling> sgemm;
   if (!onednn) {
     warn_sgemm_ceiling_once();
-    sgemm.emplace();
+    sgemm.emplace(cfg.gemm_n);
   }
   std::vector<BenchResult> results;
   for (const Case& c : cases) {

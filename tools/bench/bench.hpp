@@ -100,6 +100,11 @@ struct BenchConfig {
   /// "Quantized KV cache"); 1 = N(0, 1) everywhere. Finite and > 0.
   double kv_outlier = 1.0;
   BenchVariants variants;  ///< score variants of every case (forward, backward and decode)
+  /// The ceilings' sizes (--gemm-n, --read-mib): the sgemm's n and the streaming read's buffer.
+  /// The defaults measure the CPU (2048³; 1 GiB ≫ L3); smaller ones make quick runs and the CLI
+  /// tests fast, and the JSON's ceiling_kind / ceiling_gbps_kind name the sizes used.
+  int gemm_n = 2048;
+  std::int64_t read_mib = 1024;
 };
 
 struct BenchResult {

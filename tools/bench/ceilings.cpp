@@ -62,12 +62,26 @@ CeilingSpread ceiling_spread(const std::vector<double>& passes) {
   return {median(passes), *lo, *hi};
 }
 
-SgemmCeiling::SgemmCeiling()
-    : a_(normal_draws(std::size_t{kN} * kN, 1)), b_(normal_draws(a_.size(), 2)), c_(a_.size()) {}
+namespace {
+int checked_gemm_n(int n) {
+  if (n < 16 || n > 16384) {
+    throw ArgumentError(
+        ErrorCode::invalid_argument,
+        "bench: the sgemm ceiling's size n must be in [16, 16384]; got " + std::to_string(n));
+  }
+  return n;
+}
+}  // namespace
+
+SgemmCeiling::SgemmCeiling(int n)
+    : n_(checked_gemm_n(n)),
+      a_(normal_draws(static_cast<std::size_t>(n_) * static_cast<std::size_t>(n_), 1)),
+      b_(normal_draws(a_.size(), 2)),
+      c_(a_.size()) {}
 
 void SgemmCeiling::run_once() {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, kN, kN, kN, 1.0f, a_.data(), kN, b_.data(),
-              kN, 0.0f, c_.data(), kN);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n_, n_, n_, 1.0f, a_.data(), n_, b_.data(),
+              n_, 0.0f, c_.data(), n_);
 }
 
 double SgemmCeiling::best_gflops(int threads, int repeats) {
@@ -129,18 +143,19 @@ bool have_onednn() {
 #endif
 }
 
-GemmCeilingChoice gemm_ceiling_choice(DType dtype) {
-  if (dtype != DType::bf16) return {false, "openblas_sgemm_2048"};
+GemmCeilingChoice gemm_ceiling_choice(DType dtype, int sgemm_n) {
+  const std::string sgemm = "openblas_sgemm_" + std::to_string(checked_gemm_n(sgemm_n));
+  if (dtype != DType::bf16) return {false, sgemm};
   if (!cpu_has_bf16_gemm()) {
-    return {false,
-            "openblas_sgemm_2048 (no bf16 GEMM instructions on this CPU: the fp32 GEMM over the "
-            "widened operands is its fastest)"};
+    return {false, sgemm +
+                       " (no bf16 GEMM instructions on this CPU: the fp32 GEMM over the "
+                       "widened operands is its fastest)"};
   }
   if (!have_onednn()) {
-    return {false,
-            "openblas_sgemm_2048 (this build has no oneDNN for the bf16 GEMM ceiling: install "
-            "libdnnl-dev, scripts/install-deps.sh, and rebuild; ratios to the sgemm are too "
-            "high)"};
+    return {false, sgemm +
+                       " (this build has no oneDNN for the bf16 GEMM ceiling: install "
+                       "libdnnl-dev, scripts/install-deps.sh, and rebuild; ratios to the sgemm "
+                       "are too high)"};
   }
   return {true, "onednn_bf16_gemm_2048"};
 }
@@ -182,7 +197,7 @@ double bf16_gemm_ceiling_gflops(int threads, std::string& kind, int repeats) {
     prim.execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
     stream.wait();
     const double s = seconds_since(t0);
-    if (r > 0) best = std::max(best, SgemmCeiling::flops() / s * 1e-9);
+    if (r > 0) best = std::max(best, 2.0 * n * n * n / s * 1e-9);
   }
   omp_set_num_threads(saved);
   kind = std::string("onednn_bf16_gemm_2048 (") + pd.impl_info_str() + ")";

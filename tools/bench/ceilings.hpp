@@ -35,15 +35,19 @@ CeilingSpread ceiling_spread(const std::vector<double>& passes);
 /// neighbours (Intel Xeon, docs/performance.md, D-bench-5).
 inline constexpr int kAfterSgemmMs = 200;
 
-/// The fp32 GEMM ceiling of forward and backward: C = A B, n = 2048, through OpenBLAS, on seeded
-/// N(0, 1) inputs. `tokenmix bench`, benchmarks/ (Google Benchmark) and `python -m
-/// tokenmix.bench` all time this one.
+/// The fp32 GEMM ceiling of forward and backward: C = A B, n × n (n = 2048 unless asked: `tokenmix
+/// bench --gemm-n`, a smaller GEMM for quick runs and tests, below the CPU's rate), through
+/// OpenBLAS, on seeded N(0, 1) inputs. `tokenmix bench`, benchmarks/ (Google Benchmark) and
+/// `python -m tokenmix.bench` all time this one. ArgumentError unless 16 ≤ n ≤ 16384.
 class SgemmCeiling {
  public:
-  static constexpr int kN = 2048;
-  SgemmCeiling();
-  void run_once();                                                ///< one cblas_sgemm call
-  static constexpr double flops() { return 2.0 * kN * kN * kN; }  ///< per call
+  static constexpr int kN = 2048;  ///< the ceiling's size
+  explicit SgemmCeiling(int n = kN);
+  void run_once();  ///< one cblas_sgemm call
+  int n() const { return n_; }
+  double flops() const { return 2.0 * n_ * n_ * n_; }  ///< per call
+  /// What the JSON's ceiling_kind says: "openblas_sgemm_2048", ...
+  std::string kind() const { return "openblas_sgemm_" + std::to_string(n_); }
   /// Best GFLOP/s of `repeats` calls after a warm-up, with `threads` OpenBLAS threads (OpenBLAS's
   /// two-thread rate varies a lot from run to run on a shared VM: take enough).
   double best_gflops(int threads, int repeats = 10);
@@ -53,6 +57,7 @@ class SgemmCeiling {
   double pass_gflops(int threads, int calls);
 
  private:
+  int n_;
   std::vector<float> a_, b_, c_;
 };
 
@@ -87,7 +92,8 @@ struct GemmCeilingChoice {
   bool bf16_gemm;
   std::string kind;
 };
-GemmCeilingChoice gemm_ceiling_choice(DType dtype);
+/// `sgemm_n`: the sgemm's size (SgemmCeiling::n), named in `kind`.
+GemmCeilingChoice gemm_ceiling_choice(DType dtype, int sgemm_n = SgemmCeiling::kN);
 
 /// The bf16 GEMM: C (f32) = A B with A, B bf16, n = 2048, through oneDNN's matmul (its best ISA
 /// here: AMX or AVX512-BF16), `threads` OpenMP threads; best GFLOP/s of `repeats` after a

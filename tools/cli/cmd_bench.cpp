@@ -63,6 +63,14 @@ Command add_bench_command(CLI::App& parent) {
                   "figures are the medians of its rounds x repeats samples (steps and ceiling "
                   "passes), so a slow phase of a shared machine takes part of every case")
       ->capture_default_str();
+  app->add_option("--gemm-n", o->config.gemm_n,
+                  "The sgemm ceiling's size n (n^3 GEMM; below 2048 it measures less than the "
+                  "CPU's rate: quick runs and tests)")
+      ->capture_default_str();
+  app->add_option("--read-mib", o->config.read_mib,
+                  "decode: the streaming-read ceiling's buffer in MiB (far above the L3 cache "
+                  "to measure memory)")
+      ->capture_default_str();
   app->add_flag("--json", o->config.json, "One JSON object per line per case instead of a table");
   app->add_option("--cache-tokens", o->config.cache_tokens,
                   "decode: cached positions T_k per sequence, one case each (comma-separated)")

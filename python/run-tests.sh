@@ -3,6 +3,11 @@
 # CMake project with TOKENMIX_BUILD_PYTHON=ON), installs it into a virtual environment, runs
 # pytest on python/tests, then a one-round smoke run of `python -m tokenmix.bench`.
 #
+# Usage: python/run-tests.sh [--full]. Without --full (README's everyday scripts/test.sh) pytest
+# deselects the tests marked slow (pyproject.toml: torch.compile with inductor, four-process
+# worlds, T = 8192, bench runs; each has a faster sibling that runs) and the smoke run is left
+# out; --full (scripts/test.sh --full, CI) runs everything.
+#
 # The virtual environment is persistent, outside the work tree:
 #   ${TOKENMIX_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv}
 # so NumPy, ml_dtypes, PyTorch, pytest, scikit-build-core, nanobind and Hugging Face
@@ -16,6 +21,14 @@
 # Environment: TOKENMIX_JOBS (build jobs, default 2), TOKENMIX_VENV, PYTHON (default python3).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+full=0
+for arg in "$@"; do
+  case $arg in
+    --full) full=1 ;;
+    *) echo "usage: python/run-tests.sh [--full]   (unknown argument: $arg)" >&2; exit 2 ;;
+  esac
+done
 
 jobs=${TOKENMIX_JOBS:-2}
 python=${PYTHON:-python3}
@@ -83,7 +96,13 @@ wheel=$(ls "$wheel_dir"/tokenmix-*.whl)
 # Tests run against the installed package (pytest's rootdir is the repository; the source
 # tree's python/tokenmix is not on sys.path).
 echo "== pytest"
-"$py" -m pytest python/tests -p no:cacheprovider -ra
+if [[ $full -eq 1 ]]; then
+  "$py" -m pytest python/tests -p no:cacheprovider -ra
+else
+  "$py" -m pytest python/tests -p no:cacheprovider -ra -m "not slow"
+  echo "== (the tests marked slow and the benchmark smoke run: python/run-tests.sh --full)"
+  exit 0
+fi
 
 echo "== benchmark smoke run"
 (cd /tmp && "$py" -m tokenmix.bench --seq 128 --repeats 1 --heads-q 4 --heads-kv 2 --head-dim 32)

@@ -2,17 +2,19 @@
 # README's test command, and with --full what CI runs (.ci/run). From a fresh Debian 12 machine:
 #   1. install the Debian packages (scripts/install-deps.sh; does nothing if all are there),
 #      then check that every C++ file is clang-formatted (scripts/check-format.sh);
-#   2. Release build of everything in build/release, then ctest; then ctest again with
+#   2. Release build of everything in build/release, then ctest (the kernel suites once per path
+#      this CPU has); then the tests that take the automatically chosen path again with
 #      TOKENMIX_CPU_CAP=avx2 and =portable (the library then behaves as on a CPU without the
 #      capped features);
 #   3. Python package (python/run-tests.sh): `pip wheel .` into a persistent virtual environment
 #      (${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv; NumPy, PyTorch and transformers installed
 #      from PyPI once, when missing), then pytest on python/tests (exit status 5, "no tests ran",
-#      is a failure);
+#      is a failure), without the tests marked slow (each has a faster sibling; --full runs them);
 #   4. the AVX2-only CPU (scripts/test-avx2-cpu.sh, x86-64 only): no instruction beyond x86-64
 #      outside a dispatched call in any object (scripts/check-isa-confinement.py), then the CLI,
 #      the kernels' unit tests on the avx2 and portable paths and the Python module under
-#      `qemu-x86_64 -cpu max` (AVX2, no AVX-512), and natively where the CPU has no AVX-512;
+#      `qemu-x86_64 -cpu max` (AVX2, no AVX-512) where this CPU has AVX-512, natively where it
+#      has none (--full: both there);
 # and with --full (CI) also:
 #   5. Debug build with AddressSanitizer + UBSan (-DTOKENMIX_SANITIZE=ON) of the library, tools
 #      and tests (not the benchmarks) in build/sanitize, then ctest under the sanitizers;
@@ -166,16 +168,21 @@ mkdir -p "$logs"
 # 1b. Format: every tracked C++ file exactly as clang-format leaves it (scripts/check-format.sh).
 run_stage "format: clang-format" bash scripts/check-format.sh
 
-# 2. Release: everything, all tests. Then the same tests (all but the install test, which
-#    only rebuilds the library) with the CPU features the library detects capped
+# 2. Release: everything, all tests: the kernel suites run once per path this CPU has
+#    (AllIsas/…, Paths/…, SimdIsas/…: avx2, avx512, avx512_bf16, portable). Then the tests that
+#    take whatever path dispatch picks, with the CPU features the library detects capped
 #    (TOKENMIX_CPU_CAP): once to AVX2 and once to the portable path, so an AVX2-only CPU and a
 #    CPU without x86 SIMD are tested on every machine (the library then behaves exactly as
-#    there: paths, `tokenmix info`, TOKENMIX_ISA and AttentionOptions::isa requests).
+#    there: paths, `tokenmix info`, TOKENMIX_ISA and AttentionOptions::isa requests). Left out
+#    of the capped runs: the per-path suites (their avx2 and portable instances ran above, the
+#    same calls), the bench and timed `tokenmix run` tests (ceilings and timings, not paths) and
+#    the install test (it only rebuilds the library).
+cap_excluded='^(AllIsas|Paths|SimdIsas)/|^cli_bench_|^cli_run_small_|^install\.'
 if build_stage "release: configure + build" "$release_dir" -DCMAKE_BUILD_TYPE=Release; then
   test_stage "release: ctest" "$release_dir"
   for cap in avx2 portable; do
     TOKENMIX_CPU_CAP=$cap test_stage "release: ctest, CPU cap $cap" "$release_dir" "cap-$cap" \
-      --exclude-regex '^install\.'
+      --exclude-regex "$cap_excluded"
   done
 else
   skip "release: ctest" "build failed"
@@ -187,10 +194,12 @@ fi
 python_stage() {
   local name="python: wheel + pytest" start=$SECONDS log="$logs/python-pytest.log" rc note
   banner "$name"
+  local args=()
+  [[ $full -eq 1 ]] && args=(--full)
   env -u ASAN_OPTIONS -u UBSAN_OPTIONS -u LSAN_OPTIONS TOKENMIX_JOBS="$jobs" \
-    bash python/run-tests.sh 2>&1 | tee "$log"
+    bash python/run-tests.sh "${args[@]}" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
-  note=$(grep -E '^=+ .*(passed|failed|errors?|no tests ran).* in [0-9.]+s' "$log" | tail -n 1 | tr -d '=')
+  note=$(grep -E '^=+ .*(passed|failed|errors?|no tests ran|deselected).* in [0-9.]+s' "$log" | tail -n 1 | tr -d '=')
   note=$(echo ${note:-no pytest summary})
   if [[ $rc -eq 0 ]]; then
     record "$name" passed $((SECONDS - start)) "$note"
@@ -204,16 +213,21 @@ python_stage
 #    run as on one without AVX-512, under QEMU (and natively where the CPU has none).
 venv=${TOKENMIX_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv}
 if [[ "$(uname -m)" != x86_64 ]]; then
-  skip "avx2-only CPU (qemu)" "not an x86-64 host"
+  skip "avx2-only CPU" "not an x86-64 host"
 elif [[ ! -x "$release_dir/tests/tokenmix_tests" || ! -x "$release_dir/tools/cli/tokenmix" ]]; then
-  skip "avx2-only CPU (qemu)" "release build failed"
+  skip "avx2-only CPU" "release build failed"
 else
   avx2_python=()
   if "$venv/bin/python" -c 'import tokenmix, torch' 2>/dev/null; then
     avx2_python=("$venv/bin/python")
   fi
-  run_stage "avx2-only CPU (qemu)" env -u ASAN_OPTIONS -u UBSAN_OPTIONS -u LSAN_OPTIONS \
-    TOKENMIX_JOBS="$jobs" bash scripts/test-avx2-cpu.sh "$release_dir" "${avx2_python[@]}"
+  # (--full: the emulated run on every host, as well as the native one on a CPU without
+  # AVX-512; everyday: the native run alone there.)
+  qemu_mode=auto
+  [[ $full -eq 1 ]] && qemu_mode=always
+  run_stage "avx2-only CPU" env -u ASAN_OPTIONS -u UBSAN_OPTIONS -u LSAN_OPTIONS \
+    TOKENMIX_JOBS="$jobs" TOKENMIX_AVX2_CPU_QEMU="$qemu_mode" \
+    bash scripts/test-avx2-cpu.sh "$release_dir" "${avx2_python[@]}"
   [[ ${#avx2_python[@]} -eq 0 ]] && stage_notes[-1]="the Python module not installed: not run"
 fi
 

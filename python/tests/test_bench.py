@@ -49,6 +49,7 @@ def test_bench_prints_each_case_with_ceiling_and_agreement(capsys):
         assert float(diff) < 1e-5  # |O_torch - O_tokenmix| on unit-normal inputs
 
 
+@pytest.mark.slow  # ~10 s: torch.mm in bf16 / f16 as the peer figure (no fast path on AVX2)
 def test_bench_reduced_precision_side_by_side(capsys):
     """--dtype bf16 / f16: both sides in that dtype, a GEMM ceiling in that dtype, and the two
     sides' outputs agree to a few units of the dtype's rounding (unit-normal inputs, |O| < 4)."""
@@ -113,6 +114,7 @@ def test_bench_variants_passthrough(capsys):
             raise AssertionError(bad)
 
 
+@pytest.mark.slow  # ~12 s: two-process worlds (test_distributed.py checks the ring everyday)
 def test_bench_ring_reports_efficiency_bytes_and_memory(capsys):
     """--ring 2 (SPEC "Context parallelism"): two gloo processes against one, on a tiny shape.
     Each pass reports both times, the efficiency t_1 / (N t_N), the K/V bytes each rank sent and

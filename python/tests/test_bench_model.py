@@ -27,6 +27,7 @@ def test_model_bench_runs_at_tiny_sizes(capsys):
     assert "greedy tokens identical: True" in out
 
 
+@pytest.mark.slow  # ~8 s of timed calls; test_model_bench_runs_at_tiny_sizes runs everyday
 def test_overhead_bench_runs(capsys):
     assert bench.main(["--overhead", "--repeats", "1"]) == 0
     out = capsys.readouterr().out

@@ -141,6 +141,7 @@ def test_accuracy_no_worse_than_torch_sdpa(dt, T, H_q, H_kv, D, causal):
     assert_no_worse_than_torch(ours, theirs, ref, dtype, f"{dt} T={T}")
 
 
+@pytest.mark.slow  # T = 8192 against float64, ~8 s; the 2048-long cases above run everyday
 def test_accuracy_at_8192_bf16_causal_gqa():
     """The long end of the issue's range: T = 8192, causal, GQA (2 query heads on 1 KV head)."""
     dtype, T = torch.bfloat16, 8192
@@ -559,6 +560,7 @@ def test_transformers_bf16_model(family):
                    for n, p in ours.named_parameters())
 
 
+@pytest.mark.slow  # inductor's code generation, ~20 s
 def test_autocast_under_torch_compile():
     """The autocast cast is traced with the drop-in: a compiled function (fullgraph) under
     torch.autocast("cpu") gives the eager result, in bfloat16."""

@@ -115,7 +115,10 @@ def _launch(world: int, workdir: Path) -> List[Dict[str, Any]]:
     return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"N{n}")
+# Four ranks on a 2-core machine take ~20 s to start: slow (a plain pytest and CI run them; the
+# everyday test command keeps the two-rank world).
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)],
+                ids=lambda n: f"N{n}")
 def world(request, tmp_path_factory) -> Dict[str, Any]:
     n = request.param
     for attempt in range(3):

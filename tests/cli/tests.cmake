@@ -99,7 +99,7 @@ tokenmix_cli_test(info_portable_decode_tuning ARGS info
 set_tests_properties(cli_info_portable_decode_tuning PROPERTIES
                      ENVIRONMENT "TOKENMIX_ISA=portable;TOKENMIX_FP8_WIDEN=direct;TOKENMIX_LINEAR_PREFETCH=all")
 tokenmix_cli_test(info_linear_prefetch_all ARGS info
-                  STDOUT "decode prefetch: address order for every cache dtype on [a-z0-9_]+ \\(TOKENMIX_LINEAR_PREFETCH=all\\)")
+                  STDOUT "decode prefetch: (address order for every cache dtype on (avx2|avx512|avx512_bf16)|row by row on (portable|neon)) \\(TOKENMIX_LINEAR_PREFETCH=all\\)")
 set_tests_properties(cli_info_linear_prefetch_all PROPERTIES ENVIRONMENT "TOKENMIX_LINEAR_PREFETCH=all")
 tokenmix_cli_test(info_bad_linear_prefetch ARGS info EXPECT_RC 2 ONE_LINE_ERROR
                   STDOUT_NOT "tokenmix [0-9]"

@@ -362,7 +362,7 @@ TEST_P(FlashKernels, BackwardOnePassBitwiseIdenticalAcrossThreadCounts) {
 }
 
 // Tiny problems (T_q and T_k within one vector: ≤ 16 on AVX-512, ≤ 8 on AVX2) run the backward
-// with lane blocks of one vector instead of kV (attention_bwd_f32_hwy.cpp): both passes and the
+// with lane blocks of one vector instead of kV (attention_bwd-inl.h): both passes and the
 // one-pass path (B·H_kv ≥ 8), T_q ≠ T_k both ways, one query row, odd d_h, GQA, both alignments,
 // non-causal, strided views; and bitwise independent of the thread count.
 std::vector<SimdCase> tiny_cases() {
@@ -388,7 +388,7 @@ TEST_P(FlashKernels, BackwardTinyShapesMatchFloat64Reference) {
 }
 
 // The fp32 backward packs Qᵀ, dOᵀ (and D), Kᵀ, Vᵀ and writes dQ, dK, dV back through 4 × 4
-// register transposes (attention_bwd_f32_hwy.cpp, issue 18), with scalar tails for d_h mod 4,
+// register transposes (attention_bwd-inl.h, issue 18), with scalar tails for d_h mod 4,
 // rows mod 4 and lane groups that are part padding. Shapes straddling those edges and the
 // one-vector lane blocks (T = 15, 16, 17 on AVX-512; 7, 8, 9 on AVX2): T = 1, 2, odd and
 // even d_h below and above 4, GQA, both passes and the one-pass path, T_q ≠ T_k, and strided

@@ -1,0 +1,856 @@
+// src/kernels/simd/attention_bwd-inl.h — fused flash-attention backward, SIMD (Highway): the
+// AttentionBwdT<T> template, T the activation element type (fp32; bf16 / f16 widened to fp32 on
+// pack, gradients rounded once on store). Each attention_bwd_<f32|bf16|f16>_hwy.cpp includes it
+// once per target and exports its one dtype as attention_bwd_<dtype>_<avx512|avx2|neon>
+// (dispatch/registry.cpp): one translation unit per dtype, so the three compile in parallel (one
+// file held all three: the longest compile of the build, the cold build's critical path).
+//
+// SPEC "Backward pass", recomputing every score tile from Q, K and the saved row log-sum-exp L
+// (no T×T buffer), in two passes so each output row has exactly one owner (no atomics, results
+// bitwise independent of the thread count):
+//
+//   pass 1 — one unit per (b, KV head j, query block), query rows of the g heads in SIMD lanes
+//            (as in the forward):
+//     D_t   = ⟨dO_t, O_t⟩                                  (J·g of 4.6–4.7, row by row)
+//     Sᵀ    = K_tile (scale·Q)ᵀ,  Pᵀ = e^{Sᵀ − L}          (4.2–4.4 recomputed)
+//     dPᵀ   = V_tile dOᵀ,     dSᵀ = Pᵀ ⊙ (dPᵀ − D)
+//     dQᵀ  += K_tileᵀ dSᵀ ;   dQ = scale · dQ            (dQ = scale · dS K)
+//   pass 2 — one unit per (b, KV head j, key block), the block's keys in SIMD lanes:
+//     S     = Q_rows (scale·K_block)ᵀ,  P = e^{S − L},  dP = dO_rows V_blockᵀ,  dS = P ⊙ (dP − D)
+//     dVᵀ  += dO_rowsᵀ P ;  dKᵀ += Q_rowsᵀ dS, summed over the g query heads of the group and
+//             every query row that sees the block                (dV = Σ Aᵀ dO, dK = scale Σ dSᵀ Q)
+// Both passes use the forward's microkernel (microkernel-inl.h); Q, dO, K and V rows are read
+// in place, only the per-unit operands are packed transposed. Extra memory: D, 4·B·H_q·T_q
+// bytes, plus per worker O(d_h · tile).
+//
+// Non-finite inputs (SPEC 4.3, nonfinite-inl.h): P = ExpNaN(S − L), so a NaN in q, k, L reaches
+// the row; the causal mask selects dS (not only P), so a NaN in a masked key's S or dP, or in
+// the row's D, stays out; and the products over tiles that cross the diagonal leave out masked
+// (key, row) pairs whenever a masked operand is not finite. A saved L = −∞ with visible keys
+// (every visible score −∞) is used as 0: P = 0, as in the forward.
+//
+// Score variants (SPEC "Score variants used by real models"), as in the forward: both passes
+// recompute the same S — the same key ranges (AttentionProblem::key_range; tiles and query
+// chunks no row/key of the unit sees are skipped, tiles crossing a range end are masked by a
+// select) and the same element-wise pass (variants-inl.h: cap, ALiBi, general mask); then
+// P = e^{S − L} with the forward's L (which holds the sink's e^{σ_h}), dS = P ⊙ (dP − D), and
+// with soft-capping dz = dS ⊙ (1 − tanh²(z / c)) before dQ = s·dz K and dK = s·dzᵀ Q (the
+// score products then use s / c in place of s, ScoreScale, as the forward's: the pass starts
+// from z / c).
+// dσ_h is not computed here: the API forms it from L, O and dO.
+//
+// Highway "-inl" header: included once per target from a foreach_target translation unit.
+#if defined(TOKENMIX_KERNELS_SIMD_ATTENTION_BWD_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef TOKENMIX_KERNELS_SIMD_ATTENTION_BWD_INL_H_
+#undef TOKENMIX_KERNELS_SIMD_ATTENTION_BWD_INL_H_
+#else
+#define TOKENMIX_KERNELS_SIMD_ATTENTION_BWD_INL_H_
+#endif
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "hwy/highway.h"
+#include "kernels/attention_kernels.hpp"
+#include "kernels/nonfinite.hpp"
+#include "kernels/simd/microkernel-inl.h"
+#include "kernels/simd/nonfinite-inl.h"
+#include "kernels/simd/variants-inl.h"
+#include "kernels/simd/work_units.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace tokenmix::kernels::HWY_NAMESPACE {
+
+constexpr std::int64_t kKeyTile = KVTileLayout::kKeyTile;  // pass 1: keys per tile
+constexpr std::int64_t kQueryChunk = 64;                   // two-pass pass 2: query rows per chunk
+constexpr std::int64_t kBlocksPerUnit = 4;  // pass 1: lane blocks sharing each K/V tile
+// B·H_kv at which the one-pass backward is used (its units are (b, KV head) pairs).
+constexpr std::int64_t kOnePassMinUnits = 8;
+
+// ---- Packing into and out of the transposed [d_h][M] buffers, 4 × 4 blocks at a time (fp32
+// views with unit d_h stride). A tiny call (a small training step: T ≤ one vector) spent most of
+// its time moving rows into and out of these buffers one element at a time; these helpers load
+// four rows of four floats, transpose them in registers (128-bit vectors: the same code on every
+// target) and store four vectors. Every element gets exactly the arithmetic of the scalar loops
+// they replace (the product scale · x; D the FMA chain over x), so the results are bitwise those
+// of the scalar loops. (Gathers were slower here: the transposed loads are four floats apart.)
+#if HWY_TARGET != HWY_SCALAR  // (one lane: the scalar loops)
+using D4 = hn::FixedTag<float, 4>;
+using V4 = hn::Vec<D4>;
+
+// r_k[l] ← r_l[k] for k, l < 4.
+HWY_INLINE void Transpose4x4(V4& r0, V4& r1, V4& r2, V4& r3) {
+  const D4 d4;
+  const hn::Repartition<std::uint64_t, D4> du;
+  const auto t0 = hn::BitCast(du, hn::InterleaveLower(d4, r0, r1));  // r0[0] r1[0] r0[1] r1[1]
+  const auto t1 = hn::BitCast(du, hn::InterleaveLower(d4, r2, r3));  // r2[0] r3[0] r2[1] r3[1]
+  const auto t2 = hn::BitCast(du, hn::InterleaveUpper(d4, r0, r1));  // r0[2] r1[2] r0[3] r1[3]
+  const auto t3 = hn::BitCast(du, hn::InterleaveUpper(d4, r2, r3));  // r2[2] r3[2] r2[3] r3[3]
+  r0 = hn::BitCast(d4, hn::InterleaveLower(du, t0, t1));
+  r1 = hn::BitCast(d4, hn::InterleaveUpper(du, t0, t1));
+  r2 = hn::BitCast(d4, hn::InterleaveLower(du, t2, t3));
+  r3 = hn::BitCast(d4, hn::InterleaveUpper(du, t2, t3));
+}
+#endif
+
+// Columns lane0 .. lane0 + 3 of a transposed [cols][M] buffer into the rows dst[0..3]:
+// dst[l][x·stride] = factor · src[x·M + lane0 + l] (StoreColumn, work_units.hpp, four at once).
+template <class T>
+HWY_INLINE void StoreColumns4(const float* src, std::int64_t M, std::int64_t lane0,
+                              std::int64_t cols, float factor, T* const dst[4],
+                              std::int64_t stride) {
+  std::int64_t x = 0;
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (std::is_same_v<T, float>) {
+    if (stride == 1) {
+      const D4 d4;
+      const V4 f = hn::Set(d4, factor);
+      for (; x + 4 <= cols; x += 4) {
+        const float* s0 = src + x * M + lane0;
+        V4 r0 = hn::LoadU(d4, s0), r1 = hn::LoadU(d4, s0 + M), r2 = hn::LoadU(d4, s0 + 2 * M),
+           r3 = hn::LoadU(d4, s0 + 3 * M);
+        Transpose4x4(r0, r1, r2, r3);
+        hn::StoreU(hn::Mul(f, r0), d4, dst[0] + x);
+        hn::StoreU(hn::Mul(f, r1), d4, dst[1] + x);
+        hn::StoreU(hn::Mul(f, r2), d4, dst[2] + x);
+        hn::StoreU(hn::Mul(f, r3), d4, dst[3] + x);
+      }
+    }
+  }
+#endif
+  for (std::int64_t l = 0; l < 4; ++l)
+    for (std::int64_t y = x; y < cols; ++y)
+      dst[l][y * stride] = narrow<T>(factor * src[y * M + lane0 + l]);
+}
+
+// StoreColumn of the columns `lane0 + l` into rows row(l) for l < n: four at a time.
+template <class T, class RowFn>
+HWY_INLINE void StoreColumns(const float* src, std::int64_t M, std::int64_t lane0, std::int64_t n,
+                             std::int64_t cols, float factor, std::int64_t stride,
+                             const RowFn& row) {
+  std::int64_t l = 0;
+  for (; l + 4 <= n; l += 4) {
+    T* const dst[4] = {row(l), row(l + 1), row(l + 2), row(l + 3)};
+    StoreColumns4(src, M, lane0 + l, cols, factor, dst, stride);
+  }
+  for (; l < n; ++l) StoreColumn(src, M, lane0 + l, cols, factor, row(l), stride);
+}
+
+// Rows [0, rows) (rows ≤ M) of a strided matrix transposed into dst[col][row] (dst rows M
+// floats long), times `scale` (PackTransposed, work_units.hpp): fp32 rows with unit column
+// stride four rows and four columns at a time. Lanes past `rows` are left as they are.
+template <class T>
+HWY_INLINE void PackTransposedFast(const T* src, std::int64_t ld, std::int64_t cs,
+                                   std::int64_t rows, std::int64_t cols, float scale, float* dst,
+                                   std::int64_t M) {
+  std::int64_t r0 = 0;
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (std::is_same_v<T, float>) {
+    if (cs == 1) {
+      const D4 d4;
+      const V4 f = hn::Set(d4, scale);
+      for (; r0 + 4 <= rows; r0 += 4) {
+        const float* s0 = src + r0 * ld;
+        std::int64_t x = 0;
+        for (; x + 4 <= cols; x += 4) {
+          V4 c0 = hn::LoadU(d4, s0 + x), c1 = hn::LoadU(d4, s0 + ld + x),
+             c2 = hn::LoadU(d4, s0 + 2 * ld + x), c3 = hn::LoadU(d4, s0 + 3 * ld + x);
+          Transpose4x4(c0, c1, c2, c3);
+          hn::StoreU(hn::Mul(f, c0), d4, dst + x * M + r0);
+          hn::StoreU(hn::Mul(f, c1), d4, dst + (x + 1) * M + r0);
+          hn::StoreU(hn::Mul(f, c2), d4, dst + (x + 2) * M + r0);
+          hn::StoreU(hn::Mul(f, c3), d4, dst + (x + 3) * M + r0);
+        }
+        for (std::int64_t r = r0; r < r0 + 4; ++r)
+          for (std::int64_t y = x; y < cols; ++y) dst[y * M + r] = scale * src[r * ld + y];
+      }
+    }
+  }
+#endif
+  if (r0 < rows) PackTransposed(src + r0 * ld, ld, cs, rows - r0, cols, scale, dst + r0, M);
+}
+
+// Pass 1: D and dQ. Mirrors the forward kernel's unit layout (kBlocksPerUnit lane blocks share
+// each packed K/V tile).
+// The activation views of a backward call, re-typed to their element type T (float, bf16_t,
+// f16_t): every read widens to fp32 (the lane set-up loops, DenseRows, PackRows,
+// PackTransposed, RowsOf), every write (StoreColumn) rounds once (SPEC "Reduced precision").
+template <class T>
+struct TypedBackward {
+  Strided<const T*> q, k, v, out;
+  In lse;
+  Strided<const T*> dout;
+  Strided<T*> dq, dk, dv;
+  explicit TypedBackward(const BackwardArgs& a)
+      : q(as<T>(a.q)),
+        k(as<T>(a.k)),
+        v(as<T>(a.v)),
+        out(as<T>(a.out)),
+        lse(a.lse),
+        dout(as<T>(a.dout)),
+        dq(as<T>(a.dq)),
+        dk(as<T>(a.dk)),
+        dv(as<T>(a.dv)) {}
+};
+
+// Runs unit_work(unit) for every unit < units on a team of `team` threads, units shared out
+// dynamically (RunTeam and an orphaned `omp for`). A team of one outside any parallel region
+// runs the units in a plain loop: no region and no loop scheduling calls (a tiny call's
+// units take about a microsecond each; the libgomp calls were a visible part of it).
+// Both run each unit through the one compiled body of RunUnit: inlined into two loops, the
+// compiler could round them differently (contracting a product into an FMA in one and not
+// the other), and results must not depend on the thread count.
+template <class F>
+HWY_NOINLINE void RunUnit(const F& unit_work, std::int64_t unit) {
+  unit_work(unit);
+}
+template <class F>
+void RunUnits(int team, std::int64_t units, const F& unit_work) {
+  if (team <= 1 && omp_get_level() == 0) {
+    for (std::int64_t unit = 0; unit < units; ++unit) RunUnit(unit_work, unit);
+    return;
+  }
+  const auto team_work = [&]() HWY_ATTR {
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t unit = 0; unit < units; ++unit) RunUnit(unit_work, unit);
+  };
+  RunTeam(team, team_work);
+}
+
+// Rows [row0, row0 + rows) of head `head` as an fp32 matrix with row stride `ld`: in place for
+// fp32 rows with unit d_h stride when rows ≤ one vector, else DenseRows (ld = d_h).
+template <class T>
+HWY_INLINE const float* TileRows(const Strided<const T*>& x, std::int64_t b, std::int64_t row0,
+                                 std::int64_t head, std::int64_t rows, std::int64_t dh,
+                                 float* scratch, std::int64_t& ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(hn::ScalableTag<float>()));
+    if (x.s3 == 1 && rows <= N) {
+      ld = x.s1;
+      return x.row(b, row0, head);
+    }
+  }
+  ld = dh;
+  return DenseRows(x, b, row0, head, rows, dh, scratch, VecWiden());
+}
+
+// Qᵀ (times the score scale) and dOᵀ of the lanes of a pass-1 lane block and each lane's
+// D = ⟨dO_t, O_t⟩ (into dsum_lane): for fp32 views with unit d_h stride, four lanes and four
+// columns at a time (transposed in registers); D is one FMA chain over x per lane,
+// Σ fma(dO, O, ·) in the order of x. Padding lanes get Qᵀ = dOᵀ = 0 and a D that is never used.
+// Returns false, having done nothing, for other views (the scalar setup loop serves them).
+template <class T>
+HWY_INLINE bool PackQueryLanesFast(const TypedBackward<T>& args, const QueryUnits& layout,
+                                   const QueryUnits::Block& blk, std::int64_t dh, std::int64_t M,
+                                   float score_scale, float* qt, float* dot, float* dsum_lane) {
+#if HWY_TARGET == HWY_SCALAR
+  (void)args, (void)layout, (void)blk, (void)dh, (void)M, (void)score_scale, (void)qt, (void)dot,
+      (void)dsum_lane;
+  return false;
+#else
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    const auto& [b, j, h0, heads, t0, positions] = blk;
+    if (positions <= 0 || M % 4 != 0 || args.q.s3 != 1 || args.dout.s3 != 1 || args.out.s3 != 1) {
+      return false;
+    }
+    const D4 d4;
+    const V4 scale = hn::Set(d4, score_scale);
+    for (std::int64_t i0 = 0; i0 < M; i0 += 4) {
+      // Lane i0 + l ↦ (head h0 + i / mq, position t0 + i % mq); a padding lane reads the
+      // group's first row (a valid address) and stores zeros.
+      const float *q[4], *g[4], *o[4];
+      HWY_ALIGN float keep[4];
+      std::int64_t first = -1;
+      for (std::int64_t l = 0; l < 4; ++l) {
+        const std::int64_t i = i0 + l, hl = i / layout.mq, tl = i % layout.mq;
+        const bool row = hl < heads && tl < positions;
+        keep[l] = row ? 1.0f : 0.0f;
+        if (row && first < 0) first = l;
+        q[l] = row ? args.q.row(b, t0 + tl, h0 + hl) : nullptr;
+        g[l] = row ? args.dout.row(b, t0 + tl, h0 + hl) : nullptr;
+        o[l] = row ? args.out.row(b, t0 + tl, h0 + hl) : nullptr;
+      }
+      if (first < 0) {  // padding lanes only
+        for (std::int64_t x = 0; x < dh; ++x) {
+          hn::StoreU(hn::Zero(d4), d4, qt + x * M + i0);
+          hn::StoreU(hn::Zero(d4), d4, dot + x * M + i0);
+        }
+        hn::StoreU(hn::Zero(d4), d4, dsum_lane + i0);
+        continue;
+      }
+      for (std::int64_t l = 0; l < 4; ++l) {
+        if (q[l] == nullptr) q[l] = q[first], g[l] = g[first], o[l] = o[first];
+      }
+      const auto lanes = hn::Ne(hn::Load(d4, keep), hn::Zero(d4));
+      V4 dsum = hn::Zero(d4);
+      std::int64_t x = 0;
+      for (; x + 4 <= dh; x += 4) {
+        V4 q0 = hn::LoadU(d4, q[0] + x), q1 = hn::LoadU(d4, q[1] + x), q2 = hn::LoadU(d4, q[2] + x),
+           q3 = hn::LoadU(d4, q[3] + x);
+        V4 g0 = hn::LoadU(d4, g[0] + x), g1 = hn::LoadU(d4, g[1] + x), g2 = hn::LoadU(d4, g[2] + x),
+           g3 = hn::LoadU(d4, g[3] + x);
+        V4 o0 = hn::LoadU(d4, o[0] + x), o1 = hn::LoadU(d4, o[1] + x), o2 = hn::LoadU(d4, o[2] + x),
+           o3 = hn::LoadU(d4, o[3] + x);
+        Transpose4x4(q0, q1, q2, q3);  // q_k: column x + k of the four lanes
+        Transpose4x4(g0, g1, g2, g3);
+        Transpose4x4(o0, o1, o2, o3);
+        float* qx = qt + x * M + i0;
+        float* gx = dot + x * M + i0;
+        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, q0)), d4, qx);
+        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, q1)), d4, qx + M);
+        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, q2)), d4, qx + 2 * M);
+        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, q3)), d4, qx + 3 * M);
+        hn::StoreU(hn::IfThenElseZero(lanes, g0), d4, gx);
+        hn::StoreU(hn::IfThenElseZero(lanes, g1), d4, gx + M);
+        hn::StoreU(hn::IfThenElseZero(lanes, g2), d4, gx + 2 * M);
+        hn::StoreU(hn::IfThenElseZero(lanes, g3), d4, gx + 3 * M);
+        dsum = hn::MulAdd(g0, o0, dsum);
+        dsum = hn::MulAdd(g1, o1, dsum);
+        dsum = hn::MulAdd(g2, o2, dsum);
+        dsum = hn::MulAdd(g3, o3, dsum);
+      }
+      for (; x < dh; ++x) {  // the last d_h mod 4 columns, one at a time
+        HWY_ALIGN float qc[4], gc[4], oc[4];
+        for (std::int64_t l = 0; l < 4; ++l) qc[l] = q[l][x], gc[l] = g[l][x], oc[l] = o[l][x];
+        const V4 gv = hn::Load(d4, gc);
+        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, hn::Load(d4, qc))), d4,
+                   qt + x * M + i0);
+        hn::StoreU(hn::IfThenElseZero(lanes, gv), d4, dot + x * M + i0);
+        dsum = hn::MulAdd(gv, hn::Load(d4, oc), dsum);
+      }
+      hn::StoreU(dsum, d4, dsum_lane + i0);
+    }
+    return true;
+  }
+#endif
+}
+
+template <class T, int VN>
+void BackwardQueries(const BackwardArgs& bwd, float* delta) {
+  const AttentionProblem& p = bwd.p;
+  const TypedBackward<T> args(bwd);
+  const hn::ScalableTag<float> d;
+  const hn::RebindToSigned<decltype(d)> di;
+  using VF = hn::Vec<decltype(d)>;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = VN * N;
+  const std::int64_t dh = p.dh;
+  const QueryUnits layout(p, M, kBlocksPerUnit);
+  const std::int64_t units = layout.count, lane_blocks = layout.blocks;
+  if (units == 0) return;
+  const int team = team_size(p.threads, units);
+  // Per lane block: scale·Qᵀ, dOᵀ, dQᵀ [dh][M] and lane vectors L, D, visible end [M]; shared:
+  // Sᵀ and dPᵀ [kKeyTile][M], packed K and V tiles [kKeyTile][dh].
+  ScratchLayout scratch_layout(p.site);
+  struct BlockSlots {
+    Slot<float> qt, dot, dqt, lse_lane, delta_lane, slope;
+    Slot<std::int32_t> begin_lane, end_lane, pos;
+    Slot<std::int64_t> mask_base;
+  } block_slots[kBlocksPerUnit];
+  const ScoreVariants& var = p.var;
+  const bool elementwise = var.elementwise(), capped = var.softcap > 0.0f;
+  const float score_scale = ScoreScale(p);  // s, or s / c with soft-capping (variants-inl.h)
+  const bool keep_mask = var.mask_kind == MaskKind::boolean;
+  for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
+    BlockSlots& bs = block_slots[lb];
+    bs.qt = scratch_layout.add<float>(scratch_mul(dh, M, p.site, "scale*Q^T"));
+    bs.dot = scratch_layout.add<float>(scratch_mul(dh, M, p.site, "dO^T"));
+    bs.dqt = scratch_layout.add<float>(scratch_mul(dh, M, p.site, "dQ^T"));
+    bs.lse_lane = scratch_layout.add<float>(M);
+    bs.delta_lane = scratch_layout.add<float>(M);
+    bs.begin_lane = scratch_layout.add<std::int32_t>(M);
+    bs.end_lane = scratch_layout.add<std::int32_t>(M);
+    bs.slope = scratch_layout.add<float>(elementwise ? M : 0);
+    bs.pos = scratch_layout.add<std::int32_t>(elementwise ? M : 0);
+    bs.mask_base = scratch_layout.add<std::int64_t>(elementwise ? M : 0);
+  }
+  const auto st_slot = scratch_layout.add<float>(kKeyTile * M);
+  const auto dpt_slot = scratch_layout.add<float>(kKeyTile * M);
+  const auto dcap_slot = scratch_layout.add<float>(capped ? kKeyTile * M : 0);
+  const auto keep_slot = scratch_layout.add<float>(keep_mask ? kKeyTile * M : 0);
+  const auto k_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "K tile"));
+  const auto v_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "V tile"));
+  const ScratchArena scratch(scratch_layout, team, "the per-worker scratch of pass 1 (dQ)");
+  const auto unit_work = [&](std::int64_t unit) HWY_ATTR {
+    {
+      const int worker = omp_get_thread_num();
+      float* st = scratch.at(st_slot, worker);          // Sᵀ → Pᵀ → dSᵀ [kKeyTile][M]
+      float* dpt = scratch.at(dpt_slot, worker);        // dPᵀ [kKeyTile][M]
+      float* k_tile = scratch.at(k_tile_slot, worker);  // K rows u0.. packed [kKeyTile][dh]
+      float* v_tile = scratch.at(v_tile_slot, worker);  // V rows u0.. packed [kKeyTile][dh]
+      float* dcap = capped ? scratch.at(dcap_slot, worker) : nullptr;     // ∂S/∂z [u][M]
+      float* keep = keep_mask ? scratch.at(keep_slot, worker) : nullptr;  // boolean mask [u][M]
+      struct BlockState : LaneBlock {
+        float *qt, *dot, *dqt, *lse_lane, *delta_lane;  // scale·Qᵀ, dOᵀ, dQᵀ [dh][M]; L, D [M]
+        float* slope;                                   // element-wise terms per lane [M]
+        std::int32_t* pos;
+        std::int64_t* mask_base;
+      };
+      BlockState blocks[kBlocksPerUnit] = {};
+      std::int64_t unit_key_begin = p.tk, unit_key_end = 0;
+      for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
+        BlockState& bs = blocks[lb];
+        bs.blk = layout(p, unit, lb);
+        bs.qt = scratch.at(block_slots[lb].qt, worker);
+        bs.dot = scratch.at(block_slots[lb].dot, worker);
+        bs.dqt = scratch.at(block_slots[lb].dqt, worker);
+        bs.lse_lane = scratch.at(block_slots[lb].lse_lane, worker);
+        bs.delta_lane = scratch.at(block_slots[lb].delta_lane, worker);
+        bs.begin_lane = scratch.at(block_slots[lb].begin_lane, worker);
+        bs.end_lane = scratch.at(block_slots[lb].end_lane, worker);
+        bs.slope = scratch.at(block_slots[lb].slope, worker);
+        bs.pos = scratch.at(block_slots[lb].pos, worker);
+        bs.mask_base = scratch.at(block_slots[lb].mask_base, worker);
+        // Lanes as in SetUpLanes (work_units.hpp), written out here: this setup also computes D,
+        // and padding lanes see nothing (end 0: P = 0). (Routing D's loop through SetUpLanes'
+        // callback changed how the compiler rounds it: kept inline, bitwise as before.)
+        bs.key_begin = p.tk;
+        bs.key_end = 0;
+        bs.full_begin = 0;
+        bs.full_end = p.tk;
+        const auto& [b, j, h0, heads, t0, positions] = bs.blk;
+        if (positions <= 0) {
+          bs.key_begin = 0;
+          continue;
+        }
+        HWY_ALIGN float dsum_lane[kV * hn::MaxLanes(hn::ScalableTag<float>())];
+        const bool packed =
+            PackQueryLanesFast(args, layout, bs.blk, dh, M, score_scale, bs.qt, bs.dot, dsum_lane);
+        if (!packed && (heads * layout.mq < M || positions < layout.mq)) {  // padding: Qᵀ, dOᵀ = 0
+          std::fill(bs.qt, bs.qt + dh * M, 0.0f);    // (contiguous, not lane by lane: a tiny
+          std::fill(bs.dot, bs.dot + dh * M, 0.0f);  // call is mostly padding lanes)
+        }
+        for (std::int64_t i = 0; i < M; ++i) {
+          const std::int64_t hl = i / layout.mq, tl = i % layout.mq;
+          KeyRange r;  // padding lanes see nothing
+          if (hl < heads && tl < positions) {
+            const std::int64_t h = h0 + hl, t = t0 + tl;
+            r = p.key_range(b, h, t);
+            const bool e = r.end > r.begin;
+            if (e) {
+              bs.key_begin = std::min(bs.key_begin, r.begin);
+              bs.key_end = std::max(bs.key_end, r.end);
+            }
+            bs.full_begin = std::max(bs.full_begin, r.begin);
+            bs.full_end = std::min(bs.full_end, r.end);
+            if (elementwise) {
+              bs.slope[i] = var.alibi != nullptr ? var.alibi[h] : 0.0f;
+              bs.pos[i] = static_cast<std::int32_t>(p.position(t));
+              bs.mask_base[i] = p.mask_offset(b, h, t, 0);
+            }
+            const T* q = args.q.row(b, t, h);
+            const T* dout = args.dout.row(b, t, h);
+            const T* o = args.out.row(b, t, h);
+            float dsum = 0.0f;  // D_t = ⟨dO_t, O_t⟩
+            if (packed) {
+              dsum = dsum_lane[i];
+            } else {
+              for (std::int64_t x = 0; x < dh; ++x) {
+                bs.qt[x * M + i] = score_scale * widen(q[x * args.q.s3]);
+                bs.dot[x * M + i] = widen(dout[x * args.dout.s3]);
+                dsum += widen(dout[x * args.dout.s3]) * widen(o[x * args.out.s3]);
+              }
+            }
+            delta[(b * p.hq + h) * p.tq + t] = e ? dsum : 0.0f;
+            bs.delta_lane[i] = dsum;
+            const float lse = args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2];
+            bs.lse_lane[i] = e ? softmax_shift(lse) : 0.0f;
+          } else {
+            bs.delta_lane[i] = bs.lse_lane[i] = 0.0f;  // (Qᵀ, dOᵀ columns zeroed above)
+            if (elementwise) {
+              bs.slope[i] = 0.0f;
+              bs.pos[i] = 0;
+              bs.mask_base[i] = 0;
+            }
+          }
+          bs.begin_lane[i] = static_cast<std::int32_t>(r.begin);
+          bs.end_lane[i] = static_cast<std::int32_t>(r.end);
+        }
+        if (bs.key_end == 0) bs.key_begin = 0;
+        std::fill(bs.dqt, bs.dqt + dh * M, 0.0f);
+        if (bs.key_end > bs.key_begin) {
+          unit_key_begin = std::min(unit_key_begin, bs.key_begin);
+          unit_key_end = std::max(unit_key_end, bs.key_end);
+        }
+      }
+      const std::int64_t b = blocks[0].blk.b, j = blocks[0].blk.j;
+
+      for (std::int64_t u0 = unit_key_begin; u0 < unit_key_end; u0 += kKeyTile) {
+        const std::int64_t tile = std::min(kKeyTile, unit_key_end - u0);
+        // K and V rows [tile][dh], row strides ldk, ldv: a tile of at most one vector of keys
+        // (a tiny call's only tile) is read in place where it can be (a dense copy of a few rows
+        // saves no page or cache set; DenseRows), else packed dense.
+        std::int64_t ldk = dh, ldv = dh;
+        const float* k_rows = TileRows(args.k, b, u0, j, tile, dh, k_tile, ldk);
+        const float* v_rows = TileRows(args.v, b, u0, j, tile, dh, v_tile, ldv);
+        for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
+          BlockState& bs = blocks[lb];
+          if (u0 >= bs.key_end || u0 + tile <= bs.key_begin) continue;  // no lane sees the tile
+          const std::int64_t ua = std::max(u0, bs.key_begin) - u0;  // the block's keys k0 + [0, nt)
+          const std::int64_t k0 = u0 + ua, nt = std::min(tile, bs.key_end - u0) - ua;
+          const float* k_blk = k_rows + ua * ldk;
+          GemmRows<kR, VN>(d, nt, k_blk, ldk, 1, bs.qt, M, dh, st, M,
+                           false);  // Sᵀ = K (scale·Q)ᵀ   (4.2)
+          GemmRows<kR, VN>(d, nt, v_rows + ua * ldv, ldv, 1, bs.dot, M, dh, dpt, M,
+                           false);  // dPᵀ = V dOᵀ
+          if (elementwise) {        // the forward's S: cap, ALiBi, general mask
+            const auto is_row = [&](std::int64_t i) {
+              return i / layout.mq < bs.blk.heads && i % layout.mq < bs.blk.positions;
+            };
+            ElementwiseQueryLanes(d, var, st, M, nt, k0, bs.slope, bs.pos, bs.mask_base, is_row,
+                                  dcap, keep);
+          }
+          const bool crosses = bs.partial(k0, k0 + nt);
+          for (std::int64_t i = 0; i < M; i += N) {
+            const VF lse = hn::Load(d, bs.lse_lane + i), dl = hn::Load(d, bs.delta_lane + i);
+            const auto begins = hn::Load(di, bs.begin_lane + i);
+            const auto ends = hn::Load(di, bs.end_lane + i);
+            for (std::int64_t u = 0; u < nt; ++u) {
+              // A = e^{S − L} (4.4), dS = A ⊙ (dA − D)
+              const VF pu = ExpNaNFlushTiny(d, hn::Sub(hn::Load(d, st + u * M + i), lse));
+              VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dpt + u * M + i), dl));
+              if (crosses) {  // key ranges (4.3), a select: no NaN of a masked key gets in
+                const auto key = hn::Set(di, static_cast<std::int32_t>(k0 + u));
+                const auto visible =
+                    hn::RebindMask(d, hn::AndNot(hn::Lt(key, begins), hn::Lt(key, ends)));
+                ds = hn::IfThenElseZero(visible, ds);
+              }
+              if (keep != nullptr)
+                ds = hn::IfThenElseZero(hn::Ne(hn::Load(d, keep + u * M + i), hn::Zero(d)), ds);
+              if (dcap != nullptr)
+                ds = hn::Mul(ds, hn::Load(d, dcap + u * M + i));  // dz = dS ∂S/∂z
+              hn::Store(ds, d, st + u * M + i);
+            }
+          }
+          // dQᵀ += Kᵀ dSᵀ (keys outside [full_begin, full_end) or excluded by a boolean mask are
+          // masked for some lanes: 0 · K must add nothing)
+          const auto lane_sees = [&](std::int64_t u, std::int64_t i) {
+            const auto key = hn::Set(di, static_cast<std::int32_t>(k0 + u));
+            auto seen = hn::RebindMask(d, hn::AndNot(hn::Lt(key, hn::Load(di, bs.begin_lane + i)),
+                                                     hn::Lt(key, hn::Load(di, bs.end_lane + i))));
+            if (keep != nullptr)
+              seen = hn::And(seen, hn::Ne(hn::Load(d, keep + u * M + i), hn::Zero(d)));
+            return seen;
+          };
+          const PartialKeys part = keep != nullptr
+                                       ? PartialKeys{0, nt}
+                                       : PartialRange(bs.full_begin - k0, bs.full_end - k0, nt);
+          GemmRowsMaskedIfNonFinite<VN>(d, dh, k_blk, 1, ldk, st, M, nt, bs.dqt, M, true, nullptr,
+                                        part.lo, part.hi, lane_sees);
+        }
+      }
+
+      for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {  // dQ = scale · (dQᵀ)ᵀ
+        const BlockState& bs = blocks[lb];
+        // Lane i holds row (h0 + i / mq, t0 + i % mq) for i % mq < positions: per head, the
+        // lanes [hl · mq, hl · mq + positions), four at a time.
+        const auto& blk = bs.blk;
+        for (std::int64_t hl = 0; hl < blk.heads && blk.positions > 0; ++hl) {
+          StoreColumns<T>(bs.dqt, M, hl * layout.mq, std::min(layout.mq, blk.positions), dh,
+                          p.scale, args.dq.s3, [&](std::int64_t l) {
+                            return args.dq.row(blk.b, blk.t0 + l, blk.h0 + hl);
+                          });
+        }
+      }
+    }
+  };
+  RunUnits(team, units, unit_work);
+}
+
+// Pass 2: dK and dV, keys in lanes — and, in one-pass mode, dQ and D as well.
+//
+// Two-pass mode (kOnePass = false): one unit per (b, KV head j, key block of M keys); pass 1 has
+// already written dQ and D. One-pass mode: one unit per (b, j) walking its key blocks in order,
+// which also owns dQ of the g heads of group j, so it accumulates dQᵀ += Kᵀ dSᵀ per block into
+// a per-unit buffer of g × T_q/M lane blocks [d_h][M] (O(T·d_h) per head; blocked so each
+// chunk's dQᵀ is contiguous) — 5 products per score tile instead of 7,
+// and still exactly one owner per output row (deterministic for any thread count).
+template <class T, bool kOnePass, int VN>
+void BackwardKeys(const BackwardArgs& bwd, float* delta) {
+  const AttentionProblem& p = bwd.p;
+  const TypedBackward<T> args(bwd);
+  const hn::ScalableTag<float> d;
+  using VF = hn::Vec<decltype(d)>;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = VN * N;
+  const std::int64_t dh = p.dh, g = p.group();
+  const std::int64_t kblocks = (p.tk + M - 1) / M;
+  const std::int64_t units = kOnePass ? p.batch * p.hkv : p.batch * p.hkv * kblocks;
+  if (units == 0) return;
+  const int team = team_size(p.threads, units);
+  // Query rows per chunk: kQueryChunk, or M in one-pass mode (a chunk is then one lane block of
+  // dQᵀ).
+  const std::int64_t chunk = kOnePass ? M : kQueryChunk;
+  const std::int64_t tq_pad = (p.tq + M - 1) / M * M;
+  // Per-worker scratch: scale·Kᵀ, Vᵀ, dKᵀ, dVᵀ [dh][M] (one slot: zeroed together per key block),
+  // S → P and dP → dS [chunk][M], packed Q and dO rows [chunk][dh] when d_h is strided; one-pass
+  // also the K block [M][dh], dSᵀ [M][M] and the unit's dQᵀ [g][tq_pad / M][dh][M].
+  ScratchLayout scratch_layout(p.site);
+  ScratchLayout& sl = scratch_layout;
+  const auto kv_acc_slot = sl.add<float>(scratch_mul(4 * M, dh, p.site, "K^T, V^T, dK^T, dV^T"));
+  const auto scores_slot = sl.add<float>(kQueryChunk * M);
+  const auto dp_slot = sl.add<float>(kQueryChunk * M);
+  const auto q_pack_slot = sl.add<float>(scratch_mul(kQueryChunk, dh, p.site, "Q rows"));
+  const auto do_pack_slot = sl.add<float>(scratch_mul(kQueryChunk, dh, p.site, "dO rows"));
+  const auto k_nat_slot = sl.add<float>(kOnePass ? scratch_mul(M, dh, p.site, "K block") : 0);
+  const auto dst_slot = scratch_layout.add<float>(kOnePass ? M * M : 0);
+  const std::int64_t dq_floats =
+      kOnePass ? scratch_mul(scratch_mul(g, dh, p.site, "dQ^T"), tq_pad, p.site, "dQ^T") : 0;
+  const auto dqt_slot = scratch_layout.add<float>(dq_floats);
+  const ScoreVariants& var = p.var;
+  const bool elementwise = var.elementwise(), capped = var.softcap > 0.0f;
+  const float score_scale = ScoreScale(p);  // s, or s / c with soft-capping (variants-inl.h)
+  const bool keep_mask = var.mask_kind == MaskKind::boolean;
+  const auto dcap_slot = sl.add<float>(capped ? kQueryChunk * M : 0);     // ∂S/∂z [chunk][M]
+  const auto keep_slot = sl.add<float>(keep_mask ? kQueryChunk * M : 0);  // boolean mask
+  const auto range_slot = sl.add<std::int32_t>(2 * kQueryChunk);          // chunk rows' key ranges
+  const ScratchArena scratch(scratch_layout, team,
+                             kOnePass ? "the per-worker scratch of the one-pass backward"
+                                      : "the per-worker scratch of pass 2 (dK, dV)");
+  const std::int64_t shift = p.align == CausalAlign::bottom_right ? p.tk - p.tq : 0;
+
+  const auto unit_work = [&](std::int64_t unit) HWY_ATTR {
+    {
+      // Two-pass: unit = (key block, j, b), early key blocks (most work) first; one-pass: (j, b).
+      // (Copies, not structured bindings: the lambdas below capture them, which C++20 allows
+      // only from clang 16 on.)
+      const auto unit_index = Unravel(unit, kOnePass ? 1 : kblocks, p.hkv);
+      const std::int64_t kb_unit = std::get<0>(unit_index), j = std::get<1>(unit_index),
+                         b = std::get<2>(unit_index);
+      const std::int64_t kb_first = kOnePass ? 0 : kb_unit;
+      const std::int64_t kb_end = kOnePass ? kblocks : kb_first + 1;
+
+      const int worker = omp_get_thread_num();
+      float* kt = scratch.at(kv_acc_slot, worker);        // scale·Kᵀ [dh][M]
+      float* vt = kt + dh * M;                            // Vᵀ [dh][M]
+      float* dkt = vt + dh * M;                           // dKᵀ [dh][M]
+      float* dvt = dkt + dh * M;                          // dVᵀ [dh][M]
+      float* scores = scratch.at(scores_slot, worker);    // S → P [chunk][M]
+      float* dp = scratch.at(dp_slot, worker);            // dP → dS [chunk][M]
+      float* q_pack = scratch.at(q_pack_slot, worker);    // [chunk][dh] if needed
+      float* do_pack = scratch.at(do_pack_slot, worker);  // [chunk][dh] if needed
+      float* k_nat = scratch.at(k_nat_slot, worker);      // one-pass: K block [M][dh]
+      float* dst = scratch.at(dst_slot, worker);          // one-pass: dSᵀ [M keys][M rows]
+      float* dqt = scratch.at(dqt_slot, worker);          // one-pass: dQᵀ [g][tq_pad / M][dh][M]
+      float* dcap = capped ? scratch.at(dcap_slot, worker) : nullptr;     // [chunk][M]
+      float* keep = keep_mask ? scratch.at(keep_slot, worker) : nullptr;  // [chunk][M]
+      std::int32_t* rb = scratch.at(range_slot, worker);  // key_range(b, h, c0 + r).begin [chunk]
+      std::int32_t* re = rb + kQueryChunk;                // ... .end; empty past T_q
+
+      if constexpr (kOnePass) {  // D_t = ⟨dO_t, O_t⟩ for the group's rows; dQᵀ = 0
+        for (std::int64_t h = j * g; h < (j + 1) * g; ++h)
+          for (std::int64_t t = 0; t < p.tq; ++t) {
+            const T* dout = args.dout.row(b, t, h);
+            const T* o = args.out.row(b, t, h);
+            float dsum = 0.0f;
+            for (std::int64_t x = 0; x < dh; ++x)
+              dsum += widen(dout[x * args.dout.s3]) * widen(o[x * args.out.s3]);
+            const KeyRange r = p.key_range(b, h, t);
+            delta[(b * p.hq + h) * p.tq + t] = r.end > r.begin ? dsum : 0.0f;
+          }
+        std::fill(dqt, dqt + dq_floats, 0.0f);
+      }
+
+      for (std::int64_t kb = kb_first; kb < kb_end; ++kb) {
+        const std::int64_t u0 = kb * M, keys = std::min(M, p.tk - u0);
+        std::fill(kt, kt + 4 * dh * M, 0.0f);  // zero padding lanes (keys ≥ T_k) and accumulators
+        PackTransposedFast(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, score_scale, kt,
+                           M);
+        PackTransposedFast(args.v.row(b, u0, j), args.v.s1, args.v.s3, keys, dh, 1.0f, vt, M);
+        if constexpr (kOnePass) {
+          PackRows(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, k_nat, VecWiden());
+          std::fill(k_nat + keys * dh, k_nat + M * dh, 0.0f);
+        }
+
+        // Queries that see any key of the block: t ≥ u0 − shift (causal), all otherwise. One-pass
+        // chunks start on a multiple of M (they are lane blocks of dQᵀ); rows before t_first are
+        // fully masked there and contribute exactly 0.
+        // With a window W, rows t ≥ u0 + keys − 1 + W − shift see none of them (p(t) − W < u).
+        const std::int64_t t_first = p.causal ? std::max<std::int64_t>(0, u0 - shift) : 0;
+        const std::int64_t c_begin = kOnePass ? t_first / M * M : t_first;
+        const std::int64_t t_stop =
+            var.window > 0 ? std::clamp<std::int64_t>(u0 + keys - 1 + var.window - shift, 0, p.tq)
+                           : p.tq;
+        for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {  // the g query heads of group j (4.8)
+          for (std::int64_t c0 = c_begin; c0 < t_stop; c0 += chunk) {
+            const std::int64_t rows = std::min(chunk, p.tq - c0);
+            // The rows' key ranges; skip a chunk none of whose rows sees a key of the block.
+            // Rows [r_lo, r_hi) are the ones that do not see every key of the block; keys
+            // outside [u0 + full_lo, u0 + full_hi) are not seen by every row.
+            bool any = false;
+            std::int64_t r_lo = rows, r_hi = 0, full_lo = 0, full_hi = keys;
+            for (std::int64_t r = 0; r < rows; ++r) {
+              const KeyRange kr = p.key_range(b, h, c0 + r);
+              rb[r] = static_cast<std::int32_t>(kr.begin);
+              re[r] = static_cast<std::int32_t>(kr.end);
+              any |= kr.end > kr.begin && kr.begin < u0 + keys && kr.end > u0;
+              if (kr.begin > u0 || kr.end < u0 + keys) {
+                r_lo = std::min(r_lo, r);
+                r_hi = r + 1;
+              }
+              full_lo = std::max(full_lo, kr.begin - u0);
+              full_hi = std::min(full_hi, kr.end - u0);
+            }
+            if (!any) continue;
+            for (std::int64_t r = rows; r < chunk; ++r) rb[r] = re[r] = 0;
+            // Q and dO rows are read in place (packing them per chunk was slower, docs/
+            // performance.md, D-bwd-3); only a non-unit d_h stride forces a copy.
+            std::int64_t ldq = 0, lddo = 0;
+            const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq, VecWiden());
+            const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo, VecWiden());
+            GemmRows<kR, VN>(d, rows, q_rows, ldq, 1, kt, M, dh, scores, M,
+                             false);  // S = Q (scale·K)ᵀ (4.2)
+            GemmRows<kR, VN>(d, rows, do_rows, lddo, 1, vt, M, dh, dp, M, false);  // dP = dO Vᵀ
+            for (std::int64_t r = 0; r < rows; ++r) {
+              const std::int64_t t = c0 + r;
+              // Lanes [lo, visible) see their key (key range of the row, SPEC 4.3 and variants).
+              const std::int64_t lo = rb[r] - u0, visible = re[r] - u0;
+              const float lse = args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2];
+              const VF l = hn::Set(d, visible > 0 ? softmax_shift(lse) : 0.0f);
+              const VF dl = hn::Set(d, delta[(b * p.hq + h) * p.tq + t]);
+              if (elementwise) {  // the forward's S: cap, ALiBi, general mask
+                ElementwiseKeyLanes(d, p, scores + r * M, M, keys, u0, b, h, t,
+                                    dcap != nullptr ? dcap + r * M : nullptr,
+                                    keep != nullptr ? keep + r * M : nullptr);
+              }
+              for (std::int64_t i = 0; i < M; i += N) {
+                VF pu = ExpNaNFlushTiny(
+                    d, hn::Sub(hn::Load(d, scores + r * M + i), l));            // A = e^{S − L}
+                VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dp + r * M + i), dl));  // dS = A ⊙ (dA − D)
+                if (visible < i + N || lo > i) {  // key range (4.3), a select on P and dS
+                  const std::int64_t n_vis = std::clamp<std::int64_t>(visible - i, 0, N);
+                  const std::int64_t n_lo = std::clamp<std::int64_t>(lo - i, 0, N);
+                  const auto seen = hn::AndNot(hn::FirstN(d, static_cast<std::size_t>(n_lo)),
+                                               hn::FirstN(d, static_cast<std::size_t>(n_vis)));
+                  pu = hn::IfThenElseZero(seen, pu);
+                  ds = hn::IfThenElseZero(seen, ds);
+                }
+                if (keep != nullptr) {  // general boolean mask, a select as well
+                  const auto kept = hn::Ne(hn::Load(d, keep + r * M + i), hn::Zero(d));
+                  pu = hn::IfThenElseZero(kept, pu);
+                  ds = hn::IfThenElseZero(kept, ds);
+                }
+                if (dcap != nullptr) ds = hn::Mul(ds, hn::Load(d, dcap + r * M + i));  // dz
+                hn::Store(pu, d, scores + r * M + i);
+                hn::Store(ds, d, dp + r * M + i);
+              }
+            }
+            // dVᵀ += dOᵀ P, dKᵀ += Qᵀ dS. Rows [r_lo, r_hi) do not see every key of the block: a
+            // NaN in their dO or Q must not reach the keys they do not see (0 · NaN = NaN).
+            if (keep != nullptr) r_lo = 0, r_hi = rows;
+            const auto row_sees = [&](std::int64_t r, std::int64_t i) {
+              const std::int64_t n = std::clamp<std::int64_t>(re[r] - u0 - i, 0, N);
+              const std::int64_t n_lo = std::clamp<std::int64_t>(rb[r] - u0 - i, 0, N);
+              auto seen = hn::AndNot(hn::FirstN(d, static_cast<std::size_t>(n_lo)),
+                                     hn::FirstN(d, static_cast<std::size_t>(n)));
+              if (keep != nullptr) {
+                seen = hn::And(seen, hn::Ne(hn::Load(d, keep + r * M + i), hn::Zero(d)));
+              }
+              return seen;
+            };
+            GemmRowsMaskedIfNonFinite<VN>(d, dh, do_rows, 1, lddo, scores, M, rows, dvt, M, true,
+                                          nullptr, r_lo, r_hi, row_sees);
+            GemmRowsMaskedIfNonFinite<VN>(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true, nullptr,
+                                          r_lo, r_hi, row_sees);
+            if constexpr (kOnePass) {
+              // dQᵀ[x][c0 + r] += Σ_u K[u][x] dS[r][u]: dS transposed to [key][row] (rows past
+              // T_q zeroed), then the microkernel with B = dSᵀ, C = the chunk's columns of dQᵀ.
+              for (std::int64_t u = 0; u < M; ++u) {
+                for (std::int64_t r = 0; r < rows; ++r) dst[u * M + r] = dp[r * M + u];
+                for (std::int64_t r = rows; r < M; ++r) dst[u * M + r] = 0.0f;
+              }
+              // Keys outside [u0 + full_lo, u0 + full_hi) are not seen by some rows of the chunk:
+              // row c0 + i + lane sees key u0 + u iff rb ≤ u0 + u < re (and the boolean mask).
+              const hn::RebindToSigned<decltype(d)> di;
+              const auto key_seen_by = [&](std::int64_t u, std::int64_t i) {
+                const auto key = hn::Set(di, static_cast<std::int32_t>(u0 + u));
+                auto seen = hn::RebindMask(d, hn::AndNot(hn::Lt(key, hn::LoadU(di, rb + i)),
+                                                         hn::Lt(key, hn::LoadU(di, re + i))));
+                if (keep != nullptr) {  // keep is [row][key]: gather the lanes' column
+                  HWY_ALIGN float col[hn::MaxLanes(d)] = {};
+                  for (std::int64_t x = 0; x < N; ++x)
+                    col[x] = i + x < rows ? keep[(i + x) * M + u] : 0.0f;
+                  seen = hn::And(seen, hn::Ne(hn::Load(d, col), hn::Zero(d)));
+                }
+                return seen;
+              };
+              const PartialKeys part =
+                  keep != nullptr ? PartialKeys{0, keys} : PartialRange(full_lo, full_hi, keys);
+              GemmRowsMaskedIfNonFinite<VN>(d, dh, k_nat, 1, dh, dst, M, keys,
+                                            dqt + ((h - j * g) * tq_pad + c0) * dh, M, true,
+                                            nullptr, part.lo, part.hi, key_seen_by);
+            }
+          }
+        }
+        // dK = scale · (dKᵀ)ᵀ, dV = (dVᵀ)ᵀ
+        StoreColumns<T>(dkt, M, 0, keys, dh, p.scale, args.dk.s3,
+                        [&](std::int64_t u) { return args.dk.row(b, u0 + u, j); });
+        StoreColumns<T>(dvt, M, 0, keys, dh, 1.0f, args.dv.s3,
+                        [&](std::int64_t u) { return args.dv.row(b, u0 + u, j); });
+      }
+
+      if constexpr (kOnePass) {  // dQ = scale · (dQᵀ)ᵀ
+        for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {
+          const float* src = dqt + (h - j * g) * tq_pad * dh;
+          for (std::int64_t t0 = 0; t0 < p.tq; t0 += M) {  // lane t % M of lane block t / M
+            StoreColumns<T>(src + t0 * dh, M, 0, std::min(M, p.tq - t0), dh, p.scale, args.dq.s3,
+                            [&](std::int64_t l) { return args.dq.row(b, t0 + l, h); });
+          }
+        }
+      }
+    }
+  };
+  RunUnits(team, units, unit_work);
+}
+
+template <class T, int VN>
+void AttentionBwdLanes(const BackwardArgs& args) {
+  const AttentionProblem& p = args.p;
+  ScratchLayout delta_layout(p.site);  // D [B, H_q, T_q], shared by both passes
+  const auto delta_slot = delta_layout.add<float>(
+      scratch_mul(scratch_mul(p.batch, p.hq, p.site, "D"), p.tq, p.site, "D"));
+  const ScratchArena delta_memory(delta_layout, 1, "D = rowsum(dO * O)");
+  float* delta = delta_memory.at(delta_slot, 0);
+  // One pass (5 products) when there are enough (b, KV head) units to share among threads;
+  // the choice depends on the shape only, never on the thread count, so results stay bitwise
+  // independent of it.
+  if (p.batch * p.hkv >= kOnePassMinUnits) {
+    BackwardKeys<T, true, VN>(args, delta);
+  } else {
+    BackwardQueries<T, VN>(args, delta);
+    BackwardKeys<T, false, VN>(args, delta);
+  }
+}
+
+template <class T>
+void AttentionBwdT(const BackwardArgs& args) {
+  const AttentionProblem& p = args.p;
+  // A tiny problem (every query row and every key within one vector of lanes, a small training
+  // step's attention) runs with lane blocks of one vector instead of kV: most of a wide block's
+  // work (products, packing, zeroing) is then padding lanes. Each lane's arithmetic is the same
+  // FMA sequence at either width, so the results are the same; the choice depends on the shape
+  // only (never on the thread count).
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(hn::ScalableTag<float>()));
+  if (p.tq <= N && p.tk <= N) {
+    AttentionBwdLanes<T, 1>(args);
+  } else {
+    AttentionBwdLanes<T, kV>(args);
+  }
+}
+
+}  // namespace tokenmix::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // include guard (per target)
+
+// The three exports of one dtype's translation unit (its HWY_ONCE part): the kernel per target,
+// attention_bwd_<dtype>_<avx512|avx2|neon>, null where the target is not compiled.
+#ifndef TOKENMIX_BWD_KERNELS
+#define TOKENMIX_BWD_KERNELS(dtype, T)                                                          \
+  const BackwardKernel attention_bwd_##dtype##_avx512 = TOKENMIX_SIMD_AVX512(AttentionBwdT<T>); \
+  const BackwardKernel attention_bwd_##dtype##_avx2 = TOKENMIX_SIMD_AVX2(AttentionBwdT<T>);     \
+  const BackwardKernel attention_bwd_##dtype##_neon = TOKENMIX_SIMD_NEON(AttentionBwdT<T>)
+#endif

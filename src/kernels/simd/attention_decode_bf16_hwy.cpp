@@ -9,11 +9,12 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // clang-format: the includes below must follow foreach_target.h
 #include "hwy/highway.h"
-#include "kernels/simd/decode_units-inl.h"
+#include "kernels/simd/decode_reader_float-inl.h"
+#include "kernels/simd/decode_skeleton-inl.h"
 // clang-format on
 
 #if HWY_ONCE
 namespace tokenmix::kernels {
-TOKENMIX_DECODE_KERNELS(bf16, hwy::bfloat16_t);
+TOKENMIX_DECODE_KERNELS(bf16, FloatReader<hwy::bfloat16_t>);
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

@@ -9,11 +9,12 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // clang-format: the includes below must follow foreach_target.h
 #include "hwy/highway.h"
-#include "kernels/simd/decode_units-inl.h"
+#include "kernels/simd/decode_reader_fp8-inl.h"
+#include "kernels/simd/decode_skeleton-inl.h"
 // clang-format on
 
 #if HWY_ONCE
 namespace tokenmix::kernels {
-TOKENMIX_DECODE_KERNELS(fp8_e4m3, fp8_e4m3_t);
+TOKENMIX_DECODE_KERNELS(fp8_e4m3, Fp8Reader<fp8_e4m3_t>);
 }  // namespace tokenmix::kernels
 #endif  // HWY_ONCE

@@ -1,7 +1,7 @@
 // src/kernels/simd/attention_decode_f16_hwy.cpp — decode over an f16 cache:
-// DecodeUnits<hwy::float16_t> (decode_units-inl.h), compiled once per target and exported
-// as attention_decode_f16_avx512 / _avx2 / _neon (kernels/registry.cpp). One file per
-// cache dtype: a new dtype is its reader (kv_element.hpp, LoadB in microkernel-inl.h), one such
+// DecodeUnits<FloatReader<hwy::float16_t>> (decode_skeleton-inl.h with decode_reader_float-inl.h),
+// compiled once per target and exported as attention_decode_f16_avx512 / _avx2 / _neon
+// (kernels/registry.cpp). One file per cache dtype: a new dtype is its reader policy, one such
 // file and a registry line. The includes below must follow foreach_target.h, in order.
 // clang-format off
 #undef HWY_TARGET_INCLUDE

@@ -110,6 +110,29 @@ HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std
   return x;
 }
 
+// The Reader policy (one per cache dtype family; all members inlined into the loop):
+//   Elem, kQuantized       the cache element; quantized: per-row scales after each tile, K's
+//                          multiply S (times KeyPost()), V's multiply P (times 1 / ValueUnit())
+//   RowElem                (activation dtypes) what a row's own-keys P·V product reads
+//   tiles                  its product backend (decode_amx-inl.h)
+//   Reader(a)              per call and worker
+//   BeginUnit(u, in_place) per unit, scale·Q written: backend claim, reading modes (may rescale Q)
+//   RegularOnly()          keep the regular blocking whatever the rows
+//   SetBlocking(u)         u.tall and u.w_blk known
+//   LinearPrefetch()       this unit prefetches linearly whatever the dtype's default
+//   Scores(u, t)           S of tile t in key order (4.2)
+//   KeyPost(), ValueUnit(u, t, vs)  the scores' factor; the V tile's reading and LoadB's unit
+//   PrepareValues(u, t, v) before the tile's P·V; Values(u, vk, vn, k0, nk, vld, cur) (4.5)
+//   ValueIndex(a, u, x, vld)  element of V[u][x] in the tile (the scalar tail)
+//   EndUnit(u)             Õ's columns back in order
+//
+// Quantized caches (SPEC "Quantized KV cache"): K's row scales δ_u multiply the score lanes
+// after Q Kᵀ over the stored q (S_u = δ_u · Σ_x (s·q_r)[x] q_u[x]), and V's multiply P before
+// P V (Õ += Σ_u (P_u δ_u) q_u, l from the unscaled P): attention over x̂ = q · δ at fp32
+// rounding level; the elements are widened in registers (LoadB) and never stored as fp32.
+// LoadB returns q · kLoadBUnit (2^−8 for fp8): the scales are multiplied by 1 / kLoadBUnit
+// (exact, a power of two), and the scalar tail reads q · kLoadBUnit too.
+
 // One unit (sequence b, KV head j, query block from t0, one chunk of keys) as its reader sees it:
 // nrows = (query positions) · g rows, r = t_local · g + h_local.
 struct DecodeUnit {
@@ -139,13 +162,16 @@ struct DecodeTile {
   PrefetchCursor* cur;  // the linear prefetch (or null)
 };
 
+// The two products are out of line, one function per element type read (as the compiler left
+// them when they were lambdas of one function): inlined, every reading's ColumnBlocks in one body
+// made fp8 tall units 2.3× slower on AMD Zen 3 (AVX2, T_new = 16) and the TU's compile 2× longer.
 // S = (scale·Q) Kᵀ over nv key lanes (4.2), K read as TK: A = (scale·Q)ᵀ, row r of a block at
 // qs + r, k (a feature) nrows floats on. int8 quads (kQuadLayout): quad rows of 4·64 bytes over
 // the quads' features (the tail rows after, by the reader). kn: the same columns of a later tile
 // (prefetched, or null); cur: the linear prefetch (or null).
 template <class TK>
-HWY_INLINE void ScoreProduct(const DecodeUnit& u, const TK* kk, const TK* kn, std::int64_t nv,
-                             PrefetchCursor* cur) {
+HWY_NOINLINE void ScoreProduct(const DecodeUnit& u, const TK* kk, const TK* kn, std::int64_t nv,
+                               PrefetchCursor* cur) {
   const hn::ScalableTag<float> d;
   constexpr std::int64_t kKeyTile = kDecodeKeyTile;
   constexpr bool kQuads = kQuadLayout<TK>;
@@ -165,9 +191,9 @@ HWY_INLINE void ScoreProduct(const DecodeUnit& u, const TK* kk, const TK* kn, st
 // bytes apart (k0 a multiple of 4). vn: the same rows of a later tile (or null). Returns the
 // first column of Õ not computed (the scalar tail's).
 template <class TV>
-HWY_INLINE std::int64_t ValueProduct(const DecodeUnit& u, const TV* vv, const TV* vn,
-                                     std::int64_t k0, std::int64_t nk, std::int64_t vld,
-                                     PrefetchCursor* cur) {
+HWY_NOINLINE std::int64_t ValueProduct(const DecodeUnit& u, const TV* vv, const TV* vn,
+                                       std::int64_t k0, std::int64_t nk, std::int64_t vld,
+                                       PrefetchCursor* cur) {
   const hn::ScalableTag<float> d;
   constexpr std::int64_t kKeyTile = kDecodeKeyTile;
   constexpr bool kQuads = kQuadLayout<TV>;

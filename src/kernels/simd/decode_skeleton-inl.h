@@ -28,24 +28,9 @@
 // grows). With a window, tiles before the first row's window start are not read.
 // exp: SoftmaxExp (exp-inl.h, through ExpNaN), 0.85 ULP, exactly 0 for −∞.
 //
-// The Reader policy (one per cache dtype family; all members inlined into the loop):
-//   Elem, kQuantized       the cache element; quantized: per-row scales after each tile, K's
-//                          multiply S (times KeyPost()), V's multiply P (times 1 / ValueUnit())
-//   RowElem                (activation dtypes) what a row's own-keys P·V product reads
-//   tiles                  its product backend (decode_amx-inl.h)
-//   Reader(a)              per call and worker
-//   BeginUnit(u, in_place) per unit, scale·Q written: backend claim, reading modes (may rescale Q)
-//   RegularOnly()          keep the regular blocking whatever the rows
-//   SetBlocking(u)         u.tall and u.w_blk known
-//   LinearPrefetch()       this unit prefetches linearly whatever the dtype's default
-//   Scores(u, t)           S of tile t in key order (4.2)
-//   KeyPost(), ValueUnit(u, t, vs)  the scores' factor; the V tile's reading and LoadB's unit
-//   PrepareValues(u, t, v) before the tile's P·V; Values(u, vk, vn, k0, nk, vld, cur) (4.5)
-//   ValueIndex(a, u, x, vld)  element of V[u][x] in the tile (the scalar tail)
-//   EndUnit(u)             Õ's columns back in order
+// The Reader policy: its interface and the quantized caches' contract in decode_products-inl.h.
 //
-// Highway "-inl" header: included once per target from a foreach_target translation unit, after
-// the reader's header.
+// Highway "-inl" header: once per target from a foreach_target TU, after the reader's header.
 #if defined(TOKENMIX_KERNELS_SIMD_DECODE_SKELETON_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef TOKENMIX_KERNELS_SIMD_DECODE_SKELETON_INL_H_
 #undef TOKENMIX_KERNELS_SIMD_DECODE_SKELETON_INL_H_
@@ -67,7 +52,6 @@
 #include "kernels/simd/decode_amx-inl.h"
 #include "kernels/simd/decode_blocking-inl.h"
 #include "kernels/simd/decode_products-inl.h"
-#include "kernels/simd/microkernel-inl.h"
 #include "kernels/simd/nonfinite-inl.h"
 #include "kernels/simd/variants-inl.h"
 #include "kernels/simd/work_units.hpp"
@@ -210,12 +194,9 @@ void DecodeUnits(const DecodeArgs& a) {
       // last tile) are computed and passed over below: a short last tile (or a call with fewer
       // than 64 keys) costs its keys, not the tile. Lanes [nt, nv) are masked (partial is true).
       const std::int64_t nv = (nt + N - 1) / N * N;
-      const DecodeTile<TB> tl{
-          u0,         nt,
-          nv,         kt,
-          vt,         kt_next,
-          vt_next,    has_next ? reinterpret_cast<const std::uint8_t*>(k_layer + next) : nullptr,
-          pair_bytes, cur};
+      const auto* pair_next =
+          has_next ? reinterpret_cast<const std::uint8_t*>(k_layer + next) : nullptr;
+      const DecodeTile<TB> tl{u0, nt, nv, kt, vt, kt_next, vt_next, pair_next, pair_bytes, cur};
       rd.Scores(du, tl);
       // Tile crosses some row's end or window start: the mask pass below runs.
       const bool partial = u0 + kKeyTile > kfull || u0 < kfull_begin;

@@ -4,7 +4,7 @@
 //
 // The forward kernels stack a lane block's query rows (g heads × positions) in the SIMD lanes
 // (64 on AVX-512) and share out (B, H_kv, query block) units: a decode step (T_q = 1) fills g of
-// the lanes and leaves all but B·H_kv threads idle. The decode kernels (decode_units-inl.h,
+// the lanes and leaves all but B·H_kv threads idle. The decode kernels (decode_skeleton-inl.h,
 // the portable one) put the keys in the lanes instead and split the keys into chunks: units
 // (b, KV head j, query block, chunk), each writing its partial (Õ, m, l); the chunks of each row
 // are then merged in chunk order by detail::merge_decode_group (SPEC "Merging partial results"),

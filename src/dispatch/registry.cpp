@@ -15,9 +15,9 @@ namespace {
 constexpr std::int64_t kInt32LaneKeys = (std::int64_t{1} << 31) - 2;
 constexpr std::int64_t kAnyKeys = INT64_MAX;
 
-// Decode tuning per path (KernelSet::decode_tunables; the kernels' side: simd/decode_units-inl.h).
-// The portable and NEON kernels read fp8 through f16 bits or the scalar decoding, have no
-// prefetch cursor and no tile products.
+// Decode tuning per path (KernelSet::decode_tunables; the kernels' side: simd/decode_blocking-inl.h
+// and the readers). The portable and NEON kernels read fp8 through f16 bits or the scalar decoding,
+// have no prefetch cursor and no tile products.
 constexpr DecodeTunables kNoDecodeTuning{false, false, false, "row by row"};
 // AVX2: the direct fp8 reading (D-fp8-3); by default address order for f32, bf16 and f16, row by
 // row for int8 and fp8 (D-prefetch-2), every dtype on request (D-prefetch-6).

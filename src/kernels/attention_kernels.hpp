@@ -86,6 +86,14 @@ struct ScoreVariants {
   bool elementwise() const {
     return softcap > 0.0f || alibi != nullptr || mask_kind != MaskKind::none;
   }
+  /// The scalar form of the cap and ALiBi terms, for z = s·⟨q, k_u⟩ of query head h at distance
+  /// p − u from its position p: cap(z) − m_h·(p − u). AttentionProblem::score and
+  /// DecodeArgs::score (each with its own p) are this one formula.
+  float cap_alibi(float z, std::int64_t h, std::int64_t p_minus_u) const {
+    float x = softcap > 0.0f ? softcap * std::tanh(z / softcap) : z;
+    if (alibi != nullptr) x -= alibi[h] * static_cast<float>(p_minus_u);
+    return x;
+  }
 };
 
 /// The keys one row sees: [begin, end); empty when end ≤ begin.
@@ -139,8 +147,7 @@ struct AttentionProblem {
         static_cast<const std::uint8_t*>(var.mask)[mask_offset(b, h, t, u)] == 0) {
       return -std::numeric_limits<float>::infinity();
     }
-    float x = var.softcap > 0.0f ? var.softcap * std::tanh(z / var.softcap) : z;
-    if (var.alibi != nullptr) x -= var.alibi[h] * static_cast<float>(position(t) - u);
+    float x = var.cap_alibi(z, h, position(t) - u);
     if (var.mask_kind == MaskKind::bias)
       x += static_cast<const float*>(var.mask)[mask_offset(b, h, t, u)];
     return x;
@@ -233,11 +240,11 @@ struct DecodeArgs {
   WorkerScratch scratch;                  // ... in these regions (worker w: scratch.at(slot, w))
   int threads = 1;
   /// fp8 E4M3 cache on AVX-512: read the codes straight as fp32 bits where the kernel can
-  /// (simd/decode_units-inl.h, kDirectBuilt; detail::fp8_direct_widening decides). Same
+  /// (simd/decode_reader_fp8-inl.h, kDirectBuilt; detail::fp8_direct_widening decides). Same
   /// results as false while no product is subnormal; other kernels ignore it.
   bool fp8_direct = false;
   /// AVX-512 and AVX2: prefetch the next K/V tile pair in address order for every cache dtype,
-  /// not only those of the path's per-dtype choice (simd/decode_units-inl.h, kLinearPrefetch;
+  /// not only those of the path's per-dtype choice (simd/decode_blocking-inl.h, kLinearPrefetch;
   /// detail::linear_decode_prefetch decides). The same results either way; other kernels ignore
   /// it.
   bool linear_prefetch = false;
@@ -361,10 +368,7 @@ struct DecodeArgs {
   /// Score of a key inside the row's visible range, from z = s·⟨q, k_u⟩ (the scalar form of the
   /// element-wise variants): cap(z) − m_h·(p − u).
   float score(float z, std::int64_t b, std::int64_t h, std::int64_t t, std::int64_t u) const {
-    float x = var.softcap > 0.0f ? var.softcap * std::tanh(z / var.softcap) : z;
-    if (var.alibi != nullptr)
-      x -= var.alibi[h] * static_cast<float>(visible_end(b, t) - 1 - u);  // p − u
-    return x;
+    return var.cap_alibi(z, h, visible_end(b, t) - 1 - u);  // p = visible_end − 1
   }
 };
 // Decode kernels are called inside the caller's OpenMP parallel region (one region per call:

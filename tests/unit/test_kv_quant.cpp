@@ -707,7 +707,7 @@ TEST_P(KVQuantDecode, BitwiseIdenticalAcrossThreadCounts) {
 }
 
 // fp8 E4M3 read directly as fp32 bits (subnormal fp32 for the subnormal codes, scale·Q
-// prescaled by 2^sh, the unit 2^−120 folded into the scales; simd/decode_units-inl.h)
+// prescaled by 2^sh, the unit 2^−120 folded into the scales; simd/decode_reader_fp8-inl.h)
 // gives the same bits as the f16 reading wherever no product is subnormal, and both match the
 // oracle: on caches whose elements span 2^−14 of their row's largest (about one code in eight
 // subnormal), over shapes across tile edges, d_h tails and the tall blocking (T_new > 1; on AVX2
@@ -770,7 +770,7 @@ void fill_wide_range(KVCache& c, std::int64_t seq, std::int64_t n, std::mt19937_
 }
 
 // The int8 cache's quads read at q · 2^24 only where no product leaves the normal range
-// (decode_units-inl.h kInt8): queries scaled by 1e30 (S · 2^24 would overflow), V rows of
+// (decode_reader_int8-inl.h): queries scaled by 1e30 (S · 2^24 would overflow), V rows of
 // ~1e-33 (δ · 2^−24 subnormal): a whole sequence's, and tiles next to ordinary ones; odd d_h (K's
 // tail rows after its quads) and T_new 1–3. Every unit and tile must match the float64 oracle.
 TEST_P(KVQuantDecode, Int8QuadsExactOutsideTheFastReadingsRange) {
@@ -888,7 +888,7 @@ INSTANTIATE_TEST_SUITE_P(AllIsas, KVQuantDecode, AllIsas(), IsaName);
 
 // ---- AMX tile products for the int8, fp8 and bf16 caches (kernels/simd/amx_decode.hpp) ----
 // Units of ≥ 16 rows (query positions × the heads of a KV group; int8: from 4; bf16: from 32 rows,
-// decode_units-inl.h amx_unit_pays) on the avx512 paths, where the CPU has AMX-INT8 (int8)
+// decode_amx-inl.h AmxProducts::Pays) on the avx512 paths, where the CPU has AMX-INT8 (int8)
 // or AMX-BF16 (fp8, bf16) and Linux grants the tile data. With TOKENMIX_DECODE_AMX=on they match
 // the float64 oracle over the cached values at the FMA products' bound, and differ from the FMA
 // products' bits (the planes' sums are rounded in another order): the tile path ran. Where AMX
@@ -990,7 +990,7 @@ TEST_P(DecodeAmx, ForcedOnMatchesOracleOrIsRefused) {
     }
 }
 
-// Where the automatic rule puts a unit (decode_units-inl.h amx_unit_pays) with the switch
+// Where the automatic rule puts a unit (decode_amx-inl.h AmxProducts::Pays) with the switch
 // on: units of 3 rows (T_new 3 at g = 1), 4, 8 and 12 rows (T_new 1, 2, 3 at g = 4). int8 units
 // from 4 rows run on the tiles (bits other than the FMA products', the oracle's values); 3 rows,
 // and every such unit of an fp8 or bf16 cache (from 16 and 32 rows), the FMA products, bit for bit.

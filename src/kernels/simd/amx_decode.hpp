@@ -1,6 +1,6 @@
 // src/kernels/simd/amx_decode.hpp — decode's two per-tile products over an int8, fp8 or bf16 KV
 // cache on Intel AMX tiles (16 × 16 fp32 / int32 tiles of byte-quad or bf16-pair dot products),
-// for the AVX-512 decode kernel (decode_units-inl.h) where DecodeArgs::amx is set: the CPU
+// for the AVX-512 decode kernel (decode_amx-inl.h) where DecodeArgs::amx is set: the CPU
 // has AMX-TILE, AMX-INT8 (int8 cache) or AMX-BF16 with AVX512-BF16 and VBMI (fp8, bf16), the OS
 // saves tile state and granted this process the tile data (CpuFeatures::amx_int8 / amx_bf16,
 // detail::decode_amx). Intrinsics in their own translation unit (amx_decode.cpp), called once per

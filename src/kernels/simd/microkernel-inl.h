@@ -32,7 +32,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 // A byte range prefetched front to back, a cache line at a time, while a microkernel computes
 // (decode: the next K/V tile pair, in address order whatever order the products read the current
-// one; see decode_units-inl.h, kLinearPrefetch). next advances past what was prefetched.
+// one; see decode_blocking-inl.h, kLinearPrefetch). next advances past what was prefetched.
 // sharers: how many row blocks over the same B columns advance it (each by row_bytes / sharers
 // per k), so that the range is prefetched across all of their k loops, not the first one's only.
 struct PrefetchCursor {
@@ -106,7 +106,7 @@ HWY_INLINE hn::Vec<D> LoadB(D d, const fp8_e4m3_t* HWY_RESTRICT p) {
   const auto h = hn::And(hn::ShiftLeft<7>(b), hn::Set(d16, static_cast<std::int16_t>(0xbf80)));
   return hn::PromoteTo(d, hn::BitCast(hn::Rebind<hwy::float16_t, D>(), h));
 }
-// fp8 E4M3 read a second way (the "direct" widening, decode_units-inl.h): the same bytes as
+// fp8 E4M3 read a second way (the "direct" widening, decode_reader_fp8-inl.h): the same bytes as
 // fp8_e4m3_t, the code's bits placed straight into fp32 bits s 0000eeee mmm000…0 (sign to bit
 // 31, eeee mmm to bits 26–20), which is the E4M3 value × 2^−120 for normal and subnormal codes
 // alike — the subnormal codes (e = 0) become subnormal fp32 (0.mmm · 2^−126): exact only while
@@ -125,7 +125,7 @@ HWY_INLINE hn::Vec<D> LoadB(D d, const fp8_e4m3_direct_t* HWY_RESTRICT p) {
 }
 
 // fp8 E4M3 read directly as fp32 bits four columns to a 32-bit word (the "quad" reading, decode's
-// regular blocks: decode_units-inl.h): the same bytes as fp8_e4m3_t. LoadB is the direct
+// regular blocks: decode_reader_fp8-inl.h): the same bytes as fp8_e4m3_t. LoadB is the direct
 // widening (one vector, columns in order, q · 2^−120); LoadBRow reads each group of four vectors
 // (4·Lanes columns from x) as 2·Lanes 16-bit words, byte 2i + 1 in bits 8–15 of word i: an
 // arithmetic shift right by 4 puts that byte's sign in bit 15 and its eeee mmm in bits 4–10,
@@ -371,7 +371,7 @@ HWY_INLINE void LoadBRow(D d, const TB* HWY_RESTRICT p, hn::Vec<D>* bv) {
   }
 #endif
 #if HWY_TARGET == HWY_AVX2
-  // The direct fp8 bits in AVX2's 3-vector blocks (decode_units-inl.h,
+  // The direct fp8 bits in AVX2's 3-vector blocks (decode_blocking-inl.h,
   // kThreeVectorSmallBlocks): their 12 accumulators, 3 B vectors and the broadcast take all 16
   // ymm registers, so the mask is ANDed from memory (a compiler keeps a loop-invariant constant
   // in a register and spills accumulators: 0.34 → 0.49 ms hot on AMD Zen 5). The same bits as

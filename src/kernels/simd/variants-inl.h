@@ -7,7 +7,8 @@
 // Two orientations, one formula (forward and backward recompute bitwise the same S):
 //   * query lanes (forward, backward dQ pass): tile Sᵀ[key u][lane i], per-lane slope, position
 //     and mask offset, one key per tile row;
-//   * key lanes (backward dK/dV pass): tile S[row r][lane i], one query row per tile row.
+//   * key lanes (backward dK/dV pass): tile S[row r][lane i], one query row per tile row; the
+//     decode's rows too (ElementwiseDecodeRow: cap and ALiBi, its masks are key ranges).
 // cap(z) = c·tanh(z / c) with TanhRational (tanh-inl.h: rational, a few ULP, ±∞ → ±c, NaN →
 // NaN) on the tile of z / c (the kernels scale q·k by s / c, ScoreScale);
 // ALiBi −m_h·(p(t) − u) as one FMA on the exact integer distance. With `dcap` the pass also
@@ -155,6 +156,27 @@ HWY_INLINE void ElementwiseKeyLanes(D d, const AttentionProblem& p, float* HWY_R
   } else {
     const auto* m = static_cast<const float*>(var.mask) + base;
     for (std::int64_t i = 0; i < keys; ++i) s[i] += m[i * var.m3];
+  }
+}
+
+// Decode (key lanes, one row of a decode unit, decode_skeleton-inl.h): the row's scores s[0, nv)
+// for keys u0 + i, S = s·q·k on entry (not z / c: a quantized cache's key scales multiply S after
+// the product, so the scale cannot carry 1 / c), S on exit: cap(S) = c·tanh(S · (1 / c)), then
+// ALiBi with rel = u0 − p (p the row's position): the distance p − u = −(rel + i + lane), as the
+// negation of the exact integer lanes (the same FMA as S + m_h (u − p)).
+template <class D>
+HWY_INLINE void ElementwiseDecodeRow(D d, float* HWY_RESTRICT s, std::int64_t nv, bool cap,
+                                     hn::Vec<D> c, hn::Vec<D> inv_c, bool alibi, float slope,
+                                     std::int64_t rel) {
+  using V = hn::Vec<D>;
+  if (!cap && !alibi) return;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+  const V slope_v = hn::Set(d, slope);
+  for (std::int64_t i = 0; i < nv; i += N) {
+    V z = hn::Load(d, s + i);
+    if (cap) z = hn::Mul(z, inv_c);
+    const V dist = alibi ? hn::Neg(hn::Iota(d, static_cast<float>(rel + i))) : hn::Zero(d);
+    hn::Store(CapAlibi<D, V>(d, z, cap, c, alibi, slope_v, dist, nullptr), d, s + i);
   }
 }
 

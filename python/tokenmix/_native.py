@@ -6,47 +6,52 @@ autograd node saves its tensors and runs the backward in C++: a Python
 ``torch.autograd.Function`` costs tens of microseconds per call by itself (issue 18's per-call
 target is PyTorch's time + 10 µs). Same kernels, same results, bit for bit.
 
-The node is built with the package when the building interpreter can import torch, against that
-torch (``_native_build.TORCH_VERSION``); it is loaded only under that same torch version.
-:data:`status` says whether it is in use and, if not, why; without it the Python
-``autograd.Function`` path (``tokenmix._torch_ops._EagerPlain``) serves the same calls.
+The node is compiled against the torch it serves: bundled with the package when the build could
+import torch, else built once per torch version at first use and cached (:mod:`tokenmix.torch_node`
+says where from, and how ``TOKENMIX_AUTOGRAD_NODE`` chooses). :data:`status` says whether it is in
+use and, if not, why; without it the Python ``autograd.Function`` path
+(``tokenmix._torch_ops._EagerPlain``) serves the same calls.
 
 Errors of the library come back from the operator as ``RuntimeError("tokenmix-native[<class>:
 <code>] <message>")``; :data:`attention` turns them back into tokenmix's exception types.
 """
 
-import os
 import re
+import warnings
 from typing import Callable, Optional
 
 import torch
 
 from . import _tokenmix as _C
+from . import torch_node
 from ._errors import ArgumentError, FileError, ResourceError, UnsupportedError
 
-_LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libtokenmix_torch.so")
 _MESSAGE = re.compile(r"tokenmix-native\[(\w+):(\w+)\] (.*)", re.S)
 _TYPES = {"ArgumentError": ArgumentError, "UnsupportedError": UnsupportedError,
           "ResourceError": ResourceError, "FileError": FileError}
 
 
 def _load() -> "tuple[Optional[Callable[..., torch.Tensor]], str]":
+    mode = torch_node.mode()
+    if mode == "off":
+        return None, "off: TOKENMIX_AUTOGRAD_NODE=off (the Python autograd path)"
     try:
-        from . import _native_build  # written by the build next to the library
-    except ImportError:
-        return None, ("not built: torch was not importable when the package was built (build "
-                      "with `pip install --no-build-isolation .` in an environment with torch)")
-    if _native_build.TORCH_VERSION != torch.__version__:
-        return None, (f"not loaded: built for torch {_native_build.TORCH_VERSION}, running torch "
-                      f"{torch.__version__} (rebuild tokenmix against this torch)")
-    torch.ops.load_library(_LIBRARY)
+        library, origin = torch_node.find(allow_build=(mode == "auto"))
+    except ResourceError as e:  # no compiler, or it failed: the Python path, and say why
+        warnings.warn(f"tokenmix: the PyTorch autograd node is not in use ({e}); the Python "
+                      f"autograd path computes the same values, tens of microseconds slower "
+                      f"per call", RuntimeWarning, stacklevel=3)
+        return None, f"not built: {e}"
+    if library is None:
+        return None, origin
+    torch.ops.load_library(library)
     torch.ops.tokenmix_native.bind(_C._native_entry_points())
-    return torch.ops.tokenmix_native.attention.default, "loaded"
+    return torch.ops.tokenmix_native.attention.default, f"loaded ({origin}: {library})"
 
 
 #: ``torch.ops.tokenmix_native.attention.default``, or None when the node is not in use.
 op: Optional[Callable[..., torch.Tensor]]
-#: "loaded", or why the node is not in use.
+#: "loaded (<origin>: <path>)", origin bundled, cached or built; or why the node is not in use.
 status: str
 op, status = _load()
 

@@ -44,7 +44,9 @@ import torch
 from . import _tokenmix as _C
 from . import _torch_ops as _ops
 
-__all__ = ["register", "attention_forward", "mask_function", "NAME"]
+from ._hf_cache import Cache
+
+__all__ = ["register", "attention_forward", "mask_function", "NAME", "Cache"]
 
 NAME = "tokenmix"
 _FN = "tokenmix.transformers.attention_forward"
@@ -98,6 +100,31 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
 
+    layer = getattr(key, "_tokenmix_layer", None)
+    if layer is not None:  # K/V live in a tokenmix Cache (tokenmix/_hf_cache.py)
+        if not is_causal:
+            raise _unsupported("a non-causal layer with a tokenmix Cache")
+        if (sliding_window or 0) != layer.window:
+            raise _unsupported(f"layer {layer.index} attends with sliding_window="
+                               f"{sliding_window} but the Cache was built with window "
+                               f"{layer.window or None} for it (from the config's layer types)")
+        return layer.owner.attend(
+            layer, query, attention_mask, scaling, softcap, sinks,
+            lambda k, v: _uncached(query, k, v, attention_mask, scaling, True, sliding_window,
+                                   softcap, sinks)), None
+    if key.dim() == 4 and key.numel() > 1 and all(st == 0 for st in key.stride()):
+        raise _unsupported("key is a zero-stride tensor: the tag of a tokenmix Cache that the "
+                           "model transformed between cache.update and the attention function; "
+                           "this model cannot use a tokenmix Cache")
+    return _uncached(query, key, value, attention_mask, scaling, bool(is_causal), sliding_window,
+                     softcap, sinks), None
+
+
+def _uncached(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: Optional[torch.Tensor], scaling: Optional[float], is_causal: bool,
+              sliding_window: Optional[int], softcap: Optional[float],
+              sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Attention over the given K/V; returns [B, L, H_q, E] (contiguous)."""
     if attention_mask is None:
         window = None
         if sliding_window is not None:
@@ -124,7 +151,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = _ops.attention(query, key, value, mask, None, sinks, scaling, False, True, None,
                              softcap)
     # out is [B, H_q, L, E] laid out as [B, L, H_q, E]: the transpose is contiguous, no copy.
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2)
 
 
 def _tracing(x: Any) -> bool:

@@ -35,6 +35,33 @@ widened exactly to float32.
 No silent fallback to PyTorch: dropout in training, ``output_attentions``, a position bias, a
 dtype other than those three (or mixed) or a non-CPU tensor raise
 :class:`tokenmix.UnsupportedError` naming what.
+
+**Generation on tokenmix's own KV cache**: :class:`Cache` (``tokenmix/_hf_cache.py``) is a
+transformers ``Cache`` whose K/V live in :class:`tokenmix.KVCache` tiles (SPEC 4.8), in f32, bf16,
+f16, int8 or fp8_e4m3 whatever the model's dtype::
+
+    cache = tokenmix.transformers.Cache(model.config, "int8")   # max_cache_len=…: fixed size
+    out = model.generate(ids, attention_mask=mask, cache=cache)  # (or past_key_values=cache)
+
+The attention function reads the tiles in place: the prefill of an empty layer runs the forward
+kernels on the fresh K/V (what a dynamic cache computes with) and appends each sequence's real
+tokens once; every later call appends and runs :func:`tokenmix.attention_decode` (no per-step
+copy of the cache, no repack, no ``torch.cat``). Sliding-window layers (``layer_types``) get
+rolling caches of O(W) memory; left-padded batches store no pads (per-sequence lengths) and every
+later mask is checked against that; ``crop`` (assisted decoding), ``reorder_cache`` (beam search),
+``batch_repeat_interleave``, ``batch_select_indices`` and ``reset`` act on the KVCache
+(``KVCache.truncate`` / ``copy_sequences``); ``memory_bytes()`` reports its memory. With an f32
+cache the greedy tokens equal those of transformers' DynamicCache. Another attention
+implementation with this cache, right padding, a float mask, a layer type other than full or
+sliding attention (chunked, linear, shared-KV) or gradients through the cache raise
+:class:`tokenmix.UnsupportedError`.
+
+``generate(cache_implementation=...)`` cannot name it: transformers 5.x checks
+``cache_implementation`` against a fixed tuple (``generation/configuration_utils.py``,
+``ALL_CACHE_IMPLEMENTATIONS``) and builds the cache in a fixed chain of cases
+(``GenerationMixin._prepare_cache_for_generation``: DynamicCache, StaticCache, or QuantizedCache
+with the backends quanto / hqq / fp8); there is no registry to add to short of patching those
+internals, which this package does not do. Pass the cache object instead.
 """
 
 from typing import Any, Optional, Tuple

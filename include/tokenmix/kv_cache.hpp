@@ -159,6 +159,19 @@ class KVCache {
   /// cache that never held them) and blocks no longer needed return to the pool (rolling and
   /// paged: only once no layer of the sequence has wrapped around its ring).
   void truncate(std::int64_t seq, std::int64_t new_length);
+  /// Sequence b of this cache becomes a copy of sequence sources[b] of `source`, for every b in
+  /// [0, batch): its positions, lengths and first positions in every layer (the stored bytes,
+  /// no re-quantization), and it is active. A source may be named several times or not at all.
+  /// This is beam search's reordering (source = *this: copied through a temporary snapshot)
+  /// and a change of batch (transformers' batch_repeat_interleave / batch_select_indices: a new
+  /// cache of the new batch copies from the old one). Requirements (ArgumentError naming the
+  /// argument otherwise, this cache unchanged): sources.size() == batch; each sources[b] in
+  /// [0, source batch) and active in `source`; `source` has the same layers, heads_kv,
+  /// head_dim, dtype, window, int8 layout and block_tokens(); every copied length fits this
+  /// cache's capacity; paged: the pool holds every copied block (all of this cache's blocks are
+  /// given back first). Blocks no sequence holds afterwards are zeroed, so storage equals that
+  /// of a cache that was appended the copied positions.
+  void copy_sequences(const KVCache& source, std::span<const std::int64_t> sources);
   /// Marks `seq` finished: its blocks return to the pool; reading or appending it throws until
   /// reset(seq).
   void release(std::int64_t seq);

@@ -3,10 +3,12 @@
 // variants window, softcap, ALiBi and sinks, and rolling caches for sliding-window layers.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "bindings.hpp"
 
@@ -102,6 +104,19 @@ void bind_kv_cache(nb::module_& m) {
             s.cache.truncate(seq, new_length);
           },
           "seq"_a, "new_length"_a)
+      .def(
+          "copy_sequences",
+          [](PyKVCache& s, PyKVCache& source, std::vector<std::int64_t> sources) {
+            nb::gil_scoped_release release;
+            if (&source == &s) {
+              std::lock_guard<std::mutex> lock(s.mutex);
+              s.cache.copy_sequences(s.cache, sources);
+            } else {
+              std::scoped_lock lock(s.mutex, source.mutex);
+              s.cache.copy_sequences(source.cache, sources);
+            }
+          },
+          "source"_a, "sources"_a)
       .def(
           "release",
           [](PyKVCache& s, std::int64_t seq) {

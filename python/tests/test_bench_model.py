@@ -9,22 +9,43 @@ import pytest
 
 from tokenmix import bench
 
-TINY = ["--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate",
-        "96", "--vocab", "128", "--seq", "40", "--gen-context", "24", "--gen-tokens", "2",
-        "--repeats", "1"]
+TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate",
+        "96", "--vocab", "128", "--seq", "40", "--gen-context", "70", "--gen-tokens", "2",
+        "--repeats", "1", "--profile-tokens", "1", "--cache-dtypes", "f32", "bf16", "int8"]
 
 
 def test_model_bench_runs_at_tiny_sizes(capsys):
-    assert bench.main(["--model"] + TINY) == 0
+    assert bench.main(["--model"] + TINY + ["--model-dtype", "f32"]) == 0
     out = capsys.readouterr().out
-    for case in ("T=40 forward ", "T=40 forward+backward", "prefill 24 tokens",
-                 "decode at 24 (per token)"):
+    for case in ("T=40 forward ", "T=40 forward+backward"):
         line = next(l for l in out.splitlines() if l.startswith(case))
         assert re.search(r"sdpa +[0-9.]+ ms +tokenmix +[0-9.]+ ms +ratio sdpa/tokenmix [0-9.]+x",
                          line), line
     err = float(re.search(r"max relative difference of the hidden states: (\S+)", out).group(1))
     assert err < 1e-5
-    assert "greedy tokens identical: True" in out
+    assert "[f32 model] prompt 70 tokens" in out
+    rows = {}
+    for side in ("dynamic + sdpa", "dynamic + tokenmix", "tokenmix Cache f32",
+                 "tokenmix Cache bf16", "tokenmix Cache int8"):
+        lines = [l for l in out.splitlines() if l.startswith("  " + side + " ")]
+        assert len(lines) == 1, (side, out)
+        m = re.match(r"  .{22} +([0-9.]+) +([0-9.]+)x +([0-9.]+)x +([0-9.]+) +([0-9.]+) +"
+                     r"([0-9]+)% +(True|False)$", lines[-1])
+        assert m, lines[-1]
+        rows[side] = m.groups()
+    assert rows["dynamic + sdpa"][1] == "1.00"
+    assert rows["tokenmix Cache f32"][6] == "True"  # the fp32 cache: sdpa's tokens
+    # int8: (d_h + 4) / (4 d_h) of f32's bytes (d_h = 16: 0.31), both rounded up to 64 positions
+    assert float(rows["tokenmix Cache int8"][4]) < 0.35 * float(rows["tokenmix Cache f32"][4])
+
+
+def test_model_bench_bf16_model(capsys):
+    assert bench.main(["--model"] + TINY[:-4] + ["--seq", "--gen-context", "24",
+                                                 "--model-dtype", "bf16",
+                                                 "--cache-dtypes", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16, random weights" in out and "[bf16 model] prompt 24 tokens" in out
+    assert any(l.startswith("  tokenmix Cache bf16 ") for l in out.splitlines())
 
 
 @pytest.mark.slow  # ~8 s of timed calls; test_model_bench_runs_at_tiny_sizes runs everyday

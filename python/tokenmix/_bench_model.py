@@ -2,19 +2,25 @@
 cost of one small attention call.
 
 ``--model`` builds a randomly initialised Llama-shaped model with Hugging Face transformers
-(default 4 layers, hidden 2048, 16 query / 4 key-value heads, float32; nothing is downloaded)
-and times, in one process and on the same weights, ``attn_implementation="sdpa"`` (PyTorch)
-against ``"tokenmix"`` (tokenmix.transformers):
+(default 4 layers, hidden 2048, 16 query / 4 key-value heads; nothing is downloaded) in each
+``--model-dtype`` (default float32 and bfloat16, the dtype models run in) and times, in one
+process and on the same weights:
 
 * forward (``no_grad``) and forward+backward of the decoder stack (``model.model``: the layers
   without the vocabulary projection, whose cost does not depend on the attention) at each
-  ``--seq`` T (default 4096 and 8192);
-* greedy generation after a ``--gen-context``-token prompt (default 16384) on a dynamic cache,
-  step by step as ``generate()`` does it: the prefill, and the time per decode step over
-  ``--gen-tokens`` tokens (T_q = 1 calls on a growing cache).
+  ``--seq`` T (default 4096 and 8192), ``attn_implementation="sdpa"`` (PyTorch) against
+  ``"tokenmix"`` (tokenmix.transformers): medians and their ratio (sdpa / tokenmix: > 1 means
+  tokenmix is faster);
+* greedy generation after each ``--gen-context``-token prompt (default 8192 and 16384): the
+  time per decode step (T_q = 1 on the cache, as ``generate()`` does it) of transformers'
+  DynamicCache with sdpa and with tokenmix attention, and of tokenmix.transformers.Cache (K/V in
+  tokenmix's tiles, read in place by the decode kernel) in each ``--cache-dtypes`` (default f32,
+  bf16, int8); with each side's speed-up over both dynamic sides, cache memory (and its ratio to
+  the dynamic cache's), the share of decode time spent in attention + cache update
+  (torch.profiler over ``--profile-tokens`` steps) and whether its greedy tokens equal sdpa's.
+  The prompt is prefilled once; every side starts from a copy of that state.
 
-Each case: a warm-up, then ``--repeats`` rounds alternating the order of the two sides; the
-medians and their ratio (sdpa / tokenmix: > 1 means tokenmix is faster) are printed.
+Each case: a warm-up, then ``--repeats`` rounds alternating the order of the sides.
 
 ``--overhead`` times tiny calls with ``timeit`` (what generation does thousands of times per
 second): the drop-in vs ``F.scaled_dot_product_attention`` for a [1, 4, 8, 64] causal call with
@@ -51,7 +57,10 @@ def _median_pair(calls: Dict[str, Callable[[], None]], repeats: int) -> Dict[str
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def _models(args: argparse.Namespace):
+_TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _models(args: argparse.Namespace, dtype: str = "f32"):
     import transformers
 
     import tokenmix.transformers as tmx_hf
@@ -61,14 +70,15 @@ def _models(args: argparse.Namespace):
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(max(args.seq), args.gen_context + args.gen_tokens) + 8)
+        max_position_embeddings=max(max(args.seq, default=0), max(args.gen_context, default=0)
+                                    + args.gen_tokens) + 8)
     torch.manual_seed(0)
     sdpa = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
                                                          attn_implementation="sdpa")
-    sdpa = sdpa.float().eval()
+    sdpa = sdpa.to(_TORCH_DTYPES[dtype]).eval()
     ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
                                                          attn_implementation="tokenmix")
-    ours = ours.float().eval()
+    ours = ours.to(_TORCH_DTYPES[dtype]).eval()
     ours.load_state_dict(sdpa.state_dict())
     return cfg, {"sdpa": sdpa, "tokenmix": ours}
 
@@ -80,37 +90,135 @@ def _print_row(what: str, med: Dict[str, float], unit: str = "ms", scale: float 
     sys.stdout.flush()
 
 
-def _generate(model, prompt: torch.Tensor, n: int):
-    """Greedy generation on a dynamic cache, as generate() does it without its bookkeeping:
-    (prefill seconds, seconds for the n one-token decode steps, the n tokens)."""
-    from transformers import DynamicCache
+def _cache_bytes(cache) -> int:
+    """Bytes a cache holds: a tokenmix Cache's memory_bytes(), a DynamicCache's tensors."""
+    if hasattr(cache, "memory_bytes"):
+        return int(cache.memory_bytes())
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (layer.keys, layer.values) if t is not None)
 
+
+def _decode(model, cache, first: torch.Tensor, n: int):
+    """n one-token greedy decode steps on `cache` (as generate() does them, without its
+    bookkeeping), then the cache cropped back: (seconds, the n tokens)."""
+    tok, out = first, []
     with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        start = time.perf_counter()
-        logits = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
-        prefill = time.perf_counter() - start
-        tok = logits[:, -1:].argmax(-1)
-        out = [tok]
         start = time.perf_counter()
         for _ in range(n):
             tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
             out.append(tok)
-        decode = time.perf_counter() - start
-    return prefill, decode, torch.cat(out, 1)
+        seconds = time.perf_counter() - start
+        cache.crop(-n)
+    return seconds, torch.cat(out, 1)
+
+
+def _attention_share(model, cache, first: torch.Tensor, n: int) -> float:
+    """Share of the model's decode time spent in attention — the attention function plus the
+    cache's update (a dynamic cache's torch.cat, a tokenmix Cache's append) — from
+    torch.profiler over n decode steps (labels from record_function around both)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from transformers import AttentionInterface
+
+    impl = model.config._attn_implementation
+    mapping = AttentionInterface._global_mapping
+    inner = mapping[impl]
+    update = type(cache).update
+
+    def attention(*a, **kw):
+        with record_function("bench::attention"):
+            return inner(*a, **kw)
+
+    def cache_update(self, *a, **kw):
+        with record_function("bench::attention"):
+            return update(self, *a, **kw)
+
+    mapping[impl] = attention
+    type(cache).update = cache_update
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with record_function("bench::decode"):
+                _decode(model, cache, first, n)
+    finally:
+        mapping[impl] = inner
+        type(cache).update = update
+    total = {e.key: e.cpu_time_total for e in prof.key_averages()}
+    return total.get("bench::attention", 0.0) / max(total.get("bench::decode", 1.0), 1.0)
+
+
+def _generation(args: argparse.Namespace, dtype: str, models, gen) -> None:
+    """Decode time per token after a long prompt: transformers' DynamicCache (with sdpa and
+    with tokenmix attention) against tokenmix.transformers.Cache in each --cache-dtypes, in one
+    process on the same weights. The prompt is prefilled once (sdpa, DynamicCache); every side
+    starts from a copy of that state; rounds alternate the order of the sides; each round
+    decodes --gen-tokens tokens and crops the cache back."""
+    from transformers import DynamicCache
+
+    from tokenmix.transformers import Cache
+
+    for ctx in args.gen_context:
+        prompt = torch.randint(0, args.vocab, (1, ctx), generator=gen)
+        dyn = DynamicCache(config=models["sdpa"].config)
+        with torch.no_grad():
+            start = time.perf_counter()
+            logits = models["sdpa"](prompt, cache=dyn, use_cache=True, logits_to_keep=1).logits
+            prefill = time.perf_counter() - start
+        first = logits[:, -1:].argmax(-1)
+        print(f"[{dtype} model] prompt {ctx} tokens: prefill (sdpa) {prefill:.1f} s; decode "
+              f"{args.gen_tokens} tokens a round, median of {args.repeats} alternating rounds")
+        sides = {"dynamic + sdpa": (models["sdpa"], copy.deepcopy(dyn)),
+                 "dynamic + tokenmix": (models["tokenmix"], copy.deepcopy(dyn))}
+        for cd in args.cache_dtypes:
+            sides[f"tokenmix Cache {cd}"] = (
+                models["tokenmix"],
+                Cache.from_dynamic(dyn, models["tokenmix"].config, cd,
+                                   max_cache_len=ctx + args.gen_tokens + 1))
+        del dyn
+        names = list(sides)
+        times: Dict[str, List[float]] = {name: [] for name in names}
+        tokens: Dict[str, torch.Tensor] = {}
+        for r in range(args.repeats + 1):  # round 0 is the warm-up
+            for name in (names if r % 2 == 0 else names[::-1]):
+                seconds, tokens[name] = _decode(*sides[name], first, args.gen_tokens)
+                if r > 0:
+                    times[name].append(seconds / args.gen_tokens)
+        base = statistics.median(times["dynamic + sdpa"])
+        base_tm = statistics.median(times["dynamic + tokenmix"])
+        f32_bytes = _cache_bytes(sides["dynamic + sdpa"][1])
+        print(f"  {'side':22s} {'ms/token':>9s} {'vs sdpa':>8s} {'vs dyn+tm':>9s} "
+              f"{'cache MiB':>10s} {'mem ratio':>9s} {'attn share':>10s}  same tokens")
+        for name in names:
+            med = statistics.median(times[name])
+            share = (_attention_share(*sides[name], first, args.profile_tokens)
+                     if args.profile_tokens > 0 else float("nan"))
+            nbytes = _cache_bytes(sides[name][1])
+            same = torch.equal(tokens[name], tokens["dynamic + sdpa"])
+            print(f"  {name:22s} {med * 1e3:9.2f} {base / med:7.2f}x {base_tm / med:8.2f}x "
+                  f"{nbytes / 2**20:10.1f} {nbytes / f32_bytes:9.2f} {share:10.0%}  {same}")
+            sys.stdout.flush()
+        del sides
 
 
 def run_model(args: argparse.Namespace) -> int:
-    cfg, models = _models(args)
-    print(f"model: Llama-shaped, {args.layers} layers, hidden {args.hidden}, heads "
-          f"{args.heads}/{args.kv_heads} (head dim {args.hidden // args.heads}), intermediate "
-          f"{args.intermediate}, vocab {args.vocab}, float32, random weights")
     print(f"threads: {torch.get_num_threads()}; median of {args.repeats} rounds; tokenmix kernel "
           f"path {tokenmix.resolve_isa()}")
-    gen = torch.Generator().manual_seed(7)
+    for dtype in args.model_dtype:
+        cfg, models = _models(args, dtype)
+        print(f"model: Llama-shaped, {args.layers} layers, hidden {args.hidden}, heads "
+              f"{args.heads}/{args.kv_heads} (head dim {args.hidden // args.heads}), intermediate "
+              f"{args.intermediate}, vocab {args.vocab}, {dtype}, random weights")
+        gen = torch.Generator().manual_seed(7)
+        _forward_cases(args, models, gen)
+        if args.gen_context:
+            _generation(args, dtype, models, gen)
+        del models
+    return 0
+
+
+def _forward_cases(args: argparse.Namespace, models, gen) -> None:
     for T in args.seq:
         ids = torch.randint(0, args.vocab, (1, T), generator=gen)
-        grad = torch.randn(1, T, args.hidden, generator=gen)
+        dtype = next(models["sdpa"].parameters()).dtype
+        grad = torch.randn(1, T, args.hidden, generator=gen).to(dtype)
 
         def fwd(m):
             def call() -> None:
@@ -133,25 +241,6 @@ def run_model(args: argparse.Namespace) -> int:
         _print_row(f"T={T} forward+backward", _median_pair(
             {n: fwd_bwd(m) for n, m in models.items()}, args.repeats))
         print(f"{'':34s} max relative difference of the hidden states: {err:.1e}")
-
-    if args.gen_context > 0:
-        prompt = torch.randint(0, args.vocab, (1, args.gen_context), generator=gen)
-        times = {name: ([], []) for name in models}
-        tokens: Dict[str, torch.Tensor] = {}
-        names = list(models)
-        for r in range(args.repeats + 1):  # round 0 is the warm-up
-            for name in (names if r % 2 == 0 else names[::-1]):
-                pre, dec, tokens[name] = _generate(models[name], prompt, args.gen_tokens)
-                if r > 0:
-                    times[name][0].append(pre)
-                    times[name][1].append(dec / args.gen_tokens)
-        _print_row(f"prefill {args.gen_context} tokens",
-                   {n: statistics.median(t[0]) for n, t in times.items()})
-        _print_row(f"decode at {args.gen_context} (per token)",
-                   {n: statistics.median(t[1]) for n, t in times.items()})
-        same = torch.equal(tokens["sdpa"], tokens["tokenmix"])
-        print(f"{'':34s} greedy tokens identical: {same}")
-    return 0
 
 
 def _timeit(fn: Callable[[], object], repeats: int) -> float:
@@ -212,11 +301,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=5632)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, nargs="+", default=[4096, 8192],
-                   help="sequence lengths of the forward and forward+backward cases")
-    p.add_argument("--gen-context", type=int, default=16384,
-                   help="prompt length before greedy generation (0: no generation case)")
-    p.add_argument("--gen-tokens", type=int, default=16, help="tokens generated after it")
+    p.add_argument("--seq", type=int, nargs="*", default=[4096, 8192],
+                   help="sequence lengths of the forward and forward+backward cases (none: "
+                        "no such case)")
+    p.add_argument("--model-dtype", nargs="+", choices=sorted(_TORCH_DTYPES),
+                   default=["f32", "bf16"], help="dtype(s) of the model's weights and activations")
+    p.add_argument("--gen-context", type=int, nargs="*", default=[8192, 16384],
+                   help="prompt lengths before greedy generation (none: no generation case)")
+    p.add_argument("--gen-tokens", type=int, default=16, help="tokens generated a round")
+    p.add_argument("--cache-dtypes", nargs="*", default=["f32", "bf16", "int8"],
+                   choices=["f32", "bf16", "f16", "int8", "fp8_e4m3"],
+                   help="dtypes of the tokenmix.transformers.Cache sides of the generation case")
+    p.add_argument("--profile-tokens", type=int, default=4,
+                   help="decode steps profiled (torch.profiler) for each side's attention share "
+                        "(0: not measured)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="threads (0 = torch's default)")
     args = p.parse_args(argv)
@@ -228,8 +326,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         p.error("--hidden must be a multiple of --heads, and --heads of --kv-heads")
-    if args.gen_context < 0 or any(T < 1 for T in args.seq):
-        p.error("--seq must be >= 1 and --gen-context >= 0")
+    if any(T < 1 for T in args.seq + args.gen_context):
+        p.error("--seq and --gen-context must be >= 1")
+    if args.profile_tokens < 0:
+        p.error("--profile-tokens must be >= 0")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     print(f"load average before: {'%.2f %.2f %.2f' % os.getloadavg()}")

@@ -15,7 +15,7 @@ allocated → ResourceError (a MemoryError); a read-only output → ValueError. 
 "bottom_right" or "top_left" (tokenmix::parse_causal_align; else ArgumentError).
 """
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 Array = Any  # numpy.ndarray[float32] | torch.Tensor (CPU, float32)
 
@@ -167,6 +167,9 @@ class KVCache:
         """k, v [B', T_new, H_kv, d_h] float32 (post-RoPE) for sequences
         first_seq … first_seq+B'−1."""
     def truncate(self, seq: int, new_length: int) -> None: ...
+    def copy_sequences(self, source: KVCache, sources: Sequence[int]) -> None:
+        """Sequence b becomes a copy of source's sequence sources[b], for every b < batch
+        (source may be self: beam-search reordering)."""
     def release(self, seq: int) -> None: ...
     def reset(self, seq: Optional[int] = None) -> None: ...
     def decode_bytes(self, layer: int, first_seq: int, batch: int, window: int = 0,

@@ -35,6 +35,33 @@ widened exactly to float32.
 No silent fallback to PyTorch: dropout in training, ``output_attentions``, a position bias, a
 dtype other than those three (or mixed) or a non-CPU tensor raise
 :class:`tokenmix.UnsupportedError` naming what.
+
+**Generation on tokenmix's own KV cache**: :class:`Cache` (``tokenmix/_hf_cache.py``) is a
+transformers ``Cache`` whose K/V live in :class:`tokenmix.KVCache` tiles (SPEC 4.8), in f32, bf16,
+f16, int8 or fp8_e4m3 whatever the model's dtype::
+
+    cache = tokenmix.transformers.Cache(model.config, "int8")   # max_cache_len=…: fixed size
+    out = model.generate(ids, attention_mask=mask, cache=cache)  # (or past_key_values=cache)
+
+The attention function reads the tiles in place: the prefill of an empty layer runs the forward
+kernels on the fresh K/V (what a dynamic cache computes with) and appends each sequence's real
+tokens once; every later call appends and runs :func:`tokenmix.attention_decode` (no per-step
+copy of the cache, no repack, no ``torch.cat``). Sliding-window layers (``layer_types``) get
+rolling caches of O(W) memory; left-padded batches store no pads (per-sequence lengths) and every
+later mask is checked against that; ``crop`` (assisted decoding), ``reorder_cache`` (beam search),
+``batch_repeat_interleave``, ``batch_select_indices`` and ``reset`` act on the KVCache
+(``KVCache.truncate`` / ``copy_sequences``); ``memory_bytes()`` reports its memory. With an f32
+cache the greedy tokens equal those of transformers' DynamicCache. Another attention
+implementation with this cache, right padding, a float mask, a layer type other than full or
+sliding attention (chunked, linear, shared-KV) or gradients through the cache raise
+:class:`tokenmix.UnsupportedError`.
+
+``generate(cache_implementation=...)`` cannot name it: transformers 5.x checks
+``cache_implementation`` against a fixed tuple (``generation/configuration_utils.py``,
+``ALL_CACHE_IMPLEMENTATIONS``) and builds the cache in a fixed chain of cases
+(``GenerationMixin._prepare_cache_for_generation``: DynamicCache, StaticCache, or QuantizedCache
+with the backends quanto / hqq / fp8); there is no registry to add to short of patching those
+internals, which this package does not do. Pass the cache object instead.
 """
 
 from typing import Any, Optional, Tuple
@@ -44,7 +71,9 @@ import torch
 from . import _tokenmix as _C
 from . import _torch_ops as _ops
 
-__all__ = ["register", "attention_forward", "mask_function", "NAME"]
+from ._hf_cache import Cache
+
+__all__ = ["register", "attention_forward", "mask_function", "NAME", "Cache"]
 
 NAME = "tokenmix"
 _FN = "tokenmix.transformers.attention_forward"
@@ -98,6 +127,31 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
 
+    layer = getattr(key, "_tokenmix_layer", None)
+    if layer is not None:  # K/V live in a tokenmix Cache (tokenmix/_hf_cache.py)
+        if not is_causal:
+            raise _unsupported("a non-causal layer with a tokenmix Cache")
+        if (sliding_window or 0) != layer.window:
+            raise _unsupported(f"layer {layer.index} attends with sliding_window="
+                               f"{sliding_window} but the Cache was built with window "
+                               f"{layer.window or None} for it (from the config's layer types)")
+        return layer.owner.attend(
+            layer, query, attention_mask, scaling, softcap, sinks,
+            lambda k, v: _uncached(query, k, v, attention_mask, scaling, True, sliding_window,
+                                   softcap, sinks)), None
+    if key.dim() == 4 and key.numel() > 1 and all(st == 0 for st in key.stride()):
+        raise _unsupported("key is a zero-stride tensor: the tag of a tokenmix Cache that the "
+                           "model transformed between cache.update and the attention function; "
+                           "this model cannot use a tokenmix Cache")
+    return _uncached(query, key, value, attention_mask, scaling, bool(is_causal), sliding_window,
+                     softcap, sinks), None
+
+
+def _uncached(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: Optional[torch.Tensor], scaling: Optional[float], is_causal: bool,
+              sliding_window: Optional[int], softcap: Optional[float],
+              sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Attention over the given K/V; returns [B, L, H_q, E] (contiguous)."""
     if attention_mask is None:
         window = None
         if sliding_window is not None:
@@ -124,7 +178,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = _ops.attention(query, key, value, mask, None, sinks, scaling, False, True, None,
                              softcap)
     # out is [B, H_q, L, E] laid out as [B, L, H_q, E]: the transpose is contiguous, no copy.
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2)
 
 
 def _tracing(x: Any) -> bool:

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -494,6 +495,156 @@ void KVCache::truncate(std::int64_t seq, std::int64_t new_length) {
     }
   }
   shrink(seq, new_length);
+}
+
+void KVCache::copy_sequences(const KVCache& source, std::span<const std::int64_t> sources) {
+  constexpr const char* fn = "KVCache::copy_sequences";
+  if (&source == this) {  // reorder in place: read from a snapshot (validated there)
+    std::optional<KVCache> snapshot;
+    try {
+      snapshot.emplace(*this);
+    } catch (const std::bad_alloc&) {
+      throw ResourceError(ErrorCode::out_of_memory,
+                          std::string(fn) + ": cannot allocate the snapshot of the cache (" +
+                              str(static_cast<std::int64_t>(storage_.size())) + " bytes)");
+    }
+    copy_sequences(*snapshot, sources);
+    return;
+  }
+  const KVCacheConfig& s = source.config_;
+  if (static_cast<std::int64_t>(sources.size()) != config_.batch) {
+    fail(ErrorCode::invalid_argument, fn,
+         "sources must name one source sequence for each of the batch = " + str(config_.batch) +
+             " sequences of this cache; got " + str(static_cast<std::int64_t>(sources.size())));
+  }
+  const std::pair<const char*, std::pair<std::int64_t, std::int64_t>> same[] = {
+      {"layers", {s.layers, config_.layers}},
+      {"heads_kv", {s.heads_kv, config_.heads_kv}},
+      {"head_dim", {s.head_dim, config_.head_dim}},
+      {"window", {s.window, config_.window}},
+      {"block_tokens()", {source.block_tokens_, block_tokens_}},
+      {"int8_quads()", {source.int8_quads_ ? 1 : 0, int8_quads_ ? 1 : 0}}};
+  for (const auto& [name, values] : same) {
+    if (values.first != values.second) {
+      fail(ErrorCode::invalid_argument, fn,
+           std::string("source.") + name + " must equal this cache's " + name + " = " +
+               str(values.second) + "; got " + str(values.first));
+    }
+  }
+  if (s.dtype != config_.dtype) {
+    fail(ErrorCode::invalid_argument, fn,
+         std::string("source.dtype must equal this cache's dtype ") + to_string(config_.dtype) +
+             "; got " + to_string(s.dtype));
+  }
+  std::int64_t needed_blocks = 0;
+  for (std::size_t b = 0; b < sources.size(); ++b) {
+    const std::int64_t src = sources[b];
+    const std::string name = "sources[" + std::to_string(b) + "]";
+    if (src < 0 || src >= s.batch) {
+      fail(ErrorCode::invalid_argument, fn,
+           name + " must be in [0, source batch = " + str(s.batch) + "); got " + str(src));
+    }
+    if (!source.active_[static_cast<std::size_t>(src)]) {
+      fail(ErrorCode::invalid_argument, fn,
+           name + " = " + str(src) + " names a released sequence of source");
+    }
+    for (std::int64_t l = 0; l < s.layers; ++l) {
+      const std::int64_t len = source.lengths_[static_cast<std::size_t>(l * s.batch + src)];
+      if (len > config_.capacity) {
+        fail(ErrorCode::invalid_argument, fn,
+             name + " = " + str(src) + " holds " + str(len) + " positions in layer " + str(l) +
+                 "; this cache's capacity is T_max = " + str(config_.capacity));
+      }
+    }
+    for (std::int64_t i = 0; i < source.table_width_; ++i) {
+      if (source.table_[static_cast<std::size_t>(src * source.table_width_ + i)] < 0) continue;
+      if (i >= table_width_) {
+        fail(
+            ErrorCode::invalid_argument, fn,
+            name + " = " + str(src) + " holds block " + str(i) +
+                " of its block table, past this cache's capacity T_max = " + str(config_.capacity));
+      }
+      ++needed_blocks;
+    }
+  }
+  if (paged() && needed_blocks > pool_blocks_) {
+    fail(ErrorCode::invalid_argument, fn,
+         "the copied sequences hold " + str(needed_blocks) + " blocks of " + str(block_tokens_) +
+             " positions; this cache's pool has " + str(pool_blocks_));
+  }
+  // Everything checked; allocate what the copy needs, then mutate (nothing below throws).
+  std::vector<std::int32_t> new_table, new_free;
+  std::vector<std::uint8_t> held, was_free;
+  try {
+    new_table.assign(table_.size(), -1);
+    held.assign(static_cast<std::size_t>(pool_blocks_), 0);
+    was_free.assign(static_cast<std::size_t>(pool_blocks_), 0);
+    new_free.reserve(static_cast<std::size_t>(pool_blocks_));
+  } catch (const std::bad_alloc&) {
+    throw ResourceError(ErrorCode::out_of_memory,
+                        std::string(fn) + ": cannot allocate the new block table");
+  }
+  for (std::int32_t p : free_list_) was_free[static_cast<std::size_t>(p)] = 1;
+  const kernels::KVTileLayout dst_tiles = detail::KVCacheAccess::layout(*this);
+  const kernels::KVTileLayout src_tiles = detail::KVCacheAccess::layout(source);
+  // A physical block is [H_kv][block_tokens / 64][K tile, V tile] in each layer: one span of
+  // bytes, laid out alike in both caches (same heads, width, block size, dtype and int8 layout).
+  const std::size_t block_bytes =
+      static_cast<std::size_t>(config_.heads_kv * dst_tiles.head_block_elems()) * elem_;
+  const std::size_t dst_layer = static_cast<std::size_t>(dst_tiles.layer_elems()) * elem_;
+  const std::size_t src_layer = static_cast<std::size_t>(src_tiles.layer_elems()) * elem_;
+  std::int64_t next_free = 0;  // paged: blocks handed out in order 0, 1, … (as a fresh pool)
+  for (std::int64_t b = 0; b < config_.batch; ++b) {
+    const std::int64_t src = sources[static_cast<std::size_t>(b)];
+    for (std::int64_t i = 0; i < table_width_; ++i) {
+      const std::int32_t from =
+          i < source.table_width_
+              ? source.table_[static_cast<std::size_t>(src * source.table_width_ + i)]
+              : -1;
+      std::int32_t to = -1;
+      if (!paged()) {
+        if (i == 0) to = static_cast<std::int32_t>(b);  // contiguous: sequence b owns block b
+      } else if (from >= 0) {
+        to = static_cast<std::int32_t>(next_free++);
+      }
+      if (to < 0) continue;
+      new_table[static_cast<std::size_t>(b * table_width_ + i)] = to;
+      held[static_cast<std::size_t>(to)] = 1;
+      for (std::int64_t l = 0; l < config_.layers; ++l) {
+        std::byte* dst =
+            storage_.data() + l * dst_layer + static_cast<std::size_t>(to) * block_bytes;
+        if (from >= 0) {
+          const std::byte* from_data =
+              source.storage_.data() + l * src_layer + static_cast<std::size_t>(from) * block_bytes;
+          std::memcpy(dst, from_data, block_bytes);
+        } else {
+          std::fill_n(dst, block_bytes, std::byte{0});
+        }
+      }
+    }
+  }
+  // Paged: blocks held before and not now are zeroed (a free block holds zeros, as after
+  // truncate) and the free list is rebuilt, popped from the back in increasing order.
+  for (std::int64_t p = pool_blocks_ - 1; paged() && p >= 0; --p) {
+    if (held[static_cast<std::size_t>(p)]) continue;
+    new_free.push_back(static_cast<std::int32_t>(p));
+    const bool was_held = was_free[static_cast<std::size_t>(p)] == 0;
+    for (std::int64_t l = 0; was_held && l < config_.layers; ++l)
+      std::fill_n(storage_.data() + l * dst_layer + static_cast<std::size_t>(p) * block_bytes,
+                  block_bytes, std::byte{0});
+  }
+  table_.swap(new_table);
+  if (paged()) free_list_.swap(new_free);
+  for (std::int64_t l = 0; l < config_.layers; ++l) {
+    for (std::int64_t b = 0; b < config_.batch; ++b) {
+      const std::size_t d = static_cast<std::size_t>(l * config_.batch + b);
+      const std::size_t f =
+          static_cast<std::size_t>(l * s.batch + sources[static_cast<std::size_t>(b)]);
+      lengths_[d] = source.lengths_[f];
+      firsts_[d] = source.firsts_[f];
+    }
+  }
+  std::fill(active_.begin(), active_.end(), std::uint8_t{1});
 }
 
 void KVCache::release(std::int64_t seq) {

@@ -20,8 +20,9 @@ dir=build/fuzz
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=(fuzz_npy fuzz_api fuzz_cli)
 
+# -O1 with line tables only, as scripts/tsan.sh (D-ci-9).
 cmake -S . -B "$dir" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DTOKENMIX_BUILD_FUZZERS=ON -DTOKENMIX_BUILD_CLI=OFF -DTOKENMIX_BUILD_TESTS=OFF \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only -DNDEBUG" -DTOKENMIX_BUILD_FUZZERS=ON -DTOKENMIX_BUILD_CLI=OFF -DTOKENMIX_BUILD_TESTS=OFF \
   -DTOKENMIX_BUILD_BENCHMARKS=OFF -DTOKENMIX_BUILD_PYTHON=OFF || exit 1
 cmake --build "$dir" --parallel "$jobs" --target "${targets[@]}" || exit 1
 

@@ -17,8 +17,8 @@
 #      - the Python module from the installed wheel: import, one forward + backward through
 #        tokenmix.torch.scaled_dot_product_attention, one decode step (python/tests/avx2_cpu_smoke.py);
 #   3. on a host whose CPU has no avx512f, the same natively: that CPU is one, so the emulated run
-#      (2) is left out there unless TOKENMIX_AVX2_CPU_QEMU=always (scripts/test.sh --full, CI,
-#      runs both, so the emulation itself stays tested on every host).
+#      (2) is left out there unless TOKENMIX_AVX2_CPU_QEMU=always (it would add 2.5 minutes and
+#      test nothing the native run does not; scripts/test.sh --full leaves it out too, D-ci-9).
 # Each failure is named; the exit status is non-zero if anything failed.
 #
 # Usage: scripts/test-avx2-cpu.sh BUILD_DIR [PYTHON]

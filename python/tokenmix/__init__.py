@@ -83,6 +83,7 @@ from ._runtime import (
     default_threads,
     describe_kernel,
     resolve_isa,
+    thread_runtimes,
     version,
 )
 
@@ -120,6 +121,7 @@ __all__ = [
     "available_isas",
     "resolve_isa",
     "default_threads",
+    "thread_runtimes",
     "describe_kernel",
     "__version__",
 ]

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+from typing import Dict, List
+
 from . import _tokenmix as _C
 
 version = _C.version
@@ -28,3 +32,33 @@ def resolve_isa(isa: str = "auto") -> str:
     """The kernel path a call with ``isa`` would run ("portable", "avx2", "avx512", "neon");
     honours TOKENMIX_ISA for "auto". Raises UnsupportedError for a path this CPU/build lacks."""
     return _C.resolve_isa(isa)
+
+
+# The thread runtimes a library can bring into a process: OpenMP (GNU libgomp, LLVM libomp, Intel
+# libiomp) and OpenBLAS's own pthread pool.
+_RUNTIME_FILES = {"openmp": re.compile(r"lib(gomp|omp|iomp5)[-.\w]*\.so"),
+                  "openblas": re.compile(r"lib(scipy_)?openblas[-.\w]*\.so")}
+
+
+def thread_runtimes() -> Dict[str, List[str]]:
+    """The thread pools' libraries mapped into this process (Linux; elsewhere empty lists):
+    ``{"openmp": [paths], "openblas": [paths]}``.
+
+    tokenmix's kernels run their teams on OpenMP; PyTorch's wheel ships ``libgomp.so.1`` under the
+    same soname as the system's, so whichever is loaded first serves both (one pool, one
+    ``omp_set_num_threads``: ``torch.set_num_threads(n)`` also sets :func:`default_threads`).
+    More than one OpenMP entry means two pools taking turns on the same cores
+    (docs/performance.md, D-torch-8). OpenBLAS (tokenmix's projections in
+    :class:`CausalSelfAttention`, NumPy's own) keeps its own pthread pool."""
+    found: Dict[str, List[str]] = {kind: [] for kind in _RUNTIME_FILES}
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if line.rstrip().endswith(".so") or ".so." in line}
+    except OSError:
+        return found
+    for path in sorted(paths):
+        name = os.path.basename(path)
+        for kind, pattern in _RUNTIME_FILES.items():
+            if pattern.match(name):
+                found[kind].append(path)
+    return found

@@ -76,8 +76,8 @@ std::array<KernelSet, 5> make_sets() {
        kInt32LaneKeys,
        "Highway AVX2+FMA (8 lanes, 3x3 microkernel): fused flash forward with the GQA heads "
        "stacked in SIMD lanes, online softmax over 64-key tiles, causal tile skipping; flash "
-       "backward recomputing tiles (one pass owning dK/dV/dQ per KV head when B*H_kv >= 8, else "
-       "two passes: dQ with queries in lanes, dK/dV with keys in lanes); score variants by "
+       "backward recomputing tiles in one pass, units (b, KV head, query range) owning dQ of their "
+       "rows, dK/dV summed over the ranges in a fixed order); score variants by "
        "per-lane "
        "key ranges (tiles outside every range skipped, sliding window O(W) per row), one "
        "vectorised element-wise pass (softcap, ALiBi, masks) and sinks in the online softmax; "

@@ -261,10 +261,10 @@ TEST_P(FlashKernels, BackwardMatchesFloat64ReferenceAcrossTileEdges) {
   for (const SimdCase& c : simd_cases()) ExpectBackwardMatchesReference(c, GetParam(), rng);
 }
 
-// The backward runs in one pass (5 products, units = (b, KV head)) when B·H_kv ≥ 8, else in two
-// passes; the table above is mostly two-pass. These shapes take the one-pass path, straddling its
-// lane blocks (M = 64 / 24 query rows) and key blocks, with T_q ≠ T_k both ways, both
-// alignments, non-causal, odd d_h, g = 7 and strided views.
+// The backward runs in one pass (5 products); units (b, KV head) with one query range when
+// B·H_kv ≥ 8 (the table above mostly splits into ranges, D-bwd-6). These shapes take one range,
+// straddling its lane blocks (M = 64 / 24 query rows) and key blocks, with T_q ≠ T_k both ways,
+// both alignments, non-causal, odd d_h, g = 7 and strided views.
 std::vector<SimdCase> one_pass_cases() {
   return {
       {2, 70, 70, 8, 4, 32},
@@ -335,12 +335,13 @@ TEST_P(FlashKernels, BackwardMatchesFiniteDifferences) {
   }
 }
 
-// dQ, dK and dV of case `c` on `isa` are bitwise identical for 1, 2 and 3 threads.
+// dQ, dK and dV of case `c` on `isa` are bitwise identical for 1, 2, 3 and 4 threads.
 void ExpectBackwardIndependentOfThreads(const SimdCase& c, Isa isa, std::uint64_t seed) {
+  SCOPED_TRACE(case_name(c));
   std::mt19937_64 rng(seed);
   BackwardRun r(c, rng);
   std::vector<std::vector<float>> grads;
-  for (int threads : {1, 2, 3}) {
+  for (int threads : {1, 2, 3, 4}) {
     r.run(c, isa, threads);
     std::vector<float> all = r.dq.storage;
     all.insert(all.end(), r.dk.storage.begin(), r.dk.storage.end());
@@ -349,16 +350,62 @@ void ExpectBackwardIndependentOfThreads(const SimdCase& c, Isa isa, std::uint64_
   }
   EXPECT_EQ(0, std::memcmp(grads[0].data(), grads[1].data(), grads[0].size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(grads[0].data(), grads[2].data(), grads[0].size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(grads[0].data(), grads[3].data(), grads[0].size() * sizeof(float)));
 }
 
 TEST_P(FlashKernels, BackwardBitwiseIdenticalAcrossThreadCounts) {
   ExpectBackwardIndependentOfThreads({2, 131, 131, 8, 2, 64}, GetParam(),
-                                     3);  // B·H_kv = 4: two passes
+                                     3);  // B·H_kv = 4: one pass, 2 query ranges
 }
 
 TEST_P(FlashKernels, BackwardOnePassBitwiseIdenticalAcrossThreadCounts) {
   ExpectBackwardIndependentOfThreads({2, 97, 97, 8, 4, 32}, GetParam(),
                                      31);  // B·H_kv = 8: one pass
+}
+
+// B·H_kv < 8: the one-pass backward splits each (b, KV head) into query ranges of whole lane
+// blocks (M = 24 rows on AVX2, 64 on AVX-512), ⌈8 / (B·H_kv)⌉ of them where T_q has that many
+// blocks (QuerySplit, D-bwd-6); key blocks seen by several ranges get their partial dK/dV summed
+// in range order, blocks seen by none get zeros. These shapes have 1 … 8 ranges: MQA (g = 4, 8)
+// and g = 7, T straddling the lane blocks, odd d_h, T_q < T_k and T_q > T_k in both alignments
+// (leading ranges with no key; keys no range sees), non-causal (every range shares every key
+// block), strided views.
+std::vector<SimdCase> query_range_cases() {
+  std::vector<SimdCase> cases;
+  for (std::int64_t T : {23, 24, 25, 47, 48, 49, 63, 64, 65, 127, 128, 129, 200})
+    cases.push_back({1, T, T, 4, 1, 32});                                // MQA: up to 8 ranges
+  cases.push_back({1, 97, 97, 8, 1, 16});                                // g = 8
+  cases.push_back({1, 150, 150, 14, 2, 80});                             // g = 7, 4 ranges
+  cases.push_back({1, 73, 73, 2, 2, 3});                                 // MHA, odd d_h
+  cases.push_back({3, 121, 121, 6, 2, 16});                              // B·H_kv = 6: 2 ranges
+  cases.push_back({1, 50, 200, 8, 2, 16});                               // T_q < T_k
+  cases.push_back({1, 200, 50, 8, 2, 16});                               // T_q > T_k: empty rows
+  cases.push_back({1, 60, 190, 4, 2, 24, true, CausalAlign::top_left});  // keys ≥ 60 unseen
+  cases.push_back({1, 190, 60, 4, 2, 24, true, CausalAlign::top_left});
+  cases.push_back({1, 130, 100, 8, 2, 40, false});  // non-causal
+  cases.push_back({1, 129, 129, 8, 2, 64, true, CausalAlign::bottom_right, Layout::bhtd});
+  cases.push_back({1, 77, 131, 6, 3, 20, true, CausalAlign::bottom_right, Layout::strided});
+  return cases;
+}
+
+TEST_P(FlashKernels, BackwardQueryRangesMatchFloat64Reference) {
+  std::mt19937_64 rng(2025);
+  for (const SimdCase& c : query_range_cases()) {
+    ASSERT_LT(c.B * c.Hkv, 8) << "case must split its (b, KV head) units";
+    ExpectBackwardMatchesReference(c, GetParam(), rng);
+  }
+}
+
+// The query ranges and the order of the partial sums depend on the shape alone.
+TEST_P(FlashKernels, BackwardQueryRangesBitwiseIdenticalAcrossThreadCounts) {
+  std::uint64_t seed = 40;
+  for (const SimdCase& c :
+       {SimdCase{1, 200, 200, 4, 1, 32}, SimdCase{1, 129, 129, 14, 2, 24},
+        SimdCase{3, 97, 97, 6, 2, 16}, SimdCase{1, 130, 100, 8, 2, 40, false},
+        SimdCase{1, 60, 190, 4, 2, 24, true, CausalAlign::top_left},
+        SimdCase{1, 77, 131, 6, 3, 20, true, CausalAlign::bottom_right, Layout::strided}}) {
+    ExpectBackwardIndependentOfThreads(c, GetParam(), seed++);
+  }
 }
 
 // Tiny problems (T_q and T_k within one vector: ≤ 16 on AVX-512, ≤ 8 on AVX2) run the backward
@@ -391,7 +438,7 @@ TEST_P(FlashKernels, BackwardTinyShapesMatchFloat64Reference) {
 // register transposes (attention_bwd-inl.h, issue 18), with scalar tails for d_h mod 4,
 // rows mod 4 and lane groups that are part padding. Shapes straddling those edges and the
 // one-vector lane blocks (T = 15, 16, 17 on AVX-512; 7, 8, 9 on AVX2): T = 1, 2, odd and
-// even d_h below and above 4, GQA, both passes and the one-pass path, T_q ≠ T_k, and strided
+// even d_h below and above 4, GQA, one and several query ranges, T_q ≠ T_k, and strided
 // views (non-unit d_h stride: the scalar loops), with poisoned gradient buffers (BackwardRun).
 std::vector<SimdCase> packing_edge_cases() {
   return {
@@ -424,7 +471,7 @@ TEST_P(FlashKernels, BackwardPackingEdgesMatchFloat64Reference) {
 // come from the same pairs, in the same order.
 TEST_P(FlashKernels, BackwardTinyShapesBitwiseMatchFullWidthLanes) {
   for (const auto& [B, Hq, Hkv] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1, 4, 2},
-                                   {4, 4, 2}}) {  // two passes, one pass
+                                   {4, 4, 2}}) {  // 4 query ranges, one
     const SimdCase narrow{B, 8, 8, Hq, Hkv, 24, true, CausalAlign::top_left};
     const SimdCase wide{B, 8, 24, Hq, Hkv, 24, true, CausalAlign::top_left};
     SCOPED_TRACE(case_name(wide));

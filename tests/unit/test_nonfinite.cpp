@@ -16,7 +16,7 @@
 // For ±∞ in q or k, where the score is ±∞ depending on signs, the float64 oracle (which now
 // propagates as IEEE says) gives the expected class of every element (NaN, +∞, −∞, finite).
 // Shapes straddle the 64-key tile and the lane blocks (T = 130, positions 0, 63, 64, 65, 129),
-// both layouts, GQA, and both backward modes (two-pass: B·H_kv < 8, one-pass: ≥ 8).
+// both layouts, GQA, and the backward's query ranges (B·H_kv < 8: several, ≥ 8: one; D-bwd-6).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -359,8 +359,8 @@ TEST(NonFiniteAcrossPaths, IdenticalClassPatterns) {
 // ---- Backward ----
 
 std::vector<Problem> backward_problems() {
-  return {{1, 130, 130, 4, 2, 24, Layout::bthd},   // B·H_kv = 2: two-pass SIMD backward
-          {2, 130, 130, 8, 4, 16, Layout::bhtd}};  // B·H_kv = 8: one-pass SIMD backward
+  return {{1, 130, 130, 4, 2, 24, Layout::bthd},   // B·H_kv = 2: 4 query ranges
+          {2, 130, 130, 8, 4, 16, Layout::bhtd}};  // B·H_kv = 8: one range
 }
 
 struct Grads {

@@ -8,10 +8,10 @@
 // sinks, key lengths, interval-shaped masks (AttentionProblem's row intervals), general boolean
 // and bias masks, dense and broadcast (stride 0) — over shapes that straddle the key tile (64)
 // and the lane blocks (M = 64 rows on AVX-512, 24 on AVX2), GQA g ∈ {1, 4, 7}, odd d_h, both
-// alignments, T_q ≠ T_k both ways, causal or not, strided views, the one-pass and the two-pass
-// backward; and a NaN in a key a row does not see (outside its window, masked out) that must not
-// reach it. Bounds as in test_flash_kernels.cpp (forward 2e-5, backward 1e-4 with the gradient
-// floor): a wrong range, a missing term or a wrong chain rule gives errors ≥ 1e-3.
+// alignments, T_q ≠ T_k both ways, causal or not, strided views, the backward with one and with
+// several query ranges; and a NaN in a key a row does not see (outside its window, masked out) that
+// must not reach it. Bounds as in test_flash_kernels.cpp (forward 2e-5, backward 1e-4 with the
+// gradient floor): a wrong range, a missing term or a wrong chain rule gives errors ≥ 1e-3.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -370,7 +370,7 @@ TEST_P(VariantKernels, VariantsAcrossShapesAndAlignments) {
     for (const Variant& v : variants) ExpectMatchesOracle(s, v, GetParam(), rng);
 }
 
-// A sliding window at T = 300, W = 40, one-pass and two-pass, combined with everything else.
+// A sliding window at T = 300, W = 40, one and several query ranges, combined with everything else.
 TEST_P(VariantKernels, LongSlidingWindow) {
   std::mt19937_64 rng(914);
   for (const Variant& v : combined_variants()) {

@@ -6,8 +6,20 @@
 // file held all three: the longest compile of the build, the cold build's critical path).
 //
 // SPEC "Backward pass", recomputing every score tile from Q, K and the saved row log-sum-exp L
-// (no T×T buffer), in two passes so each output row has exactly one owner (no atomics, results
-// bitwise independent of the thread count):
+// (no T×T buffer), so that each output row has exactly one owner or a sum in a fixed order (no
+// atomics, results bitwise independent of the thread count), in one of two forms:
+//
+// One pass (BackwardKeys<T, true>, D-bwd-1, D-bwd-6), 5 products per score tile: one unit per
+// (b, KV head j, query range) walks the key blocks its rows see, keys in SIMD lanes as in pass 2
+// below, and also accumulates dQᵀ += K_blockᵀ dSᵀ for its rows; it owns dQ and D of its rows. The
+// query ranges (QuerySplit): ⌈8 / (B·H_kv)⌉ per (b, j), so at least 8 units in all, and more
+// (up to 4) where a range's dQᵀ accumulators would pass 2 MiB; one range owns dK/dV of every key,
+// several add partial dK/dV of the key blocks they share, summed in the order of the ranges
+// (ReduceKeyBlocks). Every shape takes this form (AttentionBwdLanes).
+//
+// Two passes (BackwardQueries, then BackwardKeys<T, false>), 7 products per score tile: no longer
+// called (slower at every measured shape, D-bwd-6); the passes' description stays as the
+// derivation the one-pass unit fuses:
 //
 //   pass 1 — one unit per (b, KV head j, query block), query rows of the g heads in SIMD lanes
 //            (as in the forward):
@@ -67,8 +79,13 @@ namespace tokenmix::kernels::HWY_NAMESPACE {
 constexpr std::int64_t kKeyTile = KVTileLayout::kKeyTile;  // pass 1: keys per tile
 constexpr std::int64_t kQueryChunk = 64;                   // two-pass pass 2: query rows per chunk
 constexpr std::int64_t kBlocksPerUnit = 4;  // pass 1: lane blocks sharing each K/V tile
-// B·H_kv at which the one-pass backward is used (its units are (b, KV head) pairs).
-constexpr std::int64_t kOnePassMinUnits = 8;
+// Units of the one-pass backward per call, at least: (b, KV head) pairs, each split into
+// ⌈kOnePassUnits / (B·H_kv)⌉ query ranges (QuerySplit, D-bwd-6).
+constexpr std::int64_t kOnePassUnits = 8;
+// And at most kCacheRanges query ranges per (b, KV head) so that a range's dQᵀ accumulators
+// (g · d_h · rows floats) stay within kRangeDqBytes (D-bwd-6).
+constexpr std::int64_t kRangeDqBytes = std::int64_t{2} << 20;
+constexpr std::int64_t kCacheRanges = 4;
 
 // ---- Packing into and out of the transposed [d_h][M] buffers, 4 × 4 blocks at a time (fp32
 // views with unit d_h stride). A tiny call (a small training step: T ≤ one vector) spent most of
@@ -561,6 +578,137 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
   RunUnits(team, units, unit_work);
 }
 
+// The query ranges of the one-pass backward (D-bwd-6). Its unit is (b, KV head j, query range
+// s): the rows [row_begin[s], row_end(s)) of the g heads of group j, walking the key blocks
+// [kb_lo[s], kb_hi[s]) that any of them can see (causal mask and window; a row outside sees no
+// key of the others). The unit owns dQ and D of its rows. A key block seen by one range alone
+// gets its dK/dV from that unit directly; a block seen by several gets their partial dKᵀ/dVᵀ
+// ([2][d_h][M] each, in a slot of a shared buffer) summed in the order of s by a reduction unit
+// per (b, j, key block), which also writes zeros for blocks no range sees. The ranges and the
+// order depend on the shape only, so the bits never depend on the thread count; one range (B·H_kv
+// large enough) is the plain one-pass form, bitwise as before, with no partials.
+struct QuerySplit {
+  static constexpr std::int64_t kMax = 16;
+  std::int64_t count = 1;
+  std::int64_t row_begin[kMax + 1] = {};  // multiples of M; row_begin[count] ≥ T_q
+  std::int64_t kb_lo[kMax] = {}, kb_hi[kMax] = {};
+  // Key blocks [sole_lo[s], sole_hi[s]) are seen by range s alone; the others of its walk have a
+  // partial slot, first[s] + (kb − kb_lo[s]) below sole_lo[s], first[s] + (sole_lo[s] − kb_lo[s])
+  // + (kb − sole_hi[s]) from sole_hi[s] on; `slots` per (b, j).
+  std::int64_t sole_lo[kMax] = {}, sole_hi[kMax] = {}, first[kMax] = {};
+  std::int64_t slots = 0;
+  std::int64_t rows_max = 0;  // the longest range, rounded up to M (the dQᵀ accumulators)
+
+  std::int64_t row_end(const AttentionProblem& p, std::int64_t s) const {
+    return std::min(row_begin[s + 1], p.tq);
+  }
+  bool sees(std::int64_t s, std::int64_t kb) const { return kb >= kb_lo[s] && kb < kb_hi[s]; }
+  std::int64_t slot(std::int64_t s, std::int64_t kb) const {
+    return kb < sole_lo[s] ? first[s] + kb - kb_lo[s]
+                           : first[s] + sole_lo[s] - kb_lo[s] + kb - sole_hi[s];
+  }
+
+  // `ranges` ranges of whole lane blocks of M rows, cut where the rows' cumulative key count
+  // (causal mask and window; + 1 per row for its fixed work) crosses s / ranges of the total, so
+  // the units of a causal call do similar work; at most one range per lane block.
+  QuerySplit(const AttentionProblem& p, std::int64_t M, std::int64_t ranges) {
+    const std::int64_t blocks = (p.tq + M - 1) / M, kblocks = (p.tk + M - 1) / M;
+    count = std::clamp<std::int64_t>(ranges, 1, std::min(kMax, std::max<std::int64_t>(1, blocks)));
+    const auto keys_of = [&](std::int64_t t) {  // keys row t sees under the mask and window
+      const std::int64_t end = p.visible_end(t);
+      const std::int64_t begin =
+          p.var.window > 0 ? std::max<std::int64_t>(0, p.position(t) - p.var.window + 1) : 0;
+      return std::max<std::int64_t>(0, end - begin) + 1;
+    };
+    double total = 0.0;
+    for (std::int64_t t = 0; t < p.tq; ++t) total += static_cast<double>(keys_of(t));
+    row_begin[0] = 0;
+    std::int64_t s = 1;
+    double sum = 0.0;
+    for (std::int64_t blk = 0; blk < blocks && s < count; ++blk) {
+      for (std::int64_t t = blk * M; t < std::min(p.tq, (blk + 1) * M); ++t)
+        sum += static_cast<double>(keys_of(t));
+      // Cut after this block once its share is reached, leaving a block for each later range.
+      if (sum * static_cast<double>(count) >= total * static_cast<double>(s) ||
+          blocks - (blk + 1) <= count - s) {
+        row_begin[s++] = (blk + 1) * M;
+      }
+    }
+    count = s;
+    row_begin[count] = blocks * M;
+    for (std::int64_t r = 0; r < count; ++r) {
+      const std::int64_t t0 = row_begin[r], t1 = row_end(p, r) - 1;
+      rows_max = std::max(rows_max, row_begin[r + 1] - row_begin[r]);
+      const std::int64_t end = p.visible_end(t1);  // the last row sees the most keys
+      kb_hi[r] = std::clamp<std::int64_t>((end + M - 1) / M, 0, kblocks);
+      kb_lo[r] = p.var.window > 0 ? std::clamp<std::int64_t>(
+                                        (p.position(t0) - p.var.window + 1) / M, 0, kb_hi[r])
+                                  : 0;
+    }
+    for (std::int64_t r = 0; r < count; ++r) {  // monotone in r: neighbours bound the sharing
+      const std::int64_t lo = r > 0 ? std::max(kb_lo[r], kb_hi[r - 1]) : kb_lo[r];
+      const std::int64_t hi = r + 1 < count ? std::min(kb_hi[r], kb_lo[r + 1]) : kb_hi[r];
+      sole_lo[r] = lo < hi ? lo : kb_hi[r];
+      sole_hi[r] = lo < hi ? hi : kb_hi[r];
+      first[r] = slots;
+      slots += (kb_hi[r] - kb_lo[r]) - (sole_hi[r] - sole_lo[r]);
+    }
+  }
+};
+
+// The one-pass form's last step with several query ranges (QuerySplit): one unit per (b, KV
+// head j, key block) that more than one range sees sums their partial dKᵀ, dVᵀ in the order of
+// the ranges (a fixed order: bitwise the same for any thread count) and stores dK = scale · Σ,
+// dV = Σ; a key block no range sees gets dK = dV = 0. Blocks seen by one range were stored by
+// its unit.
+template <class T>
+void ReduceKeyBlocks(const TypedBackward<T>& args, const AttentionProblem& p,
+                     const QuerySplit& split, std::int64_t M, float* partials) {
+  const std::int64_t kblocks = (p.tk + M - 1) / M, dh = p.dh;
+  const auto seen_by = [&](std::int64_t kb) {
+    std::int64_t n = 0;
+    for (std::int64_t s = 0; s < split.count; ++s) n += split.sees(s, kb) ? 1 : 0;
+    return n;
+  };
+  bool any = false;  // a block to reduce or zero
+  for (std::int64_t kb = 0; kb < kblocks && !any; ++kb) any = seen_by(kb) != 1;
+  if (!any) return;
+  const std::int64_t units = p.batch * p.hkv * kblocks;
+  const auto unit_work = [&](std::int64_t unit) HWY_ATTR {
+    const auto index = Unravel(unit, kblocks, p.hkv);  // copies: the lambdas below capture them
+    const std::int64_t kb = index[0], j = index[1], b = index[2];
+    const std::int64_t n = seen_by(kb), u0 = kb * M, keys = std::min(M, p.tk - u0);
+    if (n == 1) return;
+    if (n == 0) {  // no row sees these keys: dK = dV = 0
+      for (std::int64_t u = 0; u < keys; ++u) {
+        T* dk = args.dk.row(b, u0 + u, j);
+        T* dv = args.dv.row(b, u0 + u, j);
+        for (std::int64_t x = 0; x < dh; ++x) {
+          dk[x * args.dk.s3] = narrow<T>(0.0f);
+          dv[x * args.dv.s3] = narrow<T>(0.0f);
+        }
+      }
+      return;
+    }
+    float* base = partials + (b * p.hkv + j) * split.slots * 2 * dh * M;
+    float* acc = nullptr;  // the first range's slot, summed into in place
+    for (std::int64_t s = 0; s < split.count; ++s) {
+      if (!split.sees(s, kb)) continue;
+      const float* part = base + split.slot(s, kb) * 2 * dh * M;
+      if (acc == nullptr) {
+        acc = base + split.slot(s, kb) * 2 * dh * M;
+        continue;
+      }
+      for (std::int64_t i = 0; i < 2 * dh * M; ++i) acc[i] += part[i];
+    }
+    StoreColumns<T>(acc, M, 0, keys, dh, p.scale, args.dk.s3,
+                    [&](std::int64_t u) { return args.dk.row(b, u0 + u, j); });
+    StoreColumns<T>(acc + dh * M, M, 0, keys, dh, 1.0f, args.dv.s3,
+                    [&](std::int64_t u) { return args.dv.row(b, u0 + u, j); });
+  };
+  RunUnits(team_size(p.threads, units), units, unit_work);
+}
+
 // Pass 2: dK and dV, keys in lanes — and, in one-pass mode, dQ and D as well.
 //
 // Two-pass mode (kOnePass = false): one unit per (b, KV head j, key block of M keys); pass 1 has
@@ -570,7 +718,7 @@ void BackwardQueries(const BackwardArgs& bwd, float* delta) {
 // chunk's dQᵀ is contiguous) — 5 products per score tile instead of 7,
 // and still exactly one owner per output row (deterministic for any thread count).
 template <class T, bool kOnePass, int VN>
-void BackwardKeys(const BackwardArgs& bwd, float* delta) {
+void BackwardKeys(const BackwardArgs& bwd, float* delta, const QuerySplit& split) {
   const AttentionProblem& p = bwd.p;
   const TypedBackward<T> args(bwd);
   const hn::ScalableTag<float> d;
@@ -578,16 +726,17 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = VN * N;
   const std::int64_t dh = p.dh, g = p.group();
   const std::int64_t kblocks = (p.tk + M - 1) / M;
-  const std::int64_t units = kOnePass ? p.batch * p.hkv : p.batch * p.hkv * kblocks;
+  const std::int64_t ranges = kOnePass ? split.count : 1;
+  const std::int64_t units = kOnePass ? p.batch * p.hkv * ranges : p.batch * p.hkv * kblocks;
   if (units == 0) return;
   const int team = team_size(p.threads, units);
   // Query rows per chunk: kQueryChunk, or M in one-pass mode (a chunk is then one lane block of
   // dQᵀ).
   const std::int64_t chunk = kOnePass ? M : kQueryChunk;
-  const std::int64_t tq_pad = (p.tq + M - 1) / M * M;
+  const std::int64_t rows_pad = split.rows_max;  // one-pass: rows of the longest query range
   // Per-worker scratch: scale·Kᵀ, Vᵀ, dKᵀ, dVᵀ [dh][M] (one slot: zeroed together per key block),
   // S → P and dP → dS [chunk][M], packed Q and dO rows [chunk][dh] when d_h is strided; one-pass
-  // also the K block [M][dh], dSᵀ [M][M] and the unit's dQᵀ [g][tq_pad / M][dh][M].
+  // also the K block [M][dh], dSᵀ [M][M] and the unit's dQᵀ [g][rows_pad / M][dh][M].
   ScratchLayout scratch_layout(p.site);
   ScratchLayout& sl = scratch_layout;
   const auto kv_acc_slot = sl.add<float>(scratch_mul(4 * M, dh, p.site, "K^T, V^T, dK^T, dV^T"));
@@ -598,7 +747,7 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
   const auto k_nat_slot = sl.add<float>(kOnePass ? scratch_mul(M, dh, p.site, "K block") : 0);
   const auto dst_slot = scratch_layout.add<float>(kOnePass ? M * M : 0);
   const std::int64_t dq_floats =
-      kOnePass ? scratch_mul(scratch_mul(g, dh, p.site, "dQ^T"), tq_pad, p.site, "dQ^T") : 0;
+      kOnePass ? scratch_mul(scratch_mul(g, dh, p.site, "dQ^T"), rows_pad, p.site, "dQ^T") : 0;
   const auto dqt_slot = scratch_layout.add<float>(dq_floats);
   const ScoreVariants& var = p.var;
   const bool elementwise = var.elementwise(), capped = var.softcap > 0.0f;
@@ -611,17 +760,33 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
                              kOnePass ? "the per-worker scratch of the one-pass backward"
                                       : "the per-worker scratch of pass 2 (dK, dV)");
   const std::int64_t shift = p.align == CausalAlign::bottom_right ? p.tk - p.tq : 0;
+  // One-pass with several query ranges: the partial dKᵀ, dVᵀ [2][dh][M] of every key block seen
+  // by more than one range, split.slots per (b, j) (QuerySplit).
+  const std::int64_t partial_floats =
+      kOnePass
+          ? scratch_mul(scratch_mul(p.batch * p.hkv, split.slots, p.site, "partial dK, dV"),
+                        scratch_mul(2 * M, dh, p.site, "partial dK, dV"), p.site, "partial dK, dV")
+          : 0;
+  ScratchLayout partial_layout(p.site);
+  const auto partial_slot = partial_layout.add<float>(partial_floats);
+  const ScratchArena partial_memory(partial_layout, 1, "the partial dK, dV of the query ranges");
+  float* partials = partial_memory.at(partial_slot, 0);
 
   const auto unit_work = [&](std::int64_t unit) HWY_ATTR {
     {
-      // Two-pass: unit = (key block, j, b), early key blocks (most work) first; one-pass: (j, b).
+      // Two-pass: unit = (key block, j, b), early key blocks (most work) first; one-pass:
+      // (query range s, j, b), the last range (whose rows see the most keys) first.
       // (Copies, not structured bindings: the lambdas below capture them, which C++20 allows
       // only from clang 16 on.)
-      const auto unit_index = Unravel(unit, kOnePass ? 1 : kblocks, p.hkv);
+      const auto unit_index = Unravel(unit, kOnePass ? ranges : kblocks, p.hkv);
       const std::int64_t kb_unit = std::get<0>(unit_index), j = std::get<1>(unit_index),
                          b = std::get<2>(unit_index);
-      const std::int64_t kb_first = kOnePass ? 0 : kb_unit;
-      const std::int64_t kb_end = kOnePass ? kblocks : kb_first + 1;
+      const std::int64_t s = kOnePass ? ranges - 1 - kb_unit : 0;  // one-pass: the query range
+      const std::int64_t kb_first = kOnePass ? split.kb_lo[s] : kb_unit;
+      const std::int64_t kb_end = kOnePass ? split.kb_hi[s] : kb_first + 1;
+      // One-pass: the range's rows [row0, row1); two-pass: every row.
+      const std::int64_t row0 = kOnePass ? split.row_begin[s] : 0;
+      const std::int64_t row1 = kOnePass ? split.row_end(p, s) : p.tq;
 
       const int worker = omp_get_thread_num();
       float* kt = scratch.at(kv_acc_slot, worker);        // scale·Kᵀ [dh][M]
@@ -634,7 +799,7 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
       float* do_pack = scratch.at(do_pack_slot, worker);  // [chunk][dh] if needed
       float* k_nat = scratch.at(k_nat_slot, worker);      // one-pass: K block [M][dh]
       float* dst = scratch.at(dst_slot, worker);          // one-pass: dSᵀ [M keys][M rows]
-      float* dqt = scratch.at(dqt_slot, worker);          // one-pass: dQᵀ [g][tq_pad / M][dh][M]
+      float* dqt = scratch.at(dqt_slot, worker);          // one-pass: dQᵀ [g][rows_pad/M][dh][M]
       float* dcap = capped ? scratch.at(dcap_slot, worker) : nullptr;     // [chunk][M]
       float* keep = keep_mask ? scratch.at(keep_slot, worker) : nullptr;  // [chunk][M]
       std::int32_t* rb = scratch.at(range_slot, worker);  // key_range(b, h, c0 + r).begin [chunk]
@@ -642,7 +807,7 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
 
       if constexpr (kOnePass) {  // D_t = ⟨dO_t, O_t⟩ for the group's rows; dQᵀ = 0
         for (std::int64_t h = j * g; h < (j + 1) * g; ++h)
-          for (std::int64_t t = 0; t < p.tq; ++t) {
+          for (std::int64_t t = row0; t < row1; ++t) {
             const T* dout = args.dout.row(b, t, h);
             const T* o = args.out.row(b, t, h);
             float dsum = 0.0f;
@@ -670,13 +835,13 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
         // fully masked there and contribute exactly 0.
         // With a window W, rows t ≥ u0 + keys − 1 + W − shift see none of them (p(t) − W < u).
         const std::int64_t t_first = p.causal ? std::max<std::int64_t>(0, u0 - shift) : 0;
-        const std::int64_t c_begin = kOnePass ? t_first / M * M : t_first;
+        const std::int64_t c_begin = kOnePass ? std::max(row0, t_first / M * M) : t_first;
         const std::int64_t t_stop =
-            var.window > 0 ? std::clamp<std::int64_t>(u0 + keys - 1 + var.window - shift, 0, p.tq)
-                           : p.tq;
+            var.window > 0 ? std::clamp<std::int64_t>(u0 + keys - 1 + var.window - shift, 0, row1)
+                           : row1;
         for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {  // the g query heads of group j (4.8)
           for (std::int64_t c0 = c_begin; c0 < t_stop; c0 += chunk) {
-            const std::int64_t rows = std::min(chunk, p.tq - c0);
+            const std::int64_t rows = std::min(chunk, row1 - c0);
             // The rows' key ranges; skip a chunk none of whose rows sees a key of the block.
             // Rows [r_lo, r_hi) are the ones that do not see every key of the block; keys
             // outside [u0 + full_lo, u0 + full_hi) are not seen by every row.
@@ -780,30 +945,36 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta) {
               const PartialKeys part =
                   keep != nullptr ? PartialKeys{0, keys} : PartialRange(full_lo, full_hi, keys);
               GemmRowsMaskedIfNonFinite<VN>(d, dh, k_nat, 1, dh, dst, M, keys,
-                                            dqt + ((h - j * g) * tq_pad + c0) * dh, M, true,
-                                            nullptr, part.lo, part.hi, key_seen_by);
+                                            dqt + ((h - j * g) * rows_pad + c0 - row0) * dh, M,
+                                            true, nullptr, part.lo, part.hi, key_seen_by);
             }
           }
         }
-        // dK = scale · (dKᵀ)ᵀ, dV = (dVᵀ)ᵀ
-        StoreColumns<T>(dkt, M, 0, keys, dh, p.scale, args.dk.s3,
-                        [&](std::int64_t u) { return args.dk.row(b, u0 + u, j); });
-        StoreColumns<T>(dvt, M, 0, keys, dh, 1.0f, args.dv.s3,
-                        [&](std::int64_t u) { return args.dv.row(b, u0 + u, j); });
+        if (kOnePass && (kb < split.sole_lo[s] || kb >= split.sole_hi[s])) {
+          // Another range sees the block too: this range's partial sums, reduced below.
+          float* part = partials + ((b * p.hkv + j) * split.slots + split.slot(s, kb)) * 2 * dh * M;
+          std::copy(dkt, dkt + 2 * dh * M, part);
+        } else {  // dK = scale · (dKᵀ)ᵀ, dV = (dVᵀ)ᵀ
+          StoreColumns<T>(dkt, M, 0, keys, dh, p.scale, args.dk.s3,
+                          [&](std::int64_t u) { return args.dk.row(b, u0 + u, j); });
+          StoreColumns<T>(dvt, M, 0, keys, dh, 1.0f, args.dv.s3,
+                          [&](std::int64_t u) { return args.dv.row(b, u0 + u, j); });
+        }
       }
 
       if constexpr (kOnePass) {  // dQ = scale · (dQᵀ)ᵀ
         for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {
-          const float* src = dqt + (h - j * g) * tq_pad * dh;
-          for (std::int64_t t0 = 0; t0 < p.tq; t0 += M) {  // lane t % M of lane block t / M
-            StoreColumns<T>(src + t0 * dh, M, 0, std::min(M, p.tq - t0), dh, p.scale, args.dq.s3,
-                            [&](std::int64_t l) { return args.dq.row(b, t0 + l, h); });
+          const float* src = dqt + (h - j * g) * rows_pad * dh;
+          for (std::int64_t t0 = row0; t0 < row1; t0 += M) {  // lane t % M of lane block t / M
+            StoreColumns<T>(src + (t0 - row0) * dh, M, 0, std::min(M, row1 - t0), dh, p.scale,
+                            args.dq.s3, [&](std::int64_t l) { return args.dq.row(b, t0 + l, h); });
           }
         }
       }
     }
   };
   RunUnits(team, units, unit_work);
+  if constexpr (kOnePass) ReduceKeyBlocks<T>(args, p, split, M, partials);
 }
 
 template <class T, int VN>
@@ -814,15 +985,18 @@ void AttentionBwdLanes(const BackwardArgs& args) {
       scratch_mul(scratch_mul(p.batch, p.hq, p.site, "D"), p.tq, p.site, "D"));
   const ScratchArena delta_memory(delta_layout, 1, "D = rowsum(dO * O)");
   float* delta = delta_memory.at(delta_slot, 0);
-  // One pass (5 products) when there are enough (b, KV head) units to share among threads;
-  // the choice depends on the shape only, never on the thread count, so results stay bitwise
-  // independent of it.
-  if (p.batch * p.hkv >= kOnePassMinUnits) {
-    BackwardKeys<T, true, VN>(args, delta);
-  } else {
-    BackwardQueries<T, VN>(args, delta);
-    BackwardKeys<T, false, VN>(args, delta);
-  }
+  // One pass (5 products per score tile) for every shape: at least kOnePassUnits units of
+  // (b, KV head, query range), and query ranges whose dQᵀ accumulators fit kRangeDqBytes, up to
+  // kCacheRanges (D-bwd-6). The ranges depend on the shape only, never on the thread count, so
+  // results stay bitwise independent of it. (The two-pass form, BackwardQueries and
+  // BackwardKeys<T, false>, measured slower at every shape, D-bwd-6, and is no longer called.)
+  const std::int64_t M = VN * static_cast<std::int64_t>(hn::Lanes(hn::ScalableTag<float>()));
+  const std::int64_t pairs = std::max<std::int64_t>(1, p.batch * p.hkv);
+  const std::int64_t by_units = (kOnePassUnits + pairs - 1) / pairs;
+  const std::int64_t dq_bytes = p.group() * p.dh * ((p.tq + M - 1) / M * M) * 4;
+  const std::int64_t by_bytes =
+      std::min(kCacheRanges, (dq_bytes + kRangeDqBytes - 1) / kRangeDqBytes);
+  BackwardKeys<T, true, VN>(args, delta, QuerySplit(p, M, std::max(by_units, by_bytes)));
 }
 
 template <class T>

@@ -55,7 +55,7 @@ PUBLIC_NAMES = [
     "visible_pairs",
 ]
 # Subpackages that appear in dir(tokenmix) once something imports them (other tests do).
-SUBMODULES = {"torch", "bench", "distributed", "transformers"}  # imported on demand
+SUBMODULES = {"torch", "torch_node", "bench", "distributed", "transformers"}  # imported on demand
 # Written in Python (the private modules); they present themselves as tokenmix.<name>.
 PYTHON_DEFINED = [
     "CausalSelfAttention", "LayerGradients", "attention_backward", "attention_backward_varlen",

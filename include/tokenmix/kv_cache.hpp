@@ -7,13 +7,22 @@
 // SPEC 4.8's figure, 2 · n · B · T_max · H_kv · d_h · sizeof(element) (kv_cache_bytes
 // below), plus the block tables and lengths (memory_bytes() reports the total).
 //
-// Quantized caches (dtype int8 or fp8_e4m3, SPEC "Reduced precision → Quantized KV cache"): each
-// K or V row of one (position, KV head) is stored as d_h one-byte elements q and one fp32 scale
-// δ = max|x| / 127 (int8: q = round(x / δ) ∈ [−127, 127], ties to even) or max|x| / 448 (fp8
-// E4M3: x / δ rounded to the nearest E4M3 value); δ = 0 stores zeros. Attention reads x̂ = q · δ.
-// Each tile's 64 scales follow it in storage (K tile, K scales, V tile, V scales), so storage is
-// 2 · n · B · T_max · H_kv · (d_h + 4) bytes. Rows holding NaN or ±∞ are rejected on append (no
-// finite scale represents them): ArgumentError, nothing of the batch appended.
+// Quantized caches (dtype int8 or fp8_e4m3, SPEC "Reduced precision → Quantized KV cache"):
+// one-byte elements c with fp32 scales δ, δ = max|x| / 127 (int8: c = round(x / δ) ∈ [−127, 127],
+// ties to even) or max|x| / 448 (fp8 E4M3: x / δ rounded to the nearest E4M3 value) over the values
+// a scale covers; δ = 0 stores zeros. Attention reads x̂ = c · δ. V: one scale per row of one
+// (position, KV head). K: one scale per channel over each closed tile of 64 positions (keys of
+// real models carry a few channels 10–100× the others); the tile still being filled (the open
+// tile, positions [64·⌊L / 64⌋, L)) is held unquantized in fp32 beside the tiles and quantized
+// when its 64th key arrives, so what is stored does not depend on how appends were chunked. In
+// storage each K tile is followed by its d_h channel scales (padded to 64 bytes) and each V tile
+// by its 64 row scales; the open tiles take 256 · d_h bytes per (layer, sequence, KV head). A
+// truncate into a closed tile reopens it: the keys it keeps are held as their values c · δ
+// (rounded to fp32) and quantized again, with the tile's new channel scales, when it closes; a
+// rolling cache's new positions wait in the open tile while the closed tile whose slots they
+// reuse keeps serving its still-held keys (docs/design.md, "Quantized caches"). Rows holding NaN
+// or ±∞ are rejected on append (no finite scale represents them): ArgumentError, nothing of the
+// batch appended.
 //
 // Storage is in blocks of `block_tokens` positions. A block holds, per layer and KV head, tiles
 // of 64 positions, a K tile and then its V tile, alternating:
@@ -99,9 +108,8 @@ struct KVCacheConfig {
 };
 
 /// KV-cache bytes (SPEC 4.8): 2 · n_layers · B · T · H_kv · d_h · sizeof(element).
-/// Throws ArgumentError(overflow) if the product does not fit in 64 bits. For a quantized
-/// int8 / fp8_e4m3 cache (one byte per element plus an fp32 scale per row) pass head_dim + 4 and
-/// element_bytes 1 (what KVCache::storage_bytes holds).
+/// Throws ArgumentError(overflow) if the product does not fit in 64 bits. (A quantized int8 /
+/// fp8_e4m3 cache holds more: its scales and open tiles, KVCache::storage_bytes.)
 std::uint64_t kv_cache_bytes(std::int64_t n_layers, std::int64_t batch, std::int64_t tokens,
                              std::int64_t heads_kv, std::int64_t head_dim,
                              std::size_t element_bytes);
@@ -157,7 +165,10 @@ class KVCache {
   /// be in [0, longest layer length], and on a rolling cache 0 or ≥ first_position(seq, l) of
   /// every layer l it shortens. Dropped positions are zeroed (the storage then equals that of a
   /// cache that never held them) and blocks no longer needed return to the pool (rolling and
-  /// paged: only once no layer of the sequence has wrapped around its ring).
+  /// paged: only once no layer of the sequence has wrapped around its ring). Quantized caches: a
+  /// new_length inside a closed 64-position K tile reopens it; its kept keys keep their quantized
+  /// values c · δ (in fp32) in the open tile until it closes again and is re-quantized with new
+  /// channel scales (then not bit for bit a cache that never held the dropped positions).
   void truncate(std::int64_t seq, std::int64_t new_length);
   /// Sequence b of this cache becomes a copy of sequence sources[b] of `source`, for every b in
   /// [0, batch): its positions, lengths and first positions in every layer (the stored bytes,
@@ -182,8 +193,10 @@ class KVCache {
 
   /// Bytes of K/V storage (SPEC 4.8): contiguous 2 · n · B · T · H_kv · d_h · sizeof(element)
   /// with T = T_max rounded up to 64 (= kv_cache_bytes(n, B, T, …)); paged the same with
-  /// B · T replaced by pool_blocks · block_tokens. Quantized caches: d_h · sizeof(element)
-  /// becomes d_h + 4 (one-byte elements plus each row's fp32 scale).
+  /// B · T replaced by pool_blocks · block_tokens. Quantized caches: per 64 positions of a KV
+  /// head 128 · d_h bytes of elements, the K tile's d_h fp32 channel scales (rounded up to a
+  /// multiple of 64 bytes) and the V tile's 64 fp32 row scales; plus the open K tiles in fp32,
+  /// n · B · H_kv · 256 · d_h bytes.
   std::uint64_t storage_bytes() const noexcept {
     return static_cast<std::uint64_t>(storage_.size());
   }
@@ -202,6 +215,8 @@ class KVCache {
   std::int64_t blocks_needed(std::int64_t tokens) const noexcept;
   std::int64_t max_length(std::int64_t seq) const noexcept;
   void shrink(std::int64_t seq, std::int64_t new_length);
+  void shrink_open_tiles(std::int64_t layer, std::int64_t seq, std::int64_t new_length,
+                         std::int64_t lo, std::int64_t len);
   void check_growth(const char* fn, std::int64_t layer, std::int64_t first_seq, std::int64_t seqs,
                     std::int64_t tnew) const;
   /// Slot of position `pos` (pos mod R for a rolling cache).
@@ -211,7 +226,21 @@ class KVCache {
   void missing_ring_blocks(std::int64_t seq, std::int64_t from, std::int64_t to,
                            std::vector<std::int64_t>& out) const;
 
+  /// Quantized caches: byte offset in storage_ of the open K tile (fp32 [d_h][64], SPEC
+  /// "Quantized KV cache": the tile being filled, unquantized) of (layer, seq, head).
+  std::int64_t staging_offset(std::int64_t layer, std::int64_t seq,
+                              std::int64_t head) const noexcept {
+    return staging_begin_ + ((layer * config_.batch + seq) * config_.heads_kv + head) * 4 *
+                                kKeyTile * config_.head_dim;
+  }
+  /// Quantized caches: the open tile of (layer, seq, head) closes: its 64 staged keys are
+  /// quantized per channel into the K tile at slot `pos` (any position of the tile) of block
+  /// `blk`, the channel scales after it, and the staging tile is zeroed.
+  void close_tile(std::int64_t layer, std::int64_t seq, std::int64_t head, std::int64_t blk,
+                  std::int64_t pos);
+
   KVCacheConfig config_;
+  std::int64_t staging_begin_ = 0;  // quantized: bytes of the tiles, where the open tiles start
   std::int64_t block_tokens_ = 0, pool_blocks_ = 0, table_width_ = 0;
   std::int64_t ring_ = 0;    // rolling: slots per sequence R (a multiple of block_tokens_); 0 = off
   std::size_t elem_ = 4;     // bytes per element
@@ -269,8 +298,9 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
                       TensorView lse = {}, const DecodeOptions& options = {});
 
 /// Bytes of K and V one attention_decode call reads (SPEC "Useful-work counts", decode bytes):
-/// 2 · Σ_b n_b · H_kv · d_h · sizeof(element) over the sequences of the call (quantized caches:
-/// 2 · Σ_b n_b · H_kv · (d_h + 4), elements plus each row's fp32 scale), with n_b the keys
+/// 2 · Σ_b n_b · H_kv · d_h · sizeof(element) over the sequences of the call (quantized caches,
+/// what is read: per KV head n_b · (d_h + 4) bytes of V, d_h bytes of K per key of a closed tile
+/// plus each such tile's channel scales, 4 · d_h bytes per key of the open tile), with n_b the keys
 /// of sequence b the call's T_new queries can see: L_b − first_position(b) without a window
 /// (window = 0), min of that and window + T_new − 1 with one.
 std::uint64_t decode_bytes(const KVCache& cache, std::int64_t layer, std::int64_t first_seq,

@@ -426,7 +426,8 @@ tmx::DType parse_dtype(const std::string& s) {
   if (s == "f32" || s == "float32") return tmx::DType::f32;
   if (s == "bf16" || s == "bfloat16") return tmx::DType::bf16;
   if (s == "f16" || s == "float16") return tmx::DType::f16;
-  // KV-cache element types only (quantized per row, SPEC "Quantized KV cache").
+  // KV-cache element types only (quantized: V per row, K per channel per tile; SPEC "Quantized KV
+  // cache").
   if (s == "int8") return tmx::DType::int8;
   if (s == "fp8_e4m3" || s == "float8_e4m3fn") return tmx::DType::fp8_e4m3;
   value_error("dtype must be 'f32', 'bf16', 'f16', 'int8' or 'fp8_e4m3'; got '" + s + "'");

@@ -177,7 +177,11 @@ def test_bench_decode_all_cache_dtypes_side_by_side(capsys):
                           (tps + 0.05) / (tps_bf16 - 0.05)), (dt, rel, tps, tps_bf16)
     assert by["bf16"][5] == 1.0 and by["bf16"][6] == 1.0
     assert by["f32"][6] == 2.0 and by["f16"][6] == 1.0
-    assert by["int8"][6] == by["fp8_e4m3"][6] == 0.625  # (d_h + 4) / (2 d_h) at d_h = 16
+    # Per KV head at T_k = 70 (two 64-position tiles), d_h = 16: each tile pair 2·64·16 bytes,
+    # 16 fp32 channel scales (64 bytes) and 64 fp32 row scales; the open K tile in float32
+    # (64·16·4 bytes); bf16: 2·128·16·2 bytes.
+    quant = (2 * (2 * 64 * 16 + 64 + 256) + 64 * 16 * 4) / (2 * 128 * 16 * 2)
+    assert by["int8"][6] == by["fp8_e4m3"][6] == round(quant, 3)
     assert by["f32"][7] == 0.0
     for dt, bound in (("bf16", 2e-2), ("f16", 4e-3), ("int8", 5e-2), ("fp8_e4m3", 2e-1)):
         assert 0 < by[dt][7] < bound, (dt, by[dt][7])

@@ -274,12 +274,15 @@ def test_memory_and_fixed_length():
     for dtype in ("f32", "bf16", "int8"):
         cache = Cache(model.config, dtype, max_cache_len=128)
         _generate(model, ids, mask, cache)
-        # contiguous: SPEC 4.8's figure at T = 128 (int8: d_h + 4 bytes a row)
-        per = {"f32": 4 * 64, "bf16": 2 * 64, "int8": 64 + 4}[dtype]
-        assert cache.storage_bytes() == 2 * 2 * 2 * 128 * 2 * per
+        # contiguous: SPEC 4.8's figure at T = 128 per (layer, sequence, KV head); int8: per 64
+        # positions K and V 64·d_h bytes each, d_h fp32 channel scales and 64 fp32 row scales,
+        # and the open K tile in float32, 64·d_h·4 bytes (SPEC "Quantized KV cache")
+        per = {"f32": 2 * 128 * 4 * 64, "bf16": 2 * 128 * 2 * 64,
+               "int8": 2 * (2 * 64 * 64 + 4 * 64 + 4 * 64) + 64 * 64 * 4}[dtype]
+        assert cache.storage_bytes() == 2 * 2 * 2 * per
         assert cache.memory_bytes() >= cache.storage_bytes()
         sizes[dtype] = cache.storage_bytes()
-    assert sizes["int8"] <= 0.3 * sizes["f32"]
+    assert sizes["int8"] <= 0.53 * sizes["f32"]  # (0.27 without the open tiles, at T = 128)
     # generate() stops at get_max_length() (as with a StaticCache); a forward past
     # max_cache_len is the KVCache's capacity error.
     assert _generate(model, ids, mask, Cache(model.config, max_cache_len=22)).shape == (2, 21)
@@ -335,3 +338,60 @@ def test_errors_name_what_is_unsupported():
             model(torch.tensor([[4], [5]]), attention_mask=bad, cache=cache, use_cache=True)
     with pytest.raises(tokenmix.UnsupportedError, match="no_grad"):
         model(ids, attention_mask=mask, cache=Cache(model.config), use_cache=True)
+
+
+def _outlier_keys_model():
+    """A random-weight Llama (d_h = 32, 2 KV heads, k_proj with a bias) whose keys carry outlier
+    channels as real models' do (issue 56): per KV head six channels of k_proj ×10 … ×30 with an
+    offset (bias) of that size, and the query heads of the group ÷ the same factor there, so the
+    scores are those of the plain model while K's channels span 30×."""
+    tmx_hf.register()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**dict(COMMON, hidden_size=128, intermediate_size=192,
+                                          max_position_embeddings=1024),
+                                   attention_bias=True, initializer_range=0.1)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="tokenmix").eval()
+    D, g = 32, 2
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a = layer.self_attn
+            for j in range(2):
+                for ch, s in ((13, 10.0), (15, 20.0), (29, 30.0), (31, 15.0), (14, 25.0), (30, 12.0)):
+                    a.k_proj.weight[j * D + ch] *= s
+                    a.k_proj.bias[j * D + ch] = s * torch.randn(())
+                    for h in range(j * g, (j + 1) * g):
+                        a.q_proj.weight[h * D + ch] /= s
+    return model
+
+
+def test_quantized_caches_next_token_kl_and_greedy_on_outlier_keys():
+    """Issue 56: the next-token distributions over 168 positions (a 32-token prompt, then one
+    token per step, teacher-forced) with a bf16 / int8 / fp8 E4M3 cache against the f32 cache's:
+    mean KL divergence and top-1 agreement, and greedy generation's first divergence. int8 (K per
+    channel per 64-position tile) stays within 5e-4 mean KL and 95 % agreement; fp8's 3-bit
+    mantissa is coarser (docs/performance.md, "Quantized caches: error": measured there)."""
+    model = _outlier_keys_model()
+    ids = torch.randint(3, VOCAB, (1, 200), generator=torch.Generator().manual_seed(5))
+    P = 32
+
+    def logits(dtype):
+        cache = Cache(model.config, dtype, max_cache_len=256)
+        with torch.no_grad():
+            out = [model(ids[:, :P], cache=cache, use_cache=True).logits[:, -1]]
+            for t in range(P, ids.shape[1]):
+                out.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
+        return torch.log_softmax(torch.stack(out, 1).double(), -1)
+
+    ref = logits("f32")
+    greedy_ref = _generate(model, ids[:, :P], torch.ones(1, P, dtype=torch.long),
+                           Cache(model.config, "f32"), max_new_tokens=24)
+    for dtype, kl_max, agree_min in (("bf16", 1e-4, 0.97), ("int8", 5e-4, 0.95),
+                                     ("fp8_e4m3", 1e-2, 0.85)):
+        lq = logits(dtype)
+        kl = (ref.exp() * (ref - lq)).sum(-1).mean().item()
+        agree = (ref.argmax(-1) == lq.argmax(-1)).double().mean().item()
+        assert 0 < kl <= kl_max, (dtype, kl)
+        assert agree >= agree_min, (dtype, agree)
+        got = _generate(model, ids[:, :P], torch.ones(1, P, dtype=torch.long),
+                        Cache(model.config, dtype), max_new_tokens=24)
+        assert got.shape == greedy_ref.shape

@@ -1,12 +1,13 @@
 """Quantized KV caches, "int8" and "fp8_e4m3" (SPEC "Reduced precision → Quantized KV cache"),
 through the Python API.
 
-The oracle is independent of the library: each K/V row of one (token, KV head) is quantized in
-NumPy exactly as SPEC says — δ = max|x| / 127 (int8, q = round(x / δ) to nearest even) or
-max|x| / 448 (fp8 E4M3, x / δ rounded to the nearest E4M3 value by ml_dtypes.float8_e4m3fn),
-δ and x / δ in float32 as the cache forms them — then x̂ = q · δ in float64, and attention over
-x̂ is computed in float64. tokenmix must match it at float32 rounding level (rel. err ≤ 2e-5,
-the bound of the C++ decode tests).
+The oracle is independent of the library: the cache's values are formed in NumPy exactly as SPEC
+says — each V row of one (token, KV head), and each channel of K over each closed tile of 64
+positions (the open tile, the sequence's last L % 64 keys, is held as given), quantized with
+δ = max|x| / 127 (int8, q = round(x / δ) to nearest even) or max|x| / 448 (fp8 E4M3, x / δ rounded
+to the nearest E4M3 value by ml_dtypes.float8_e4m3fn), δ and x / δ in float32 as the cache forms
+them — then x̂ = q · δ in float64, and attention over x̂ is computed in float64. tokenmix must
+match it at float32 rounding level (rel. err ≤ 2e-5, the bound of the C++ decode tests).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import tokenmix as tm
 QUANT = ["int8", "fp8_e4m3"]
 
 
-def dequantized(x: np.ndarray, dtype: str) -> np.ndarray:
-    """x̂ (float64) of float32 rows x[..., d_h], quantized per row as SPEC says."""
+def dequantized(x: np.ndarray, dtype: str, axis: int = -1) -> np.ndarray:
+    """x̂ (float64) of float32 x quantized as SPEC says, one δ per slice along `axis` (the last:
+    V's rows)."""
     x = x.astype(np.float32)
     lim = np.float32(127.0 if dtype == "int8" else 448.0)
-    delta = (np.abs(x).max(axis=-1, keepdims=True) / lim).astype(np.float32)
+    delta = (np.abs(x).max(axis=axis, keepdims=True) / lim).astype(np.float32)
     safe = np.where(delta == 0, np.float32(1), delta)
     y = np.clip((x / safe).astype(np.float32), -lim, lim)
     if dtype == "int8":
@@ -32,6 +34,17 @@ def dequantized(x: np.ndarray, dtype: str) -> np.ndarray:
     else:
         q = y.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
     return np.where(delta == 0, 0.0, q * delta.astype(np.float64))
+
+
+def dequantized_keys(k: np.ndarray, dtype: str, lengths) -> np.ndarray:
+    """K [B, T, H_kv, d_h] as the cache holds sequence b's first lengths[b] positions: each channel
+    of each closed 64-position tile quantized with its own δ, the open tile as given."""
+    out = k.astype(np.float64)
+    for b, L in enumerate(lengths):
+        closed = L // 64 * 64
+        for t0 in range(0, closed, 64):
+            out[b, t0 : t0 + 64] = dequantized(k[b, t0 : t0 + 64], dtype, axis=0)
+    return out
 
 
 def decode_oracle(q, k, v, lengths):
@@ -60,6 +73,9 @@ def test_decode_matches_float64_oracle_over_dequantized_cache(dtype, block_token
     lengths = [130, 65]
     k = rng.standard_normal((B, 130, H_kv, D)).astype(np.float32)
     v = rng.standard_normal((B, 130, H_kv, D)).astype(np.float32)
+    k[:, :, :, 5] *= 30  # an outlier channel of K (its own δ per tile), an offset on another
+    k[:, :, :, 9] += 4
+    k[:, :, :, 2] = 0  # a channel of zeros: δ = 0
     v[:, :, :, 3] *= 30  # an outlier channel (δ of every V row set by it)
     cache = tm.KVCache(1, B, H_kv, D, 200, dtype=dtype, block_tokens=block_tokens)
     assert cache.dtype == dtype
@@ -68,10 +84,10 @@ def test_decode_matches_float64_oracle_over_dequantized_cache(dtype, block_token
                      first_seq=b)
     q = rng.standard_normal((B, T_new, H_q, D)).astype(np.float32)
     out = tm.attention_decode(q, cache, 0, isa=isa)
-    ref = decode_oracle(q, dequantized(k, dtype), dequantized(v, dtype), lengths)
+    ref = decode_oracle(q, dequantized_keys(k, dtype, lengths), dequantized(v, dtype), lengths)
     assert np.abs(out - ref).max() / np.abs(ref).max() <= 2e-5
-    # The error against the unquantized cache is the quantization's (reported, not hidden; an
-    # outlier channel in K would make it much larger: its δ coarsens every other channel).
+    # The error against the unquantized cache is the quantization's (reported, not hidden; K's
+    # outlier channel has its own scales, so it does not coarsen the other channels).
     exact = decode_oracle(q, k.astype(np.float64), v.astype(np.float64), lengths)
     err = np.abs(out - exact).max() / np.abs(exact).max()
     assert 0 < err < (2.0**-5 if dtype == "int8" else 2.0**-2)
@@ -93,7 +109,7 @@ def test_int8_rows_and_quads_give_the_same_bits(isa):
         cache.append(0, k, v)
         outs.append(tm.attention_decode(q, cache, 0, isa=isa))
     assert np.array_equal(outs[0], outs[1])
-    ref = decode_oracle(q, dequantized(k, "int8"), dequantized(v, "int8"), [L])
+    ref = decode_oracle(q, dequantized_keys(k, "int8", [L]), dequantized(v, "int8"), [L])
     assert np.abs(outs[0] - ref).max() / np.abs(ref).max() <= 2e-5
     assert tm.KVCache(1, 1, 1, 16, 64, dtype="int8").int8_quads is False  # rows on every CPU
     with pytest.raises(tm.ArgumentError, match="config.int8_quads applies to an int8 cache only"):
@@ -102,10 +118,16 @@ def test_int8_rows_and_quads_give_the_same_bits(isa):
 
 @pytest.mark.parametrize("dtype", QUANT)
 def test_memory_counts_elements_plus_scales(dtype):
-    cache = tm.KVCache(2, 3, 8, 128, 256, dtype=dtype)  # d_h = 128: the issue's shape
-    assert cache.storage_bytes == tm.kv_cache_bytes(2, 3, 256, 8, 128 + 4, 1)
-    bf16 = tm.KVCache(2, 3, 8, 128, 256, dtype="bf16")
-    assert cache.memory_bytes / bf16.memory_bytes <= 0.53
+    # Per 64 positions of a KV head: K and V 64·d_h bytes each, d_h fp32 channel scales (a
+    # multiple of 64 bytes) and 64 fp32 row scales; per (layer, sequence, KV head) the open K
+    # tile in float32, 64·d_h·4 bytes.
+    layers, B, H, D, T = 2, 3, 8, 128, 256  # d_h = 128: the issue's shape
+    cache = tm.KVCache(layers, B, H, D, T, dtype=dtype)
+    pair = 2 * 64 * D + 4 * D + 4 * 64
+    assert cache.storage_bytes == layers * B * H * (T // 64 * pair + 4 * 64 * D)
+    long = tm.KVCache(1, 1, H, D, 32768, dtype=dtype)
+    bf16 = tm.KVCache(1, 1, H, D, 32768, dtype="bf16")
+    assert long.memory_bytes / bf16.memory_bytes <= 0.53  # issue 56: <= 0.56 at T_k = 32768
 
 
 @pytest.mark.parametrize("dtype", QUANT)

@@ -133,8 +133,9 @@ def kv_cache_bytes(n_layers: int, batch: int, tokens: int, heads_kv: int, head_d
 
 class KVCache:
     """Keys/values of n layers × B sequences, [n, B, T, H_kv, d_h] each, in "f32", "bf16",
-    "f16", or quantized "int8" / "fp8_e4m3" (one byte per element plus an fp32 scale per row of
-    d_h, SPEC "Quantized KV cache"; rows holding NaN or ±inf are refused) (SPEC 4.8). block_tokens = 0: contiguous; else paged with blocks of that many
+    "f16", or quantized "int8" / "fp8_e4m3" (one byte per element; fp32 scales per V row and,
+    for K, per channel of each closed 64-position tile, the tile being filled held in float32
+    until it closes: SPEC "Quantized KV cache"; rows holding NaN or ±inf are refused) (SPEC 4.8). block_tokens = 0: contiguous; else paged with blocks of that many
     positions (a multiple of 64) from a pool of pool_blocks (0 = enough for all at capacity).
     window = W ≥ 1: a rolling buffer for a sliding-window layer (only the last
     retained_positions ≥ W positions are kept; storage O(W)). int8_quads (int8 only): the

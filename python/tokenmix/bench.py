@@ -596,7 +596,8 @@ def run_decode_case(T_k: int, args: argparse.Namespace, dtypes: List[str], read:
 def decode_main(args: argparse.Namespace) -> int:
     """``--decode``: per T_k and cache dtype the median time of one decode step (B sequences,
     one new token each, causal against T_k cached positions), the K/V bytes it reads per second
-    (decode bytes, SPEC "Useful-work counts": elements plus the rows' scales for int8 / fp8) and
+    (decode bytes, SPEC "Useful-work counts": for int8 / fp8 what is read, elements, scales
+    and the open K tile) and
     that as a fraction of the streaming-read ceiling of the same rounds, tokens per second
     (B / time), tokens/s and cache bytes (storage) relative to the bf16 cache, and the largest
     |O − O_f32| against the fp32 cache's output on the same K/V (the error of storing K/V in

@@ -285,17 +285,31 @@ std::uint64_t decode_bytes(const KVCache& cache, std::int64_t layer, std::int64_
   if (window < 0)
     fail(ErrorCode::invalid_argument, fn, "window must be >= 0 (0 = none); got " + str(window));
   if (tnew < 1) fail(ErrorCode::invalid_argument, fn, "tnew must be >= 1; got " + str(tnew));
-  std::uint64_t tokens = 0;
+  // 2 · Σ_b n_b · H_kv · d_h · sizeof  (SPEC "Useful-work counts", decode bytes). A quantized
+  // cache counts what is read (SPEC "Quantized KV cache"): V's elements and row scales; K's
+  // elements and the d_h channel scales of each closed tile touched, and the open tile's keys
+  // in fp32.
+  const bool quantized = kernels::is_quantized(c.dtype);
+  const auto D = static_cast<std::uint64_t>(c.head_dim);
+  std::uint64_t bytes = 0;
   for (std::int64_t b = first_seq; b < first_seq + batch; ++b) {
-    std::int64_t n = cache.length(b, layer) - cache.first_position(b, layer);
+    const std::int64_t len = cache.length(b, layer);
+    std::int64_t n = len - cache.first_position(b, layer);
     if (window > 0) n = std::min(n, window > INT64_MAX - tnew ? INT64_MAX : window + tnew - 1);
-    tokens += static_cast<std::uint64_t>(n);
+    if (!quantized) {
+      bytes += 2 * static_cast<std::uint64_t>(n) * D * size_of(c.dtype);
+      continue;
+    }
+    constexpr std::int64_t kT = KVCache::kKeyTile;
+    const std::int64_t from = len - n, open = len / kT * kT;  // open tile: keys [open, len)
+    const std::int64_t closed = std::max<std::int64_t>(0, open - from);
+    const std::int64_t tiles = closed == 0 ? 0 : (open - from + from % kT + kT - 1) / kT;
+    bytes += static_cast<std::uint64_t>(n) * (D + 4) + static_cast<std::uint64_t>(closed) * D +
+             static_cast<std::uint64_t>(tiles) *
+                 static_cast<std::uint64_t>(kernels::KVTileLayout::key_scale_bytes(c.head_dim)) +
+             static_cast<std::uint64_t>(len - std::max(open, from)) * D * 4;
   }
-  // 2 · Σ_b n_b · H_kv · d_h · sizeof  (SPEC "Useful-work counts", decode bytes); a quantized
-  // cache's rows also read their fp32 scale (SPEC "Quantized KV cache": elements plus scales).
-  const std::uint64_t row_bytes = static_cast<std::uint64_t>(c.head_dim) * size_of(c.dtype) +
-                                  (kernels::is_quantized(c.dtype) ? sizeof(float) : 0);
-  return 2 * tokens * static_cast<std::uint64_t>(c.heads_kv) * row_bytes;
+  return bytes * static_cast<std::uint64_t>(c.heads_kv);
 }
 
 namespace detail {
@@ -322,7 +336,9 @@ void attention_decode(ConstTensorView q, const KVCache& cache, std::int64_t laye
   kernels::DecodeArgs& a = plan.a;
   a.layout = Access::layout(cache);
   a.k_layer = Access::layer(cache, layer);  // K tiles from here, V tiles one tile later
-  a.v_layer = Access::layer(cache, layer) + a.layout.tile_span() * size_of(a.dtype);
+  a.v_layer = Access::layer(cache, layer) + a.layout.k_span() * size_of(a.dtype);
+  const float* open = Access::open_tiles(cache, layer);  // quantized: the open K tiles
+  if (open != nullptr) a.k_open = open + o.first_seq * a.hkv * a.dh * kernels::kDecodeKeyTile;
   a.table = Access::table(cache, o.first_seq);
   a.table_width = Access::table_width(cache);
   a.lengths = Access::lengths(cache, layer) + o.first_seq;

@@ -133,22 +133,39 @@ KVCache::KVCache(const KVCacheConfig& c) : config_(c) {
   }
   if (pool_blocks_ > INT32_MAX) fail(ErrorCode::overflow, fn, "the pool exceeds 2^31 - 1 blocks");
   table_width_ = blocks_needed(ring_ != 0 ? ring_ : c.capacity);
-  // Storage = SPEC 4.8's figure with B · T = pool_blocks · block_tokens (kv_cache_bytes checks
-  // overflow). A quantized cache's row of d_h one-byte elements also has its fp32 scale: d_h + 4
-  // bytes per row (SPEC "Quantized KV cache"; KVTileLayout).
-  const bool quantized = kernels::is_quantized(c.dtype);
-  if (quantized && c.head_dim > INT64_MAX - 4)
-    fail(ErrorCode::overflow, fn, "config.head_dim is too large; got " + str(c.head_dim));
-  const std::uint64_t bytes =
-      quantized
-          ? kv_cache_bytes(c.layers, pool_blocks_, block_tokens_, c.heads_kv, c.head_dim + 4, 1)
-          : kv_cache_bytes(c.layers, pool_blocks_, block_tokens_, c.heads_kv, c.head_dim, elem_);
   // Every allocation's size in bytes fits 64-bit arithmetic before the first one is made: the
   // block table (int32 per entry), the lengths and first positions (int64 per (layer, sequence)).
   const std::int64_t table_entries = checked_mul(c.batch, table_width_, fn, "block table size");
   checked_mul(table_entries, std::int64_t{sizeof(std::int32_t)}, fn, "block table bytes");
   const std::int64_t length_entries = checked_mul(c.layers, c.batch, fn, "lengths");
   checked_mul(length_entries, std::int64_t{sizeof(std::int64_t)}, fn, "lengths bytes");
+  // Storage = SPEC 4.8's figure with B · T = pool_blocks · block_tokens (kv_cache_bytes checks
+  // overflow). A quantized cache (SPEC "Quantized KV cache"; KVTileLayout) holds per 64-position
+  // tile pair of a KV head: the K tile (64 · d_h bytes) and its d_h fp32 channel scales (padded
+  // to 64 bytes), the V tile (64 · d_h bytes) and its 64 fp32 row scales; after the layers, the
+  // staging region: one open fp32 K tile [d_h][64] per (layer, sequence, KV head)
+  // (docs/performance.md, D-kv-1).
+  const bool quantized = kernels::is_quantized(c.dtype);
+  if (quantized && c.head_dim > (INT64_MAX - 64) / 4 / 64)
+    fail(ErrorCode::overflow, fn, "config.head_dim is too large; got " + str(c.head_dim));
+  std::uint64_t bytes = 0;
+  if (quantized) {
+    const std::int64_t pair = 2 * kKeyTile * c.head_dim +
+                              kernels::KVTileLayout::key_scale_bytes(c.head_dim) +
+                              kernels::KVTileLayout::kValueScaleBytes;
+    std::int64_t tiles = checked_mul(c.layers, pool_blocks_, fn, "the KV-cache size");
+    tiles = checked_mul(tiles, c.heads_kv, fn, "the KV-cache size");
+    tiles = checked_mul(tiles, block_tokens_ / kKeyTile, fn, "the KV-cache size");
+    const std::int64_t tile_bytes = checked_mul(tiles, pair, fn, "the KV-cache size");
+    std::int64_t open = checked_mul(c.layers, c.batch, fn, "the KV-cache size");
+    open = checked_mul(open, c.heads_kv, fn, "the KV-cache size");
+    open = checked_mul(open, 4 * kKeyTile * c.head_dim, fn, "the KV-cache size");
+    if (tile_bytes > INT64_MAX - open) fail(ErrorCode::overflow, fn, "the KV-cache size overflows");
+    staging_begin_ = tile_bytes;
+    bytes = static_cast<std::uint64_t>(tile_bytes + open);
+  } else {
+    bytes = kv_cache_bytes(c.layers, pool_blocks_, block_tokens_, c.heads_kv, c.head_dim, elem_);
+  }
   const double total = static_cast<double>(bytes) + 4.0 * static_cast<double>(table_entries) +
                        16.0 * static_cast<double>(length_entries);
   const double physical = detail::physical_memory_bytes();
@@ -341,9 +358,6 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
   if (quantized) check_finite_rows(fn, k, v);
   std::vector<std::int64_t> ring_blocks;  // rolling and paged: blocks one sequence still needs
   ring_blocks.reserve(static_cast<std::size_t>(table_width_));  // before anything is written
-  // int8: one row quantized here, then placed in its tile's quads (kv_tile_layout.hpp).
-  std::vector<std::byte> row_bytes(
-      static_cast<std::size_t>(config_.dtype == DType::int8 ? config_.head_dim : 0));
   if (tnew == 0 || seqs == 0) return;
 
   const auto* kp = static_cast<const float*>(k.data);
@@ -370,8 +384,18 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
     }
     // Rolling: positions older than the last R of the sequence are not written (they would be
     // overwritten within this call); those that fall out of the ring are overwritten by the
-    // newer positions sharing their slots.
-    const std::int64_t t_first = ring_ != 0 ? std::max<std::int64_t>(0, tnew - ring_) : 0;
+    // newer positions sharing their slots. Quantized: from the start of the tile of the first
+    // one written (R is a multiple of 64: a tile's keys close together), and an open tile left
+    // behind is dropped from the staging region.
+    std::int64_t t_first = ring_ != 0 ? std::max<std::int64_t>(0, tnew - ring_) : 0;
+    if (quantized && t_first > 0) {
+      t_first = std::max<std::int64_t>(0, (len + t_first) / kKeyTile * kKeyTile - len);
+      if (t_first > 0 && len % kKeyTile != 0) {
+        for (std::int64_t h = 0; h < H; ++h)
+          std::fill_n(storage_.data() + staging_offset(layer, b, h), 4 * kKeyTile * D,
+                      std::byte{0});
+      }
+    }
     for (std::int64_t t = t_first; t < tnew; ++t) {
       const std::int64_t pos = slot(len + t);
       const std::int64_t blk =
@@ -382,24 +406,19 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
         const std::int64_t kt = tiles.k_tile(blk, h, off), vt = tiles.v_tile(blk, h, off);
         const float* krow = kp + bi * k.strides[0] + t * k.strides[1] + h * k.strides[2];
         const float* vrow = vp + bi * v.strides[0] + t * v.strides[1] + h * v.strides[2];
-        if (quantized) {  // one byte per element (offsets = bytes), the row's δ in the scales
+        if (quantized) {
+          // SPEC "Quantized KV cache": K into the open tile (fp32, lane off % 64), quantized per
+          // channel when the tile closes (its 64th key); V per row now, its δ in the scales.
           const std::int64_t lane = off % kKeyTile;
-          float dk = 0.0f, dv = 0.0f;
-          if (tiles.int8_quads) {  // quantized in a row, then placed in the tiles' quads
-            dk = kernels::quantize_row(config_.dtype, krow, k.strides[3], D, row_bytes.data(), 1);
-            for (std::int64_t x = 0; x < D; ++x)
-              layer_data[kt + tiles.key_in_tile(off, x)] = row_bytes[static_cast<std::size_t>(x)];
-            dv = kernels::quantize_row(config_.dtype, vrow, v.strides[3], D, row_bytes.data(), 1);
-            for (std::int64_t x = 0; x < D; ++x)
-              layer_data[vt + tiles.value_in_tile(off, x)] = row_bytes[static_cast<std::size_t>(x)];
-          } else {
-            dk = kernels::quantize_row(config_.dtype, krow, k.strides[3], D,
-                                       layer_data + kt + tiles.key_in_tile(off, 0), kKeyTile);
-            dv = kernels::quantize_row(config_.dtype, vrow, v.strides[3], D,
-                                       layer_data + vt + tiles.value_in_tile(off, 0), 1);
-          }
-          std::memcpy(layer_data + tiles.scales_of(kt) + lane * 4, &dk, sizeof dk);
+          auto* open = reinterpret_cast<float*>(storage_.data() + staging_offset(layer, b, h));
+          for (std::int64_t x = 0; x < D; ++x) open[x * kKeyTile + lane] = krow[x * k.strides[3]];
+          const std::int64_t v_step = tiles.value_in_tile(off, D > 1 ? 1 : 0) -
+                                      tiles.value_in_tile(off, 0);  // 1 (rows) or 4 (quads)
+          const float dv = kernels::quantize_row(config_.dtype, vrow, v.strides[3], D,
+                                                 layer_data + vt + tiles.value_in_tile(off, 0),
+                                                 D > 1 ? v_step : 1);
           std::memcpy(layer_data + tiles.scales_of(vt) + lane * 4, &dv, sizeof dv);
+          if (lane == kKeyTile - 1) close_tile(layer, b, h, blk, off);
           continue;
         }
         for (std::int64_t x = 0; x < D; ++x) {
@@ -418,6 +437,71 @@ void KVCache::append(std::int64_t layer, std::int64_t first_seq, ConstTensorView
   }
 }
 
+void KVCache::close_tile(std::int64_t layer, std::int64_t seq, std::int64_t head, std::int64_t blk,
+                         std::int64_t pos) {
+  // δ_{τ,e} = max_{u∈τ} |K_{u,e}| / 127 (int8) or / 448 (E4M3), k̂_{u,e} = c_{u,e} · δ_{τ,e}
+  // (SPEC "Quantized KV cache"): channel e's 64 keys are one row of the open tile, and one row
+  // of the K tile (plain rows: contiguous; int8 quads: 4 bytes apart, the d_h % 4 tail rows
+  // contiguous).
+  const kernels::KVTileLayout tiles = detail::KVCacheAccess::layout(*this);
+  std::byte* layer_data = storage_.data() + static_cast<std::size_t>(layer * tiles.layer_elems());
+  const std::int64_t kt = tiles.k_tile(blk, head, pos), D = config_.head_dim;
+  std::byte* open_bytes = storage_.data() + staging_offset(layer, seq, head);
+  const auto* open = reinterpret_cast<const float*>(open_bytes);
+  for (std::int64_t x = 0; x < D; ++x) {
+    const std::int64_t at = tiles.key_in_tile(0, x);
+    const float delta = kernels::quantize_row(config_.dtype, open + x * kKeyTile, 1, kKeyTile,
+                                              layer_data + kt + at, tiles.key_in_tile(1, x) - at);
+    std::memcpy(layer_data + tiles.scales_of(kt) + x * 4, &delta, sizeof delta);
+  }
+  std::fill_n(open_bytes, 4 * kKeyTile * D, std::byte{0});
+}
+
+// Quantized K (SPEC "Quantized KV cache") of `seq` in `layer` when positions [lo, len) go
+// (lo = max(new_length, first position)): every closed tile holding one of them is zeroed
+// (elements and channel scales); the open tile keeps its keys below new_length; a closed tile
+// that new_length falls inside reopens: its kept keys' values k̂ = c · δ (the fp32 product, within
+// 2^−24 of the float64 one) become the open tile, to be quantized again with the tile's new
+// channel scales when it closes (docs/design.md, "Quantized caches"; docs/performance.md, D-kv-1).
+// A rolling cache's closed tile never shares its slots with a held tile here: a tile with a
+// position in [lo, len) lies within the last R positions, and the one R earlier is not held.
+void KVCache::shrink_open_tiles(std::int64_t l, std::int64_t seq, std::int64_t new_length,
+                                std::int64_t lo, std::int64_t len) {
+  const kernels::KVTileLayout tiles = detail::KVCacheAccess::layout(*this);
+  std::byte* layer_data = storage_.data() + static_cast<std::size_t>(l * tiles.layer_elems());
+  const std::int64_t H = config_.heads_kv, D = config_.head_dim;
+  const std::int64_t open_start = len % kKeyTile != 0 ? len / kKeyTile * kKeyTile : -1;
+  const std::int64_t new_open = new_length % kKeyTile != 0 ? new_length / kKeyTile * kKeyTile : -1;
+  for (std::int64_t h = 0; h < H; ++h) {
+    auto* open = reinterpret_cast<float*>(storage_.data() + staging_offset(l, seq, h));
+    if (open_start >= 0) {  // the open tile: its keys from new_length on go
+      const std::int64_t keep = new_open == open_start ? new_length - open_start : 0;
+      for (std::int64_t x = 0; x < D; ++x)
+        std::fill(open + x * kKeyTile + keep, open + (x + 1) * kKeyTile, 0.0f);
+    }
+    for (std::int64_t t0 = lo / kKeyTile * kKeyTile; t0 + kKeyTile <= len; t0 += kKeyTile) {
+      const std::int64_t pos = slot(t0);  // a closed tile with a position in [lo, len)
+      const std::int64_t blk =
+          table_[static_cast<std::size_t>(seq * table_width_ + pos / block_tokens_)];
+      const std::int64_t kt = tiles.k_tile(blk, h, pos % block_tokens_);
+      if (t0 == new_open) {  // reopens: its keys [lo', new_length) held, dequantized
+        const std::int64_t from =
+            std::max(t0, firsts_[static_cast<std::size_t>(l * config_.batch + seq)]);
+        for (std::int64_t x = 0; x < D; ++x) {
+          float delta = 0.0f;
+          std::memcpy(&delta, layer_data + tiles.scales_of(kt) + x * 4, sizeof delta);
+          for (std::int64_t p = from; p < new_length; ++p) {
+            const float c = kernels::load_element(config_.dtype, layer_data,
+                                                  kt + tiles.key_in_tile(p % kKeyTile, x));
+            open[x * kKeyTile + p % kKeyTile] = c * delta;
+          }
+        }
+      }
+      std::fill_n(layer_data + kt, tiles.k_span(), std::byte{0});
+    }
+  }
+}
+
 // Zeroes positions ≥ new_length of `seq` in every layer, sets lengths, returns unneeded blocks.
 void KVCache::shrink(std::int64_t seq, std::int64_t new_length) {
   const std::int64_t H = config_.heads_kv, D = config_.head_dim;
@@ -429,26 +513,29 @@ void KVCache::shrink(std::int64_t seq, std::int64_t new_length) {
     std::int64_t& first = firsts_[static_cast<std::size_t>(l * config_.batch + seq)];
     // Only held positions are zeroed (rolling: [first, len); the slots of older ones hold newer
     // positions).
-    for (std::int64_t p = std::max(new_length, first); p < len; ++p) {
+    const std::int64_t lo = std::max(new_length, first);
+    if (tiles.k_scale_elems != 0 && lo < len) shrink_open_tiles(l, seq, new_length, lo, len);
+    for (std::int64_t p = lo; p < len; ++p) {
       const std::int64_t pos = slot(p);
       const std::int64_t blk =
           table_[static_cast<std::size_t>(seq * table_width_ + pos / block_tokens_)];
       const std::int64_t off = pos % block_tokens_;
       for (std::int64_t h = 0; h < H; ++h) {
         const std::int64_t kt = tiles.k_tile(blk, h, off), vt = tiles.v_tile(blk, h, off);
-        for (std::int64_t x = 0; x < D; ++x) {
-          std::fill_n(layer_data + static_cast<std::size_t>(kt + tiles.key_in_tile(off, x)) * elem_,
-                      elem_, std::byte{0});
+        if (tiles.k_scale_elems == 0) {  // (quantized K: shrink_open_tiles)
+          for (std::int64_t x = 0; x < D; ++x) {
+            std::fill_n(
+                layer_data + static_cast<std::size_t>(kt + tiles.key_in_tile(off, x)) * elem_,
+                elem_, std::byte{0});
+          }
         }
         for (std::int64_t x = 0; x < D; ++x) {
           std::fill_n(
               layer_data + static_cast<std::size_t>(vt + tiles.value_in_tile(off, x)) * elem_,
               elem_, std::byte{0});
         }
-        if (tiles.scale_elems != 0) {  // quantized: the rows' scales (one-byte elements)
-          const std::int64_t lane = off % kKeyTile * 4;
-          std::fill_n(layer_data + tiles.scales_of(kt) + lane, 4, std::byte{0});
-          std::fill_n(layer_data + tiles.scales_of(vt) + lane, 4, std::byte{0});
+        if (tiles.v_scale_elems != 0) {  // quantized: the V row's scale (one-byte elements)
+          std::fill_n(layer_data + tiles.scales_of(vt) + off % kKeyTile * 4, 4, std::byte{0});
         }
       }
     }
@@ -642,6 +729,13 @@ void KVCache::copy_sequences(const KVCache& source, std::span<const std::int64_t
           static_cast<std::size_t>(l * s.batch + sources[static_cast<std::size_t>(b)]);
       lengths_[d] = source.lengths_[f];
       firsts_[d] = source.firsts_[f];
+      // Quantized: the open K tiles (SPEC "Quantized KV cache"), outside the blocks.
+      for (std::int64_t h = 0; kernels::is_quantized(config_.dtype) && h < config_.heads_kv; ++h) {
+        std::memcpy(storage_.data() + staging_offset(l, b, h),
+                    source.storage_.data() +
+                        source.staging_offset(l, sources[static_cast<std::size_t>(b)], h),
+                    static_cast<std::size_t>(4 * kKeyTile * config_.head_dim));
+      }
     }
   }
   std::fill(active_.begin(), active_.end(), std::uint8_t{1});

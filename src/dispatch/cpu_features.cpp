@@ -268,6 +268,22 @@ bool decode_amx(const char* fn, bool path_has_amx, const char* path, DType cache
     }
     return false;
   }
+  // int8 and fp8 caches quantize K per channel over each closed 64-key tile (SPEC "Quantized KV
+  // cache"): the AMX tile products take the unit's query rows as planes once per unit and one
+  // scale per key row, so they cannot fold the channel scales into the rows per tile. These
+  // caches run the FMA products on every path; `on` is refused, never ignored (docs/performance.md,
+  // D-kv-3).
+  if (cache != DType::bf16) {
+    if (forced) {
+      throw UnsupportedError(std::string(fn) +
+                             ": TOKENMIX_DECODE_AMX=on, but the AMX tile "
+                             "products do not read a " +
+                             to_string(cache) +
+                             " cache (K quantized per channel per 64-key tile, SPEC \"Quantized "
+                             "KV cache\"); only a bf16 cache runs on them");
+    }
+    return false;
+  }
   const bool has = int8 ? cpu_features(fn).amx_int8 : cpu_features(fn).amx_bf16;
   const bool usable = has && amx_permission();
   if (forced && !usable) {

@@ -125,12 +125,14 @@ DecodeTuning decode_tuning(Isa isa) {
   DecodeTuning t;
   t.isa = resolve_isa(isa, fn);
   t.prefetch_by_dtype = kernels::kernel_set(t.isa).decode_tunables.prefetch_by_dtype;
-  t.amx_int8 = detail::choose_decode(fn, t.isa, DType::int8, /*int8_quads=*/true).amx;
-  const detail::DecodeChoice fp8 = detail::choose_decode(fn, t.isa, DType::fp8_e4m3, false);
-  t.fp8_direct = fp8.fp8_direct;
-  t.linear_prefetch = fp8.linear_prefetch;
-  t.amx_fp8 = fp8.amx;
-  t.amx_bf16 = detail::choose_decode(fn, t.isa, DType::bf16, false).amx;
+  const detail::DecodeChoice bf16 = detail::choose_decode(fn, t.isa, DType::bf16, false);
+  t.amx_bf16 = bf16.amx;
+  t.linear_prefetch = bf16.linear_prefetch;
+  t.fp8_direct = detail::fp8_direct_widening(fn) &&
+                 kernels::kernel_set(t.isa).decode_tunables.fp8_direct;  // as choose_decode
+  // int8 and fp8 caches (K per channel per tile) never take the AMX tile products (D-kv-3): a
+  // decode call over one refuses TOKENMIX_DECODE_AMX=on, this summary does not.
+  t.amx_int8 = t.amx_fp8 = false;
   return t;
 }
 

@@ -190,13 +190,17 @@ struct DecodeScratch {
   Slot<float> scores;    // the S, then P, tile [rows][kDecodeKeyTile]
   Slot<float> k_f32;     // portable kernel: one K tile widened to fp32 [d_h][kDecodeKeyTile]
   Slot<float> v_f32;     // portable kernel: its V rows widened to fp32 [kDecodeKeyTile][d_h]
+  Slot<float> q_folded;  // quantized caches: scale · Q ⊙ δ_τ of a K tile, transposed [d_h][rows]
+  Slot<float> q_colmax;  // quantized caches (SIMD): max over the rows of |scale · Q| per channel
 
   DecodeScratch() = default;
   DecodeScratch(ScratchLayout& layout, std::int64_t rows, std::int64_t dh)
       : q_scaled(layout.add<float>(scratch_mul(rows, dh, layout.site(), "decode query rows"))),
         scores(layout.add<float>(rows * kDecodeKeyTile)),  // rows ≤ 128 (decode.cpp)
         k_f32(layout.add<float>(scratch_mul(kDecodeKeyTile, dh, layout.site(), "a K tile"))),
-        v_f32(layout.add<float>(scratch_mul(kDecodeKeyTile, dh, layout.site(), "a V tile"))) {}
+        v_f32(layout.add<float>(scratch_mul(kDecodeKeyTile, dh, layout.site(), "a V tile"))),
+        q_folded(layout.add<float>(scratch_mul(rows, dh, layout.site(), "decode query rows"))),
+        q_colmax(layout.add<float>(dh)) {}
 };
 
 struct DecodeArgs {
@@ -212,7 +216,11 @@ struct DecodeArgs {
   DType dtype = DType::f32;
   KVTileLayout layout;            // where K and V elements live (kv_tile_layout.hpp)
   const void* k_layer = nullptr;  // the layer's first element (K tiles are addressed from it)
-  const void* v_layer = nullptr;  // = k_layer + layout.tile_span() (V tiles addressed from it)
+  const void* v_layer = nullptr;  // = k_layer + layout.k_span() (V tiles addressed from it)
+  /// Quantized caches (SPEC "Quantized KV cache"): the open K tiles of the call's sequences,
+  /// fp32 [B][H_kv][d_h][kDecodeKeyTile] (keys in lanes, unquantized: the tile still being
+  /// filled); null otherwise. See open_start / open_tile.
+  const float* k_open = nullptr;
   /// V read in place (src/api/short_query.cpp) instead of from V tiles: the rows of a caller's
   /// [B, T, H_kv, d_h] tensor of element type `dtype`, V[b, u, j, x] at element
   /// b·s0 + u·s1 + j·s2 + x of `data` (feature stride 1; the key stride s1 is any). null: off.
@@ -344,6 +352,15 @@ struct DecodeArgs {
       return ((block * layout.heads_kv + j) * tiles + pos / kDecodeKeyTile) * layout.tile_elems();
     }
     return layout.k_tile(block, j, pos);
+  }
+  /// Quantized caches: the first key of sequence b's open tile (keys [open_start, L_b), read
+  /// from open_tile(b, j) instead of the K tile at tile_offset), or −1 when every tile is closed
+  /// (L_b a multiple of 64).
+  std::int64_t open_start(std::int64_t b) const {
+    return lengths[b] % kDecodeKeyTile != 0 ? lengths[b] / kDecodeKeyTile * kDecodeKeyTile : -1;
+  }
+  const float* open_tile(std::int64_t b, std::int64_t j) const {
+    return k_open + (b * hkv + j) * dh * kDecodeKeyTile;
   }
   bool v_in_place() const { return v_rows.data != nullptr; }
   /// Element offset, from v_rows.data, of the V row of key u of sequence b, KV head j (in place).

@@ -200,6 +200,8 @@ void check_decode(const Line& l, const std::string& lengths) {
                           "cache_tokens_min",
                           "cache_tokens_max"})
     (void)l.num(key);
+  if (l.at("kv_profile") != "normal" && l.at("kv_profile") != "real")
+    fail("kv_profile is '" + l.at("kv_profile") + "', expected normal or real");
   if (l.at("ceiling_kind") != g_kinds.gemm)
     fail("ceiling_kind is '" + l.at("ceiling_kind") + "', expected forward's " + g_kinds.gemm);
   if (l.at("ceiling_gbps_kind") != g_kinds.read)

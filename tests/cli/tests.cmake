@@ -108,7 +108,7 @@ set_tests_properties(cli_info_bad_linear_prefetch PROPERTIES ENVIRONMENT "TOKENM
 # TOKENMIX_DECODE_AMX: `off` is shown as such on every CPU; a bad value, and `on` under a CPU cap
 # that hides AMX, are one line on stderr and exit 2, before any output.
 tokenmix_cli_test(info_decode_amx_off ARGS info
-                  STDOUT "int8 decode:     FMA products \\(no AMX-INT8 tile products\\) on [a-z0-9_]+ \\(TOKENMIX_DECODE_AMX=off\\).*fp8 decode:      FMA products \\(no AMX-BF16 tile products\\) on [a-z0-9_]+ \\(TOKENMIX_DECODE_AMX=off\\).*bf16 decode:     FMA products \\(no AMX-BF16 tile products\\) on [a-z0-9_]+ \\(TOKENMIX_DECODE_AMX=off\\)")
+                  STDOUT "int8 decode:     FMA products \\(K per channel per tile: no AMX tile products\\) on [a-z0-9_]+ \\(TOKENMIX_DECODE_AMX=off\\).*fp8 decode:      FMA products \\(K per channel per tile: no AMX tile products\\) on [a-z0-9_]+ \\(TOKENMIX_DECODE_AMX=off\\).*bf16 decode:     FMA products \\(no AMX-BF16 tile products\\) on [a-z0-9_]+ \\(TOKENMIX_DECODE_AMX=off\\)")
 set_tests_properties(cli_info_decode_amx_off PROPERTIES ENVIRONMENT "TOKENMIX_DECODE_AMX=off")
 tokenmix_cli_test(info_bad_decode_amx ARGS info EXPECT_RC 2 ONE_LINE_ERROR
                   STDOUT_NOT "tokenmix [0-9]"
@@ -135,7 +135,7 @@ tokenmix_cli_test(run_small_step_roofline ARGS run --seq 32 --seed 7 --decode-st
 # and bounded; the cache table counts one byte per element plus each row's fp32 scale.
 foreach(_dt int8 fp8_e4m3)
   tokenmix_cli_test(run_small_cache_${_dt} ARGS run --seq 32 --seed 7 --decode-steps 4 --cache-dtype ${_dt}
-                    STDOUT "decode: 4 steps on a ${_dt} cache vs forward \\(unquantized\\) +[0-9.e+-]+ +\\(bound [0-9.e+-]+: PASS\\).*GQA \\(H_kv = 8\\) +8192 B +4096 B +2112 B.*decode-phase cache: ${_dt}"
+                    STDOUT "decode: 4 steps on a ${_dt} cache vs forward \\(unquantized\\) +[0-9.e+-]+ +\\(bound [0-9.e+-]+: PASS\\).*GQA \\(H_kv = 8\\) +8192 B +4096 B +2144 B.*decode-phase cache: ${_dt}"
                     TIMEOUT 600)
 endforeach()
 
@@ -248,6 +248,11 @@ tokenmix_cli_test(bench_decode_outlier_json
                   ARGS bench decode --gemm-n 128 --read-mib 16 --cache-tokens 128 --cache-dtype int8 --hq 2 --hkv 1 --dh 16
                        --repeats 1 --json --kv-outlier 30 TIMEOUT 600
                   STDOUT "\"cache_dtype\": \"int8\".*\"kv_outlier\": 30")
+# The real-keys profile (testkit::apply_real_keys; docs/performance.md, D-kv-4).
+tokenmix_cli_test(bench_decode_real_keys_json
+                  ARGS bench decode --gemm-n 128 --read-mib 16 --cache-tokens 130 --cache-dtype bf16,int8 --hq 4 --hkv 2
+                       --dh 16 --repeats 1 --json --kv-profile real TIMEOUT 600
+                  STDOUT "\"cache_dtype\": \"bf16\".*\"kv_profile\": \"real\".*\"cache_dtype\": \"int8\".*\"kv_profile\": \"real\"")
 tokenmix_cli_test(bench_plain_json_has_no_variants
                   ARGS bench backward --gemm-n 128 --tq 32 --hq 2 --hkv 1 --dh 8 --repeats 1 --json TIMEOUT 600
                   STDOUT "\"window\": null, \"softcap\": null, \"alibi\": false, \"sinks\": null")
@@ -429,6 +434,8 @@ tokenmix_cli_error(error_bench_bad_cache_dtype "--cache-dtype: fp8 not in"
                    ARGS bench decode --cache-dtype fp8)
 tokenmix_cli_error(error_bench_bad_kv_outlier "--kv-outlier must be a finite number > 0; got -1"
                    ARGS bench decode --cache-tokens 64 --kv-outlier -1)
+tokenmix_cli_error(error_bench_bad_kv_profile "--kv-profile: llama not in"
+                   ARGS bench decode --cache-tokens 64 --kv-profile llama)
 tokenmix_cli_error(error_bench_tnew_zero "bench: --tnew values must be >= 1; got 0"
                    ARGS bench decode --cache-tokens 64 --tnew 0)
 tokenmix_cli_error(error_bench_tnew_list_zero "bench: --tnew values must be >= 1; got 0"

@@ -1,7 +1,8 @@
 // tests/unit/kv_oracle.hpp — the decode tests' float64 oracle over the values a KVCache holds:
 // each K/V row read back through the cache's tile layout (the one the writer and the kernels
-// use), widened exactly (f32, bf16, f16) or dequantized x̂ = q · δ (int8, fp8 E4M3; SPEC
-// "Quantized KV cache"), and attention_decode's out / lse checked against it.
+// use), widened exactly (f32, bf16, f16) or dequantized (int8, fp8 E4M3; SPEC "Quantized KV
+// cache": K per channel per closed tile, the open tile as staged, V per row), and
+// attention_decode's out / lse checked against it.
 //
 // Because the oracle runs on exactly the stored values, every cache dtype is held to the
 // fp32-accumulation bound of test_decode.cpp, rel_err ≤ 2e-5 (dot products of length d_h and
@@ -30,14 +31,18 @@ inline reference::KVQuant format_of(DType dt) {
   return dt == DType::int8 ? reference::KVQuant::int8 : reference::KVQuant::fp8_e4m3;
 }
 
-/// One stored row of a quantized cache: its elements and its fp32 scale δ.
+/// One stored row of a quantized cache (SPEC "Quantized KV cache"). V: its elements q and its
+/// fp32 scale δ. K of a closed tile: its elements q and the tile's d_h channel scales δ_{τ,e}
+/// (deltas); K of the open tile (the sequence's last, still being filled): open, its fp32
+/// staged values (staged).
 struct StoredRow {
   std::vector<std::uint8_t> q;
   float delta = 0.0f;
+  std::vector<float> deltas;
+  bool open = false;
+  std::vector<float> staged;
 };
 
-/// The stored elements and scale of the K (value = false) or V row of (layer, seq, pos, head) of a
-/// quantized cache, located through the layout the writer and the kernels use.
 /// Where the K (value = false) or V row of (layer, seq, pos, head) lives: element x is at
 /// base + at(x) (in elements of the cache's dtype; bytes for int8 / fp8).
 struct RowLocation {
@@ -59,25 +64,48 @@ inline RowLocation locate_row(const KVCache& c, std::int64_t layer, std::int64_t
   return {L, Access::layer(c, layer), tile, off, value};
 }
 
+/// Quantized cache: position pos of (layer, seq) is in the open tile (its K unquantized).
+inline bool in_open_tile(const KVCache& c, std::int64_t layer, std::int64_t seq, std::int64_t pos) {
+  const std::int64_t len = c.length(seq, layer);
+  return len % KVCache::kKeyTile != 0 && pos >= len / KVCache::kKeyTile * KVCache::kKeyTile;
+}
+
 inline StoredRow stored_row(const KVCache& c, std::int64_t layer, std::int64_t seq,
                             std::int64_t pos, std::int64_t head, bool value) {
   const RowLocation r = locate_row(c, layer, seq, pos, head, value);
+  const std::int64_t D = r.layout.head_dim;
   StoredRow row;
-  for (std::int64_t x = 0; x < r.layout.head_dim; ++x)
-    row.q.push_back(static_cast<std::uint8_t>(r.base[r.at(x)]));
-  std::memcpy(&row.delta, r.base + r.layout.scales_of(r.tile) + r.off % r.layout.kKeyTile * 4, 4);
+  if (!value && in_open_tile(c, layer, seq, pos)) {
+    row.open = true;
+    const float* open = detail::KVCacheAccess::open_tiles(c, layer) +
+                        (seq * c.config().heads_kv + head) * D * KVCache::kKeyTile;
+    for (std::int64_t x = 0; x < D; ++x)
+      row.staged.push_back(open[x * KVCache::kKeyTile + pos % KVCache::kKeyTile]);
+    return row;
+  }
+  for (std::int64_t x = 0; x < D; ++x) row.q.push_back(static_cast<std::uint8_t>(r.base[r.at(x)]));
+  if (value) {
+    std::memcpy(&row.delta, r.base + r.layout.scales_of(r.tile) + r.off % r.layout.kKeyTile * 4, 4);
+  } else {
+    row.deltas.resize(static_cast<std::size_t>(D));
+    std::memcpy(row.deltas.data(), r.base + r.layout.scales_of(r.tile),
+                static_cast<std::size_t>(4 * D));
+  }
   return row;
 }
 
 /// The values the cache holds for that row, in float64: the stored f32 / bf16 / f16 elements
-/// widened, or the dequantized x̂ = q · δ of an int8 / fp8 E4M3 cache.
+/// widened, or the dequantized values of an int8 / fp8 E4M3 cache (V: c · δ; K: c_e · δ_{τ,e},
+/// the open tile's staged fp32 values).
 inline std::vector<double> cached_row(const KVCache& c, std::int64_t layer, std::int64_t seq,
                                       std::int64_t pos, std::int64_t head, bool value) {
   const DType dt = c.config().dtype;
   std::vector<double> x;
   if (kernels::is_quantized(dt)) {
     const StoredRow r = stored_row(c, layer, seq, pos, head, value);
-    for (std::uint8_t q : r.q) x.push_back(reference::dequantize(format_of(dt), q, r.delta));
+    if (r.open) return {r.staged.begin(), r.staged.end()};
+    for (std::size_t e = 0; e < r.q.size(); ++e)
+      x.push_back(reference::dequantize(format_of(dt), r.q[e], value ? r.delta : r.deltas[e]));
     return x;
   }
   const RowLocation r = locate_row(c, layer, seq, pos, head, value);

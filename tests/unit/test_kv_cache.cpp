@@ -960,6 +960,11 @@ TEST(KVCacheErrors, DecodeScratchFailureLeavesCacheUnchanged) {
 // After the appends, each stored row is the appended one as the dtype stores it (f32 exactly, bf16
 // / f16 rounded to nearest even; int8 within half a step δ = max|x| / 127, and x / δ's fp32
 // rounding, 127u; fp8 within 2^-4 relative, or half its smallest step, 2^-10 δ, δ = max|x| / 448).
+// A quantized cache's K (SPEC "Quantized KV cache") is held as appended while its 64-position
+// tile is open, and within those bounds of its channel's step δ_{τ,e} (which covers every key of
+// the channel in the tile) once the tile closes, in the append that brings the tile's 64th key;
+// a truncate into a closed tile reopens it with its kept keys' values c · δ (fp32: within 2^-24),
+// which the tile is quantized from again when it closes.
 // At the end, a decode of every non-empty sequence of layer 0 against the float64 oracle over the
 // held values (or, where a rolling cache no longer holds the keys of even one query, its refusal).
 // 2000 draws passed once (D-tests-1).
@@ -995,6 +1000,7 @@ TEST(KVCacheChurn, RandomOperationsKeepEveryHeldRow) {
     struct Seq {
       std::int64_t length = 0, first = 0;
       std::vector<std::vector<double>> rows;  // rows[pos]: H·2·D values (K then V per head)
+      std::vector<std::vector<float>> keys;   // quantized: keys[pos], H·D values its tile takes
     };
     std::vector<Seq> model(static_cast<std::size_t>(L * B));
     std::vector<bool> active(static_cast<std::size_t>(B), true);
@@ -1052,6 +1058,7 @@ TEST(KVCacheChurn, RandomOperationsKeepEveryHeldRow) {
     // The stored values of a fresh append against the appended ones, as the dtype stores them.
     const auto expect_stored = [&](const std::vector<double>& got, const float* x) {
       for (std::int64_t r = 0; r < 2 * H; ++r) {  // a K or V row of one head
+        if (quantized && r % 2 == 0) continue;    // (quantized K: expect_key_held)
         const float* row = x + r * D;
         const double* g = got.data() + r * D;
         double amax = 0.0;
@@ -1067,6 +1074,35 @@ TEST(KVCacheChurn, RandomOperationsKeepEveryHeldRow) {
                                  ? 0.5 * delta * (1 + 4e-5)
                                  : 0x1.0p-4 * std::fabs(want) + 0x1.0p-10 * delta;
           ASSERT_LE(std::fabs(g[i] - want), tol) << "element " << i << " of row " << r;
+        }
+      }
+    };
+
+    // Quantized K of (l, b, pos) against the values its tile takes (Seq::keys): as they are in
+    // the open tile; per channel e of a closed tile, the appended value within half a step of the
+    // tile's δ_{τ,e} (int8) or E4M3's spacing (fp8), and δ_{τ,e} no smaller than the channel's
+    // largest |value| over the held keys / 127 or / 448 (no key clipped).
+    const auto expect_key_held = [&](std::int64_t l, std::int64_t b, std::int64_t pos) {
+      const Seq& m = seq(l, b);
+      for (std::int64_t h = 0; h < H; ++h) {
+        const StoredRow r = stored_row(cache, l, b, pos, h, false);
+        const std::vector<double> got = cached_row(cache, l, b, pos, h, false);
+        const float* want = m.keys[static_cast<std::size_t>(pos)].data() + h * D;
+        ASSERT_EQ(r.open, m.length % 64 != 0 && pos >= m.length / 64 * 64) << "position " << pos;
+        for (std::int64_t e = 0; e < D; ++e) {
+          const double x = want[e], g = got[static_cast<std::size_t>(e)];
+          if (r.open) {
+            ASSERT_EQ(g, x) << "open tile, position " << pos << " head " << h << " channel " << e;
+            continue;
+          }
+          const double delta = r.deltas[static_cast<std::size_t>(e)];
+          const double lim = cfg.dtype == DType::int8 ? 127.0 : 448.0;
+          ASSERT_LE(std::fabs(x), lim * delta * (1 + 1e-6))
+              << "position " << pos << " channel " << e;
+          const double tol = cfg.dtype == DType::int8 ? 0.5 * delta * (1 + 4e-5)
+                                                      : 0x1.0p-4 * std::fabs(x) + 0x1.0p-10 * delta;
+          ASSERT_LE(std::fabs(g - x), tol)
+              << "position " << pos << " head " << h << " channel " << e;
         }
       }
     };
@@ -1119,12 +1155,24 @@ TEST(KVCacheChurn, RandomOperationsKeepEveryHeldRow) {
         }
         for (std::int64_t i = 0; i < nb; ++i) {
           Seq& m = seq(l, b + i);
+          const std::int64_t old = m.length;
           m.rows.resize(static_cast<std::size_t>(m.length + tnew));
+          m.keys.resize(m.rows.size());
           m.length += tnew;
           m.first = std::max(m.first, m.length - R);
-          for (std::int64_t t = std::max<std::int64_t>(0, tnew - R); t < tnew; ++t) {
-            const std::int64_t pos = m.length - tnew + t;
+          for (std::int64_t t = 0; t < tnew; ++t)  // the K rows of every head, [H][D]
+            for (std::int64_t h = 0; h < H; ++h)
+              for (std::int64_t e = 0; e < D; ++e)
+                m.keys[static_cast<std::size_t>(old + t)].push_back(
+                    k[static_cast<std::size_t>(((i * tnew + t) * H + h) * D + e)]);
+          // The rows this append set: the new ones still held, and (quantized) the open tile's
+          // earlier keys, whose tile may have closed.
+          const std::int64_t from = std::max(m.first, quantized ? old / 64 * 64 : old);
+          for (std::int64_t pos = from; pos < m.length; ++pos) {
             m.rows[pos] = held(l, b + i, pos);
+            if (quantized) expect_key_held(l, b + i, pos);
+            if (pos < old) continue;
+            const std::int64_t t = pos - old;
             std::vector<float> x;  // the appended K and V rows of every head, as held() orders them
             for (std::int64_t h = 0; h < H; ++h)
               for (const std::vector<float>* src : {&k, &v})
@@ -1153,9 +1201,29 @@ TEST(KVCacheChurn, RandomOperationsKeepEveryHeldRow) {
         for (std::int64_t l = 0; l < L; ++l) {
           Seq& m = seq(l, b);
           if (n >= m.length) continue;
+          // Quantized: a closed tile that n falls inside reopens; its kept keys are held as
+          // c · δ_{τ,e} rounded to fp32, and the tile takes those values when it closes again.
+          const std::int64_t t0 = n / 64 * 64;
+          const bool reopens = quantized && n % 64 != 0 && m.length >= t0 + 64;
           m.length = n;
           if (n == 0) m.first = 0;
           m.rows.resize(static_cast<std::size_t>(n));
+          m.keys.resize(m.rows.size());
+          for (std::int64_t pos = std::max(m.first, t0); reopens && pos < n; ++pos) {
+            const std::vector<double> got = held(l, b, pos);
+            std::vector<double>& was = m.rows[static_cast<std::size_t>(pos)];
+            for (std::int64_t h = 0; h < H; ++h)
+              for (std::int64_t e = 0; e < 2 * D; ++e) {
+                const std::size_t at = static_cast<std::size_t>(h * 2 * D + e);
+                ASSERT_LE(std::fabs(got[at] - was[at]), 0x1.0p-24 * std::fabs(was[at]))
+                    << what << ": position " << pos << " head " << h << " element " << e;
+                if (e < D) {
+                  m.keys[static_cast<std::size_t>(pos)][static_cast<std::size_t>(h * D + e)] =
+                      static_cast<float>(got[at]);
+                }
+              }
+            was = got;
+          }
         }
       } else if (kind == 16) {  // release
         what += ": release seq " + std::to_string(b);

@@ -20,6 +20,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -277,10 +278,15 @@ std::vector<float> test_rows(std::int64_t rows, std::int64_t dh, std::mt19937_64
   return x;
 }
 
+// K per channel over each closed 64-position tile, V per row, the open tile unquantized (SPEC
+// "Quantized KV cache"), whatever the chunking of the appends; an all-zero channel stores δ = 0
+// and zeros.
 TEST(KVQuant, AppendQuantizesEachRowPerSpec) {
   std::mt19937_64 rng(1);
   const std::int64_t H = 3, D = 20, T = 150;
-  const auto k = test_rows(T * H, D, rng), v = test_rows(T * H, D, rng);
+  auto k = test_rows(T * H, D, rng);
+  const auto v = test_rows(T * H, D, rng);
+  for (std::int64_t r = 0; r < T * H; ++r) k[static_cast<std::size_t>(r * D + 3)] = 0.0f;
   for (DType dt : kQuantTypes)
     for (std::int64_t block : {0, 64})
       for (std::int64_t window : {0, 70}) {
@@ -296,34 +302,59 @@ TEST(KVQuant, AppendQuantizesEachRowPerSpec) {
           done += n;
         }
         ASSERT_EQ(c.length(1, 1), T);
+        constexpr std::int64_t kT = KVCache::kKeyTile;
         for (std::int64_t p = c.first_position(1, 1); p < T; ++p)
           for (std::int64_t h = 0; h < H; ++h) {
-            expect_quantized_per_spec(dt, k.data() + (p * H + h) * D, D,
-                                      stored_row(c, 1, 1, p, h, false));
             expect_quantized_per_spec(dt, v.data() + (p * H + h) * D, D,
                                       stored_row(c, 1, 1, p, h, true));
+            const StoredRow kr = stored_row(c, 1, 1, p, h, false);
+            ASSERT_EQ(kr.open, p >= T / kT * kT);
+            for (std::int64_t e = 0; kr.open && e < D; ++e)  // staged as given, bit for bit
+              ASSERT_EQ(kr.staged[static_cast<std::size_t>(e)],
+                        k[static_cast<std::size_t>((p * H + h) * D + e)]);
+            if (kr.open || p % kT != 0) continue;
+            for (std::int64_t e = 0; e < D; ++e) {  // tile from p, channel e: its 64 keys
+              std::vector<float> x;
+              StoredRow col;
+              for (std::int64_t u = p; u < p + kT; ++u) {
+                x.push_back(k[static_cast<std::size_t>((u * H + h) * D + e)]);
+                col.q.push_back(stored_row(c, 1, 1, u, h, false).q[static_cast<std::size_t>(e)]);
+              }
+              col.delta = kr.deltas[static_cast<std::size_t>(e)];
+              if (e == 3) {
+                ASSERT_EQ(col.delta, 0.0f);
+              }
+              expect_quantized_per_spec(dt, x.data(), kT, col);
+            }
           }
       }
 }
 
 TEST(KVQuant, MemoryCountsElementsPlusScales) {
+  // Per 64-position tile pair of a KV head: K 64·d_h bytes + d_h fp32 channel scales (padded to
+  // 64 bytes), V 64·d_h bytes + 64 fp32 row scales; plus one open fp32 K tile per (layer,
+  // sequence, KV head).
+  const auto pair = [](std::uint64_t dh) { return 128 * dh + (4 * dh + 63) / 64 * 64 + 256; };
   for (DType dt : kQuantTypes) {
     KVCache c({4, 3, 8, 64, 256, dt, 0, 0});
-    EXPECT_EQ(c.storage_bytes(), kv_cache_bytes(4, 3, 256, 8, 64 + 4, 1));
+    EXPECT_EQ(c.storage_bytes(), 4u * 3 * 8 * (256 / 64) * pair(64) + 4u * 3 * 8 * 64 * 64 * 4);
     EXPECT_GE(c.memory_bytes(), c.storage_bytes());
     EXPECT_LE(c.memory_bytes() - c.storage_bytes(), 1024u);
-    KVCache paged({2, 4, 2, 64, 1000, dt, 128, 10});
-    EXPECT_EQ(paged.storage_bytes(), kv_cache_bytes(2, 10, 128, 2, 64 + 4, 1));
-    // The shape (H_kv = 8, d_h = 128): ≤ 0.53 of a bf16 cache's bytes (any T, a multiple
-    // of 64: both are proportional to it).
-    KVCache q({1, 1, 8, 128, 4096, dt, 0, 0}), bf({1, 1, 8, 128, 4096, DType::bf16, 0, 0});
+    KVCache paged({2, 4, 2, 20, 1000, dt, 128, 10});
+    EXPECT_EQ(paged.storage_bytes(), 2u * 10 * 2 * 2 * pair(20) + 2u * 4 * 2 * 64 * 20 * 4);
+    // The shape (H_kv = 8, d_h = 128) at T_k = 32768: ≤ 0.53 of a bf16 cache's bytes
+    // (target 0.56), the open tiles included.
+    KVCache q({1, 1, 8, 128, 32768, dt, 0, 0}), bf({1, 1, 8, 128, 32768, DType::bf16, 0, 0});
     EXPECT_LE(static_cast<double>(q.memory_bytes()) / static_cast<double>(bf.memory_bytes()), 0.53);
-    // Decode bytes: elements plus scales of the rows read (SPEC "Quantized KV cache").
+    // Decode bytes: what is read (SPEC "Quantized KV cache"): closed K tiles' elements and channel
+    // scales, the open tile's fp32 keys, V elements plus row scales.
     std::vector<float> kv(100 * 8 * 128, 0.5f);
     q.append(0, 0, ConstTensorView::bthd(kv.data(), 1, 100, 8, 128),
              ConstTensorView::bthd(kv.data(), 1, 100, 8, 128));
-    EXPECT_EQ(decode_bytes(q, 0, 0, 1), 2u * 100 * 8 * (128 + 4));
-    EXPECT_EQ(decode_bytes(q, 0, 0, 1, 10, 1), 2u * 10 * 8 * (128 + 4));
+    EXPECT_EQ(decode_bytes(q, 0, 0, 1), 8u * (64 * 128 + 512 + 36 * 128 * 4 + 100 * (128 + 4)));
+    EXPECT_EQ(decode_bytes(q, 0, 0, 1, 10, 1), 8u * (10 * 128 * 4 + 10 * (128 + 4)));
+    EXPECT_EQ(decode_bytes(q, 0, 0, 1, 40, 1),
+              8u * (4 * 128 + 512 + 36 * 128 * 4 + 40 * (128 + 4)));
   }
   KVCache q({1, 1, 2, 16, 64, DType::int8, 0, 0});
   EXPECT_STREQ(to_string(DType::int8), "int8");
@@ -354,7 +385,9 @@ TEST(KVQuant, TruncateReleaseResetLikeNeverAppended) {
             put(*c, l, 0, real, 0, 60);
             put(*c, l, 1, real, 0, 10);
           }
-        for (std::int64_t l = 0; l < 2; ++l) put(a, l, 0, draft, 60, 7);  // crosses a tile edge
+        // Draft tokens inside the open tile (the tile does not close: see
+        // TruncateIntoAClosedTileReopensIt for one that does).
+        for (std::int64_t l = 0; l < 2; ++l) put(a, l, 0, draft, 60, 3);
         a.truncate(0, 60);
         for (KVCache* c : {&a, &b})
           for (std::int64_t l = 0; l < 2; ++l) put(*c, l, 0, real, 60, 5);
@@ -370,6 +403,8 @@ TEST(KVQuant, TruncateReleaseResetLikeNeverAppended) {
                             rb = stored_row(b, 1, 0, p, 1, value);
             ASSERT_EQ(ra.q, rb.q);
             ASSERT_EQ(ra.delta, rb.delta);
+            ASSERT_EQ(ra.deltas, rb.deltas);
+            ASSERT_EQ(ra.staged, rb.staged);
           }
         a.release(1);
         EXPECT_FALSE(a.active(1));
@@ -704,6 +739,228 @@ TEST_P(KVQuantDecode, BitwiseIdenticalAcrossThreadCounts) {
       EXPECT_EQ(0, std::memcmp(lses[0].data(), lses[i].data(), lses[0].size() * sizeof(float)));
     }
   }
+}
+
+// ---- K per channel over closed 64-position tiles: the edge cases (SPEC "Quantized KV cache";
+// docs/design.md, "Quantized caches") ----
+
+// Appends keys [from, to) of sequence `seq` of `layer` in pieces of the sizes `pieces` cycles
+// through (tiles close inside a piece, at its end, or not at all). K: the real-keys profile
+// (testkit::apply_real_keys: outlier channels, per-channel offsets, massive tokens) with channel 2
+// all zeros (if d_h > 2); V: N(0, 1). k and v hold the sequence's rows [T][H_kv][d_h].
+void append_real(KVCache& c, std::int64_t layer, std::int64_t seq, const std::vector<float>& k,
+                 const std::vector<float>& v, std::int64_t from, std::int64_t to) {
+  const std::int64_t H = c.config().heads_kv, D = c.config().head_dim;
+  const std::int64_t pieces[] = {1, 37, 64, 5, 90, 63};
+  for (std::int64_t t = from, i = 0; t < to; ++i) {
+    const std::int64_t n = std::min(pieces[i % 6], to - t);
+    c.append(layer, seq, ConstTensorView::bthd(k.data() + t * H * D, 1, n, H, D),
+             ConstTensorView::bthd(v.data() + t * H * D, 1, n, H, D));
+    t += n;
+  }
+}
+std::pair<std::vector<float>, std::vector<float>> real_rows(std::int64_t T, std::int64_t H,
+                                                            std::int64_t D, std::uint64_t seed) {
+  std::vector<float> k = testkit::random_normal(static_cast<std::size_t>(T * H * D), seed);
+  testkit::apply_real_keys(k, T, H, D, seed + 1);
+  for (std::int64_t r = 0; D > 2 && r < T * H; ++r) k[static_cast<std::size_t>(r * D + 2)] = 0.0f;
+  return {k, testkit::random_normal(k.size(), seed + 2)};
+}
+
+// Decode of q over `layer` on this path with 1, 2 and 3 threads: each matches the oracle over the
+// values the cache holds, and all give the same bits.
+void expect_decode_per_spec(Isa isa, const StridedTensor& q, const KVCache& cache,
+                            std::int64_t layer, const DecodeOptions& base = {},
+                            const reference::Options& ro = {}) {
+  const std::int64_t B = q.view.shape[0], T = q.view.shape[1], H = q.view.shape[2],
+                     D = q.view.shape[3];
+  std::vector<reference::ForwardResult> refs;
+  for (std::int64_t b = 0; b < B; ++b) refs.push_back(cache_oracle(q, b, cache, layer, ro));
+  std::vector<float> first_out, first_lse;
+  for (int threads : {1, 2, 3}) {
+    SCOPED_TRACE("threads=" + std::to_string(threads));
+    StridedTensor out(B, T, H, D, Layout::bthd);  // poisoned (NaN)
+    std::vector<float> lse(static_cast<std::size_t>(B * H * T), kPoison);
+    DecodeOptions o = base;
+    o.isa = isa;
+    o.threads = threads;
+    attention_decode(q.view, cache, layer, out.view, TensorView::bht(lse.data(), B, H, T), o);
+    expect_decode_matches(out, lse, refs);
+    if (threads == 1) {
+      first_out = out.storage;
+      first_lse = lse;
+      continue;
+    }
+    EXPECT_EQ(0, std::memcmp(first_out.data(), out.storage.data(), out.storage.size() * 4));
+    EXPECT_EQ(0, std::memcmp(first_lse.data(), lse.data(), lse.size() * 4));
+  }
+}
+
+// Lengths around the tile (1, 63: the open tile alone; 64: one closed tile, none open; 65, 129:
+// closed tiles and an open one of one key), GQA ratios 1, 3 and 4, odd and even head widths, an
+// all-zero channel (δ = 0: zeros), the real-keys profile, every reading, contiguous and paged,
+// 1–3 threads (the same bits).
+TEST_P(KVQuantDecode, PerChannelTilesAcrossTileEdges) {
+  struct Shape {
+    std::int64_t hq, hkv, dh;
+  };
+  std::uint64_t seed = 100;
+  for (const QuantReading& reading : kQuantReadings)
+    for (const Shape sh : {Shape{2, 2, 7}, Shape{6, 2, 37}, Shape{8, 2, 64}, Shape{4, 1, 128}})
+      for (const std::int64_t L : {1, 63, 64, 65, 129})
+        for (const std::int64_t block : {0, 64}) {
+          const ScopedEnv widen("TOKENMIX_FP8_WIDEN", reading.fp8_widen);
+          SCOPED_TRACE(std::string(to_string(reading.dt)) + " " + reading.fp8_widen +
+                       layout_name(reading) + " L=" + std::to_string(L) +
+                       " H_q=" + std::to_string(sh.hq) + " H_kv=" + std::to_string(sh.hkv) +
+                       " d_h=" + std::to_string(sh.dh) + " block=" + std::to_string(block));
+          KVCache cache(read_as({1, 2, sh.hkv, sh.dh, 200, reading.dt, block, 0}, reading));
+          const std::int64_t lengths[] = {L, L == 1 ? 64 : L - 1};
+          for (std::int64_t b = 0; b < 2; ++b) {
+            const auto [k, v] = real_rows(lengths[b], sh.hkv, sh.dh, ++seed);
+            append_real(cache, 0, b, k, v, 0, lengths[b]);
+          }
+          for (const std::int64_t tnew : {1, 3}) {
+            std::mt19937_64 rng(++seed);
+            StridedTensor q(2, tnew, sh.hq, sh.dh, Layout::strided);
+            q.fill_random(rng);
+            expect_decode_per_spec(GetParam(), q, cache, 0);
+          }
+        }
+}
+
+// A rolling cache (W = 100: R = 192 slots) whose ring reuses the slots of a closed tile: the new
+// positions' K waits in the open tile (staging) while the old tile's keys that are still held
+// keep their K tile and scales, and a decode that sees both (T_new = R − W + 1 = 93: the first
+// query's window starts at first_position) reads each from its own place; then the open tile
+// closes over the old tile's slots. Also an append of more than R positions at once (the tile of
+// the first position kept is written whole), and the same on a paged ring.
+TEST_P(KVQuantDecode, RollingRingOverClosedTiles) {
+  std::uint64_t seed = 300;
+  for (const QuantReading& reading : kQuantReadings)
+    for (const std::int64_t block : {0, 64}) {
+      const ScopedEnv widen("TOKENMIX_FP8_WIDEN", reading.fp8_widen);
+      SCOPED_TRACE(std::string(to_string(reading.dt)) + " " + reading.fp8_widen +
+                   layout_name(reading) + " block=" + std::to_string(block));
+      const std::int64_t hq = 8, hkv = 2, dh = 40, W = 100;
+      KVCache cache(read_as({1, 2, hkv, dh, 100000, reading.dt, block, 0, W}, reading));
+      ASSERT_EQ(cache.retained_positions(), 192);
+      const auto [k0, v0] = real_rows(600, hkv, dh, ++seed);
+      const auto [k1, v1] = real_rows(600, hkv, dh, ++seed);
+      DecodeOptions o;
+      reference::Options ro;
+      o.window = ro.window = W;
+      const auto check = [&](std::int64_t tnew) {
+        std::mt19937_64 rng(++seed);
+        StridedTensor q(2, tnew, hq, dh, Layout::bthd);
+        q.fill_random(rng);
+        expect_decode_per_spec(GetParam(), q, cache, 0, o, ro);
+      };
+      // 250 and 200 positions: open tiles [192, 250) and [192, 200) in the slots of the closed
+      // tile [0, 64), whose positions from 58 and 8 are still held.
+      append_real(cache, 0, 0, k0, v0, 0, 250);
+      append_real(cache, 0, 1, k1, v1, 0, 200);
+      EXPECT_EQ(cache.first_position(0, 0), 58);
+      EXPECT_EQ(cache.first_position(1, 0), 8);
+      check(93);
+      check(1);
+      // 256: the open tile closes over [0, 64)'s slots; 260: that and a new open tile.
+      append_real(cache, 0, 0, k0, v0, 250, 256);
+      append_real(cache, 0, 1, k1, v1, 200, 260);
+      check(93);
+      check(2);
+      // 600 positions at once into a reset sequence (only its last R are held).
+      cache.reset(1);
+      cache.append(0, 1, ConstTensorView::bthd(k1.data(), 1, 600, hkv, dh),
+                   ConstTensorView::bthd(v1.data(), 1, 600, hkv, dh));
+      EXPECT_EQ(cache.first_position(1, 0), 408);
+      check(93);
+    }
+}
+
+// truncate into a closed tile reopens it: the keys it keeps are held as their dequantized values
+// c · δ_{τ,e} (fp32: within 2^-24) in the open tile, and when the tile closes again it is quantized
+// from them and the new keys with new channel scales (each kept key within half a new step of its
+// value). A truncate to a tile edge keeps the closed tiles as they are, and one inside the open
+// tile keeps its staged keys as they were appended. Decode matches the oracle after each.
+TEST_P(KVQuantDecode, TruncateIntoAClosedTileReopensIt) {
+  std::uint64_t seed = 500;
+  for (const QuantReading& reading : kQuantReadings)
+    for (const std::int64_t block : {0, 64}) {
+      const ScopedEnv widen("TOKENMIX_FP8_WIDEN", reading.fp8_widen);
+      SCOPED_TRACE(std::string(to_string(reading.dt)) + " " + reading.fp8_widen +
+                   layout_name(reading) + " block=" + std::to_string(block));
+      const std::int64_t hq = 6, hkv = 2, dh = 24;
+      KVCache cache(read_as({1, 2, hkv, dh, 400, reading.dt, block, 0}, reading));
+      const auto [k0, v0] = real_rows(300, hkv, dh, ++seed);
+      const auto [k1, v1] = real_rows(300, hkv, dh, ++seed);
+      append_real(cache, 0, 0, k0, v0, 0, 150);
+      append_real(cache, 0, 1, k1, v1, 0, 130);
+      const auto keys = [&](std::int64_t from, std::int64_t to) {
+        std::vector<std::vector<double>> x;
+        for (std::int64_t p = from; p < to; ++p)
+          for (std::int64_t h = 0; h < hkv; ++h) x.push_back(cached_row(cache, 0, 0, p, h, false));
+        return x;
+      };
+      const auto check = [&](std::int64_t tnew) {
+        std::mt19937_64 rng(++seed);
+        StridedTensor q(2, tnew, hq, dh, Layout::bthd);
+        q.fill_random(rng);
+        expect_decode_per_spec(GetParam(), q, cache, 0);
+      };
+      // Inside the open tile [128, 150): its kept keys as appended, bit for bit.
+      const auto before = keys(0, 140);
+      cache.truncate(0, 140);
+      EXPECT_EQ(keys(0, 140), before);
+      check(3);
+      // To a tile edge: the closed tiles as they were.
+      cache.truncate(0, 128);
+      EXPECT_EQ(keys(0, 128),
+                std::vector<std::vector<double>>(before.begin(), before.begin() + 128 * hkv));
+      // Into the closed tile [64, 128): it reopens with its 36 kept keys' values.
+      cache.truncate(0, 100);
+      const auto reopened = keys(64, 100);
+      for (std::size_t i = 0; i < reopened.size(); ++i) {
+        const std::int64_t p = 64 + static_cast<std::int64_t>(i) / hkv;
+        const std::int64_t h = static_cast<std::int64_t>(i) % hkv;
+        ASSERT_TRUE(stored_row(cache, 0, 0, p, h, false).open) << "position " << p;
+        for (std::int64_t e = 0; e < dh; ++e) {
+          const double was = before[64 * hkv + i][static_cast<std::size_t>(e)];
+          ASSERT_LE(std::fabs(reopened[i][static_cast<std::size_t>(e)] - was),
+                    0x1.0p-24 * std::fabs(was))
+              << "position " << p << " channel " << e;
+        }
+      }
+      EXPECT_EQ(keys(0, 64),
+                std::vector<std::vector<double>>(before.begin(), before.begin() + 64 * hkv));
+      check(1);
+      check(3);
+      // The tile closes again (new keys [100, 128)) and a new one opens: the kept keys within half
+      // a step of the re-quantized tile (int8; E4M3's spacing for fp8).
+      append_real(cache, 0, 0, k1, v1, 100, 140);
+      const auto closed = keys(64, 100);
+      for (std::size_t i = 0; i < closed.size(); ++i) {
+        const std::int64_t p = 64 + static_cast<std::int64_t>(i) / hkv;
+        const std::int64_t h = static_cast<std::int64_t>(i) % hkv;
+        const StoredRow r = stored_row(cache, 0, 0, p, h, false);
+        ASSERT_FALSE(r.open);
+        for (std::int64_t e = 0; e < dh; ++e) {
+          const double x = reopened[i][static_cast<std::size_t>(e)];
+          const double delta = r.deltas[static_cast<std::size_t>(e)];
+          const double tol = reading.dt == DType::int8
+                                 ? 0.5 * delta * (1 + 4e-5)
+                                 : 0x1.0p-4 * std::fabs(x) + 0x1.0p-10 * delta;
+          ASSERT_LE(std::fabs(closed[i][static_cast<std::size_t>(e)] - x), tol)
+              << "position " << p << " channel " << e;
+        }
+      }
+      check(1);
+      check(3);
+      // To 0 and again: like a fresh sequence.
+      cache.truncate(0, 0);
+      append_real(cache, 0, 0, k0, v0, 0, 70);
+      check(2);
+    }
 }
 
 // fp8 E4M3 read directly as fp32 bits (subnormal fp32 for the subnormal codes, scale·Q
@@ -1253,10 +1510,11 @@ TEST(DecodeAmxSwitch, ValuesAndCacheDtypeAreChecked) {
       EXPECT_NE(std::string(e.what()).find(to_string(dt)), std::string::npos) << e.what();
     }
   }
-  // The features the caches need: fp8's include int8's, bf16's are fp8's.
+  // int8 and fp8 caches (K per channel per closed tile) never take the tile products
+  // (docs/performance.md, D-kv-3); bf16's features include AMX-INT8's.
   const ScopedEnv unset("TOKENMIX_DECODE_AMX", nullptr);
-  EXPECT_TRUE(!decode_amx(DType::fp8_e4m3) || decode_amx(DType::int8));
-  EXPECT_EQ(decode_amx(DType::bf16), decode_amx(DType::fp8_e4m3));
+  EXPECT_FALSE(decode_amx(DType::int8));
+  EXPECT_FALSE(decode_amx(DType::fp8_e4m3));
   EXPECT_TRUE(!cpu_features().amx_bf16 || cpu_features().amx_int8);
 }
 

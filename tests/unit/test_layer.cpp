@@ -361,37 +361,52 @@ LayerOracle layer_oracle(const CausalSelfAttention& layer, std::span<const float
 // The K/V rows a KVCache held for one sequence, read back (kv_oracle.hpp: cached_row; bf16 / f16
 // widened, int8 / fp8 dequantized) after each call, before a rolling cache drops them, and which
 // queries attended the fresh fp32 K/V instead: those of a call into an empty sequence on an
-// unquantized cache (layer.hpp: prefill).
+// unquantized cache (layer.hpp: prefill). Each call's queries are checked against the keys as
+// they were held at that call: a quantized cache's K changes when its 64-position tile closes
+// (SPEC "Quantized KV cache": held unquantized while open), so a later call attends other values
+// for the same earlier positions.
 struct HeldSequence {
-  Tensor64 k, v;            // [1, T, H_kv, d_h]
+  struct Call {
+    std::int64_t from, to;  // the call's query positions
+    Tensor64 k, v;          // [1, to, H_kv, d_h]: positions [0, to) as held after it
+  };
+  std::int64_t hkv, dh;
+  std::vector<Call> calls;
   std::vector<bool> fresh;  // [T]
-  HeldSequence(std::int64_t T, std::int64_t hkv, std::int64_t dh)
-      : k(std::array<std::int64_t, 4>{1, T, hkv, dh}),
-        v(std::array<std::int64_t, 4>{1, T, hkv, dh}),
-        fresh(static_cast<std::size_t>(T), false) {}
-  // Positions [from, to) of sequence b, as the cache holds them now.
+  HeldSequence(std::int64_t T, std::int64_t hkv_, std::int64_t dh_)
+      : hkv(hkv_), dh(dh_), fresh(static_cast<std::size_t>(T), false) {}
+  // A call's queries [from, to) of sequence b: the keys [0, to) as the cache holds them now (from
+  // its first position; older ones, outside every window, zeros).
   void read_back(const KVCache& cache, std::int64_t b, std::int64_t from, std::int64_t to) {
-    const std::int64_t hkv = k.shape[2], dh = k.shape[3];
-    for (std::int64_t p = from; p < to; ++p)
+    Call c{from, to, Tensor64({1, to, hkv, dh}), Tensor64({1, to, hkv, dh})};
+    for (std::int64_t p = cache.first_position(b, 0); p < to; ++p)
       for (std::int64_t j = 0; j < hkv; ++j) {
         const auto kr = cached_row(cache, 0, b, p, j, false);
         const auto vr = cached_row(cache, 0, b, p, j, true);
         for (std::int64_t x = 0; x < dh; ++x) {
-          k.at(0, p, j, x) = kr[static_cast<std::size_t>(x)];
-          v.at(0, p, j, x) = vr[static_cast<std::size_t>(x)];
+          c.k.at(0, p, j, x) = kr[static_cast<std::size_t>(x)];
+          c.v.at(0, p, j, x) = vr[static_cast<std::size_t>(x)];
         }
       }
+    calls.push_back(std::move(c));
   }
   // The layer's output [T, d] in double with each query over the K/V it attended: the oracle's
-  // (fresh) or the held rows, through the oracle's options and W_O.
+  // (fresh) or those its call held, through the oracle's options and W_O.
   std::vector<double> expected(const CausalSelfAttention& layer, const LayerOracle& ref) const {
     const Tensor64 y_fresh = reference::attention_forward(ref.q, ref.k, ref.v, ref.opts).out;
-    Tensor64 y = reference::attention_forward(ref.q, k, v, ref.opts).out;
-    const std::int64_t T = y.shape[1], hq = y.shape[2], dh = y.shape[3];
-    for (std::int64_t t = 0; t < T; ++t)
-      if (fresh[static_cast<std::size_t>(t)])
+    Tensor64 y = y_fresh;
+    const std::int64_t hq = y.shape[2];
+    for (const Call& c : calls) {  // bottom-right: query i at position from + i
+      Tensor64 q({1, c.to - c.from, hq, dh});
+      for (std::int64_t t = c.from; t < c.to; ++t)
         for (std::int64_t n = 0; n < hq * dh; ++n)
-          y.at(0, t, n / dh, n % dh) = y_fresh.at(0, t, n / dh, n % dh);
+          q.at(0, t - c.from, n / dh, n % dh) = ref.q.at(0, t, n / dh, n % dh);
+      const Tensor64 yc = reference::attention_forward(q, c.k, c.v, ref.opts).out;
+      for (std::int64_t t = c.from; t < c.to; ++t)
+        for (std::int64_t n = 0; n < hq * dh; ++n)
+          if (!fresh[static_cast<std::size_t>(t)])
+            y.at(0, t, n / dh, n % dh) = yc.at(0, t - c.from, n / dh, n % dh);
+    }
     return output_projection(layer, y);
   }
 };

@@ -140,5 +140,26 @@ TEST(OracleSlices, Slice64TakesRowsAndHeadsOfEveryBatch) {
   EXPECT_EQ(testkit::slice64(x, B, T, H, D).data, std::vector<double>(x.begin(), x.end()));
 }
 
+// The real-keys profile: k[t, h, e] = m_t · s_{h,e} · (x + o_{h,e}), its outlier channels at
+// (5 + i·⌊d_h / 6⌋ + h) mod d_h, massive tokens 0, 1 and 2048; a k too small is refused.
+TEST(RealKeys, OutlierChannelsOffsetsAndMassiveTokens) {
+  const std::int64_t T = 2050, H = 2, D = 12;
+  std::vector<float> k(static_cast<std::size_t>(T * H * D), 0.0f);  // x = 0: k = m_t s o
+  testkit::apply_real_keys(k, T, H, D, 5);
+  const std::vector<float> o = testkit::random_normal(static_cast<std::size_t>(H * D), 5);
+  for (std::int64_t t : {0, 1, 2, 1000, 2048, 2049})
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t e = 0; e < D; ++e) {
+        double s = 1.0;
+        for (std::int64_t i = 0; i < 6; ++i)
+          if (e == (5 + 2 * i + h) % D) s = testkit::kRealKeyOutliers[i];
+        const double m = t == 0 || t == 1 || t == 2048 ? testkit::kRealKeyMassive : 1.0;
+        EXPECT_FLOAT_EQ(k[static_cast<std::size_t>((t * H + h) * D + e)],
+                        static_cast<float>(m * s * o[static_cast<std::size_t>(h * D + e)]))
+            << "t=" << t << " h=" << h << " e=" << e;
+      }
+  EXPECT_THROW(testkit::apply_real_keys(k, T + 1, H, D, 5), ArgumentError);
+}
+
 }  // namespace
 }  // namespace tokenmix::testing

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <thread>
 
+#include "decode/kv_cache_access.hpp"
 #include "kernels/kv_element.hpp"
 #include "reference/reference.hpp"
 #include "testkit.hpp"
@@ -347,13 +348,13 @@ std::string to_json(const BenchResult& r) {
     os << ", \"cache_dtype\": \"" << r.cache_dtype << "\", \"gbps\": " << r.gbps
        << ", \"ceiling_gbps\": " << r.ceiling_gbps << ", \"tokens_per_s\": " << r.tokens_per_s
        << ", \"err_vs_unquantized\": " << r.err_vs_unquantized
-       << ", \"kv_outlier\": " << r.kv_outlier << ", \"ceiling_gbps_kind\": \""
-       << r.ceiling_gbps_kind << "\", \"ratio_gflops\": " << r.ratio_gflops
-       << ", \"kv_bytes\": " << r.kv_bytes << ", \"flops\": " << std::setprecision(17) << r.flops
-       << std::setprecision(6) << ", \"roofline_ms\": " << r.roofline_ms
-       << ", \"ratio_roofline\": " << r.ratio_roofline << ", \"seconds_min\": " << r.seconds_min
-       << ", \"seconds_max\": " << r.seconds_max << ", \"lengths\": \"" << r.lengths
-       << "\", \"cache_tokens_total\": " << r.cache_tokens_total
+       << ", \"kv_outlier\": " << r.kv_outlier << ", \"kv_profile\": \"" << r.kv_profile
+       << "\", \"ceiling_gbps_kind\": \"" << r.ceiling_gbps_kind
+       << "\", \"ratio_gflops\": " << r.ratio_gflops << ", \"kv_bytes\": " << r.kv_bytes
+       << ", \"flops\": " << std::setprecision(17) << r.flops << std::setprecision(6)
+       << ", \"roofline_ms\": " << r.roofline_ms << ", \"ratio_roofline\": " << r.ratio_roofline
+       << ", \"seconds_min\": " << r.seconds_min << ", \"seconds_max\": " << r.seconds_max
+       << ", \"lengths\": \"" << r.lengths << "\", \"cache_tokens_total\": " << r.cache_tokens_total
        << ", \"cache_tokens_min\": " << r.cache_tokens_min
        << ", \"cache_tokens_max\": " << r.cache_tokens_max << ", \"rounds\": " << r.rounds;
   }
@@ -432,6 +433,10 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
         ErrorCode::invalid_argument,
         "bench: --kv-outlier must be a finite number > 0; got " + std::to_string(cfg.kv_outlier));
   }
+  if (cfg.kv_profile != "normal" && cfg.kv_profile != "real") {
+    throw ArgumentError(ErrorCode::invalid_argument,
+                        "bench: --kv-profile must be normal or real; got '" + cfg.kv_profile + "'");
+  }
   struct DecodeCase {
     std::int64_t batch, tnew, tk;
     DType dtype;
@@ -497,6 +502,14 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
       Tn = 0;
       kv_k = random_normal(static_cast<std::size_t>(B * kFill * Hkv * D), 21);
       kv_v = random_normal(kv_k.size(), 22);
+      if (cfg.kv_profile == "real") {
+        for (std::int64_t b = 0; b < B; ++b) {
+          std::vector<float> rows(kv_k.begin() + b * kFill * Hkv * D,
+                                  kv_k.begin() + (b + 1) * kFill * Hkv * D);
+          testkit::apply_real_keys(rows, kFill, Hkv, D, 31);
+          std::copy(rows.begin(), rows.end(), kv_k.begin() + b * kFill * Hkv * D);
+        }
+      }
       for (std::size_t i = 0; i < kv_k.size(); i += static_cast<std::size_t>(D)) {  // channel 0
         kv_k[i] = static_cast<float>(kv_k[i] * cfg.kv_outlier);
         kv_v[i] = static_cast<float>(kv_v[i] * cfg.kv_outlier);
@@ -652,18 +665,15 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
       return static_cast<double>(kernels::load_element(c.dtype, &slot, 0));
     };
     const bool quantized = kernels::is_quantized(c.dtype);
-    const auto format =
-        c.dtype == DType::int8 ? reference::KVQuant::int8 : reference::KVQuant::fp8_e4m3;
-    std::vector<std::byte> qk(static_cast<std::size_t>(D)), qv(qk.size());
+    std::vector<double> kr(static_cast<std::size_t>(D)), vr(kr.size());
     for (std::int64_t t = 0; t < L0; ++t) {
       const std::size_t row = static_cast<std::size_t>(((t % kFill) * Hkv) * D);
-      if (quantized) {
-        const float dk = kernels::quantize_row(c.dtype, &kv_k[row], 1, D, qk.data(), 1);
-        const float dv = kernels::quantize_row(c.dtype, &kv_v[row], 1, D, qv.data(), 1);
+      if (quantized) {  // the values the cache holds (K per channel per tile, V per row)
+        detail::KVCacheAccess::cached_row(cache, 0, 0, t, 0, false, kr.data());
+        detail::KVCacheAccess::cached_row(cache, 0, 0, t, 0, true, vr.data());
         for (std::int64_t x = 0; x < D; ++x) {
-          const auto i = static_cast<std::size_t>(x);
-          k64.at(0, t, 0, x) = reference::dequantize(format, static_cast<std::uint8_t>(qk[i]), dk);
-          v64.at(0, t, 0, x) = reference::dequantize(format, static_cast<std::uint8_t>(qv[i]), dv);
+          k64.at(0, t, 0, x) = kr[static_cast<std::size_t>(x)];
+          v64.at(0, t, 0, x) = vr[static_cast<std::size_t>(x)];
         }
         continue;
       }
@@ -688,6 +698,7 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
     res.err_vs_unquantized =
         testkit::rel_err(testkit::slice64(o, 1, Tn, Hq, D, 0, Tn, 0, g).data, exact.out.data);
     res.kv_outlier = cfg.kv_outlier;
+    res.kv_profile = cfg.kv_profile;
     results.push_back(res);
     print_result(out, res, cfg.json);
     out.flush();

@@ -99,6 +99,9 @@ struct BenchConfig {
   /// decode: K and V channel 0 of every head multiplied by this (an outlier channel, SPEC
   /// "Quantized KV cache"); 1 = N(0, 1) everywhere. Finite and > 0.
   double kv_outlier = 1.0;
+  /// decode: "normal" (N(0, 1) K and V) or "real" (K through testkit::apply_real_keys: outlier
+  /// channels, per-channel offsets, massive tokens; before --kv-outlier).
+  std::string kv_profile = "normal";
   BenchVariants variants;  ///< score variants of every case (forward, backward and decode)
   /// The ceilings' sizes (--gemm-n, --read-mib): the sgemm's n and the streaming read's buffer.
   /// The defaults measure the CPU (2048³; 1 GiB ≫ L3); smaller ones make quick runs and the CLI
@@ -139,7 +142,8 @@ struct BenchResult {
   /// decode: max_rel_err against the float64 oracle over the *unrounded* fp32 K/V (the cache
   /// dtype's rounding or quantization error, SPEC "Quantized KV cache": reported, not hidden)
   double err_vs_unquantized = 0.0;
-  double kv_outlier = 1.0;  ///< decode: BenchConfig::kv_outlier of the case
+  double kv_outlier = 1.0;            ///< decode: BenchConfig::kv_outlier of the case
+  std::string kv_profile = "normal";  ///< decode: BenchConfig::kv_profile of the case
   std::string ceiling_gbps_kind = "stream_read_1GiB";  ///< decode: what ceiling_gbps measured
   double ratio_gflops = 0.0;                           ///< decode: gflops / ceiling_gflops
   std::uint64_t kv_bytes = 0;  ///< decode: K/V bytes the step reads (tokenmix::decode_bytes)

@@ -100,6 +100,11 @@ Command add_bench_command(CLI::App& parent) {
                   "same lengths); bytes and FLOPs count each sequence's own length")
       ->check(CLI::IsMember({"equal", "mixed"}))
       ->capture_default_str();
+  app->add_option("--kv-profile", o->config.kv_profile,
+                  "decode: K values: normal (N(0, 1)) or real (outlier channels x10-x30, "
+                  "per-channel offsets, massive tokens: testkit::apply_real_keys)")
+      ->check(CLI::IsMember({"normal", "real"}))
+      ->capture_default_str();
   app->add_option("--kv-outlier", o->config.kv_outlier,
                   "decode: multiply K and V channel 0 of every head by this (an outlier channel; "
                   "1 = none); the JSON's err_vs_unquantized is the error against the unrounded "

@@ -51,11 +51,11 @@ int run_info() {
   const std::string amx_how = how("TOKENMIX_DECODE_AMX");
   std::cout << "int8 decode:     "
             << (tuning.amx_int8 ? "AMX-INT8 tile products in units of >= 4 rows (cache in quads)"
-                                : "FMA products (no AMX-INT8 tile products)")
+                                : "FMA products (K per channel per tile: no AMX tile products)")
             << " on " << path << " (" << amx_how << ")\n";
   std::cout << "fp8 decode:      "
             << (tuning.amx_fp8 ? "AMX-BF16 tile products in units of >= 16 rows"
-                               : "FMA products (no AMX-BF16 tile products)")
+                               : "FMA products (K per channel per tile: no AMX tile products)")
             << " on " << path << " (" << amx_how << ")\n";
   std::cout << "bf16 decode:     "
             << (tuning.amx_bf16 ? "AMX-BF16 tile products in units of >= 32 rows"

@@ -124,7 +124,10 @@ int report(const LayerRunOptions& o, const LayerRunResult& r) {
   std::printf("\n");
 
   // KV cache (SPEC 4.8): 2 · n · B · T · H_kv · d_h · sizeof(element), here n = B = T = 1.
-  // int8 / fp8: one byte per element plus each row's fp32 scale (SPEC "Quantized KV cache").
+  // int8 / fp8: one byte per element plus the fp32 scales, per token: V's row scale and K's share
+  // of its tile's d_h channel scales (padded to 64 bytes, over 64 positions; SPEC "Quantized KV
+  // cache"; the open tile's fp32 copy, per sequence, not counted).
+  constexpr std::int64_t kQuantScaleBytes = 4 + (4 * kHeadDim + 63) / 64 * 64 / 64;
   std::printf("KV cache of this layer per token (SPEC 4.8: 2 * H_kv * d_h * sizeof(element))\n");
   std::printf("  %-22s %12s %12s %12s %18s\n", "", "fp32", "bf16/fp16", "int8/fp8+sc",
               "fp32, B*T tokens");
@@ -133,7 +136,8 @@ int report(const LayerRunOptions& o, const LayerRunResult& r) {
     std::printf("  %-22s %10llu B %10llu B %10llu B %18s\n", name,
                 static_cast<unsigned long long>(kv_cache_bytes(1, 1, 1, hkv, kHeadDim, 4)),
                 static_cast<unsigned long long>(kv_cache_bytes(1, 1, 1, hkv, kHeadDim, 2)),
-                static_cast<unsigned long long>(kv_cache_bytes(1, 1, 1, hkv, kHeadDim + 4, 1)),
+                static_cast<unsigned long long>(kv_cache_bytes(1, 1, 1, hkv, kHeadDim, 1) +
+                                                hkv * kQuantScaleBytes),
                 human_bytes(kv_cache_bytes(1, B, T, hkv, kHeadDim, 4)).c_str());
   }
   std::printf("  GQA holds %lldx less than MHA for the same layer\n",

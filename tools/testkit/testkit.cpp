@@ -82,6 +82,33 @@ std::vector<float> random_normal(std::size_t n, std::uint64_t seed, double sigma
   return out;
 }
 
+void apply_real_keys(std::vector<float>& k, std::int64_t T, std::int64_t H, std::int64_t D,
+                     std::uint64_t seed) {
+  if (T < 0 || H < 1 || D < 1 ||
+      (T > 0 && static_cast<std::uint64_t>(H) * D > k.size() / static_cast<std::uint64_t>(T))) {
+    throw ArgumentError(ErrorCode::invalid_argument,
+                        "apply_real_keys: k must hold T * H * D values with T >= 0, H, D >= 1; "
+                        "got k.size() = " +
+                            std::to_string(k.size()) + ", T = " + std::to_string(T) +
+                            ", H = " + std::to_string(H) + ", D = " + std::to_string(D));
+  }
+  const std::vector<float> offset =
+      random_normal(static_cast<std::size_t>(H * D), seed, kRealKeyOffsetSigma);
+  std::vector<double> s(static_cast<std::size_t>(H * D), 1.0);
+  constexpr std::int64_t kOutliers = std::size(kRealKeyOutliers);
+  for (std::int64_t h = 0; h < H; ++h)
+    for (std::int64_t i = 0; i < kOutliers; ++i)
+      s[static_cast<std::size_t>(h * D + (5 + i * (D / kOutliers) + h) % D)] = kRealKeyOutliers[i];
+  for (std::int64_t t = 0; t < T; ++t) {
+    const double m = t % kRealKeyMassiveEvery == 0 || t == 1 ? kRealKeyMassive : 1.0;
+    for (std::int64_t c = 0; c < H * D; ++c) {
+      float& x = k[static_cast<std::size_t>(t * H * D + c)];
+      x = static_cast<float>(m * s[static_cast<std::size_t>(c)] *
+                             (x + offset[static_cast<std::size_t>(c)]));
+    }
+  }
+}
+
 const std::vector<Isa>& concrete_isas() {
   static const std::vector<Isa> isas = {Isa::portable, Isa::avx2, Isa::avx512, Isa::neon,
                                         Isa::avx512_bf16};

@@ -219,6 +219,21 @@ double attention_loss(const reference::Tensor64& q, const reference::Tensor64& k
 /// Seeded N(0, sigma) values.
 std::vector<float> random_normal(std::size_t n, std::uint64_t seed, double sigma = 1.0);
 
+/// The "real keys" profile (`tokenmix bench decode --kv-profile real`; docs/performance.md,
+/// D-kv-4): keys as a quantizer sees real LLMs' K — a few channels 10–30× the others, an offset
+/// per channel, a few massive tokens (the first ones, attention sinks). Its named defaults:
+inline constexpr double kRealKeyOutliers[] = {10, 14, 18, 22, 26, 30};  // ×s_i, one channel each
+inline constexpr double kRealKeyOffsetSigma = 1.0;          // o_{h,e} ~ N(0, σ_o), per channel
+inline constexpr double kRealKeyMassive = 6.0;              // m_t of a massive token
+inline constexpr std::int64_t kRealKeyMassiveEvery = 2048;  // massive: t ≡ 0 (mod this), t = 1
+/// K rows [T, H, d_h] (contiguous, at least T·H·d_h values, N(0, 1)) are turned in place into
+/// k[t, h, e] = m_t · s_{h,e} · (x + o_{h,e}): s_{h,e} = kRealKeyOutliers[i] for channel
+/// e = (5 + i·⌊d_h / 6⌋ + h) mod d_h (i = 0..5; another channel per head), else 1; the offsets
+/// seeded by `seed`; m_t = kRealKeyMassive for the massive tokens, else 1. Throws ArgumentError
+/// naming k, T, H or D if they do not fit.
+void apply_real_keys(std::vector<float>& k, std::int64_t T, std::int64_t H, std::int64_t D,
+                     std::uint64_t seed);
+
 // --- kernel paths --------------------------------------------------------------------------------
 
 /// The concrete kernel paths: portable, avx2, avx512 (x86, lowest first), neon (AArch64).

@@ -1,7 +1,9 @@
 // src/kernels/portable/attention_decode_portable.cpp — decode attention over a KVCache in plain
 // C++ (every CPU; the baseline the SIMD kernel is tested against), one function per cache element
-// type: attention_decode_<f32|bf16|f16|int8|fp8_e4m3>_portable. Quantized caches are widened to
-// x̂ = q · δ (fp32) with each row's scale as the tile is widened. Unit contract: DecodeArgs in
+// type: attention_decode_<f32|bf16|f16|int8|fp8_e4m3>_portable. Quantized caches (SPEC
+// "Quantized KV cache"): a closed K tile is widened to its codes c and its channel scales fold
+// into the query rows once per tile (q·k̂_u = Σ_e (q_e δ_{τ,e}) c_{u,e}), the open tile is read as
+// staged (fp32), V is widened to c · δ_u (per row). Unit contract: DecodeArgs in
 // attention_kernels.hpp.
 //
 // Per unit (sequence b, KV head j, query block, key chunk [k0, k1)) and key tile of 64 keys:
@@ -54,6 +56,7 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
     float* sc = a.scratch.at(a.slots.scores, worker);    // scores [rows][64]
     float* kf = a.scratch.at(a.slots.k_f32, worker);     // K tile [d_h][64], fp32
     float* vf = a.scratch.at(a.slots.v_f32, worker);     // V rows [64][d_h], fp32
+    float* qf = a.scratch.at(a.slots.q_folded, worker);  // quantized: scale·q ⊙ δ_τ [rows][d_h]
     float* acc = a.part_acc + unit * rows * dh;          // Õ [rows][d_h]
     float* m_run = a.part_m + unit * rows;
     float* l_run = a.part_l + unit * rows;
@@ -78,6 +81,7 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
 
     for (std::int64_t u0 = kb; u0 < k1; u0 += kKeyTile) {
       const std::int64_t nt = std::min(kKeyTile, k1 - u0);
+      const float* qk = qs;  // the query rows of the score product
       const std::int64_t tile = a.tile_offset(b, j, u0) * static_cast<std::int64_t>(esz);
       const auto* kt = static_cast<const std::byte*>(a.k_layer) + tile;  // K tile [d_h][64]
       const auto* vt =  // V rows [nt][d_h], row stride vld
@@ -85,14 +89,29 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
                            a.v_row(b, j, u0) * static_cast<std::int64_t>(esz)
                      : static_cast<const std::byte*>(a.v_layer) + tile;
       if constexpr (is_quantized(kDType)) {
-        // x̂ = q · δ (SPEC "Quantized KV cache"): each row's fp32 scale follows its tile.
-        float ks[kKeyTile], vs[kKeyTile];
-        std::memcpy(ks, kt + a.layout.tile_elems(), sizeof ks);
+        // SPEC "Quantized KV cache": a closed K tile is k̂_{u,e} = c_{u,e} · δ_{τ,e}, its d_h
+        // channel scales after it; the open tile (keys from open_start) is read unquantized from
+        // the staging copy; V is x̂_u = c_u · δ_u, each row's scale after the V tile.
+        float vs[kKeyTile];
         std::memcpy(vs, vt + a.layout.tile_elems(), sizeof vs);
-        // (int8: the elements in the tiles' quads, a.layout.key_in_tile / value_in_tile)
-        for (std::int64_t x = 0; x < dh; ++x)
-          for (std::int64_t u = 0; u < nt; ++u)
-            kf[x * kKeyTile + u] = load_element(kDType, kt, a.layout.key_in_tile(u, x)) * ks[u];
+        // q·k̂_u = Σ_e (q_e δ_{τ,e}) c_{u,e}: the channel scales fold into the query rows once
+        // per tile (qk), K stays c.
+        qk = qf;
+        if (u0 == a.open_start(b)) {
+          const float* open = a.open_tile(b, j);
+          for (std::int64_t x = 0; x < dh; ++x)
+            for (std::int64_t u = 0; u < nt; ++u) kf[x * kKeyTile + u] = open[x * kKeyTile + u];
+          qk = qs;
+        } else {
+          for (std::int64_t x = 0; x < dh; ++x) {
+            float delta = 0.0f;
+            std::memcpy(&delta, kt + a.layout.tile_elems() + x * 4, sizeof delta);
+            for (std::int64_t r = 0; r < nrows; ++r) qf[r * dh + x] = qs[r * dh + x] * delta;
+            // (int8: the elements in the tiles' quads, a.layout.key_in_tile / value_in_tile)
+            for (std::int64_t u = 0; u < nt; ++u)
+              kf[x * kKeyTile + u] = load_element(kDType, kt, a.layout.key_in_tile(u, x));
+          }
+        }
         for (std::int64_t u = 0; u < nt; ++u)
           for (std::int64_t x = 0; x < dh; ++x)
             vf[u * dh + x] = load_element(kDType, vt, a.layout.value_in_tile(u, x)) * vs[u];
@@ -110,7 +129,7 @@ void DecodeUnitsPortable(const DecodeArgs& a) {
         float* score = sc + r * kKeyTile;
         std::fill(score, score + nt, 0.0f);
         for (std::int64_t x = 0; x < dh; ++x) {  // scores = (scale·q) Kᵀ, keys in the tile (4.2)
-          const float qx = qs[r * dh + x];
+          const float qx = qk[r * dh + x];
           for (std::int64_t u = 0; u < nt; ++u) score[u] += qx * kf[x * kKeyTile + u];
         }
         float tmax = kNegInf;

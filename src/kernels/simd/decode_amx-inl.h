@@ -3,7 +3,11 @@
 // TOKENMIX_HAVE_AMX on the AVX-512 targets, AmxProducts<TB> (a unit's S and Õ on AMX tiles,
 // amx_decode.hpp) for the int8, fp8 and bf16 caches. DecodeTiles<TB> names the one a reader of
 // cache element TB takes on this target; the skeleton (decode_skeleton-inl.h) asks it on(),
-// KeepAwake(), Values() and EndUnit() / EndCall(), the reader BeginUnit() and Scores().
+// KeepAwake(), Values() and EndUnit() / EndCall(), the reader BeginUnit() and Scores(). Only the
+// bf16 reader takes DecodeTiles now: the int8 and fp8 readers hold FmaProducts, since their K is
+// quantized per channel per tile and the tile products' query planes are written once per unit
+// (docs/performance.md, D-kv-3); AmxProducts<int8_t / fp8_e4m3_t> are kept for a per-tile plane
+// rewrite.
 //
 // Highway "-inl" header: included once per target from a foreach_target translation unit.
 #if defined(TOKENMIX_KERNELS_SIMD_DECODE_AMX_INL_H_) == defined(HWY_TARGET_TOGGLE)

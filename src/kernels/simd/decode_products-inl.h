@@ -111,8 +111,9 @@ HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std
 }
 
 // The Reader policy (one per cache dtype family; all members inlined into the loop):
-//   Elem, kQuantized       the cache element; quantized: per-row scales after each tile, K's
-//                          multiply S (times KeyPost()), V's multiply P (times 1 / ValueUnit())
+//   Elem, kQuantized       the cache element; quantized: K's channel scales after each K tile
+//                          (folded into the rows, see below), V's row scales after each V tile
+//                          multiply P (times 1 / ValueUnit())
 //   RowElem                (activation dtypes) what a row's own-keys P·V product reads
 //   tiles                  its product backend (decode_amx-inl.h)
 //   Reader(a)              per call and worker
@@ -126,12 +127,119 @@ HWY_INLINE std::int64_t ColumnBlocks(D d, std::int64_t rows, const float* a, std
 //   ValueIndex(a, u, x, vld)  element of V[u][x] in the tile (the scalar tail)
 //   EndUnit(u)             Õ's columns back in order
 //
-// Quantized caches (SPEC "Quantized KV cache"): K's row scales δ_u multiply the score lanes
-// after Q Kᵀ over the stored q (S_u = δ_u · Σ_x (s·q_r)[x] q_u[x]), and V's multiply P before
-// P V (Õ += Σ_u (P_u δ_u) q_u, l from the unscaled P): attention over x̂ = q · δ at fp32
-// rounding level; the elements are widened in registers (LoadB) and never stored as fp32.
-// LoadB returns q · kLoadBUnit (2^−8 for fp8): the scales are multiplied by 1 / kLoadBUnit
-// (exact, a power of two), and the scalar tail reads q · kLoadBUnit too.
+//   KeyFold()              quantized: the power of two f the skeleton folds into scale·Q ⊙ δ_τ
+//   KeyMax()               quantized: KeyTile reads qmax (else it is 0)
+//   KeyTile(qmax)          quantized, per closed K tile, qmax = max |scale·Q ⊙ δ_τ| (f = 1):
+//                          picks the tile's K reading; returns the power of two the fold then
+//                          multiplies the rows by (1: none)
+//
+// Quantized caches (SPEC "Quantized KV cache"): a closed K tile's channel scales δ_{τ,e} fold
+// into the query rows once per tile (FoldKeyScales: S_u = Σ_e ((s·q_r)[e] δ_{τ,e}) c_{u,e}, times
+// KeyPost()), so the inner loop stays one-byte → fp32 FMAs (docs/performance.md, D-kv-2); the open
+// tile (keys from DecodeArgs::open_start) is read unquantized from its fp32 staging copy by the
+// float product. V's row scales multiply P before P V (Õ += Σ_u (P_u δ_u) c_u, l from the unscaled
+// P): attention over the dequantized values at fp32 rounding level; the elements are widened in
+// registers (LoadB) and never stored as fp32. LoadB returns c · kLoadBUnit (2^−8 for fp8): the
+// scales are multiplied by 1 / kLoadBUnit (exact, a power of two), and the scalar tail reads
+// c · kLoadBUnit too.
+
+// Quantized caches, K (SPEC "Quantized KV cache"): q·k̂_u = Σ_e (q_e δ_{τ,e}) c_{u,e}, the
+// channel scales δ_τ of a closed K tile folded into the unit's query rows once per tile and
+// query row: qd[x][r] = (qs[x][r] · (δ[x] · f)) · up over [d_h][nrows] (DecodeUnit::qs's layout),
+// f and up powers of two (f: the reader's KeyFold(), the unit its K reading's LoadB returns; up:
+// KeyTile()'s prescale; 1 is not multiplied). Vectorised three ways: nrows a multiple of Lanes
+// (δ[x] broadcast per channel), Lanes a multiple of nrows (one vector spans Lanes / nrows
+// channels: δ's lanes repeated by a table lookup; δ is read a vector at a time, up to Lanes − 1
+// floats past the d_h scales: the V tile follows them in the cache), else scalar. One pass, no
+// integer division: a 64-bit idiv per vector (δ at i / nrows) made a hot one-thread int8 step 8 %
+// slower than per-row K on AMD Zen 3, and a second pass for fp8's prescale cost 4 % more
+// (docs/performance.md, D-kv-2).
+template <bool kF, bool kUp, class D>
+HWY_INLINE void FoldKeyScalesT(D d, const float* HWY_RESTRICT qs, const float* HWY_RESTRICT delta,
+                               float f, float up, std::int64_t dh, std::int64_t nrows,
+                               float* HWY_RESTRICT qd) {
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+  const auto vf = hn::Set(d, f), vup = hn::Set(d, up);
+  std::int64_t x = 0;  // channels [0, x) folded by the vector loops
+  if (nrows % N == 0) {
+    for (; x < dh; ++x) {
+      const auto s = hn::Set(d, kF ? delta[x] * f : delta[x]);
+      for (std::int64_t r = 0; r < nrows; r += N) {
+        auto v = hn::Mul(hn::LoadU(d, qs + x * nrows + r), s);
+        if constexpr (kUp) v = hn::Mul(v, vup);
+        hn::StoreU(v, d, qd + x * nrows + r);
+      }
+    }
+  } else if (N % nrows == 0) {
+    const std::int64_t per = N / nrows;  // channels per vector
+    const hn::RebindToSigned<D> di;
+    HWY_ALIGN std::int32_t lanes[hn::MaxLanes(di)];
+    for (std::int64_t c = 0; c < per; ++c)  // lane c·nrows + r takes channel c
+      for (std::int64_t r = 0; r < nrows; ++r) lanes[c * nrows + r] = static_cast<std::int32_t>(c);
+    const auto idx = hn::IndicesFromVec(d, hn::Load(di, lanes));
+    for (; x + per <= dh; x += per) {
+      auto s = hn::TableLookupLanes(hn::LoadU(d, delta + x), idx);
+      if constexpr (kF) s = hn::Mul(s, vf);
+      auto v = hn::Mul(hn::LoadU(d, qs + x * nrows), s);
+      if constexpr (kUp) v = hn::Mul(v, vup);
+      hn::StoreU(v, d, qd + x * nrows);
+    }
+  }
+  for (; x < dh; ++x) {
+    const float s = kF ? delta[x] * f : delta[x];
+    for (std::int64_t r = 0; r < nrows; ++r) {
+      const float v = qs[x * nrows + r] * s;
+      qd[x * nrows + r] = kUp ? v * up : v;
+    }
+  }
+}
+template <class D>
+HWY_INLINE void FoldKeyScales(D d, const float* HWY_RESTRICT qs, const float* HWY_RESTRICT delta,
+                              float f, float up, std::int64_t dh, std::int64_t nrows,
+                              float* HWY_RESTRICT qd) {
+  if (f == 1.0f && up == 1.0f)
+    return FoldKeyScalesT<false, false>(d, qs, delta, f, up, dh, nrows, qd);
+  if (f == 1.0f) return FoldKeyScalesT<false, true>(d, qs, delta, f, up, dh, nrows, qd);
+  if (up == 1.0f) return FoldKeyScalesT<true, false>(d, qs, delta, f, up, dh, nrows, qd);
+  FoldKeyScalesT<true, true>(d, qs, delta, f, up, dh, nrows, qd);
+}
+
+// Per unit, for readers whose K reading depends on the folded rows' largest |element| (KeyMax()):
+// qcol[x] = max_r |qs[x][r]| over [d_h][nrows] (a NaN may pass over: a NaN query's row is NaN
+// whatever the reading).
+template <class D>
+HWY_INLINE void QueryColumnMax(D d, const float* HWY_RESTRICT qs, std::int64_t dh,
+                               std::int64_t nrows, float* HWY_RESTRICT qcol) {
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+  for (std::int64_t x = 0; x < dh; ++x) {
+    const float* row = qs + x * nrows;
+    std::int64_t r = 0;
+    float m = 0.0f;
+    if (nrows >= N) {
+      auto vm = hn::Abs(hn::LoadU(d, row));
+      for (r = N; r + N <= nrows; r += N) vm = hn::Max(vm, hn::Abs(hn::LoadU(d, row + r)));
+      m = hn::GetLane(hn::MaxOfLanes(d, vm));
+    }
+    for (; r < nrows; ++r) m = std::max(m, std::fabs(row[r]));
+    qcol[x] = m;
+  }
+}
+
+// Per closed K tile: max_x |δ[x]| · qcol[x] = max |qs ⊙ δ| (each product rounded as the fold
+// rounds it, and rounding is monotonic): the folded rows' largest |element| at f = 1, from d_h
+// products instead of d_h · nrows.
+template <class D>
+HWY_INLINE float FoldedKeyMax(D d, const float* HWY_RESTRICT qcol, const float* HWY_RESTRICT delta,
+                              std::int64_t dh) {
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+  auto vm = hn::Zero(d);
+  std::int64_t x = 0;
+  for (; x + N <= dh; x += N)
+    vm = hn::Max(vm, hn::Mul(hn::LoadU(d, qcol + x), hn::Abs(hn::LoadU(d, delta + x))));
+  float m = hn::GetLane(hn::MaxOfLanes(d, vm));
+  for (; x < dh; ++x) m = std::max(m, qcol[x] * std::fabs(delta[x]));
+  return m;
+}
 
 // One unit (sequence b, KV head j, query block from t0, one chunk of keys) as its reader sees it:
 // nrows = (query positions) · g rows, r = t_local · g + h_local.

@@ -14,6 +14,7 @@
 #endif
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -64,10 +65,10 @@ HWY_INLINE void Fp8TileToBf16(D d, const fp8_e4m3_t* HWY_RESTRICT src, std::int6
 // MXCSR has DAZ and FTZ clear (a subnormal operand read as 0 would be a wrong answer). Its
 // unit 2^−120 is folded where 2^−8 is otherwise, with two guards that keep every product
 // normal and every factor finite:
-//   K: the unit's scale·Q rows are multiplied by 2^sh (exact) so that their largest |element|
-//      lies in [2^64, 2^65): the score products q'·(k·2^−120) stay far above 2^−126; the score
-//      is then (S'·2^(120−sh))·δ_u. Only where max |scale·q| is finite, non-zero and in
-//      [2^−60, 2^61); otherwise the unit reads K through the f16 bits (sh = 0).
+//   K: per closed tile, the rows scale·Q ⊙ δ_τ are multiplied by 2^sh (exact) so that their
+//      largest |element| lies in [2^64, 2^65): the score products q'·(k·2^−120) stay far above
+//      2^−126; the score is then S'·2^(120−sh). Only where that max is finite, non-zero and in
+//      [2^−60, 2^61); otherwise the tile's K is read through the f16 bits (sh = 0).
 //   V: P_u·(δ_u·2^120) needs δ_u < 2^8: a tile whose V scales are not all below 2^7 is read
 //      through the f16 bits.
 // Both readings multiply the same products by exact powers of two, so they give the same
@@ -124,36 +125,48 @@ class Fp8Reader {
   static constexpr bool kFp8TilesAsBf16 = kDirectBuilt && kSplitBuilt && HWY_TARGET == HWY_AVX2;
   using TQ = std::conditional_t<kQuadBuilt, fp8_e4m3_quad_t, Elem>;
   using TQ16 = std::conditional_t<kQuadBuilt, fp8_e4m3_quad_f16unit_t, Elem>;
-  DecodeTiles<fp8_e4m3_t> tiles;
+  // Every unit on the FMA products: the AMX-BF16 tile products (AmxProducts, decode_amx-inl.h)
+  // take the unit's query rows as planes once per unit, so they cannot fold a closed tile's
+  // channel scales into the rows (SPEC "Quantized KV cache"); detail::decode_amx never selects
+  // them for an fp8 cache and refuses TOKENMIX_DECODE_AMX=on (docs/performance.md, D-kv-3).
+  FmaProducts tiles;
 
   explicit Fp8Reader(const DecodeArgs& a) : tiles(a) {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_TARGET == HWY_AVX2
     direct_ok_ = a.fp8_direct && (_mm_getcsr() & 0x8040u) == 0;
 #endif
   }
-  // The direct reading in this unit (the tile products read the codes their own way); K read
-  // directly (k_direct): scale·Q ← 2^sh · scale·Q, the scores' factor 2^(120−sh).
+  // The direct reading in this unit (DecodeArgs::fp8_direct and this worker's MXCSR).
   HWY_INLINE void BeginUnit(const DecodeUnit& u, bool v_in_place) {
-    const bool amx_unit = tiles.BeginUnit(u, v_in_place);
-    direct_unit_ = direct_ok_ && !amx_unit;
+    tiles.BeginUnit(u, v_in_place);
+    direct_unit_ = direct_ok_;
+  }
+  // K's channel scales fold into the rows (FoldKeyScales) at the f16 reading's unit 2^8, or at 1
+  // where K may be read directly (the fold then multiplies the rows by KeyTile()'s 2^sh).
+  float KeyFold() const {
+    return direct_unit_ ? 1.0f : 1.0f / kUnit;
+  }
+  // The folded rows' largest |element| sets the direct reading's prescale 2^sh.
+  bool KeyMax() const {
+    return direct_unit_;
+  }
+  // Per closed K tile, qmax = max |scale·Q ⊙ δ_τ|: K read directly (k_direct), the fold's rows
+  // multiplied by 2^sh (returned) and the scores' factor 2^(120−sh), where qmax is finite,
+  // non-zero and in [2^−60, 2^61); else through the f16 bits (the factor 2^8 unless folded:
+  // KeyFold()), and 1 returned.
+  HWY_INLINE float KeyTile(float qmax) {
     k_direct_ = false;
-    k_post_ = 1.0f / kUnit;
-    const std::int64_t n = u.nrows * u.dh;
-    float q_max = 0.0f;  // max |scale·q| of the unit's rows (NaN elements pass over)
-    if (direct_unit_) {
-      for (std::int64_t i = 0; i < n; ++i) q_max = std::max(q_max, std::fabs(u.qs[i]));
+    k_post_ = direct_unit_ ? 1.0f / kUnit : 1.0f;
+    // qmax ∈ [2^e1, 2^(e1 + 1)) for a normal qmax, from its bits (per tile: no libm call; zero,
+    // subnormals, ∞ and NaN fall outside the range).
+    const int e1 = static_cast<int>((std::bit_cast<std::uint32_t>(qmax) >> 23) & 0xffu) - 127;
+    if (direct_unit_ && std::isfinite(qmax) && qmax > 0.0f && e1 >= -60 && e1 <= 60) {
+      const int sh = 64 - e1;  // 2^sh and 2^(120 − sh): normal floats (sh ∈ [4, 124])
+      k_direct_ = true;
+      k_post_ = std::bit_cast<float>(static_cast<std::uint32_t>(120 - sh + 127) << 23);
+      return std::bit_cast<float>(static_cast<std::uint32_t>(sh + 127) << 23);
     }
-    if (direct_unit_ && std::isfinite(q_max) && q_max > 0.0f) {
-      int e = 0;
-      std::frexp(q_max, &e);  // q_max ∈ [2^(e−1), 2^e)
-      if (e - 1 >= -60 && e - 1 <= 60) {
-        const int sh = 64 - (e - 1);
-        const float up = std::ldexp(1.0f, sh);
-        for (std::int64_t i = 0; i < n; ++i) u.qs[i] *= up;
-        k_direct_ = true;
-        k_post_ = std::ldexp(1.0f, 120 - sh);
-      }
-    }
+    return 1.0f;
   }
   // fp8 read directly on AVX-512 keeps the regular blocking at every row count
   // (kDirectRegularOnly).

@@ -3,6 +3,9 @@
 // after each tile (kQuantized: the skeleton applies them), the tiles in VNNI-4 quads or in plain
 // rows, and units of enough rows on AMX-INT8 tiles (decode_amx-inl.h).
 //
+// K per channel per closed tile (SPEC "Quantized KV cache"): the skeleton folds δ_τ into the
+// rows (FoldKeyScales) and reads the open tile itself; V per row.
+//
 // Highway "-inl" header: included once per target from a foreach_target translation unit.
 #if defined(TOKENMIX_KERNELS_SIMD_DECODE_READER_INT8_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef TOKENMIX_KERNELS_SIMD_DECODE_READER_INT8_INL_H_
@@ -32,7 +35,8 @@ namespace hn = hwy::HWY_NAMESPACE;
 // int8_quad_t (q · 2^24: one byte shuffle and the conversion per Lanes elements, as the plain
 // layout's widening) where no product can leave the normal range, and int8_quad_exact_t (q, one
 // shift more) elsewhere:
-//   K: the unit's max |scale·q| finite and below 2^64 (so |S · 2^24| < 2^(64 + 7 + 24) · d_h):
+//   K: the tile's max |scale·q ⊙ δ_τ| finite and below 2^64 (so |S · 2^24| < 2^(64 + 7 + 24) ·
+//   d_h):
 //      the scores' factor k_post = 2^−24 (S · 2^24 · 2^−24 = S, the same bits);
 //   V: every row scale δ_u of the tile 0 or at least 2^−64: P_u · (δ_u · 2^−24), exact powers
 //      of two again.
@@ -49,25 +53,25 @@ class Int8Reader {
   using RowElem = std::int8_t;
   static constexpr bool kQuantized = true;
   static constexpr float kUnit = kLoadBUnit<std::int8_t>;
-  DecodeTiles<std::int8_t> tiles;
+  // Every unit on the FMA products: the AMX-INT8 tile products (AmxProducts, decode_amx-inl.h)
+  // take the unit's query rows as planes once per unit, so they cannot fold a closed tile's
+  // channel scales into the rows (SPEC "Quantized KV cache"); detail::decode_amx never selects
+  // them for an int8 cache and refuses TOKENMIX_DECODE_AMX=on (docs/performance.md, D-kv-3).
+  FmaProducts tiles;
 
   explicit Int8Reader(const DecodeArgs& a) : tiles(a), quads_(a.layout.int8_quads) {}
-  // K read through int8_quad_t in this unit (k_fast; the tile products' S is at unit 1).
   HWY_INLINE void BeginUnit(const DecodeUnit& u, bool v_in_place) {
-    const bool amx_unit = tiles.BeginUnit(u, v_in_place);
-    k_fast_ = false;
-    if (!amx_unit && quads_) {
-      // max |scale·q| (a NaN may pass over or come out: NaN takes the exact reading, and a NaN
-      // query's row is NaN either way)
-      const hn::ScalableTag<float> d;
-      const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), n = u.nrows * u.dh;
-      auto vm = hn::Zero(d);
-      std::int64_t i = 0;
-      for (; i + N <= n; i += N) vm = hn::Max(vm, hn::Abs(hn::LoadU(d, u.qs + i)));
-      float m = hn::GetLane(hn::MaxOfLanes(d, vm));
-      for (; i < n; ++i) m = std::max(m, std::fabs(u.qs[i]));
-      k_fast_ = m < 0x1.0p64f;
-    }
+    tiles.BeginUnit(u, v_in_place);
+  }
+  // K's channel scales fold into the rows at unit 1 (the quads' 2^24 goes in KeyPost); the
+  // folded rows' largest |element| is read by the quads' guard only.
+  static constexpr float KeyFold() { return 1.0f; }
+  bool KeyMax() const { return quads_; }
+  // Per closed K tile: read through int8_quad_t (k_fast) if max |scale·q ⊙ δ_τ| is below 2^64
+  // (a NaN may pass over: a NaN query's row is NaN either way). No prescale.
+  HWY_INLINE float KeyTile(float qmax) {
+    k_fast_ = quads_ && qmax < 0x1.0p64f;
+    return 1.0f;
   }
   static constexpr bool RegularOnly() { return false; }
   static void SetBlocking(const DecodeUnit&) {}

@@ -97,7 +97,7 @@ void DecodeUnits(const DecodeArgs& a) {
   // Prefetch distance: the first tile pair at least kAheadBytes on (an int8 / fp8 pair of 64
   // keys is about half a bf16 one, and one tile ahead was too short for it on AMD Zen 4: T_new = 1
   // at T_k = 32768, 2 threads, 5.5 → 4.1 ms with two).
-  const std::int64_t pair_bytes = 2 * a.layout.tile_span() * static_cast<std::int64_t>(sizeof(TB));
+  const std::int64_t pair_bytes = a.layout.pair_span() * static_cast<std::int64_t>(sizeof(TB));
   const std::int64_t ahead_tiles =
       std::max<std::int64_t>(1, (kAheadBytes + pair_bytes - 1) / pair_bytes);
   const std::int64_t dh_vec = dh / N * N;  // d_h in whole vectors (then a scalar tail)
@@ -142,6 +142,11 @@ void DecodeUnits(const DecodeArgs& a) {
     }
     DecodeUnit du{&a, worker, b, j, t0, g, nrows, dh, dh_vec, qs, st, acc, false, 0};
     rd.BeginUnit(du, v_in_place);  // (the backend's claim first: the tiles read their own way)
+    // Quantized: per channel, the rows' largest |scale·q| (the K readings' guards per tile).
+    float* qcol = a.scratch.at(a.slots.q_colmax, worker);
+    if constexpr (kQuant) {
+      if (rd.KeyMax()) QueryColumnMax(d, qs, dh, nrows, qcol);
+    }
     std::fill(acc, acc + nrows * dh, 0.0f);
     const bool capped = a.var.softcap > 0.0f;
     // Several row blocks: the tall blocking (see kRT), unless the reader keeps the regular one.
@@ -180,13 +185,13 @@ void DecodeUnits(const DecodeArgs& a) {
       const TB* vt_next = !has_next || linear || rd.tiles.on() ? nullptr
                           : v_in_place                         ? v_rows + a.v_row(b, j, u_ahead)
                                                                : v_layer + next;
-      if (kQuant && has_next && !linear && !rd.tiles.on()) {  // its K and V scales (64 each)
-        for (std::int64_t o = 0; o < kKeyTile * 4; o += 64) {
+      if (kQuant && has_next && !linear && !rd.tiles.on()) {  // its K (d_h) and V (64) scales
+        for (std::int64_t o = 0; o < a.layout.k_scale_elems; o += 64)
           PrefetchStream(reinterpret_cast<const std::uint8_t*>(kt_next + a.layout.tile_elems()) +
                          o);
+        for (std::int64_t o = 0; o < a.layout.v_scale_elems; o += 64)
           PrefetchStream(reinterpret_cast<const std::uint8_t*>(vt_next + a.layout.tile_elems()) +
                          o);
-        }
       }
 
       // S = (scale·Q) Kᵀ over the whole 64-key tile (lanes past the data are masked below)  (4.2)
@@ -197,33 +202,47 @@ void DecodeUnits(const DecodeArgs& a) {
       const auto* pair_next =
           has_next ? reinterpret_cast<const std::uint8_t*>(k_layer + next) : nullptr;
       const DecodeTile<TB> tl{u0, nt, nv, kt, vt, kt_next, vt_next, pair_next, pair_bytes, cur};
-      rd.Scores(du, tl);
+      // Quantized K (SPEC "Quantized KV cache"): a closed tile's channel scales δ_τ (after the K
+      // tile) fold into the query rows once per tile and row (FoldKeyScales), then the reader's
+      // one-byte product; the open tile (the sequence's last, still being filled) is read
+      // unquantized from its fp32 staging copy (DecodeArgs::open_tile) by the float product.
+      float k_post = 1.0f;  // S_u ← S_u · k_post (a power of two: the K reading's unit)
+      if constexpr (kQuant) {
+        if (u0 == a.open_start(b)) {
+          constexpr const float* kNoPrefetch = nullptr;
+          ScoreProduct(du, a.open_tile(b, j), kNoPrefetch, nv, nullptr);
+        } else {
+          float* qd = a.scratch.at(a.slots.q_folded, worker);  // [d_h][nrows]
+          const auto* delta = reinterpret_cast<const float*>(kt + a.layout.tile_elems());
+          const float up = rd.KeyTile(rd.KeyMax() ? FoldedKeyMax(d, qcol, delta, dh) : 0.0f);
+          FoldKeyScales(d, qs, delta, rd.KeyFold(), up, dh, nrows, qd);
+          DecodeUnit dk = du;
+          dk.qs = qd;
+          rd.Scores(dk, tl);
+          k_post = rd.KeyPost();
+        }
+      } else {
+        rd.Scores(du, tl);
+      }
       // Tile crosses some row's end or window start: the mask pass below runs.
       const bool partial = u0 + kKeyTile > kfull || u0 < kfull_begin;
-      // S_u ← δ_u · S_u (the K tile's row scales follow it): fused into the row max pass below
-      // when no variant or mask pass comes first (the same products), else a pass of its own.
-      const float* ks = reinterpret_cast<const float*>(kt + a.layout.tile_elems());
-      const bool fuse_ks = kQuant && !capped && a.var.alibi == nullptr && !partial;
-      // (S_u · k_post) · δ_u (k_post a power of two, KeyPost(): the same bits as S_u · (δ_u ·
-      // k_post) wherever that product is finite, and no overflow of it).
-      const VF kpost = hn::Set(d, rd.KeyPost());
-      const auto scale_scores = [&](VF s_u, VF delta) {
-        return hn::Mul(hn::Mul(s_u, kpost), delta);
-      };
+      // S_u ← S_u · k_post where the reading's unit is not folded into the rows: fused into the
+      // row max pass below when no variant or mask pass comes first (the same products), else a
+      // pass of its own.
+      const bool post = kQuant && k_post != 1.0f;
+      const bool fuse_ks = post && !capped && a.var.alibi == nullptr && !partial;
+      const VF kpost = hn::Set(d, k_post);
+      const auto scale_scores = [&](VF s_u) { return hn::Mul(s_u, kpost); };
       // V's row scales: P_u ← P_u · δ_u in the exp pass (after l takes the unscaled P), times
       // 1 / (what V's LoadB returns per q in this tile's reading).
       const float* vs =
           kQuant ? reinterpret_cast<const float*>(vt + a.layout.tile_elems()) : nullptr;
       const float v_elem_unit = rd.ValueUnit(du, tl, vs);
       const VF v_unit = hn::Set(d, 1.0f / v_elem_unit);
-      if (kQuant && !fuse_ks) {
-        for (std::int64_t i = 0; i < nv; i += N) {
-          const VF delta = hn::LoadU(d, ks + i);
-          for (std::int64_t r = 0; r < nrows; ++r) {
-            hn::Store(scale_scores(hn::Load(d, st + r * kKeyTile + i), delta), d,
-                      st + r * kKeyTile + i);
-          }
-        }
+      if (post && !fuse_ks) {
+        for (std::int64_t r = 0; r < nrows; ++r)
+          for (std::int64_t i = 0; i < nv; i += N)
+            hn::Store(scale_scores(hn::Load(d, st + r * kKeyTile + i)), d, st + r * kKeyTile + i);
       }
 
       // Score variants, mask (4.3, window) and online softmax (4.4), in groups of kSoftmaxGroup
@@ -263,10 +282,10 @@ void DecodeUnits(const DecodeArgs& a) {
                         score + i);
             }
           }
-          // The row's max (same order of Max either way); fuse_ks: S_u ← δ_u · S_u on the way.
+          // The row's max (same order of Max either way); fuse_ks: S_u ← S_u · k_post on the way.
           const auto scaled = [&](std::int64_t i) {
             if (!fuse_ks) return hn::Load(d, score + i);
-            const VF z = scale_scores(hn::Load(d, score + i), hn::LoadU(d, ks + i));
+            const VF z = scale_scores(hn::Load(d, score + i));
             hn::Store(z, d, score + i);
             return z;
           };

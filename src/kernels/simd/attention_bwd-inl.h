@@ -7,19 +7,18 @@
 //
 // SPEC "Backward pass", recomputing every score tile from Q, K and the saved row log-sum-exp L
 // (no T×T buffer), so that each output row has exactly one owner or a sum in a fixed order (no
-// atomics, results bitwise independent of the thread count), in one of two forms:
+// atomics, results bitwise independent of the thread count), in one pass:
 //
-// One pass (BackwardKeys<T, true>, D-bwd-1, D-bwd-6), 5 products per score tile: one unit per
-// (b, KV head j, query range) walks the key blocks its rows see, keys in SIMD lanes as in pass 2
-// below, and also accumulates dQᵀ += K_blockᵀ dSᵀ for its rows; it owns dQ and D of its rows. The
-// query ranges (QuerySplit): ⌈8 / (B·H_kv)⌉ per (b, j), so at least 8 units in all, and more
-// (up to 4) where a range's dQᵀ accumulators would pass 2 MiB; one range owns dK/dV of every key,
+// BackwardOnePass (D-bwd-1, D-bwd-6), 5 products per score tile: one unit per (b, KV head j,
+// query range) walks the key blocks its rows see, keys in SIMD lanes as in pass 2 below, and
+// also accumulates dQᵀ += K_blockᵀ dSᵀ for its rows; it owns dQ and D of its rows. The query
+// ranges (QuerySplit): ⌈8 / (B·H_kv)⌉ per (b, j), so at least 8 units in all, and more (up to
+// 4) where a range's dQᵀ accumulators would pass 2 MiB; one range owns dK/dV of every key,
 // several add partial dK/dV of the key blocks they share, summed in the order of the ranges
 // (ReduceKeyBlocks). Every shape takes this form (AttentionBwdLanes).
 //
-// Two passes (BackwardQueries, then BackwardKeys<T, false>), 7 products per score tile: no longer
-// called (slower at every measured shape, D-bwd-6); the passes' description stays as the
-// derivation the one-pass unit fuses:
+// Two passes, 7 products per score tile: removed (slower at every measured shape, D-bwd-6); the
+// passes' description stays as the derivation the one-pass unit fuses:
 //
 //   pass 1 — one unit per (b, KV head j, query block), query rows of the g heads in SIMD lanes
 //            (as in the forward):
@@ -31,8 +30,8 @@
 //     S     = Q_rows (scale·K_block)ᵀ,  P = e^{S − L},  dP = dO_rows V_blockᵀ,  dS = P ⊙ (dP − D)
 //     dVᵀ  += dO_rowsᵀ P ;  dKᵀ += Q_rowsᵀ dS, summed over the g query heads of the group and
 //             every query row that sees the block                (dV = Σ Aᵀ dO, dK = scale Σ dSᵀ Q)
-// Both passes use the forward's microkernel (microkernel-inl.h); Q, dO, K and V rows are read
-// in place, only the per-unit operands are packed transposed. Extra memory: D, 4·B·H_q·T_q
+// The pass uses the forward's microkernel (microkernel-inl.h); Q, dO, K and V rows are read in
+// place, only the per-unit operands are packed transposed. Extra memory: D, 4·B·H_q·T_q
 // bytes, plus per worker O(d_h · tile).
 //
 // Non-finite inputs (SPEC 4.3, nonfinite-inl.h): P = ExpNaN(S − L), so a NaN in q, k, L reaches
@@ -41,8 +40,8 @@
 // (key, row) pairs whenever a masked operand is not finite. A saved L = −∞ with visible keys
 // (every visible score −∞) is used as 0: P = 0, as in the forward.
 //
-// Score variants (SPEC "Score variants used by real models"), as in the forward: both passes
-// recompute the same S — the same key ranges (AttentionProblem::key_range; tiles and query
+// Score variants (SPEC "Score variants used by real models"), as in the forward: the pass
+// recomputes the same S — the same key ranges (AttentionProblem::key_range; tiles and query
 // chunks no row/key of the unit sees are skipped, tiles crossing a range end are masked by a
 // select) and the same element-wise pass (variants-inl.h: cap, ALiBi, general mask); then
 // P = e^{S − L} with the forward's L (which holds the sink's e^{σ_h}), dS = P ⊙ (dP − D), and
@@ -76,9 +75,6 @@
 HWY_BEFORE_NAMESPACE();
 namespace tokenmix::kernels::HWY_NAMESPACE {
 
-constexpr std::int64_t kKeyTile = KVTileLayout::kKeyTile;  // pass 1: keys per tile
-constexpr std::int64_t kQueryChunk = 64;                   // two-pass pass 2: query rows per chunk
-constexpr std::int64_t kBlocksPerUnit = 4;  // pass 1: lane blocks sharing each K/V tile
 // Units of the one-pass backward per call, at least: (b, KV head) pairs, each split into
 // ⌈kOnePassUnits / (B·H_kv)⌉ query ranges (QuerySplit, D-bwd-6).
 constexpr std::int64_t kOnePassUnits = 8;
@@ -190,8 +186,6 @@ HWY_INLINE void PackTransposedFast(const T* src, std::int64_t ld, std::int64_t c
   if (r0 < rows) PackTransposed(src + r0 * ld, ld, cs, rows - r0, cols, scale, dst + r0, M);
 }
 
-// Pass 1: D and dQ. Mirrors the forward kernel's unit layout (kBlocksPerUnit lane blocks share
-// each packed K/V tile).
 // The activation views of a backward call, re-typed to their element type T (float, bf16_t,
 // f16_t): every read widens to fp32 (the lane set-up loops, DenseRows, PackRows,
 // PackTransposed, RowsOf), every write (StoreColumn) rounds once (SPEC "Reduced precision").
@@ -235,347 +229,6 @@ void RunUnits(int team, std::int64_t units, const F& unit_work) {
     for (std::int64_t unit = 0; unit < units; ++unit) RunUnit(unit_work, unit);
   };
   RunTeam(team, team_work);
-}
-
-// Rows [row0, row0 + rows) of head `head` as an fp32 matrix with row stride `ld`: in place for
-// fp32 rows with unit d_h stride when rows ≤ one vector, else DenseRows (ld = d_h).
-template <class T>
-HWY_INLINE const float* TileRows(const Strided<const T*>& x, std::int64_t b, std::int64_t row0,
-                                 std::int64_t head, std::int64_t rows, std::int64_t dh,
-                                 float* scratch, std::int64_t& ld) {
-  if constexpr (std::is_same_v<T, float>) {
-    const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(hn::ScalableTag<float>()));
-    if (x.s3 == 1 && rows <= N) {
-      ld = x.s1;
-      return x.row(b, row0, head);
-    }
-  }
-  ld = dh;
-  return DenseRows(x, b, row0, head, rows, dh, scratch, VecWiden());
-}
-
-// Qᵀ (times the score scale) and dOᵀ of the lanes of a pass-1 lane block and each lane's
-// D = ⟨dO_t, O_t⟩ (into dsum_lane): for fp32 views with unit d_h stride, four lanes and four
-// columns at a time (transposed in registers); D is one FMA chain over x per lane,
-// Σ fma(dO, O, ·) in the order of x. Padding lanes get Qᵀ = dOᵀ = 0 and a D that is never used.
-// Returns false, having done nothing, for other views (the scalar setup loop serves them).
-template <class T>
-HWY_INLINE bool PackQueryLanesFast(const TypedBackward<T>& args, const QueryUnits& layout,
-                                   const QueryUnits::Block& blk, std::int64_t dh, std::int64_t M,
-                                   float score_scale, float* qt, float* dot, float* dsum_lane) {
-#if HWY_TARGET == HWY_SCALAR
-  (void)args, (void)layout, (void)blk, (void)dh, (void)M, (void)score_scale, (void)qt, (void)dot,
-      (void)dsum_lane;
-  return false;
-#else
-  if constexpr (!std::is_same_v<T, float>) {
-    return false;
-  } else {
-    const auto& [b, j, h0, heads, t0, positions] = blk;
-    if (positions <= 0 || M % 4 != 0 || args.q.s3 != 1 || args.dout.s3 != 1 || args.out.s3 != 1) {
-      return false;
-    }
-    const D4 d4;
-    const V4 scale = hn::Set(d4, score_scale);
-    for (std::int64_t i0 = 0; i0 < M; i0 += 4) {
-      // Lane i0 + l ↦ (head h0 + i / mq, position t0 + i % mq); a padding lane reads the
-      // group's first row (a valid address) and stores zeros.
-      const float *q[4], *g[4], *o[4];
-      HWY_ALIGN float keep[4];
-      std::int64_t first = -1;
-      for (std::int64_t l = 0; l < 4; ++l) {
-        const std::int64_t i = i0 + l, hl = i / layout.mq, tl = i % layout.mq;
-        const bool row = hl < heads && tl < positions;
-        keep[l] = row ? 1.0f : 0.0f;
-        if (row && first < 0) first = l;
-        q[l] = row ? args.q.row(b, t0 + tl, h0 + hl) : nullptr;
-        g[l] = row ? args.dout.row(b, t0 + tl, h0 + hl) : nullptr;
-        o[l] = row ? args.out.row(b, t0 + tl, h0 + hl) : nullptr;
-      }
-      if (first < 0) {  // padding lanes only
-        for (std::int64_t x = 0; x < dh; ++x) {
-          hn::StoreU(hn::Zero(d4), d4, qt + x * M + i0);
-          hn::StoreU(hn::Zero(d4), d4, dot + x * M + i0);
-        }
-        hn::StoreU(hn::Zero(d4), d4, dsum_lane + i0);
-        continue;
-      }
-      for (std::int64_t l = 0; l < 4; ++l) {
-        if (q[l] == nullptr) q[l] = q[first], g[l] = g[first], o[l] = o[first];
-      }
-      const auto lanes = hn::Ne(hn::Load(d4, keep), hn::Zero(d4));
-      V4 dsum = hn::Zero(d4);
-      std::int64_t x = 0;
-      for (; x + 4 <= dh; x += 4) {
-        V4 q0 = hn::LoadU(d4, q[0] + x), q1 = hn::LoadU(d4, q[1] + x), q2 = hn::LoadU(d4, q[2] + x),
-           q3 = hn::LoadU(d4, q[3] + x);
-        V4 g0 = hn::LoadU(d4, g[0] + x), g1 = hn::LoadU(d4, g[1] + x), g2 = hn::LoadU(d4, g[2] + x),
-           g3 = hn::LoadU(d4, g[3] + x);
-        V4 o0 = hn::LoadU(d4, o[0] + x), o1 = hn::LoadU(d4, o[1] + x), o2 = hn::LoadU(d4, o[2] + x),
-           o3 = hn::LoadU(d4, o[3] + x);
-        Transpose4x4(q0, q1, q2, q3);  // q_k: column x + k of the four lanes
-        Transpose4x4(g0, g1, g2, g3);
-        Transpose4x4(o0, o1, o2, o3);
-        float* qx = qt + x * M + i0;
-        float* gx = dot + x * M + i0;
-        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, q0)), d4, qx);
-        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, q1)), d4, qx + M);
-        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, q2)), d4, qx + 2 * M);
-        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, q3)), d4, qx + 3 * M);
-        hn::StoreU(hn::IfThenElseZero(lanes, g0), d4, gx);
-        hn::StoreU(hn::IfThenElseZero(lanes, g1), d4, gx + M);
-        hn::StoreU(hn::IfThenElseZero(lanes, g2), d4, gx + 2 * M);
-        hn::StoreU(hn::IfThenElseZero(lanes, g3), d4, gx + 3 * M);
-        dsum = hn::MulAdd(g0, o0, dsum);
-        dsum = hn::MulAdd(g1, o1, dsum);
-        dsum = hn::MulAdd(g2, o2, dsum);
-        dsum = hn::MulAdd(g3, o3, dsum);
-      }
-      for (; x < dh; ++x) {  // the last d_h mod 4 columns, one at a time
-        HWY_ALIGN float qc[4], gc[4], oc[4];
-        for (std::int64_t l = 0; l < 4; ++l) qc[l] = q[l][x], gc[l] = g[l][x], oc[l] = o[l][x];
-        const V4 gv = hn::Load(d4, gc);
-        hn::StoreU(hn::IfThenElseZero(lanes, hn::Mul(scale, hn::Load(d4, qc))), d4,
-                   qt + x * M + i0);
-        hn::StoreU(hn::IfThenElseZero(lanes, gv), d4, dot + x * M + i0);
-        dsum = hn::MulAdd(gv, hn::Load(d4, oc), dsum);
-      }
-      hn::StoreU(dsum, d4, dsum_lane + i0);
-    }
-    return true;
-  }
-#endif
-}
-
-template <class T, int VN>
-void BackwardQueries(const BackwardArgs& bwd, float* delta) {
-  const AttentionProblem& p = bwd.p;
-  const TypedBackward<T> args(bwd);
-  const hn::ScalableTag<float> d;
-  const hn::RebindToSigned<decltype(d)> di;
-  using VF = hn::Vec<decltype(d)>;
-  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = VN * N;
-  const std::int64_t dh = p.dh;
-  const QueryUnits layout(p, M, kBlocksPerUnit);
-  const std::int64_t units = layout.count, lane_blocks = layout.blocks;
-  if (units == 0) return;
-  const int team = team_size(p.threads, units);
-  // Per lane block: scale·Qᵀ, dOᵀ, dQᵀ [dh][M] and lane vectors L, D, visible end [M]; shared:
-  // Sᵀ and dPᵀ [kKeyTile][M], packed K and V tiles [kKeyTile][dh].
-  ScratchLayout scratch_layout(p.site);
-  struct BlockSlots {
-    Slot<float> qt, dot, dqt, lse_lane, delta_lane, slope;
-    Slot<std::int32_t> begin_lane, end_lane, pos;
-    Slot<std::int64_t> mask_base;
-  } block_slots[kBlocksPerUnit];
-  const ScoreVariants& var = p.var;
-  const bool elementwise = var.elementwise(), capped = var.softcap > 0.0f;
-  const float score_scale = ScoreScale(p);  // s, or s / c with soft-capping (variants-inl.h)
-  const bool keep_mask = var.mask_kind == MaskKind::boolean;
-  for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
-    BlockSlots& bs = block_slots[lb];
-    bs.qt = scratch_layout.add<float>(scratch_mul(dh, M, p.site, "scale*Q^T"));
-    bs.dot = scratch_layout.add<float>(scratch_mul(dh, M, p.site, "dO^T"));
-    bs.dqt = scratch_layout.add<float>(scratch_mul(dh, M, p.site, "dQ^T"));
-    bs.lse_lane = scratch_layout.add<float>(M);
-    bs.delta_lane = scratch_layout.add<float>(M);
-    bs.begin_lane = scratch_layout.add<std::int32_t>(M);
-    bs.end_lane = scratch_layout.add<std::int32_t>(M);
-    bs.slope = scratch_layout.add<float>(elementwise ? M : 0);
-    bs.pos = scratch_layout.add<std::int32_t>(elementwise ? M : 0);
-    bs.mask_base = scratch_layout.add<std::int64_t>(elementwise ? M : 0);
-  }
-  const auto st_slot = scratch_layout.add<float>(kKeyTile * M);
-  const auto dpt_slot = scratch_layout.add<float>(kKeyTile * M);
-  const auto dcap_slot = scratch_layout.add<float>(capped ? kKeyTile * M : 0);
-  const auto keep_slot = scratch_layout.add<float>(keep_mask ? kKeyTile * M : 0);
-  const auto k_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "K tile"));
-  const auto v_tile_slot = scratch_layout.add<float>(scratch_mul(kKeyTile, dh, p.site, "V tile"));
-  const ScratchArena scratch(scratch_layout, team, "the per-worker scratch of pass 1 (dQ)");
-  const auto unit_work = [&](std::int64_t unit) HWY_ATTR {
-    {
-      const int worker = omp_get_thread_num();
-      float* st = scratch.at(st_slot, worker);          // Sᵀ → Pᵀ → dSᵀ [kKeyTile][M]
-      float* dpt = scratch.at(dpt_slot, worker);        // dPᵀ [kKeyTile][M]
-      float* k_tile = scratch.at(k_tile_slot, worker);  // K rows u0.. packed [kKeyTile][dh]
-      float* v_tile = scratch.at(v_tile_slot, worker);  // V rows u0.. packed [kKeyTile][dh]
-      float* dcap = capped ? scratch.at(dcap_slot, worker) : nullptr;     // ∂S/∂z [u][M]
-      float* keep = keep_mask ? scratch.at(keep_slot, worker) : nullptr;  // boolean mask [u][M]
-      struct BlockState : LaneBlock {
-        float *qt, *dot, *dqt, *lse_lane, *delta_lane;  // scale·Qᵀ, dOᵀ, dQᵀ [dh][M]; L, D [M]
-        float* slope;                                   // element-wise terms per lane [M]
-        std::int32_t* pos;
-        std::int64_t* mask_base;
-      };
-      BlockState blocks[kBlocksPerUnit] = {};
-      std::int64_t unit_key_begin = p.tk, unit_key_end = 0;
-      for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
-        BlockState& bs = blocks[lb];
-        bs.blk = layout(p, unit, lb);
-        bs.qt = scratch.at(block_slots[lb].qt, worker);
-        bs.dot = scratch.at(block_slots[lb].dot, worker);
-        bs.dqt = scratch.at(block_slots[lb].dqt, worker);
-        bs.lse_lane = scratch.at(block_slots[lb].lse_lane, worker);
-        bs.delta_lane = scratch.at(block_slots[lb].delta_lane, worker);
-        bs.begin_lane = scratch.at(block_slots[lb].begin_lane, worker);
-        bs.end_lane = scratch.at(block_slots[lb].end_lane, worker);
-        bs.slope = scratch.at(block_slots[lb].slope, worker);
-        bs.pos = scratch.at(block_slots[lb].pos, worker);
-        bs.mask_base = scratch.at(block_slots[lb].mask_base, worker);
-        // Lanes as in SetUpLanes (work_units.hpp), written out here: this setup also computes D,
-        // and padding lanes see nothing (end 0: P = 0). (Routing D's loop through SetUpLanes'
-        // callback changed how the compiler rounds it: kept inline, bitwise as before.)
-        bs.key_begin = p.tk;
-        bs.key_end = 0;
-        bs.full_begin = 0;
-        bs.full_end = p.tk;
-        const auto& [b, j, h0, heads, t0, positions] = bs.blk;
-        if (positions <= 0) {
-          bs.key_begin = 0;
-          continue;
-        }
-        HWY_ALIGN float dsum_lane[kV * hn::MaxLanes(hn::ScalableTag<float>())];
-        const bool packed =
-            PackQueryLanesFast(args, layout, bs.blk, dh, M, score_scale, bs.qt, bs.dot, dsum_lane);
-        if (!packed && (heads * layout.mq < M || positions < layout.mq)) {  // padding: Qᵀ, dOᵀ = 0
-          std::fill(bs.qt, bs.qt + dh * M, 0.0f);    // (contiguous, not lane by lane: a tiny
-          std::fill(bs.dot, bs.dot + dh * M, 0.0f);  // call is mostly padding lanes)
-        }
-        for (std::int64_t i = 0; i < M; ++i) {
-          const std::int64_t hl = i / layout.mq, tl = i % layout.mq;
-          KeyRange r;  // padding lanes see nothing
-          if (hl < heads && tl < positions) {
-            const std::int64_t h = h0 + hl, t = t0 + tl;
-            r = p.key_range(b, h, t);
-            const bool e = r.end > r.begin;
-            if (e) {
-              bs.key_begin = std::min(bs.key_begin, r.begin);
-              bs.key_end = std::max(bs.key_end, r.end);
-            }
-            bs.full_begin = std::max(bs.full_begin, r.begin);
-            bs.full_end = std::min(bs.full_end, r.end);
-            if (elementwise) {
-              bs.slope[i] = var.alibi != nullptr ? var.alibi[h] : 0.0f;
-              bs.pos[i] = static_cast<std::int32_t>(p.position(t));
-              bs.mask_base[i] = p.mask_offset(b, h, t, 0);
-            }
-            const T* q = args.q.row(b, t, h);
-            const T* dout = args.dout.row(b, t, h);
-            const T* o = args.out.row(b, t, h);
-            float dsum = 0.0f;  // D_t = ⟨dO_t, O_t⟩
-            if (packed) {
-              dsum = dsum_lane[i];
-            } else {
-              for (std::int64_t x = 0; x < dh; ++x) {
-                bs.qt[x * M + i] = score_scale * widen(q[x * args.q.s3]);
-                bs.dot[x * M + i] = widen(dout[x * args.dout.s3]);
-                dsum += widen(dout[x * args.dout.s3]) * widen(o[x * args.out.s3]);
-              }
-            }
-            delta[(b * p.hq + h) * p.tq + t] = e ? dsum : 0.0f;
-            bs.delta_lane[i] = dsum;
-            const float lse = args.lse.data[b * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2];
-            bs.lse_lane[i] = e ? softmax_shift(lse) : 0.0f;
-          } else {
-            bs.delta_lane[i] = bs.lse_lane[i] = 0.0f;  // (Qᵀ, dOᵀ columns zeroed above)
-            if (elementwise) {
-              bs.slope[i] = 0.0f;
-              bs.pos[i] = 0;
-              bs.mask_base[i] = 0;
-            }
-          }
-          bs.begin_lane[i] = static_cast<std::int32_t>(r.begin);
-          bs.end_lane[i] = static_cast<std::int32_t>(r.end);
-        }
-        if (bs.key_end == 0) bs.key_begin = 0;
-        std::fill(bs.dqt, bs.dqt + dh * M, 0.0f);
-        if (bs.key_end > bs.key_begin) {
-          unit_key_begin = std::min(unit_key_begin, bs.key_begin);
-          unit_key_end = std::max(unit_key_end, bs.key_end);
-        }
-      }
-      const std::int64_t b = blocks[0].blk.b, j = blocks[0].blk.j;
-
-      for (std::int64_t u0 = unit_key_begin; u0 < unit_key_end; u0 += kKeyTile) {
-        const std::int64_t tile = std::min(kKeyTile, unit_key_end - u0);
-        // K and V rows [tile][dh], row strides ldk, ldv: a tile of at most one vector of keys
-        // (a tiny call's only tile) is read in place where it can be (a dense copy of a few rows
-        // saves no page or cache set; DenseRows), else packed dense.
-        std::int64_t ldk = dh, ldv = dh;
-        const float* k_rows = TileRows(args.k, b, u0, j, tile, dh, k_tile, ldk);
-        const float* v_rows = TileRows(args.v, b, u0, j, tile, dh, v_tile, ldv);
-        for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
-          BlockState& bs = blocks[lb];
-          if (u0 >= bs.key_end || u0 + tile <= bs.key_begin) continue;  // no lane sees the tile
-          const std::int64_t ua = std::max(u0, bs.key_begin) - u0;  // the block's keys k0 + [0, nt)
-          const std::int64_t k0 = u0 + ua, nt = std::min(tile, bs.key_end - u0) - ua;
-          const float* k_blk = k_rows + ua * ldk;
-          GemmRows<kR, VN>(d, nt, k_blk, ldk, 1, bs.qt, M, dh, st, M,
-                           false);  // Sᵀ = K (scale·Q)ᵀ   (4.2)
-          GemmRows<kR, VN>(d, nt, v_rows + ua * ldv, ldv, 1, bs.dot, M, dh, dpt, M,
-                           false);  // dPᵀ = V dOᵀ
-          if (elementwise) {        // the forward's S: cap, ALiBi, general mask
-            const auto is_row = [&](std::int64_t i) {
-              return i / layout.mq < bs.blk.heads && i % layout.mq < bs.blk.positions;
-            };
-            ElementwiseQueryLanes(d, var, st, M, nt, k0, bs.slope, bs.pos, bs.mask_base, is_row,
-                                  dcap, keep);
-          }
-          const bool crosses = bs.partial(k0, k0 + nt);
-          for (std::int64_t i = 0; i < M; i += N) {
-            const VF lse = hn::Load(d, bs.lse_lane + i), dl = hn::Load(d, bs.delta_lane + i);
-            const auto begins = hn::Load(di, bs.begin_lane + i);
-            const auto ends = hn::Load(di, bs.end_lane + i);
-            for (std::int64_t u = 0; u < nt; ++u) {
-              // A = e^{S − L} (4.4), dS = A ⊙ (dA − D)
-              const VF pu = ExpNaNFlushTiny(d, hn::Sub(hn::Load(d, st + u * M + i), lse));
-              VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dpt + u * M + i), dl));
-              if (crosses) {  // key ranges (4.3), a select: no NaN of a masked key gets in
-                const auto key = hn::Set(di, static_cast<std::int32_t>(k0 + u));
-                const auto visible =
-                    hn::RebindMask(d, hn::AndNot(hn::Lt(key, begins), hn::Lt(key, ends)));
-                ds = hn::IfThenElseZero(visible, ds);
-              }
-              if (keep != nullptr)
-                ds = hn::IfThenElseZero(hn::Ne(hn::Load(d, keep + u * M + i), hn::Zero(d)), ds);
-              if (dcap != nullptr)
-                ds = hn::Mul(ds, hn::Load(d, dcap + u * M + i));  // dz = dS ∂S/∂z
-              hn::Store(ds, d, st + u * M + i);
-            }
-          }
-          // dQᵀ += Kᵀ dSᵀ (keys outside [full_begin, full_end) or excluded by a boolean mask are
-          // masked for some lanes: 0 · K must add nothing)
-          const auto lane_sees = [&](std::int64_t u, std::int64_t i) {
-            const auto key = hn::Set(di, static_cast<std::int32_t>(k0 + u));
-            auto seen = hn::RebindMask(d, hn::AndNot(hn::Lt(key, hn::Load(di, bs.begin_lane + i)),
-                                                     hn::Lt(key, hn::Load(di, bs.end_lane + i))));
-            if (keep != nullptr)
-              seen = hn::And(seen, hn::Ne(hn::Load(d, keep + u * M + i), hn::Zero(d)));
-            return seen;
-          };
-          const PartialKeys part = keep != nullptr
-                                       ? PartialKeys{0, nt}
-                                       : PartialRange(bs.full_begin - k0, bs.full_end - k0, nt);
-          GemmRowsMaskedIfNonFinite<VN>(d, dh, k_blk, 1, ldk, st, M, nt, bs.dqt, M, true, nullptr,
-                                        part.lo, part.hi, lane_sees);
-        }
-      }
-
-      for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {  // dQ = scale · (dQᵀ)ᵀ
-        const BlockState& bs = blocks[lb];
-        // Lane i holds row (h0 + i / mq, t0 + i % mq) for i % mq < positions: per head, the
-        // lanes [hl · mq, hl · mq + positions), four at a time.
-        const auto& blk = bs.blk;
-        for (std::int64_t hl = 0; hl < blk.heads && blk.positions > 0; ++hl) {
-          StoreColumns<T>(bs.dqt, M, hl * layout.mq, std::min(layout.mq, blk.positions), dh,
-                          p.scale, args.dq.s3, [&](std::int64_t l) {
-                            return args.dq.row(blk.b, blk.t0 + l, blk.h0 + hl);
-                          });
-        }
-      }
-    }
-  };
-  RunUnits(team, units, unit_work);
 }
 
 // The query ranges of the one-pass backward (D-bwd-6). Its unit is (b, KV head j, query range
@@ -709,64 +362,57 @@ void ReduceKeyBlocks(const TypedBackward<T>& args, const AttentionProblem& p,
   RunUnits(team_size(p.threads, units), units, unit_work);
 }
 
-// Pass 2: dK and dV, keys in lanes — and, in one-pass mode, dQ and D as well.
-//
-// Two-pass mode (kOnePass = false): one unit per (b, KV head j, key block of M keys); pass 1 has
-// already written dQ and D. One-pass mode: one unit per (b, j) walking its key blocks in order,
-// which also owns dQ of the g heads of group j, so it accumulates dQᵀ += Kᵀ dSᵀ per block into
-// a per-unit buffer of g × T_q/M lane blocks [d_h][M] (O(T·d_h) per head; blocked so each
-// chunk's dQᵀ is contiguous) — 5 products per score tile instead of 7,
-// and still exactly one owner per output row (deterministic for any thread count).
-template <class T, bool kOnePass, int VN>
-void BackwardKeys(const BackwardArgs& bwd, float* delta, const QuerySplit& split) {
+// The one-pass backward: dK and dV with the block's keys in lanes, and dQ and D. One unit per
+// (b, KV head j, query range s) walks the key blocks its rows see in order; it owns dQ of its
+// rows of the g heads of group j, accumulating dQᵀ += Kᵀ dSᵀ per block into a per-unit buffer
+// of g × rows/M lane blocks [d_h][M] (O(T·d_h) per head; blocked so each chunk's dQᵀ is
+// contiguous): 5 products per score tile, and exactly one owner per output row or a sum in a
+// fixed order (ReduceKeyBlocks), so results are bitwise independent of the thread count.
+template <class T, int VN>
+void BackwardOnePass(const BackwardArgs& bwd, float* delta, const QuerySplit& split) {
   const AttentionProblem& p = bwd.p;
   const TypedBackward<T> args(bwd);
   const hn::ScalableTag<float> d;
   using VF = hn::Vec<decltype(d)>;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d)), M = VN * N;
   const std::int64_t dh = p.dh, g = p.group();
-  const std::int64_t kblocks = (p.tk + M - 1) / M;
-  const std::int64_t ranges = kOnePass ? split.count : 1;
-  const std::int64_t units = kOnePass ? p.batch * p.hkv * ranges : p.batch * p.hkv * kblocks;
+  const std::int64_t ranges = split.count;
+  const std::int64_t units = p.batch * p.hkv * ranges;
   if (units == 0) return;
   const int team = team_size(p.threads, units);
-  // Query rows per chunk: kQueryChunk, or M in one-pass mode (a chunk is then one lane block of
-  // dQᵀ).
-  const std::int64_t chunk = kOnePass ? M : kQueryChunk;
-  const std::int64_t rows_pad = split.rows_max;  // one-pass: rows of the longest query range
+  // Query rows per chunk: M (a chunk is one lane block of dQᵀ).
+  const std::int64_t chunk = M;
+  const std::int64_t rows_pad = split.rows_max;  // rows of the longest query range
   // Per-worker scratch: scale·Kᵀ, Vᵀ, dKᵀ, dVᵀ [dh][M] (one slot: zeroed together per key block),
-  // S → P and dP → dS [chunk][M], packed Q and dO rows [chunk][dh] when d_h is strided; one-pass
-  // also the K block [M][dh], dSᵀ [M][M] and the unit's dQᵀ [g][rows_pad / M][dh][M].
+  // S → P and dP → dS [chunk][M], packed Q and dO rows [chunk][dh] when d_h is strided, the K
+  // block [M][dh], dSᵀ [M][M] and the unit's dQᵀ [g][rows_pad / M][dh][M].
   ScratchLayout scratch_layout(p.site);
   ScratchLayout& sl = scratch_layout;
   const auto kv_acc_slot = sl.add<float>(scratch_mul(4 * M, dh, p.site, "K^T, V^T, dK^T, dV^T"));
-  const auto scores_slot = sl.add<float>(kQueryChunk * M);
-  const auto dp_slot = sl.add<float>(kQueryChunk * M);
-  const auto q_pack_slot = sl.add<float>(scratch_mul(kQueryChunk, dh, p.site, "Q rows"));
-  const auto do_pack_slot = sl.add<float>(scratch_mul(kQueryChunk, dh, p.site, "dO rows"));
-  const auto k_nat_slot = sl.add<float>(kOnePass ? scratch_mul(M, dh, p.site, "K block") : 0);
-  const auto dst_slot = scratch_layout.add<float>(kOnePass ? M * M : 0);
+  const auto scores_slot = sl.add<float>(chunk * M);
+  const auto dp_slot = sl.add<float>(chunk * M);
+  const auto q_pack_slot = sl.add<float>(scratch_mul(chunk, dh, p.site, "Q rows"));
+  const auto do_pack_slot = sl.add<float>(scratch_mul(chunk, dh, p.site, "dO rows"));
+  const auto k_nat_slot = sl.add<float>(scratch_mul(M, dh, p.site, "K block"));
+  const auto dst_slot = scratch_layout.add<float>(M * M);
   const std::int64_t dq_floats =
-      kOnePass ? scratch_mul(scratch_mul(g, dh, p.site, "dQ^T"), rows_pad, p.site, "dQ^T") : 0;
+      scratch_mul(scratch_mul(g, dh, p.site, "dQ^T"), rows_pad, p.site, "dQ^T");
   const auto dqt_slot = scratch_layout.add<float>(dq_floats);
   const ScoreVariants& var = p.var;
   const bool elementwise = var.elementwise(), capped = var.softcap > 0.0f;
   const float score_scale = ScoreScale(p);  // s, or s / c with soft-capping (variants-inl.h)
   const bool keep_mask = var.mask_kind == MaskKind::boolean;
-  const auto dcap_slot = sl.add<float>(capped ? kQueryChunk * M : 0);     // ∂S/∂z [chunk][M]
-  const auto keep_slot = sl.add<float>(keep_mask ? kQueryChunk * M : 0);  // boolean mask
-  const auto range_slot = sl.add<std::int32_t>(2 * kQueryChunk);          // chunk rows' key ranges
+  const auto dcap_slot = sl.add<float>(capped ? chunk * M : 0);     // ∂S/∂z [chunk][M]
+  const auto keep_slot = sl.add<float>(keep_mask ? chunk * M : 0);  // boolean mask
+  const auto range_slot = sl.add<std::int32_t>(2 * chunk);          // chunk rows' key ranges
   const ScratchArena scratch(scratch_layout, team,
-                             kOnePass ? "the per-worker scratch of the one-pass backward"
-                                      : "the per-worker scratch of pass 2 (dK, dV)");
+                             "the per-worker scratch of the one-pass backward");
   const std::int64_t shift = p.align == CausalAlign::bottom_right ? p.tk - p.tq : 0;
-  // One-pass with several query ranges: the partial dKᵀ, dVᵀ [2][dh][M] of every key block seen
-  // by more than one range, split.slots per (b, j) (QuerySplit).
+  // Several query ranges: the partial dKᵀ, dVᵀ [2][dh][M] of every key block seen by more than
+  // one range, split.slots per (b, j) (QuerySplit).
   const std::int64_t partial_floats =
-      kOnePass
-          ? scratch_mul(scratch_mul(p.batch * p.hkv, split.slots, p.site, "partial dK, dV"),
-                        scratch_mul(2 * M, dh, p.site, "partial dK, dV"), p.site, "partial dK, dV")
-          : 0;
+      scratch_mul(scratch_mul(p.batch * p.hkv, split.slots, p.site, "partial dK, dV"),
+                  scratch_mul(2 * M, dh, p.site, "partial dK, dV"), p.site, "partial dK, dV");
   ScratchLayout partial_layout(p.site);
   const auto partial_slot = partial_layout.add<float>(partial_floats);
   const ScratchArena partial_memory(partial_layout, 1, "the partial dK, dV of the query ranges");
@@ -774,19 +420,14 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta, const QuerySplit& split
 
   const auto unit_work = [&](std::int64_t unit) HWY_ATTR {
     {
-      // Two-pass: unit = (key block, j, b), early key blocks (most work) first; one-pass:
-      // (query range s, j, b), the last range (whose rows see the most keys) first.
+      // unit = (query range s, j, b), the last range (whose rows see the most keys) first.
       // (Copies, not structured bindings: the lambdas below capture them, which C++20 allows
       // only from clang 16 on.)
-      const auto unit_index = Unravel(unit, kOnePass ? ranges : kblocks, p.hkv);
-      const std::int64_t kb_unit = std::get<0>(unit_index), j = std::get<1>(unit_index),
-                         b = std::get<2>(unit_index);
-      const std::int64_t s = kOnePass ? ranges - 1 - kb_unit : 0;  // one-pass: the query range
-      const std::int64_t kb_first = kOnePass ? split.kb_lo[s] : kb_unit;
-      const std::int64_t kb_end = kOnePass ? split.kb_hi[s] : kb_first + 1;
-      // One-pass: the range's rows [row0, row1); two-pass: every row.
-      const std::int64_t row0 = kOnePass ? split.row_begin[s] : 0;
-      const std::int64_t row1 = kOnePass ? split.row_end(p, s) : p.tq;
+      const auto unit_index = Unravel(unit, ranges, p.hkv);
+      const std::int64_t j = std::get<1>(unit_index), b = std::get<2>(unit_index);
+      const std::int64_t s = ranges - 1 - std::get<0>(unit_index);  // the query range
+      const std::int64_t kb_first = split.kb_lo[s], kb_end = split.kb_hi[s];
+      const std::int64_t row0 = split.row_begin[s], row1 = split.row_end(p, s);  // its rows
 
       const int worker = omp_get_thread_num();
       float* kt = scratch.at(kv_acc_slot, worker);        // scale·Kᵀ [dh][M]
@@ -797,15 +438,15 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta, const QuerySplit& split
       float* dp = scratch.at(dp_slot, worker);            // dP → dS [chunk][M]
       float* q_pack = scratch.at(q_pack_slot, worker);    // [chunk][dh] if needed
       float* do_pack = scratch.at(do_pack_slot, worker);  // [chunk][dh] if needed
-      float* k_nat = scratch.at(k_nat_slot, worker);      // one-pass: K block [M][dh]
-      float* dst = scratch.at(dst_slot, worker);          // one-pass: dSᵀ [M keys][M rows]
-      float* dqt = scratch.at(dqt_slot, worker);          // one-pass: dQᵀ [g][rows_pad/M][dh][M]
+      float* k_nat = scratch.at(k_nat_slot, worker);      // K block [M][dh]
+      float* dst = scratch.at(dst_slot, worker);          // dSᵀ [M keys][M rows]
+      float* dqt = scratch.at(dqt_slot, worker);          // dQᵀ [g][rows_pad/M][dh][M]
       float* dcap = capped ? scratch.at(dcap_slot, worker) : nullptr;     // [chunk][M]
       float* keep = keep_mask ? scratch.at(keep_slot, worker) : nullptr;  // [chunk][M]
       std::int32_t* rb = scratch.at(range_slot, worker);  // key_range(b, h, c0 + r).begin [chunk]
-      std::int32_t* re = rb + kQueryChunk;                // ... .end; empty past T_q
+      std::int32_t* re = rb + chunk;                      // ... .end; empty past T_q
 
-      if constexpr (kOnePass) {  // D_t = ⟨dO_t, O_t⟩ for the group's rows; dQᵀ = 0
+      {  // D_t = ⟨dO_t, O_t⟩ for the group's rows; dQᵀ = 0
         for (std::int64_t h = j * g; h < (j + 1) * g; ++h)
           for (std::int64_t t = row0; t < row1; ++t) {
             const T* dout = args.dout.row(b, t, h);
@@ -825,17 +466,15 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta, const QuerySplit& split
         PackTransposedFast(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, score_scale, kt,
                            M);
         PackTransposedFast(args.v.row(b, u0, j), args.v.s1, args.v.s3, keys, dh, 1.0f, vt, M);
-        if constexpr (kOnePass) {
-          PackRows(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, k_nat, VecWiden());
-          std::fill(k_nat + keys * dh, k_nat + M * dh, 0.0f);
-        }
+        PackRows(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, k_nat, VecWiden());
+        std::fill(k_nat + keys * dh, k_nat + M * dh, 0.0f);
 
-        // Queries that see any key of the block: t ≥ u0 − shift (causal), all otherwise. One-pass
-        // chunks start on a multiple of M (they are lane blocks of dQᵀ); rows before t_first are
-        // fully masked there and contribute exactly 0.
+        // Queries that see any key of the block: t ≥ u0 − shift (causal), all otherwise. Chunks
+        // start on a multiple of M (they are lane blocks of dQᵀ); rows before t_first are fully
+        // masked there and contribute exactly 0.
         // With a window W, rows t ≥ u0 + keys − 1 + W − shift see none of them (p(t) − W < u).
         const std::int64_t t_first = p.causal ? std::max<std::int64_t>(0, u0 - shift) : 0;
-        const std::int64_t c_begin = kOnePass ? std::max(row0, t_first / M * M) : t_first;
+        const std::int64_t c_begin = std::max(row0, t_first / M * M);
         const std::int64_t t_stop =
             var.window > 0 ? std::clamp<std::int64_t>(u0 + keys - 1 + var.window - shift, 0, row1)
                            : row1;
@@ -920,7 +559,7 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta, const QuerySplit& split
                                           nullptr, r_lo, r_hi, row_sees);
             GemmRowsMaskedIfNonFinite<VN>(d, dh, q_rows, 1, ldq, dp, M, rows, dkt, M, true, nullptr,
                                           r_lo, r_hi, row_sees);
-            if constexpr (kOnePass) {
+            {
               // dQᵀ[x][c0 + r] += Σ_u K[u][x] dS[r][u]: dS transposed to [key][row] (rows past
               // T_q zeroed), then the microkernel with B = dSᵀ, C = the chunk's columns of dQᵀ.
               for (std::int64_t u = 0; u < M; ++u) {
@@ -950,7 +589,7 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta, const QuerySplit& split
             }
           }
         }
-        if (kOnePass && (kb < split.sole_lo[s] || kb >= split.sole_hi[s])) {
+        if (kb < split.sole_lo[s] || kb >= split.sole_hi[s]) {
           // Another range sees the block too: this range's partial sums, reduced below.
           float* part = partials + ((b * p.hkv + j) * split.slots + split.slot(s, kb)) * 2 * dh * M;
           std::copy(dkt, dkt + 2 * dh * M, part);
@@ -962,7 +601,7 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta, const QuerySplit& split
         }
       }
 
-      if constexpr (kOnePass) {  // dQ = scale · (dQᵀ)ᵀ
+      {  // dQ = scale · (dQᵀ)ᵀ
         for (std::int64_t h = j * g; h < (j + 1) * g; ++h) {
           const float* src = dqt + (h - j * g) * rows_pad * dh;
           for (std::int64_t t0 = row0; t0 < row1; t0 += M) {  // lane t % M of lane block t / M
@@ -974,7 +613,7 @@ void BackwardKeys(const BackwardArgs& bwd, float* delta, const QuerySplit& split
     }
   };
   RunUnits(team, units, unit_work);
-  if constexpr (kOnePass) ReduceKeyBlocks<T>(args, p, split, M, partials);
+  ReduceKeyBlocks<T>(args, p, split, M, partials);
 }
 
 template <class T, int VN>
@@ -988,15 +627,15 @@ void AttentionBwdLanes(const BackwardArgs& args) {
   // One pass (5 products per score tile) for every shape: at least kOnePassUnits units of
   // (b, KV head, query range), and query ranges whose dQᵀ accumulators fit kRangeDqBytes, up to
   // kCacheRanges (D-bwd-6). The ranges depend on the shape only, never on the thread count, so
-  // results stay bitwise independent of it. (The two-pass form, BackwardQueries and
-  // BackwardKeys<T, false>, measured slower at every shape, D-bwd-6, and is no longer called.)
+  // results stay bitwise independent of it. (The two-pass form measured slower at every shape,
+  // D-bwd-6, and was removed.)
   const std::int64_t M = VN * static_cast<std::int64_t>(hn::Lanes(hn::ScalableTag<float>()));
   const std::int64_t pairs = std::max<std::int64_t>(1, p.batch * p.hkv);
   const std::int64_t by_units = (kOnePassUnits + pairs - 1) / pairs;
   const std::int64_t dq_bytes = p.group() * p.dh * ((p.tq + M - 1) / M * M) * 4;
   const std::int64_t by_bytes =
       std::min(kCacheRanges, (dq_bytes + kRangeDqBytes - 1) / kRangeDqBytes);
-  BackwardKeys<T, true, VN>(args, delta, QuerySplit(p, M, std::max(by_units, by_bytes)));
+  BackwardOnePass<T, VN>(args, delta, QuerySplit(p, M, std::max(by_units, by_bytes)));
 }
 
 template <class T>

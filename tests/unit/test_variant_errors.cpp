@@ -438,21 +438,7 @@ struct Packed {
                               {lse.data(), DType::f32, 2, {Hq, 5}, {5, 1}}, t3(q, 5, Hq), cu(cu_q),
                               cu(cu_k), t3(dq, 5, Hq), t3(dk, 4, Hkv), t3(dv, 4, Hkv), o, ds);
   }
-  // attention_weights over every head and row, weights [B, H_q, T_q, T_k] contiguous unless
-  // `view` is given.
-  void weights_call(const WeightsSelection& select = {}, std::optional<TensorView> view = {}) {
-    attention_weights(ConstTensorView::bthd(q.data(), B, Tq, Hq, D),
-                      ConstTensorView::bthd(k.data(), B, Tk, Hkv, D),
-                      ConstTensorView::bht(lse.data(), B, Hq, Tq),
-                      view.value_or(weights_view(Hq, Tq)), o, select);
-  }
-  TensorView weights_view(std::int64_t heads, std::int64_t rows) {
-    return {
-        weights.data(), DType::f32, 4, {B, heads, rows, Tk}, {heads * rows * Tk, rows * Tk, Tk, 1}};
-  }
   bool untouched() const {
-    for (float x : weights)
-      if (x != kSentinel) return false;
     for (float x : out)
       if (x != kSentinel) return false;
     for (float x : dq)

@@ -618,16 +618,17 @@ TEST(VariantErrors, AttentionWeights) {
         ErrorCode::invalid_argument, {"select.heads[1]", std::to_string(h), "H_q", "4"});
   }
   // Row ranges: negative begin, end before begin, end past T_q.
-  for (auto [b, e] : {std::pair<std::int64_t, std::int64_t>{-1, 3}, {3, 2}, {0, 6}}) {
+  for (const auto& range : {std::pair<std::int64_t, std::int64_t>{-1, 3}, {3, 2}, {0, 6}}) {
     expect(
         [&](Problem& p) {
           WeightsSelection s;
-          s.row_begin = b;
-          s.row_end = e;
+          s.row_begin = range.first;
+          s.row_end = range.second;
           p.weights_call(s, p.weights_view(Hq, 1));
         },
         ErrorCode::invalid_argument,
-        {"select.row_begin", "select.row_end", "T_q", "5", std::to_string(b), std::to_string(e)});
+        {"select.row_begin", "select.row_end", "T_q", "5", std::to_string(range.first),
+         std::to_string(range.second)});
   }
   // The weights' shape against B, the selection and T_k.
   expect([&](Problem& p) { p.weights_call({}, p.weights_view(Hq - 1, Tq)); },

@@ -76,7 +76,9 @@ void ExpectMatchesOracle(const VariantCase& c, std::mt19937_64& rng, Layout layo
             ++zeros;
           }
         }
-  if (c.causal && c.Tq > 1 && c.Tk > 1) EXPECT_GT(zeros, 0) << "a causal case hides some keys";
+  if (c.causal && c.Tq > 1 && c.Tk > 1) {
+    EXPECT_GT(zeros, 0) << "a causal case hides some keys";
+  }
   // The view's padding (Layout::strided) is never written.
   std::size_t nan_slots = 0, logical = static_cast<std::size_t>(c.B * c.Hq * c.Tq * c.Tk);
   for (float x : w.weights.storage) nan_slots += std::isnan(x) ? 1 : 0;

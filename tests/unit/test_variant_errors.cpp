@@ -741,7 +741,8 @@ TEST(VariantErrors, AttentionWeights) {
   expect(
       [&](Problem& p) {
         attention_weights(ConstTensorView::bthd(p.q.data(), B, Tq, Hq, Problem::D),
-                          ConstTensorView::bthd(nullptr, B, Tk, Problem::Hkv, Problem::D),
+                          ConstTensorView::bthd(static_cast<const float*>(nullptr), B, Tk,
+                                                Problem::Hkv, Problem::D),
                           ConstTensorView::bht(p.lse.data(), B, Hq, Tq), p.weights_view(Hq, Tq),
                           p.o);
       },
@@ -750,7 +751,8 @@ TEST(VariantErrors, AttentionWeights) {
   {
     Problem p;
     WeightsSelection s;
-    s.row_begin = s.row_end = 2;
+    s.row_begin = 2;
+    s.row_end = 2;
     EXPECT_NO_THROW(p.weights_call(s, p.weights_view(Hq, 0)));
     EXPECT_TRUE(p.untouched());
   }

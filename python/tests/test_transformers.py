@@ -263,26 +263,28 @@ def test_output_attentions_match_eager(family):
         assert torch.equal(a_real[r_real == 0], torch.zeros_like(a_real[r_real == 0]))
 
 
-def test_output_attentions_from_the_config_and_while_training():
-    """config.output_attentions = True asks for them too; with gradients on, the logits and the
-    gradients are those of a call without them (the weights themselves are not differentiable)."""
+def test_output_attentions_while_training():
+    """With gradients on, the weights match eager's and the logits and every gradient are those
+    of a call without output_attentions (the weights themselves are not differentiable)."""
     eager, ours = _models("gemma2")
     ids, mask = _batch()
-    ours.config.output_attentions = True
-    eager.config.output_attentions = True
-    with torch.no_grad():
-        got, ref = ours(ids, attention_mask=mask), eager(ids, attention_mask=mask)
-    assert len(got.attentions) == len(ref.attentions)
     real = mask.bool()
-    for a, r in zip(got.attentions, ref.attentions):
-        assert (a.transpose(1, 2)[real] - r.transpose(1, 2)[real]).abs().max() <= 1e-5
-    grads = []
+    ref = eager(ids, attention_mask=mask, output_attentions=True)
+    grads, logits = [], []
     for want in (True, False):
         ours.zero_grad()
         out = ours(ids, attention_mask=mask, output_attentions=want)
         out.logits[real].square().sum().backward()
         grads.append([p.grad.clone() for p in ours.parameters()])
+        logits.append(out.logits.detach())
         assert (out.attentions is not None) == want
+        if want:
+            assert len(out.attentions) == len(ref.attentions)
+            for a, r in zip(out.attentions, ref.attentions):
+                assert not a.requires_grad
+                err = (a.transpose(1, 2)[real] - r.detach().transpose(1, 2)[real]).abs().max()
+                assert err <= 1e-5
+    assert torch.equal(logits[0], logits[1])
     assert all(torch.equal(x, y) for x, y in zip(*grads))
 
 

@@ -32,7 +32,7 @@ Dtypes: float32, bfloat16 (transformers' default for most models) and float16 (S
 precision"); the output has the query's dtype; bfloat16/float16 sinks and additive masks are
 widened exactly to float32.
 
-``output_attentions=True`` (passed to the model or set in its config) returns each layer's
+``output_attentions=True`` (passed to the model's forward) returns each layer's
 attention weights, computed exactly from the forward's log-sum-exp
 (:func:`tokenmix.attention_weights`: P = exp(S + M − L), SPEC 4.2–4.4; only the [B, H_q, L, S]
 output is allocated), in the query's dtype, as eager attention's ``attn_weights`` (with sinks, the
@@ -115,9 +115,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if dropout:
         raise _unsupported(f"attention dropout {dropout} (training with attention_dropout > 0) "
                            "is not implemented; set the config's attention_dropout to 0.0")
-    want_weights = kwargs.get("output_attentions")
-    if want_weights is None:  # set in the config rather than passed to forward()
-        want_weights = getattr(getattr(module, "config", None), "output_attentions", False)
+    # (Passed to the model's forward; transformers refuses config.output_attentions for any
+    # implementation but eager.)
+    want_weights = bool(kwargs.get("output_attentions"))
     if kwargs.get("position_bias") is not None:
         raise _unsupported("position_bias (a learned relative-position bias) is not supported")
     if value.shape[-1] != query.shape[-1]:

@@ -126,12 +126,7 @@ std::vector<VariantCase> oracle_cases() {
   // Everything at once, T_q ≶ T_k, both alignments.
   for (CausalAlign align : {CausalAlign::bottom_right, CausalAlign::top_left})
     for (auto [Tq, Tk] : {std::pair<std::int64_t, std::int64_t>{33, 130}, {130, 33}}) {
-      VariantCase c{2, Tq, Tk, 4, 1, 9, true, align, Layout::strided};
-      c.window = 17;
-      c.softcap = 2.0;
-      c.alibi = true;
-      c.sinks = true;
-      c.key_lengths = true;
+      VariantCase c = with_all_variants({2, Tq, Tk, 4, 1, 9, true, align, Layout::strided});
       cases.push_back(c);
       c.key_lengths = false;
       c.mask = MaskShape::random_bias;

@@ -181,12 +181,7 @@ std::vector<VariantCase> combined_cases() {
   for (CausalAlign align : {CausalAlign::bottom_right, CausalAlign::top_left})
     for (bool causal : {true, false})
       for (auto [Tq, Tk] : {std::pair<std::int64_t, std::int64_t>{20, 130}, {130, 20}, {64, 1}}) {
-        VariantCase c{2, Tq, Tk, 4, 1, 12, causal, align};
-        c.window = 17;
-        c.softcap = 2.0;
-        c.alibi = true;
-        c.sinks = true;
-        c.key_lengths = true;
+        const VariantCase c = with_all_variants({2, Tq, Tk, 4, 1, 12, causal, align});
         cases.push_back(c);
         VariantCase m = c;  // with a general mask instead of key lengths, no sinks
         m.key_lengths = false;

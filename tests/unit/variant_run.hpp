@@ -198,6 +198,17 @@ struct MaskTensor {
   }
 };
 
+/// `c` with the variants that combine with any shape all on: a window of 17, soft-capping at 2,
+/// ALiBi, sinks and key lengths (the case tables' "everything at once" rows).
+inline VariantCase with_all_variants(VariantCase c) {
+  c.window = 17;
+  c.softcap = 2.0;
+  c.alibi = true;
+  c.sinks = true;
+  c.key_lengths = true;
+  return c;
+}
+
 // ---------------------------------------------------------------------------------------------
 // One case: inputs, options for the library and the oracle
 

@@ -10,8 +10,9 @@
 #
 # The virtual environment is persistent, outside the work tree:
 #   ${TOKENMIX_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv}
-# so NumPy, ml_dtypes, PyTorch, pytest, scikit-build-core, nanobind and Hugging Face
-# transformers (for test_transformers.py: tiny models built from configs, nothing downloaded)
+# so NumPy, ml_dtypes, PyTorch, pytest, scikit-build-core, nanobind, Hugging Face transformers
+# (for test_transformers.py: tiny models built from configs, nothing downloaded) and matplotlib
+# (tokenmix.plot, test_plot.py)
 # come from PyPI once per machine and only when missing (PyPI's Linux torch wheel is the CUDA
 # build: ~0.5 GB plus
 # ~3 GB of nvidia-* wheels that `import torch` needs even on a CPU-only machine; PyPI carries no
@@ -69,7 +70,7 @@ echo "== virtual environment: $venv ($("$py" --version))"
 missing=()
 for spec in numpy:numpy torch:torch pytest:pytest scikit_build_core:scikit-build-core \
             nanobind:nanobind transformers:transformers \
-            ml_dtypes:ml_dtypes; do
+            ml_dtypes:ml_dtypes matplotlib:matplotlib; do
   "$py" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
 done
 if [[ ${#missing[@]} -gt 0 ]]; then

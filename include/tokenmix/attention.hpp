@@ -15,8 +15,10 @@
 // row by row), dS = A ⊙ (dO Vᵀ − D 1ᵀ), dQ = s·dS K, dK = s·Σ_group dSᵀ Q, dV = Σ_group Aᵀ dO.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "tokenmix/runtime.hpp"
 #include "tokenmix/tensor.hpp"
@@ -97,6 +99,36 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
                         ConstTensorView out, ConstTensorView lse, ConstTensorView dout,
                         TensorView dq, TensorView dk, TensorView dv,
                         const AttentionOptions& options = {}, TensorView dsinks = {});
+
+/// The rows of P that attention_weights writes: query heads in output order and a range of
+/// query rows (default: every head, every row).
+struct WeightsSelection {
+  /// Query heads h, 0 ≤ h < H_q, in the order of the output's head axis (repeats allowed).
+  /// Empty = all, 0 … H_q − 1.
+  std::vector<std::int64_t> heads;
+  std::int64_t row_begin = 0;           ///< first query row t (0 ≤ row_begin ≤ row_end)
+  std::optional<std::int64_t> row_end;  ///< one past the last row (≤ T_q); default T_q
+};
+
+/// Attention weights on request (SPEC 4.2–4.4 and "Score variants"): for the selected heads h
+/// and rows t of each batch row b,
+///   weights[b, i, t − row_begin, u] = P_{t,u} = exp(S_{t,u} + M_{t,u} − L_t),  h = heads[i],
+/// with S the score of the forward (z = s·⟨q_t, k_u⟩, cap(z), ALiBi, an f32 mask's bias) and L
+/// the forward's row log-sum-exp `lse` [B, H_q, T_q] (f32): the rows of A = softmax(S + M) that
+/// the forward used, without any T×T buffer. Keys the row does not see (causal mask, window, key
+/// length, a boolean mask, a −∞ bias) get exactly 0; so does every key of a row that sees none.
+/// With sinks each row sums to 1 − e^{σ_h − L_t} (the sink's share is not a key's).
+///   q [B, T_q, H_q, d_h], k [B, T_k, H_kv, d_h]: f32, bf16 or f16, one dtype (widened exactly).
+///   weights: rank 4 [B, heads, rows, T_k] f32, any strides (no overlap with itself or inputs).
+/// The options must be the forward's (scale, causal, align and the variants); threads and isa
+/// as for the forward (the results are the same bits for every thread count and path). Memory:
+/// per-thread scratch of O(64·(d_h + 64)) floats; time: one product s·Q K_jᵀ per written row
+/// (about half the forward's useful FLOPs for all rows). Throws ArgumentError naming the
+/// argument for bad shapes, a head index outside [0, H_q), a row range outside [0, T_q], null
+/// pointers, overlapping outputs, overflowing sizes; UnsupportedError for other dtypes.
+void attention_weights(ConstTensorView q, ConstTensorView k, ConstTensorView lse,
+                       TensorView weights, const AttentionOptions& options = {},
+                       const WeightsSelection& select = {});
 
 /// Variable-length batches (SPEC "Score variants": varlen; FlashAttention's varlen API).
 ///   q [total_q, H_q, d_h], k and v [total_k, H_kv, d_h] (rank 3, any strides)

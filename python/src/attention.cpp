@@ -6,11 +6,13 @@
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "bindings.hpp"
 #include "native_entry.hpp"
@@ -175,6 +177,38 @@ void bind_attention(nb::module_& m) {
       "softcap"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(),
       "sinks"_a.none() = nb::none(), "mask"_a.none() = nb::none(),
       "key_lengths"_a.none() = nb::none(), "dsinks"_a.none() = nb::none());
+
+  // Attention weights on request (SPEC 4.2–4.4): q [B, T_q, H_q, d_h], k [B, T_k, H_kv, d_h]
+  // in one dtype, lse [B, H_q, T_q] float32, weights [B, heads, rows, T_k] float32; heads: the
+  // query heads in output order (None = all), rows [row_begin, row_end) (row_end None = T_q).
+  m.def(
+      "attention_weights",
+      [](ArrayArg q, ArrayArg k, ArrayArg lse, ArrayArg weights,
+         std::optional<std::vector<std::int64_t>> heads, IntArg row_begin,
+         std::optional<IntArg> row_end, std::optional<double> scale, bool causal,
+         const std::string& align, IntArg threads, const std::string& isa,
+         std::optional<IntArg> window, std::optional<double> softcap,
+         std::optional<ArrayArg> alibi_slopes, std::optional<ArrayArg> sinks,
+         std::optional<ArrayArg> mask, std::optional<ArrayArg> key_lengths) {
+        constexpr const char* fn = "attention_weights";
+        auto o = attention_options(fn, scale, causal, align, threads, isa);
+        add_variants(o, fn, {window, softcap, alibi_slopes, sinks, mask, key_lengths});
+        auto qv = in_float(q, fn, "q", 4), kv = in_float(k, fn, "k", 4);
+        check_same_dtype(fn, {{"q", qv.dtype}, {"k", kv.dtype}});
+        auto lv = in3(lse, fn, "lse");
+        auto wv = out4(weights, fn, "weights");
+        tmx::WeightsSelection select;
+        if (heads) select.heads = *heads;
+        select.row_begin = int64_arg(row_begin, fn, "row_begin");
+        if (row_end) select.row_end = int64_arg(*row_end, fn, "row_end");
+        nb::gil_scoped_release release;
+        tmx::attention_weights(qv, kv, lv, wv, o, select);
+      },
+      "q"_a, "k"_a, "lse"_a, "weights"_a, "heads"_a.none(), "row_begin"_a, "row_end"_a.none(),
+      "scale"_a.none(), "causal"_a, "align"_a, "threads"_a, "isa"_a, "window"_a.none() = nb::none(),
+      "softcap"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(),
+      "sinks"_a.none() = nb::none(), "mask"_a.none() = nb::none(),
+      "key_lengths"_a.none() = nb::none());
 
   // The plain eager calls of tokenmix._torch_ops without score variants (generation makes
   // thousands a second): every tensor as (data_ptr(), dtype code, shape, stride()) of a live CPU

@@ -18,7 +18,7 @@ import tokenmix._tokenmix as _C
 # Every public name of `tokenmix` before the split (its __all__ then), in one explicit list, plus
 # those added since: ResourceError, backward_flops, cpu_cap, attention_forward_varlen,
 # attention_backward_varlen, fp8_direct_widening, linear_decode_prefetch, decode_amx,
-# thread_runtimes.
+# thread_runtimes, attention_weights.
 PUBLIC_NAMES = [
     "ArgumentError",
     "CausalSelfAttention",
@@ -32,6 +32,7 @@ PUBLIC_NAMES = [
     "attention_decode",
     "attention_forward",
     "attention_forward_varlen",
+    "attention_weights",
     "available_isas",
     "backward_flops",
     "cpu_cap",
@@ -58,11 +59,11 @@ PUBLIC_NAMES = [
 ]
 # Subpackages that appear in dir(tokenmix) once something imports them (other tests do).
 # torch_node is imported by the native-module loader when torch is present.
-SUBMODULES = {"torch", "bench", "distributed", "transformers", "torch_node"}
+SUBMODULES = {"torch", "bench", "distributed", "transformers", "torch_node", "plot"}
 # Written in Python (the private modules); they present themselves as tokenmix.<name>.
 PYTHON_DEFINED = [
     "CausalSelfAttention", "LayerGradients", "attention_backward", "attention_backward_varlen",
-    "attention_decode", "attention_forward", "attention_forward_varlen", "backward_flops", "forward_flops", "logsumexp", "merge_partials",
+    "attention_decode", "attention_forward", "attention_forward_varlen", "attention_weights", "backward_flops", "forward_flops", "logsumexp", "merge_partials",
     "resolve_isa", "rope_backward", "rope_forward", "softmax", "softmax_jacobian",
     "softmax_jacobian_vector_product", "thread_runtimes", "visible_keys", "visible_pairs",
 ]

@@ -45,10 +45,16 @@ def _config(family):
         c = dict(COMMON, intermediate_size=64)
         return transformers.GptOssConfig(**c, head_dim=16, sliding_window=5, num_local_experts=4,
                                          num_experts_per_tok=2)
+    if family == "qwen3":  # held out: only the attention-weights test builds these two
+        return transformers.Qwen3Config(**COMMON, head_dim=16)
+    if family == "phi3":
+        return transformers.Phi3Config(**COMMON)
     raise AssertionError(family)
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "gemma2", "gpt_oss"]
+# output_attentions: every family above plus two the integration was not developed against.
+WEIGHT_FAMILIES = FAMILIES + ["qwen3", "phi3"]
 
 
 def _models(family):
@@ -209,8 +215,6 @@ def test_unsupported_requests_raise():
     with pytest.raises(tokenmix.UnsupportedError, match="dropout"):
         model(ids, attention_mask=mask)
     model.eval()
-    with pytest.raises(tokenmix.UnsupportedError, match="output_attentions"):
-        model(ids, attention_mask=mask, output_attentions=True)
     model = model.to(torch.float64)  # (bfloat16 and float16 run: test_bf16.py)
     with pytest.raises(tokenmix.UnsupportedError, match="float64"):
         model(ids, attention_mask=mask)
@@ -229,3 +233,66 @@ def test_a_custom_4d_float_mask_is_a_bias():
         ref = eager(ids, attention_mask=bias).logits
         got = ours(ids, attention_mask=bias).logits
     assert _rel(got, ref) <= REL
+
+
+# ---- output_attentions=True: the weights P = exp(S + M − L) of every layer (SPEC 4.2–4.4) ----
+
+
+@pytest.mark.parametrize("family", WEIGHT_FAMILIES)
+def test_output_attentions_match_eager(family):
+    """Each layer's weights against eager attention's attn_weights over the real query rows of a
+    left-padded batch (a padded row sees no key: zeros here, a uniform average in eager), the
+    logits bitwise those of a call without output_attentions."""
+    eager, ours = _models(family)
+    ids, mask = _batch()
+    with torch.no_grad():
+        ref = eager(ids, attention_mask=mask, output_attentions=True)
+        got = ours(ids, attention_mask=mask, output_attentions=True)
+        plain = ours(ids, attention_mask=mask)
+    assert plain.attentions is None
+    assert torch.equal(got.logits, plain.logits)
+    real = mask.bool()
+    assert _rel(got.logits[real], ref.logits[real]) <= REL
+    assert len(got.attentions) == len(ref.attentions) == eager.config.num_hidden_layers
+    for layer, (a, r) in enumerate(zip(got.attentions, ref.attentions)):
+        assert a.shape == r.shape and a.dtype == r.dtype, (layer, a.shape, r.shape)
+        a_real, r_real = a.transpose(1, 2)[real], r.transpose(1, 2)[real]  # [rows, H_q, S]
+        err = (a_real - r_real).abs().max().item()
+        assert err <= 1e-5, f"{family} layer {layer}: max |P - eager| = {err:.2e}"
+        # Keys a real row does not see (padding, the future, outside a window) are exactly 0.
+        assert torch.equal(a_real[r_real == 0], torch.zeros_like(a_real[r_real == 0]))
+
+
+def test_output_attentions_while_training():
+    """With gradients on, the weights match eager's and the logits and every gradient are those
+    of a call without output_attentions (the weights themselves are not differentiable)."""
+    eager, ours = _models("gemma2")
+    ids, mask = _batch()
+    real = mask.bool()
+    ref = eager(ids, attention_mask=mask, output_attentions=True)
+    grads, logits = [], []
+    for want in (True, False):
+        ours.zero_grad()
+        out = ours(ids, attention_mask=mask, output_attentions=want)
+        out.logits[real].square().sum().backward()
+        grads.append([p.grad.clone() for p in ours.parameters()])
+        logits.append(out.logits.detach())
+        assert (out.attentions is not None) == want
+        if want:
+            assert len(out.attentions) == len(ref.attentions)
+            for a, r in zip(out.attentions, ref.attentions):
+                assert not a.requires_grad
+                err = (a.transpose(1, 2)[real] - r.detach().transpose(1, 2)[real]).abs().max()
+                assert err <= 1e-5
+    assert torch.equal(logits[0], logits[1])
+    assert all(torch.equal(x, y) for x, y in zip(*grads))
+
+
+def test_output_attentions_on_a_tokenmix_cache_raise():
+    _, ours = _models("llama")
+    ids, mask = _batch()
+    cache = tmx_hf.Cache(ours.config, "f32")
+    with pytest.raises(tokenmix.UnsupportedError, match="output_attentions"):
+        with torch.no_grad():
+            ours(ids, attention_mask=mask, cache=cache, use_cache=True,
+                 output_attentions=True)

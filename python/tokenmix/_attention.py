@@ -106,6 +106,103 @@ def attention_forward(
     return (out, lse) if lse is not None else out
 
 
+def attention_weights(
+    q: Any,
+    k: Any,
+    lse: Any,
+    weights: Any = None,
+    *,
+    heads: Any = None,
+    rows: Any = None,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    align: str = "bottom_right",
+    layout: str = "bthd",
+    threads: int = 0,
+    isa: str = "auto",
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    mask: Any = None,
+    key_lengths: Any = None,
+) -> Any:
+    """The attention weights of the forward, on request (SPEC 4.2–4.4)::
+
+        P[b, i, t, u] = exp(S_tu + M_tu − L_t)     for head heads[i], row t of rows
+
+    exactly the A = softmax(S + M) the forward used, from q, k and its saved ``lse`` (no T×T
+    buffer beyond the output). Masked keys (causal, window, key lengths, boolean mask, a −inf
+    bias) are exactly 0; with sinks a row sums to 1 − e^(σ_h − L_t).
+
+    Args:
+        q: [B, T_q, H_q, d_h] (``layout="bhtd"``: [B, H_q, T_q, d_h]) float32, bfloat16 or
+            float16; k: [B, T_k, H_kv, d_h] in q's dtype and layout.
+        lse: [B, H_q, T_q] float32 from the forward (``return_lse=True``).
+        weights: optional float32 output [B, len(heads), len(rows), T_k] (any strides), written
+            in place; allocated (NumPy or torch, as q) when not given.
+        heads: query heads in output order (a list of ints, repeats allowed); None = all.
+        rows: query rows, ``None`` (all), a ``slice``/``range`` with step 1 or a
+            ``(begin, end)`` pair: rows begin … end − 1.
+        scale, causal, align, threads, isa, window, softcap, alibi_slopes, sinks, mask,
+            key_lengths: the forward's (they must be the same, or P is of another function).
+
+    Returns:
+        ``weights`` (float32, [B, heads, rows, T_k]).
+    """
+    fn = "attention_weights"
+    check_layout(fn, layout)
+    q, k, lse = as_array(fn, "q", q), as_array(fn, "k", k), as_array(fn, "lse", lse)
+    q4, k4 = view4(fn, "q", q, layout), view4(fn, "k", k, layout)
+    B, T_q, H_q, _ = q4.shape
+    head_list = None if heads is None else _head_list(fn, heads)
+    begin, end = _row_range(fn, rows, T_q)
+    if weights is None:
+        n_heads = H_q if head_list is None else len(head_list)
+        weights = new_empty(q, (B, n_heads, max(end - begin, 0), k4.shape[1]), float32=True)
+    else:
+        weights = as_output(fn, "weights", weights)
+    _C.attention_weights(
+        q4, k4, lse, weights, head_list, begin, None if end == T_q else end, scale, causal, align,
+        threads, isa, **_variants(fn, window, softcap, alibi_slopes, sinks, mask, key_lengths),
+    )
+    return weights
+
+
+def _head_list(fn: str, heads: Any) -> list:
+    """heads as a list of Python ints (a list/tuple/range of ints, a 1-D integer array or an int)."""
+    if isinstance(heads, (int, np.integer)) and not isinstance(heads, (bool, np.bool_)):
+        return [int(heads)]
+    out = []
+    for h in (heads.tolist() if hasattr(heads, "tolist") else heads):
+        if isinstance(h, (bool, np.bool_)) or not isinstance(h, (int, np.integer)):
+            raise TypeError(f"{fn}: heads must be integers (query head indices); got "
+                            f"{type(h).__name__}")
+        out.append(int(h))
+    return out
+
+
+def _row_range(fn: str, rows: Any, T_q: int) -> Tuple[int, int]:
+    """(begin, end) of rows: None (all), a slice or range of step 1, or a (begin, end) pair."""
+    if rows is None:
+        return 0, T_q
+    if isinstance(rows, slice):
+        if rows.step not in (None, 1):
+            raise ValueError(f"{fn}: rows must be a contiguous range (step 1); got step "
+                             f"{rows.step}")
+        begin, end, _ = rows.indices(T_q)
+        return begin, max(end, begin)
+    if isinstance(rows, range):
+        if rows.step != 1:
+            raise ValueError(f"{fn}: rows must be a contiguous range (step 1); got step "
+                             f"{rows.step}")
+        return rows.start, rows.stop
+    if isinstance(rows, (tuple, list)) and len(rows) == 2:
+        return int(rows[0]), int(rows[1])
+    raise TypeError(f"{fn}: rows must be None, a slice, a range or a (begin, end) pair; got "
+                    f"{type(rows).__name__}")
+
+
 def _variants(fn: str, window: Any, softcap: Any, alibi_slopes: Any, sinks: Any, mask: Any = None,
               key_lengths: Any = None, varlen: bool = False) -> dict:
     """The variant keyword arguments of the extension's entry points, checked and converted."""

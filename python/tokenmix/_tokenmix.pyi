@@ -15,7 +15,7 @@ allocated → ResourceError (a MemoryError); a read-only output → ValueError. 
 "bottom_right" or "top_left" (tokenmix::parse_causal_align; else ArgumentError).
 """
 
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 Array = Any  # numpy.ndarray[float32] | torch.Tensor (CPU, float32)
 
@@ -53,6 +53,15 @@ def attention_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, dou
                        dsinks: Optional[Array] = None) -> None:
     """Writes dq [B,T_q,H_q,d_h], dk/dv [B,T_k,H_kv,d_h] (SPEC "Backward pass") and, with
     sinks, dsinks [H_q]."""
+def attention_weights(q: Array, k: Array, lse: Array, weights: Array,
+                      heads: Optional[List[int]], row_begin: int, row_end: Optional[int],
+                      scale: Optional[float], causal: bool, align: str, threads: int, isa: str,
+                      window: Optional[int] = None, softcap: Optional[float] = None,
+                      alibi_slopes: Optional[Array] = None, sinks: Optional[Array] = None,
+                      mask: Optional[Array] = None, key_lengths: Optional[Array] = None) -> None:
+    """weights [B,heads,rows,T_k] float32 ← P = exp(S + M − L) (SPEC 4.2–4.4) of q
+    [B,T_q,H_q,d_h], k [B,T_k,H_kv,d_h] and the forward's lse [B,H_q,T_q]; heads None = all,
+    rows [row_begin, row_end) (None = T_q)."""
 def attention_forward_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array,
                              cu_seqlens_k: Array, out: Array, lse: Optional[Array],
                              scale: Optional[float], causal: bool, align: str, threads: int,

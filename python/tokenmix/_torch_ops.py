@@ -58,7 +58,7 @@ from torch import Tensor
 from . import _native
 from . import _tokenmix as _C
 
-__all__ = ["attention", "varlen", "plain_eager"]
+__all__ = ["attention", "attention_lse", "varlen", "plain_eager"]
 
 _ALIGN = ("top_left", "bottom_right")
 
@@ -742,6 +742,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
             return _forward_impl(q, k, v, attn_mask, alibi_slopes, sinks, *options)[0]
         return _EagerAttention.apply(q, k, v, sinks, attn_mask, alibi_slopes, options)
     return _Attention.apply(q, k, v, sinks, attn_mask, alibi_slopes, options)[0]
+
+
+def attention_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                  alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                  scale: Optional[float], is_causal: bool, bottom_right: bool,
+                  window: Optional[int], softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+    """(out, lse): :func:`attention`'s out (differentiable as there) and the row log-sum-exp L
+    of SPEC (4.4) ``[B, H_q, L]`` float32 (not differentiable), for the attention weights
+    (tokenmix.attention_weights; tokenmix.transformers with ``output_attentions=True``)."""
+    options = (scale, is_causal, bottom_right, window, softcap)
+    if plain_eager(q, k, v, sinks) and not (
+            torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                            for x in (q, k, v, sinks))):
+        return _forward_impl(q, k, v, attn_mask, alibi_slopes, sinks, *options)
+    return _Attention.apply(q, k, v, sinks, attn_mask, alibi_slopes, options)
 
 
 def varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,

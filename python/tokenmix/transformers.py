@@ -32,8 +32,15 @@ Dtypes: float32, bfloat16 (transformers' default for most models) and float16 (S
 precision"); the output has the query's dtype; bfloat16/float16 sinks and additive masks are
 widened exactly to float32.
 
-No silent fallback to PyTorch: dropout in training, ``output_attentions``, a position bias, a
-dtype other than those three (or mixed) or a non-CPU tensor raise
+``output_attentions=True`` (passed to the model's forward) returns each layer's
+attention weights, computed exactly from the forward's log-sum-exp
+(:func:`tokenmix.attention_weights`: P = exp(S + M − L), SPEC 4.2–4.4; only the [B, H_q, L, S]
+output is allocated), in the query's dtype, as eager attention's ``attn_weights`` (with sinks, the
+keys' columns only); the model's other outputs are those of a call without it. The weights are
+not differentiable (the output is, as always).
+
+No silent fallback to PyTorch: dropout in training, a position bias, a dtype other than those
+three (or mixed), a non-CPU tensor and ``output_attentions`` on a tokenmix :class:`Cache` raise
 :class:`tokenmix.UnsupportedError` naming what.
 
 **Generation on tokenmix's own KV cache**: :class:`Cache` (``tokenmix/_hf_cache.py``) is a
@@ -70,6 +77,7 @@ import torch
 
 from . import _tokenmix as _C
 from . import _torch_ops as _ops
+from ._attention import attention_weights
 
 from ._hf_cache import Cache
 
@@ -90,9 +98,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       dropout: float = 0.0, scaling: Optional[float] = None,
                       is_causal: Optional[bool] = None, sliding_window: Optional[int] = None,
                       softcap: Optional[float] = None, s_aux: Optional[torch.Tensor] = None,
-                      **kwargs: Any) -> Tuple[torch.Tensor, None]:
+                      **kwargs: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """transformers' attention-function signature: query ``[B, H_q, L, E]``, key/value
-    ``[B, H_kv, S, E]``; returns ``([B, L, H_q, E] contiguous, None)``."""
+    ``[B, H_kv, S, E]``; returns ``([B, L, H_q, E] contiguous, None)``, or with
+    ``output_attentions`` the weights ``[B, H_q, L, S]`` instead of None."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         # float32, bfloat16 or float16, one dtype (SPEC "Reduced precision"); out in that dtype
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -106,9 +115,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if dropout:
         raise _unsupported(f"attention dropout {dropout} (training with attention_dropout > 0) "
                            "is not implemented; set the config's attention_dropout to 0.0")
-    if kwargs.get("output_attentions"):
-        raise _unsupported("output_attentions=True: tokenmix never forms the attention weights; "
-                           "use attn_implementation='eager' to get them")
+    # (Passed to the model's forward; transformers refuses config.output_attentions for any
+    # implementation but eager.)
+    want_weights = bool(kwargs.get("output_attentions"))
     if kwargs.get("position_bias") is not None:
         raise _unsupported("position_bias (a learned relative-position bias) is not supported")
     if value.shape[-1] != query.shape[-1]:
@@ -131,6 +140,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if layer is not None:  # K/V live in a tokenmix Cache (tokenmix/_hf_cache.py)
         if not is_causal:
             raise _unsupported("a non-causal layer with a tokenmix Cache")
+        if want_weights:
+            raise _unsupported("output_attentions=True with a tokenmix Cache: its keys live in "
+                               "the cache's tiles; generate with the default DynamicCache to get "
+                               "the attention weights")
         if (sliding_window or 0) != layer.window:
             raise _unsupported(f"layer {layer.index} attends with sliding_window="
                                f"{sliding_window} but the Cache was built with window "
@@ -143,6 +156,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise _unsupported("key is a zero-stride tensor: the tag of a tokenmix Cache that the "
                            "model transformed between cache.update and the attention function; "
                            "this model cannot use a tokenmix Cache")
+    if want_weights:
+        return _uncached(query, key, value, attention_mask, scaling, bool(is_causal),
+                         sliding_window, softcap, sinks, weights=True)
     return _uncached(query, key, value, attention_mask, scaling, bool(is_causal), sliding_window,
                      softcap, sinks), None
 
@@ -150,8 +166,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 def _uncached(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: Optional[torch.Tensor], scaling: Optional[float], is_causal: bool,
               sliding_window: Optional[int], softcap: Optional[float],
-              sinks: Optional[torch.Tensor]) -> torch.Tensor:
-    """Attention over the given K/V; returns [B, L, H_q, E] (contiguous)."""
+              sinks: Optional[torch.Tensor], weights: bool = False) -> Any:
+    """Attention over the given K/V; returns [B, L, H_q, E] (contiguous), or with ``weights``
+    the pair (that, the attention weights [B, H_q, L, S] in the query's dtype)."""
     if attention_mask is None:
         window = None
         if sliding_window is not None:
@@ -159,8 +176,8 @@ def _uncached(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 raise _unsupported("a bidirectional sliding window (non-causal layer with "
                                    "sliding_window) is not supported")
             window = int(sliding_window)
-        out = _ops.attention(query, key, value, None, None, sinks, scaling, bool(is_causal), True,
-                             window, softcap)
+        args = (query, key, value, None, None, sinks, scaling, bool(is_causal), True, window,
+                softcap)
     else:
         mask = attention_mask
         S = key.shape[-2]
@@ -175,10 +192,24 @@ def _uncached(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             raise _unsupported(f"attention_mask of dtype {mask.dtype}; expected bool, float32 "
                                "or the query's dtype")
         # The mask carries causality, padding, window and cache length: no causal flag.
-        out = _ops.attention(query, key, value, mask, None, sinks, scaling, False, True, None,
-                             softcap)
-    # out is [B, H_q, L, E] laid out as [B, L, H_q, E]: the transpose is contiguous, no copy.
-    return out.transpose(1, 2)
+        args = (query, key, value, mask, None, sinks, scaling, False, True, None, softcap)
+    if not weights:
+        # out is [B, H_q, L, E] laid out as [B, L, H_q, E]: the transpose is contiguous, no copy.
+        return _ops.attention(*args).transpose(1, 2)
+    out, lse = _ops.attention_lse(*args)
+    return out.transpose(1, 2), _weights(args, lse).to(query.dtype)
+
+
+def _weights(args: Tuple[Any, ...], lse: torch.Tensor) -> torch.Tensor:
+    """The attention weights P = exp(S + M − L) [B, H_q, L, S] float32 of one attention call
+    (SPEC 4.2–4.4; tokenmix.attention_weights) from its arguments (as for _ops.attention) and
+    its log-sum-exp: eager attention's ``attn_weights`` (with sinks, the keys' columns only)."""
+    query, key, _, mask, _, sinks, scaling, causal, bottom_right, window, softcap = args
+    with torch.no_grad():
+        return attention_weights(
+            query, key, lse, layout="bhtd", scale=scaling, causal=causal,
+            align="bottom_right" if bottom_right else "top_left", threads=torch.get_num_threads(),
+            window=window, softcap=softcap, sinks=sinks, mask=mask)
 
 
 def _tracing(x: Any) -> bool:

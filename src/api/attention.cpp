@@ -9,6 +9,7 @@
 #include <string>
 #include <type_traits>
 
+#include "api/problem.hpp"
 #include "api/short_query.hpp"
 #include "api/variants.hpp"
 #include "dispatch/registry.hpp"
@@ -21,61 +22,11 @@ namespace tokenmix {
 namespace {
 
 using detail::check_dim;
+using detail::check_lse;
 using detail::check_view;
 using detail::fail;
+using detail::make_problem;
 using detail::strided;
-
-// Checks q/k/v against each other (SPEC "Names and shapes", 4.8) and returns the problem.
-// The score variants of `o` are validated and normalised into p.var, pointing into `data`.
-kernels::AttentionProblem make_problem(const char* fn, const ConstTensorView& q,
-                                       const ConstTensorView& k, const ConstTensorView& v,
-                                       const AttentionOptions& o, detail::VariantData& data) {
-  detail::check_activation(q, 4, fn, "q");
-  detail::check_activation(k, 4, fn, "k");
-  detail::check_activation(v, 4, fn, "v");
-  kernels::AttentionProblem p;
-  p.batch = q.dim(0);
-  p.tq = q.dim(1);
-  p.hq = q.dim(2);
-  p.dh = q.dim(3);
-  p.tk = k.dim(1);
-  p.hkv = k.dim(2);
-  if (p.hq < 1)
-    fail(ErrorCode::invalid_argument, fn,
-         "q.shape[2] (H_q) must be >= 1; got " + std::to_string(p.hq));
-  if (p.dh < 1)
-    fail(ErrorCode::invalid_argument, fn,
-         "q.shape[3] (d_h) must be >= 1; got " + std::to_string(p.dh));
-  check_dim(k, 0, p.batch, fn, "k", "B", "q.shape[0]");
-  check_dim(k, 3, p.dh, fn, "k", "d_h", "q.shape[3]");
-  if (p.hkv < 1)
-    fail(ErrorCode::invalid_argument, fn,
-         "k.shape[2] (H_kv) must be >= 1; got " + std::to_string(p.hkv));
-  if (p.hkv > p.hq) {
-    fail(ErrorCode::shape_mismatch, fn,
-         "k.shape[2] (H_kv) must be <= q.shape[2] (H_q = " + std::to_string(p.hq) +
-             "); got H_kv = " + std::to_string(p.hkv));
-  }
-  if (p.hq % p.hkv != 0) {
-    fail(ErrorCode::shape_mismatch, fn,
-         "k.shape[2] (H_kv) must divide q.shape[2] (H_q = " + std::to_string(p.hq) +
-             ") for grouped-query attention (SPEC 4.8); got H_kv = " + std::to_string(p.hkv));
-  }
-  check_dim(v, 0, p.batch, fn, "v", "B", "q.shape[0]");
-  check_dim(v, 1, p.tk, fn, "v", "T_k", "k.shape[1]");
-  check_dim(v, 2, p.hkv, fn, "v", "H_kv", "k.shape[2]");
-  check_dim(v, 3, p.dh, fn, "v", "d_h", "q.shape[3]");
-
-  p.scale = detail::checked_scale(fn, o, p.dh);
-  p.causal = o.causal;
-  p.align = o.align;
-  // A tiny call (generation's shapes) runs on the calling thread (kernel_skeleton.hpp).
-  p.threads = kernels::threads_for_work(
-      o.threads == 0 ? default_threads() : o.threads,
-      static_cast<double>(p.batch) * p.hq * p.tq * static_cast<double>(p.tk) * p.dh);
-  if (detail::uses_variants(o)) detail::prepare_variants(fn, o, p, data);
-  return p;
-}
 
 // Checks that `x` has the shape of q ([B,T_q,H_q,d_h]) or k ([B,T_k,H_kv,d_h]).
 void check_like(const char* fn, const ConstTensorView& x, const char* name, std::int64_t b,
@@ -86,14 +37,6 @@ void check_like(const char* fn, const ConstTensorView& x, const char* name, std:
   check_dim(x, 1, t, fn, name, "T", (from + "[1]").c_str());
   check_dim(x, 2, h, fn, name, "H", (from + "[2]").c_str());
   check_dim(x, 3, d, fn, name, "d_h", (from + "[3]").c_str());
-}
-
-void check_lse(const char* fn, const ConstTensorView& lse, const char* name,
-               const kernels::AttentionProblem& p) {
-  check_view(lse, 3, fn, name);
-  check_dim(lse, 0, p.batch, fn, name, "B", "q.shape[0]");
-  check_dim(lse, 1, p.hq, fn, name, "H_q", "q.shape[2]");
-  check_dim(lse, 2, p.tq, fn, name, "T_q", "q.shape[1]");
 }
 
 }  // namespace
@@ -243,7 +186,7 @@ void attention_forward(ConstTensorView q, ConstTensorView k, ConstTensorView v, 
   constexpr const char* fn = "attention_forward";
   kernels::ForwardArgs args;
   detail::VariantData variants;
-  args.p = make_problem(fn, q, k, v, options, variants);
+  args.p = make_problem(fn, q, k, &v, options, variants);
   const auto& p = args.p;
   check_like(fn, out, "out", p.batch, p.tq, p.hq, p.dh, "q");
   if (!lse.empty()) check_lse(fn, lse, "lse", p);
@@ -282,7 +225,7 @@ void attention_backward(ConstTensorView q, ConstTensorView k, ConstTensorView v,
   constexpr const char* fn = "attention_backward";
   kernels::BackwardArgs args;
   detail::VariantData variants;
-  args.p = make_problem(fn, q, k, v, options, variants);
+  args.p = make_problem(fn, q, k, &v, options, variants);
   const auto& p = args.p;
   check_like(fn, out, "out", p.batch, p.tq, p.hq, p.dh, "q");
   check_lse(fn, lse, "lse", p);
@@ -361,3 +304,67 @@ double backward_flops_windowed(std::int64_t B, std::int64_t T_q, std::int64_t T_
 }
 
 }  // namespace tokenmix
+
+namespace tokenmix::detail {
+
+kernels::AttentionProblem make_problem(const char* fn, const ConstTensorView& q,
+                                       const ConstTensorView& k, const ConstTensorView* v,
+                                       const AttentionOptions& o, VariantData& data) {
+  detail::check_activation(q, 4, fn, "q");
+  detail::check_activation(k, 4, fn, "k");
+  if (v != nullptr) detail::check_activation(*v, 4, fn, "v");
+  kernels::AttentionProblem p;
+  p.batch = q.dim(0);
+  p.tq = q.dim(1);
+  p.hq = q.dim(2);
+  p.dh = q.dim(3);
+  p.tk = k.dim(1);
+  p.hkv = k.dim(2);
+  if (p.hq < 1)
+    fail(ErrorCode::invalid_argument, fn,
+         "q.shape[2] (H_q) must be >= 1; got " + std::to_string(p.hq));
+  if (p.dh < 1)
+    fail(ErrorCode::invalid_argument, fn,
+         "q.shape[3] (d_h) must be >= 1; got " + std::to_string(p.dh));
+  check_dim(k, 0, p.batch, fn, "k", "B", "q.shape[0]");
+  check_dim(k, 3, p.dh, fn, "k", "d_h", "q.shape[3]");
+  if (p.hkv < 1)
+    fail(ErrorCode::invalid_argument, fn,
+         "k.shape[2] (H_kv) must be >= 1; got " + std::to_string(p.hkv));
+  if (p.hkv > p.hq) {
+    fail(ErrorCode::shape_mismatch, fn,
+         "k.shape[2] (H_kv) must be <= q.shape[2] (H_q = " + std::to_string(p.hq) +
+             "); got H_kv = " + std::to_string(p.hkv));
+  }
+  if (p.hq % p.hkv != 0) {
+    fail(ErrorCode::shape_mismatch, fn,
+         "k.shape[2] (H_kv) must divide q.shape[2] (H_q = " + std::to_string(p.hq) +
+             ") for grouped-query attention (SPEC 4.8); got H_kv = " + std::to_string(p.hkv));
+  }
+  if (v != nullptr) {
+    check_dim(*v, 0, p.batch, fn, "v", "B", "q.shape[0]");
+    check_dim(*v, 1, p.tk, fn, "v", "T_k", "k.shape[1]");
+    check_dim(*v, 2, p.hkv, fn, "v", "H_kv", "k.shape[2]");
+    check_dim(*v, 3, p.dh, fn, "v", "d_h", "q.shape[3]");
+  }
+
+  p.scale = detail::checked_scale(fn, o, p.dh);
+  p.causal = o.causal;
+  p.align = o.align;
+  // A tiny call (generation's shapes) runs on the calling thread (kernel_skeleton.hpp).
+  p.threads = kernels::threads_for_work(
+      o.threads == 0 ? default_threads() : o.threads,
+      static_cast<double>(p.batch) * p.hq * p.tq * static_cast<double>(p.tk) * p.dh);
+  if (detail::uses_variants(o)) detail::prepare_variants(fn, o, p, data);
+  return p;
+}
+
+void check_lse(const char* fn, const ConstTensorView& lse, const char* name,
+               const kernels::AttentionProblem& p) {
+  check_view(lse, 3, fn, name);
+  check_dim(lse, 0, p.batch, fn, name, "B", "q.shape[0]");
+  check_dim(lse, 1, p.hq, fn, name, "H_q", "q.shape[2]");
+  check_dim(lse, 2, p.tq, fn, name, "T_q", "q.shape[1]");
+}
+
+}  // namespace tokenmix::detail

@@ -373,6 +373,22 @@ ForwardResult attention_forward(const Tensor64& q, const Tensor64& k, const Tens
   return r;
 }
 
+Tensor64 attention_weights(const Tensor64& q, const Tensor64& k, const Options& o) {
+  const std::int64_t g = check_qkv(q, k, k);
+  const std::int64_t B = q.shape[0], T_q = q.shape[1], H_q = q.shape[2], T_k = k.shape[1];
+  check_options(o, B, T_q, T_k, H_q);
+  Tensor64 a({B, H_q, T_q, T_k});
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H_q; ++h) {
+      // (4.2)–(4.4) for (b, h): A = softmax(S + M), j(h) = ⌊h / g⌋ (4.8)
+      const HeadForward f =
+          head_forward(head_block(q, b, h), head_block(k, b, h / g), o, {b, h, H_q});
+      for (std::int64_t t = 0; t < T_q; ++t)
+        for (std::int64_t u = 0; u < T_k; ++u) a.at(b, h, t, u) = f.A(t, u);
+    }
+  return a;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Attention backward (SPEC "Backward pass"), with the explicit Jacobian of every row (4.6)
 

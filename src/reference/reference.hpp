@@ -62,6 +62,11 @@ struct ForwardResult {
 ForwardResult attention_forward(const Tensor64& q, const Tensor64& k, const Tensor64& v,
                                 const Options& o = {});
 
+/// The attention weights A of (4.4) with every variant, [B, H_q, T_q, T_k] (row-major; shape[3]
+/// = T_k): A[b, h, t, u] = e^{S_{t,u} + M_{t,u} − L_t}, 0 where masked; with a sink its share is
+/// not in A (a row sums to 1 − e^{σ_h − L_t}). The oracle of attention_weights.
+Tensor64 attention_weights(const Tensor64& q, const Tensor64& k, const Options& o = {});
+
 struct BackwardResult {
   Tensor64 dq;                 ///< [B, T_q, H_q, d_h]
   Tensor64 dk;                 ///< [B, T_k, H_kv, d_h]

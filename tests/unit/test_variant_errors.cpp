@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -65,7 +66,7 @@ void expect_error(const std::function<void()>& f, ErrorCode code, const std::str
 // A small valid problem: B = 2, T_q = 5, T_k = 6, H_q = 4, H_kv = 2, d_h = 3, portable path.
 struct Problem {
   static constexpr std::int64_t B = 2, Tq = 5, Tk = 6, Hq = 4, Hkv = 2, D = 3;
-  std::vector<float> q, k, v, out, lse, dout, dq, dk, dv, per_head, dsinks;
+  std::vector<float> q, k, v, out, lse, dout, dq, dk, dv, per_head, dsinks, weights;
   std::vector<std::uint8_t> mask;
   std::vector<std::int32_t> lengths;
   AttentionOptions o;
@@ -82,6 +83,7 @@ struct Problem {
         dv(B * Tk * Hkv * D, kSentinel),
         per_head(Hq, 0.5f),
         dsinks(Hq, kSentinel),
+        weights(B * Hq * Tq * Tk, kSentinel),
         mask(B * Hq * Tq * Tk, 1),
         lengths{3, 6} {
     o.isa = Isa::portable;
@@ -108,7 +110,21 @@ struct Problem {
                        TensorView::bthd(dk.data(), B, Tk, Hkv, D),
                        TensorView::bthd(dv.data(), B, Tk, Hkv, D), o, ds);
   }
+  // attention_weights over every head and row, weights [B, H_q, T_q, T_k] contiguous unless
+  // `view` is given.
+  void weights_call(const WeightsSelection& select = {}, std::optional<TensorView> view = {}) {
+    attention_weights(ConstTensorView::bthd(q.data(), B, Tq, Hq, D),
+                      ConstTensorView::bthd(k.data(), B, Tk, Hkv, D),
+                      ConstTensorView::bht(lse.data(), B, Hq, Tq),
+                      view.value_or(weights_view(Hq, Tq)), o, select);
+  }
+  TensorView weights_view(std::int64_t heads, std::int64_t rows) {
+    return {
+        weights.data(), DType::f32, 4, {B, heads, rows, Tk}, {heads * rows * Tk, rows * Tk, Tk, 1}};
+  }
   bool untouched() const {
+    for (float x : weights)
+      if (x != kSentinel) return false;
     for (float x : out)
       if (x != kSentinel) return false;
     for (float x : dq)
@@ -132,6 +148,11 @@ void expect_forward_error(const std::function<void(Problem&)>& set, ErrorCode co
   set(b);
   expect_error([&] { b.backward({}); }, code, "attention_backward", words);
   EXPECT_TRUE(b.untouched());
+  // So do the attention weights.
+  Problem w;
+  set(w);
+  expect_error([&] { w.weights_call(); }, code, "attention_weights", words);
+  EXPECT_TRUE(w.untouched());
 }
 
 TEST(VariantErrors, WindowAndSoftcap) {
@@ -573,6 +594,168 @@ TEST(VariantErrors, WindowedCounts) {
   expect_error([&] { visible_pairs_windowed(T, T, false, br, INT64_MAX); }, ErrorCode::overflow,
                "visible_pairs_windowed", {"T_q", "window"});
   EXPECT_NO_THROW(visible_pairs_windowed(T, T, true, br, 4096));
+}
+
+// attention_weights' own arguments (its options share the checks above: expect_forward_error
+// runs it too): the selection, the weights view, lse, q and k. Nothing is written on error.
+TEST(VariantErrors, AttentionWeights) {
+  const char* fn = "attention_weights";
+  constexpr std::int64_t B = Problem::B, Tq = Problem::Tq, Tk = Problem::Tk, Hq = Problem::Hq;
+  auto expect = [&](const std::function<void(Problem&)>& call, ErrorCode code,
+                    std::initializer_list<std::string> words) {
+    Problem p;
+    expect_error([&] { call(p); }, code, fn, words);
+    EXPECT_TRUE(p.untouched());
+  };
+  // Head indices outside [0, H_q), named with their position in select.heads.
+  for (std::int64_t h : {-1, 4, 100}) {
+    expect(
+        [&](Problem& p) {
+          WeightsSelection s;
+          s.heads = {0, h};
+          p.weights_call(s, p.weights_view(2, Tq));
+        },
+        ErrorCode::invalid_argument, {"select.heads[1]", std::to_string(h), "H_q", "4"});
+  }
+  // Row ranges: negative begin, end before begin, end past T_q.
+  for (const auto& range : {std::pair<std::int64_t, std::int64_t>{-1, 3}, {3, 2}, {0, 6}}) {
+    expect(
+        [&](Problem& p) {
+          WeightsSelection s;
+          s.row_begin = range.first;
+          s.row_end = range.second;
+          p.weights_call(s, p.weights_view(Hq, 1));
+        },
+        ErrorCode::invalid_argument,
+        {"select.row_begin", "select.row_end", "T_q", "5", std::to_string(range.first),
+         std::to_string(range.second)});
+  }
+  // The weights' shape against B, the selection and T_k.
+  expect([&](Problem& p) { p.weights_call({}, p.weights_view(Hq - 1, Tq)); },
+         ErrorCode::shape_mismatch, {"weights", "heads", "4", "3"});
+  expect(
+      [&](Problem& p) {
+        WeightsSelection s;
+        s.heads = {2, 2, 0};
+        p.weights_call(s, p.weights_view(2, Tq));
+      },
+      ErrorCode::shape_mismatch, {"weights", "select.heads.size()", "3", "2"});
+  expect(
+      [&](Problem& p) {
+        WeightsSelection s;
+        s.row_begin = 1;
+        s.row_end = 4;
+        p.weights_call(s, p.weights_view(Hq, 2));
+      },
+      ErrorCode::shape_mismatch, {"weights", "rows", "3", "2"});
+  expect(
+      [&](Problem& p) {
+        TensorView w = p.weights_view(Hq, Tq);
+        w.shape[3] = Tk - 1;
+        p.weights_call({}, w);
+      },
+      ErrorCode::shape_mismatch, {"weights", "T_k", "6", "5"});
+  expect(
+      [&](Problem& p) {
+        TensorView w = p.weights_view(Hq, Tq);
+        w.shape[0] = B + 1;
+        p.weights_call({}, w);
+      },
+      ErrorCode::shape_mismatch, {"weights", "B", "2", "3"});
+  expect(
+      [&](Problem& p) {
+        TensorView w = p.weights_view(Hq, Tq);
+        w.rank = 3;
+        p.weights_call({}, w);
+      },
+      ErrorCode::shape_mismatch, {"weights", "rank", "4", "3"});
+  // Dtype, null pointer, strides, overflow, aliasing.
+  expect(
+      [&](Problem& p) {
+        TensorView w = p.weights_view(Hq, Tq);
+        w.dtype = DType::bf16;
+        p.weights_call({}, w);
+      },
+      ErrorCode::unsupported, {"weights", "bf16"});
+  expect(
+      [&](Problem& p) {
+        TensorView w = p.weights_view(Hq, Tq);
+        w.data = nullptr;
+        p.weights_call({}, w);
+      },
+      ErrorCode::null_pointer, {"weights"});
+  expect(
+      [&](Problem& p) {
+        TensorView w = p.weights_view(Hq, Tq);
+        w.strides[2] = -1;
+        p.weights_call({}, w);
+      },
+      ErrorCode::invalid_argument, {"weights.strides[2]", "-1"});
+  expect(
+      [&](Problem& p) {
+        TensorView w = p.weights_view(Hq, Tq);
+        w.strides[1] = INT64_MAX / 2;
+        p.weights_call({}, w);
+      },
+      ErrorCode::overflow, {"weights"});
+  expect(
+      [&](Problem& p) {
+        TensorView w = p.weights_view(Hq, Tq);
+        w.strides[3] = 0;  // T_k > 1 keys on one element: the output overlaps itself
+        p.weights_call({}, w);
+      },
+      ErrorCode::aliasing, {"weights"});
+  expect(
+      [&](Problem& p) {
+        TensorView w = p.weights_view(Hq, Tq);
+        w.data = p.lse.data();  // weights over the lse it reads
+        p.weights_call({}, w);
+      },
+      ErrorCode::aliasing, {"weights", "lse"});
+  // lse: shape and dtype; q and k: shapes against each other and one dtype.
+  expect(
+      [&](Problem& p) {
+        attention_weights(ConstTensorView::bthd(p.q.data(), B, Tq, Hq, Problem::D),
+                          ConstTensorView::bthd(p.k.data(), B, Tk, Problem::Hkv, Problem::D),
+                          ConstTensorView::bht(p.lse.data(), B, Hq, Tq - 1), p.weights_view(Hq, Tq),
+                          p.o);
+      },
+      ErrorCode::shape_mismatch, {"lse", "T_q", "5", "4"});
+  expect(
+      [&](Problem& p) {
+        attention_weights(ConstTensorView::bthd(p.q.data(), B, Tq, Hq, Problem::D),
+                          ConstTensorView::bthd(p.k.data(), B, Tk, 3, Problem::D),
+                          ConstTensorView::bht(p.lse.data(), B, Hq, Tq), p.weights_view(Hq, Tq),
+                          p.o);
+      },
+      ErrorCode::shape_mismatch, {"k.shape[2]", "H_kv", "3"});
+  expect(
+      [&](Problem& p) {
+        ConstTensorView k = ConstTensorView::bthd(p.k.data(), B, Tk, Problem::Hkv, Problem::D);
+        k.dtype = DType::f16;
+        attention_weights(ConstTensorView::bthd(p.q.data(), B, Tq, Hq, Problem::D), k,
+                          ConstTensorView::bht(p.lse.data(), B, Hq, Tq), p.weights_view(Hq, Tq),
+                          p.o);
+      },
+      ErrorCode::invalid_argument, {"q", "k", "f32", "f16"});
+  expect(
+      [&](Problem& p) {
+        attention_weights(ConstTensorView::bthd(p.q.data(), B, Tq, Hq, Problem::D),
+                          ConstTensorView::bthd(static_cast<const float*>(nullptr), B, Tk,
+                                                Problem::Hkv, Problem::D),
+                          ConstTensorView::bht(p.lse.data(), B, Hq, Tq), p.weights_view(Hq, Tq),
+                          p.o);
+      },
+      ErrorCode::null_pointer, {"k"});
+  // An empty selection of rows is valid and writes nothing.
+  {
+    Problem p;
+    WeightsSelection s;
+    s.row_begin = 2;
+    s.row_end = 2;
+    EXPECT_NO_THROW(p.weights_call(s, p.weights_view(Hq, 0)));
+    EXPECT_TRUE(p.untouched());
+  }
 }
 
 }  // namespace

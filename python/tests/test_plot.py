@@ -143,4 +143,4 @@ def test_command_line(tmp_path):
     assert roof.exists()
     run = subprocess.run([sys.executable, "-m", "tokenmix.plot", "maps", str(w), str(out),
                           "--tokens", "a"], capture_output=True, text=True, cwd=tmp_path)
-    assert run.returncode == 1 and "tokens" in run.stderr
+    assert run.returncode == 2 and "tokens" in run.stderr

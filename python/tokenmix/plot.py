@@ -281,7 +281,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             roofline(source, args.out, title=args.title)
     except (OSError, ValueError) as e:
         print(f"tokenmix.plot: {e}", file=sys.stderr)
-        return 1
+        return 2  # an error: one line on stderr, exit 2 (as the tokenmix CLI)
     print(f"wrote {args.out}")
     return 0
 

@@ -1,7 +1,7 @@
 // fuzz/fuzz_cli.cpp — libFuzzer target for the argument parsing of the `tokenmix` tool.
 //
 // The input is a command line: arguments separated by NUL or newline bytes (at most 24). It is
-// parsed by the real tool (tools/cli, compiled with TOKENMIX_CLI_NO_MAIN) in parse-only mode:
+// parsed by the real tool (tools/cli's run_cli, linked without its main()) in parse-only mode:
 // a command line that parses returns 0 without running the command (no attention, no files, no
 // benchmarks). The contract: exit code 0 (parsed, or --help/--version) or 2 (one-line error),
 // never a crash, an escaping exception or a sanitizer report. Run with -close_fd_mask=3: the

@@ -11,8 +11,8 @@
 # The virtual environment is persistent, outside the work tree:
 #   ${TOKENMIX_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenmix/venv}
 # so NumPy, ml_dtypes, PyTorch, pytest, scikit-build-core, nanobind, Hugging Face transformers
-# (for test_transformers.py: tiny models built from configs, nothing downloaded) and matplotlib
-# (tokenmix.plot, test_plot.py)
+# (for test_transformers.py: tiny models built from configs, nothing downloaded), matplotlib
+# (tokenmix.plot, test_plot.py) and pytest-xdist (the tests on TOKENMIX_JOBS workers)
 # come from PyPI once per machine and only when missing (PyPI's Linux torch wheel is the CUDA
 # build: ~0.5 GB plus
 # ~3 GB of nvidia-* wheels that `import torch` needs even on a CPU-only machine; PyPI carries no
@@ -70,7 +70,7 @@ echo "== virtual environment: $venv ($("$py" --version))"
 missing=()
 for spec in numpy:numpy torch:torch pytest:pytest scikit_build_core:scikit-build-core \
             nanobind:nanobind transformers:transformers \
-            ml_dtypes:ml_dtypes matplotlib:matplotlib; do
+            ml_dtypes:ml_dtypes matplotlib:matplotlib xdist:pytest-xdist; do
   "$py" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
 done
 if [[ ${#missing[@]} -gt 0 ]]; then
@@ -96,11 +96,16 @@ wheel=$(ls "$wheel_dir"/tokenmix-*.whl)
 
 # Tests run against the installed package (pytest's rootdir is the repository; the source
 # tree's python/tokenmix is not on sys.path).
-echo "== pytest"
+# TOKENMIX_JOBS pytest workers (pytest-xdist; 1: no workers): the tests are mostly short,
+# single-threaded calls, inductor compiles and subprocess worlds, so two workers on the 2-core
+# machine take the --full pytest from 258 s to TODO s (D-ci-11).
+echo "== pytest ($jobs workers)"
+workers=()
+[[ $jobs -gt 1 ]] && workers=(-n "$jobs")
 if [[ $full -eq 1 ]]; then
-  "$py" -m pytest python/tests -p no:cacheprovider -ra
+  "$py" -m pytest python/tests -p no:cacheprovider -ra "${workers[@]}"
 else
-  "$py" -m pytest python/tests -p no:cacheprovider -ra -m "not slow"
+  "$py" -m pytest python/tests -p no:cacheprovider -ra -m "not slow" "${workers[@]}"
   echo "== (the tests marked slow and the benchmark smoke run: python/run-tests.sh --full)"
   exit 0
 fi

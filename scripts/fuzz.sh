@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets (fuzz/, clang with -fsanitize=fuzzer,address,undefined) in
-# build/fuzz, replays the committed corpus through ctest (seeds and every input that once found a
-# bug: the regression tests), then fuzzes each target for TOKENMIX_FUZZ_SECONDS seconds
+# Builds the libFuzzer targets (fuzz/: clang, ASan + UBSan + libFuzzer coverage) in the sanitizer
+# build, build/sanitize (scripts/sanitize-build.sh, shared with scripts/test.sh --full's sanitizer
+# tests: D-ci-11), replays the committed corpus through ctest (seeds and every input that once
+# found a bug: the regression tests), then fuzzes each target for TOKENMIX_FUZZ_SECONDS seconds
 # (default 60), starting from that corpus. New interesting inputs go to build/fuzz-corpus/<target>
 # (not committed); a crash, leak, timeout or sanitizer report leaves its input in
 # build/fuzz-artifacts/ and fails the script. To turn a finding into a regression test: fix it,
@@ -9,7 +10,7 @@
 #
 #   bash scripts/fuzz.sh                      # all targets
 #   bash scripts/fuzz.sh fuzz_npy             # one target
-#   build/fuzz/fuzz/fuzz_api build/fuzz-artifacts/crash-...   # reproduce one input
+#   build/sanitize/fuzz/fuzz_api build/fuzz-artifacts/crash-...   # reproduce one input
 #
 # Environment: TOKENMIX_JOBS (build jobs, and fuzz targets run side by side; default 2),
 # TOKENMIX_FUZZ_SECONDS.
@@ -17,20 +18,18 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 jobs=${TOKENMIX_JOBS:-2}
 seconds=${TOKENMIX_FUZZ_SECONDS:-60}
-dir=build/fuzz
+dir=build/sanitize
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=(fuzz_npy fuzz_api fuzz_cli)
 
-# -O1 with line tables only, as scripts/tsan.sh (D-ci-9).
-cmake -S . -B "$dir" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only -DNDEBUG" -DTOKENMIX_BUILD_FUZZERS=ON -DTOKENMIX_BUILD_CLI=OFF -DTOKENMIX_BUILD_TESTS=OFF \
-  -DTOKENMIX_BUILD_BENCHMARKS=OFF -DTOKENMIX_BUILD_PYTHON=OFF || exit 1
-cmake --build "$dir" --parallel "$jobs" --target "${targets[@]}" || exit 1
+bash scripts/sanitize-build.sh "${targets[@]}" || exit 1
 
 # The kernels run with two threads (as on the CI machine) whatever the core count.
 export OMP_NUM_THREADS=2
 export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:allocator_may_return_null=0"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+# libomp 14 loses its hot team's thread records when a team grows (scripts/test.sh, D-ci-11).
+export KMP_HOT_TEAMS_MAX_LEVEL=0
 failed=0
 
 # 1. Regression: the committed corpus, every input once.

@@ -21,6 +21,13 @@ def test_model_bench_runs_at_tiny_sizes(capsys):
         line = next(l for l in out.splitlines() if l.startswith(case))
         assert re.search(r"sdpa +[0-9.]+ ms +tokenmix +[0-9.]+ ms +ratio sdpa/tokenmix [0-9.]+x",
                          line), line
+        # the next line: each side's attention time in the model (its time less the null side's)
+        attn = out.splitlines()[out.splitlines().index(line) + 1]
+        m = re.match(r"  attention in the model +sdpa +(-?[0-9.]+) ms +tokenmix +(-?[0-9.]+) ms +"
+                     r"ratio sdpa/tokenmix (\S+)x +share sdpa (-?[0-9]+)% tokenmix (-?[0-9]+)% +"
+                     r"\(model without attention ([0-9.]+) ms\)$", attn)
+        assert m, attn
+        assert float(m.group(6)) > 0
     err = float(re.search(r"max relative difference of the hidden states: (\S+)", out).group(1))
     assert err < 1e-5
     assert "[f32 model] prompt 70 tokens" in out
@@ -64,3 +71,39 @@ def test_model_bench_refuses_bad_options(bad, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(bad)
     assert e.value.code == 2
+
+
+def test_null_side_takes_the_attention_out_and_puts_it_back():
+    """The "null" side of the forward cases: the model with its attention function replaced by
+    one returning the query, only while the call runs (also when it raises)."""
+    import argparse
+
+    import torch
+    from transformers import AttentionInterface
+
+    from tokenmix import _bench_model as bm
+
+    ns = argparse.Namespace(vocab=128, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2,
+                            seq=[12], gen_context=[], gen_tokens=1)
+    _, models = bm._models(ns, "f32")
+    model = models["sdpa"]
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model.model(ids).last_hidden_state
+        seen = {}
+
+        def call():
+            seen["mapped"] = AttentionInterface._global_mapping["sdpa"]
+            seen["hidden"] = model.model(ids).last_hidden_state
+
+        bm._without_attention(model, call)()
+        assert seen["mapped"] is bm._null_attention
+        assert (seen["hidden"] - ref).abs().max() > 1e-3  # the attention was taken out
+
+        def fails():
+            raise RuntimeError("boom")
+
+        with pytest.raises(RuntimeError):
+            bm._without_attention(model, fails)()
+        assert AttentionInterface._global_mapping["sdpa"] is not bm._null_attention
+        assert torch.equal(model.model(ids).last_hidden_state, ref)  # and put back

@@ -10,7 +10,10 @@ process and on the same weights:
   without the vocabulary projection, whose cost does not depend on the attention) at each
   ``--seq`` T (default 4096 and 8192), ``attn_implementation="sdpa"`` (PyTorch) against
   ``"tokenmix"`` (tokenmix.transformers): medians and their ratio (sdpa / tokenmix: > 1 means
-  tokenmix is faster);
+  tokenmix is faster); then each side's attention inside the model: its time less that of the
+  same model whose attention returns its query unchanged (the "null" side, timed in the same
+  rounds: the projections, MLP, norms and RoPE without the attention itself, forward and
+  backward alike), that time's share of the side's, and the ratio of the two attention times;
 * greedy generation after each ``--gen-context``-token prompt (default 8192 and 16384): the
   time per decode step (T_q = 1 on the cache, as ``generate()`` does it) of transformers'
   DynamicCache with sdpa and with tokenmix attention, and of tokenmix.transformers.Cache (K/V in
@@ -236,11 +239,48 @@ def _forward_cases(args: argparse.Namespace, models, gen) -> None:
             a = models["sdpa"].model(ids).last_hidden_state
             b = models["tokenmix"].model(ids).last_hidden_state
         err = ((a - b).abs().max() / a.abs().max()).item()
-        _print_row(f"T={T} forward", _median_pair({n: fwd(m) for n, m in models.items()},
-                                                  args.repeats))
-        _print_row(f"T={T} forward+backward", _median_pair(
-            {n: fwd_bwd(m) for n, m in models.items()}, args.repeats))
+        for what, call in (("forward", fwd), ("forward+backward", fwd_bwd)):
+            calls = {n: call(m) for n, m in models.items()}
+            calls["null"] = _without_attention(models["sdpa"], call(models["sdpa"]))
+            med = _median_pair(calls, args.repeats)
+            _print_row(f"T={T} {what}", med)
+            _print_attention_row(med)
         print(f"{'':34s} max relative difference of the hidden states: {err:.1e}")
+
+
+def _null_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention function of transformers' interface that returns its query [B, H, T, D] as
+    the output [B, T, H, D]: the model's work without the attention's (the "null" side)."""
+    return query.transpose(1, 2).contiguous(), None
+
+
+def _without_attention(model, call: Callable[[], None]) -> Callable[[], None]:
+    """call() with `model`'s attention function swapped for _null_attention while it runs."""
+    from transformers import AttentionInterface
+
+    mapping = AttentionInterface._global_mapping
+    impl = model.config._attn_implementation
+
+    def run() -> None:
+        inner = mapping[impl]
+        mapping[impl] = _null_attention
+        try:
+            call()
+        finally:
+            mapping[impl] = inner
+    return run
+
+
+def _print_attention_row(med: Dict[str, float]) -> None:
+    """Each side's attention inside the model: its median less the null side's (the model
+    without attention), the share of its model time, and the ratio sdpa / tokenmix."""
+    attn = {n: med[n] - med["null"] for n in ("sdpa", "tokenmix")}
+    ratio = attn["sdpa"] / attn["tokenmix"] if attn["tokenmix"] > 0 else float("nan")
+    print(f"{'  attention in the model':34s} sdpa {attn['sdpa'] * 1e3:10.2f} ms  tokenmix "
+          f"{attn['tokenmix'] * 1e3:10.2f} ms  ratio sdpa/tokenmix {ratio:.2f}x  share sdpa "
+          f"{attn['sdpa'] / med['sdpa']:.0%} tokenmix {attn['tokenmix'] / med['tokenmix']:.0%}  "
+          f"(model without attention {med['null'] * 1e3:.2f} ms)")
+    sys.stdout.flush()
 
 
 def _timeit(fn: Callable[[], object], repeats: int) -> float:

@@ -1,4 +1,4 @@
-// tools/cli/cli.hpp — the whole `tokenmix` tool as a function (main.cpp), so the CLI fuzzer
+// tools/cli/cli.hpp — the whole `tokenmix` tool as a function (cli.cpp), so the CLI fuzzer
 // (fuzz/fuzz_cli.cpp) can drive its argument parsing in-process.
 #pragma once
 

@@ -326,6 +326,30 @@ HWY_INLINE std::int64_t ValueRowProduct(const DecodeUnit& u, const float* p_r, c
                                                  u.dh_vec, kNoPrefetch, nullptr);
 }
 
+// Õ += P V over keys [k0, k0 + nk) of the tile of keys from u0 (V rows vk from key u0 + k0, vld
+// elements apart) whose V rows are not all finite: each row over its own visible keys only, so a
+// masked key takes no part (0 · NaN = NaN)  (4.3, 4.5), in the unit's column blocking (w_blk):
+// Õ's columns are in the same (split) order as the other tiles'. Returns the first column of Õ
+// not computed (the scalar tail's).
+template <class TV>
+HWY_INLINE std::int64_t VisibleValueRowsProduct(const DecodeUnit& u, const TV* vk, std::int64_t vld,
+                                                std::int64_t u0, std::int64_t k0, std::int64_t nk) {
+  const DecodeArgs& a = *u.a;
+  std::int64_t x0 = 0;
+  for (std::int64_t r = 0; r < u.nrows; ++r) {
+    const std::int64_t t = u.t0 + r / u.g;
+    const std::int64_t lo = std::clamp<std::int64_t>(a.visible_begin(u.b, t) - u0 - k0, 0, nk);
+    const std::int64_t nk_r = std::clamp<std::int64_t>(a.visible_end(u.b, t) - u0 - k0, 0, nk) - lo;
+    if (nk_r <= 0) {
+      x0 = u.dh_vec;  // nothing visible in this sub-tile (the tail loop checks per key)
+      continue;
+    }
+    x0 = ValueRowProduct(u, u.st + r * kDecodeKeyTile + k0 + lo, vk + lo * vld, vld, nk_r,
+                         u.acc + r * u.dh);
+  }
+  return x0;
+}
+
 }  // namespace tokenmix::kernels::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 

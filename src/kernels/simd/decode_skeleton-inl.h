@@ -65,7 +65,6 @@ void DecodeUnits(const DecodeArgs& a) {
   using TB = typename Reader::Elem;
   constexpr bool kQuant = Reader::kQuantized;
   const hn::ScalableTag<float> d;
-  const hn::RebindToSigned<decltype(d)> di;
   using VF = hn::Vec<decltype(d)>;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
   constexpr std::int64_t kKeyTile = kDecodeKeyTile;  // keys per cache tile
@@ -268,20 +267,7 @@ void DecodeUnits(const DecodeArgs& a) {
                                a.var.alibi != nullptr ? a.var.alibi[j * g + r % g] : 0.0f,
                                u0 - (end - 1));
           // Tile crosses some row's end or window start: −∞ for lanes outside [begin, end).
-          if (partial) {
-            const auto lo_minus_1 = hn::Set(  // lane ≥ lo ⟺ lo − 1 < lane (no integer Ge here)
-                di,
-                static_cast<std::int32_t>(std::clamp<std::int64_t>(begin - u0, 0, kKeyTile) - 1));
-            const auto hi = hn::Set(
-                di, static_cast<std::int32_t>(std::clamp<std::int64_t>(end - u0, 0, kKeyTile)));
-            for (std::int64_t i = 0; i < nv; i += N) {
-              const auto lane = hn::Iota(di, static_cast<std::int32_t>(i));
-              const auto visible =
-                  hn::RebindMask(d, hn::And(hn::Lt(lo_minus_1, lane), hn::Lt(lane, hi)));
-              hn::Store(hn::IfThenElse(visible, hn::Load(d, score + i), hn::Set(d, kNegInf)), d,
-                        score + i);
-            }
-          }
+          if (partial) MaskDecodeRow(d, score, nv, begin - u0, end - u0);
           // The row's max (same order of Max either way); fuse_ks: S_u ← S_u · k_post on the way.
           const auto scaled = [&](std::int64_t i) {
             if (!fuse_ks) return hn::Load(d, score + i);
@@ -355,22 +341,7 @@ void DecodeUnits(const DecodeArgs& a) {
         if constexpr (!kQuant) {
           using TP = typename Reader::RowElem;
           if (v_bad) {
-            for (std::int64_t r = 0; r < nrows; ++r) {
-              const std::int64_t seen = a.visible_end(b, t0 + r / g) - u0 - k0;
-              const std::int64_t from = a.visible_begin(b, t0 + r / g) - u0 - k0;
-              const std::int64_t lo = std::clamp<std::int64_t>(from, 0, nk);
-              const std::int64_t nk_r = std::clamp<std::int64_t>(seen, 0, nk) - lo;
-              const float* p_r = st + r * kKeyTile + k0 + lo;
-              const TP* v_r = reinterpret_cast<const TP*>(vk + lo * vld);
-              float* o_r = acc + r * dh;
-              if (nk_r <= 0) {
-                x0 = dh_vec;  // nothing visible in this sub-tile (the tail loop checks per key)
-                continue;
-              }
-              // The unit's column blocking (w_blk), as the other tiles' products: Õ's columns
-              // are in the same (split) order in every tile.
-              x0 = ValueRowProduct(du, p_r, v_r, vld, nk_r, o_r);
-            }
+            x0 = VisibleValueRowsProduct(du, reinterpret_cast<const TP*>(vk), vld, u0, k0, nk);
             continue;
           }
         }

@@ -180,6 +180,26 @@ HWY_INLINE void ElementwiseDecodeRow(D d, float* HWY_RESTRICT s, std::int64_t nv
   }
 }
 
+// Decode's mask (4.3 and the sliding window) on one row's scores s[0, nv) for keys u0 + i: −∞
+// for lanes outside [lo, hi) (lo = begin − u0, hi = end − u0, clamped to the 64-key tile).
+template <class D>
+HWY_INLINE void MaskDecodeRow(D d, float* HWY_RESTRICT s, std::int64_t nv, std::int64_t lo,
+                              std::int64_t hi) {
+  const hn::RebindToSigned<D> di;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+  constexpr std::int64_t kTile = kDecodeKeyTile;
+  // lane ≥ lo ⟺ lo − 1 < lane (no integer Ge here)
+  const auto lo_minus_1 =
+      hn::Set(di, static_cast<std::int32_t>(std::clamp<std::int64_t>(lo, 0, kTile) - 1));
+  const auto hi_v = hn::Set(di, static_cast<std::int32_t>(std::clamp<std::int64_t>(hi, 0, kTile)));
+  const auto neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+  for (std::int64_t i = 0; i < nv; i += N) {
+    const auto lane = hn::Iota(di, static_cast<std::int32_t>(i));
+    const auto visible = hn::RebindMask(d, hn::And(hn::Lt(lo_minus_1, lane), hn::Lt(lane, hi_v)));
+    hn::Store(hn::IfThenElse(visible, hn::Load(d, s + i), neg_inf), d, s + i);
+  }
+}
+
 }  // namespace tokenmix::kernels::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 

@@ -98,7 +98,7 @@ wheel=$(ls "$wheel_dir"/tokenmix-*.whl)
 # tree's python/tokenmix is not on sys.path).
 # TOKENMIX_JOBS pytest workers (pytest-xdist; 1: no workers): the tests are mostly short,
 # single-threaded calls, inductor compiles and subprocess worlds, so two workers on the 2-core
-# machine take the --full pytest from 258 s to TODO s (D-ci-11).
+# machine take the --full pytest from 258 s to 187 s (D-ci-11).
 echo "== pytest ($jobs workers)"
 workers=()
 [[ $jobs -gt 1 ]] && workers=(-n "$jobs")

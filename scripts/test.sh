@@ -261,13 +261,14 @@ if run_stage "sanitize: configure + build" bash scripts/sanitize-build.sh; then
   # Nor are the decode suites run again on the avx512_bf16 path here: its decode kernels are the
   # avx512 path's functions (kernels/registry.cpp; only its bf16 forward differs), which the
   # avx512 instances run under the sanitizers (108 s of test time on AMD Zen 4, D-ci-5).
-  # Nor the portable instances of the four longest decode tests (register blocking, prefetch
-  # order, chunking, the quantized caches' oracle: 104 of the stage's 842 s of test time on AMD
-  # Zen 3): the portable decode runs under the sanitizers in every other decode test, and these
-  # four run there on the SIMD paths and unsanitized on the portable one above (D-ci-11).
-  portable_decode='/(DecodeMulti[.](TallBlocksOddStepCounts|PrefetchOrderChangesNoBit|RunsAcrossChunksHeadsAndSequences)|KVQuantDecode[.]MatchesFloat64OracleOverDequantizedCache)/portable( |$)'
+  # Nor the portable instances of the longest oracle tests (decode's register blocking, prefetch
+  # order and chunking, the quantized caches' oracle and rolling ring, the reduced-precision
+  # shapes: 104 s of the stage's 842 s of test time on AMD Zen 3, and 35 s after): the portable
+  # kernels run under the sanitizers in every other test of these suites, and these run there on
+  # the SIMD paths and unsanitized on the portable one above (D-ci-11).
+  portable_longest='/(DecodeMulti[.](TallBlocksOddStepCounts|PrefetchOrderChangesNoBit|RunsAcrossChunksHeadsAndSequences)|KVQuantDecode[.](MatchesFloat64OracleOverDequantizedCache|RollingRingOverClosedTiles)|ReducedPrecision[.]RandomShapesMatchOracleAndRoundTheFp32Path)/portable( |$)'
   test_stage "sanitize: ctest" "$sanitize_dir" "" --exclude-regex \
-    'VariantsMatchFloat64Reference|MatchesFloat64ReferenceAllDtypesAndCaches|RollingCacheMatchesOracle|PrefillThenStepsEqualsFullForward|VariantsAcrossShapesAndAlignments|CombinedVariantsMatchOracleBackward|AttentionVsReference|'"$same_decode|$portable_decode"
+    'VariantsMatchFloat64Reference|MatchesFloat64ReferenceAllDtypesAndCaches|RollingCacheMatchesOracle|PrefillThenStepsEqualsFullForward|VariantsAcrossShapesAndAlignments|CombinedVariantsMatchOracleBackward|AttentionVsReference|'"$same_decode|$portable_longest"
 else
   skip "sanitize: ctest" "build failed"
 fi

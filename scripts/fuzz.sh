@@ -2,8 +2,8 @@
 # Builds the libFuzzer targets (fuzz/: clang, ASan + UBSan + libFuzzer coverage) in the sanitizer
 # build, build/sanitize (scripts/sanitize-build.sh, shared with scripts/test.sh --full's sanitizer
 # tests: D-ci-11), replays the committed corpus through ctest (seeds and every input that once
-# found a bug: the regression tests), then fuzzes each target for TOKENMIX_FUZZ_SECONDS seconds
-# (default 60), starting from that corpus. New interesting inputs go to build/fuzz-corpus/<target>
+# found a bug: the regression tests), then fuzzes the targets side by side, each for about
+# TOKENMIX_FUZZ_SECONDS seconds of CPU time (default 60), starting from that corpus. New interesting inputs go to build/fuzz-corpus/<target>
 # (not committed); a crash, leak, timeout or sanitizer report leaves its input in
 # build/fuzz-artifacts/ and fails the script. To turn a finding into a regression test: fix it,
 # then copy the input into fuzz/corpus/<target>/ (ctest replays it from then on).
@@ -39,12 +39,12 @@ ctest --test-dir "$dir" --output-on-failure --no-tests=error -R "^fuzz\\.(${rege
 
 # 2. Fuzzing, one target after the other.
 mkdir -p build/fuzz-artifacts build/fuzz-logs
-# One target: TOKENMIX_FUZZ_SECONDS of fuzzing, its report on stdout; exit 1 on a finding.
+# fuzz_target TARGET WALL_SECONDS: its report on stdout; exit 1 on a finding.
 fuzz_target() {
-  local t=$1 log="build/fuzz-logs/$1.log" start=$SECONDS
+  local t=$1 wall=$2 log="build/fuzz-logs/$1.log" start=$SECONDS
   mkdir -p "build/fuzz-corpus/$t"
   # -close_fd_mask=1: the CLI's --help text would flood stdout. Errors and reports: stderr, log.
-  if "$dir/fuzz/$t" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=2048 -max_len=4096 \
+  if "$dir/fuzz/$t" -max_total_time="$wall" -timeout=20 -rss_limit_mb=2048 -max_len=4096 \
        -close_fd_mask=1 -print_final_stats=1 -artifact_prefix="build/fuzz-artifacts/$t-" \
        "build/fuzz-corpus/$t" "fuzz/corpus/$t" >"$log" 2>&1; then
     echo "fuzz.sh: $t: $(grep -E '^stat::number_of_executed_units' "$log" | awk '{print $2}') runs," \
@@ -56,21 +56,21 @@ fuzz_target() {
     return 1
   fi
 }
-# The targets run side by side, $jobs at a time, each for its full time: the stage's wall time is
-# ⌈targets / jobs⌉ × the seconds, not targets × seconds (D-ci-10). Each one's report is printed
-# whole when it ends.
-echo "fuzz.sh: ${targets[*]}: ${seconds} s each, ${jobs} at a time (logs: build/fuzz-logs/)"
+# The targets run side by side, all at once, each for ⌈seconds × targets / jobs⌉ of wall time, so
+# each gets about the seconds of CPU time on the jobs cores: three targets on two cores, 90 s of
+# wall time where one after the other took 180 s, and two at a time then the third alone (one core
+# idle) 120 s (D-ci-10, D-ci-11). Each one's report is printed whole when it ends.
+wall=$seconds
+if [[ ${#targets[@]} -gt $jobs ]]; then
+  wall=$(((seconds * ${#targets[@]} + jobs - 1) / jobs))
+fi
+echo "fuzz.sh: ${targets[*]}: side by side on ${jobs} cores, ${wall} s each (about ${seconds} s of" \
+  "CPU time each; logs: build/fuzz-logs/)"
 pids=()
 reports=()
-for i in "${!targets[@]}"; do
-  if [[ ${#pids[@]} -ge $jobs ]]; then
-    wait "${pids[0]}" || failed=1
-    cat "${reports[0]}"
-    pids=("${pids[@]:1}")
-    reports=("${reports[@]:1}")
-  fi
-  reports+=("build/fuzz-logs/${targets[$i]}.report")
-  fuzz_target "${targets[$i]}" >"${reports[-1]}" 2>&1 &
+for t in "${targets[@]}"; do
+  reports+=("build/fuzz-logs/$t.report")
+  fuzz_target "$t" "$wall" >"${reports[-1]}" 2>&1 &
   pids+=($!)
 done
 for i in "${!pids[@]}"; do

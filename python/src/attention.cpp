@@ -125,10 +125,12 @@ void bind_attention(nb::module_& m) {
          std::optional<double> scale, bool causal, const std::string& align, IntArg threads,
          const std::string& isa, std::optional<IntArg> window, std::optional<double> softcap,
          std::optional<ArrayArg> alibi_slopes, std::optional<ArrayArg> sinks,
-         std::optional<ArrayArg> mask, std::optional<ArrayArg> key_lengths) {
+         std::optional<ArrayArg> mask, std::optional<ArrayArg> key_lengths, double dropout_p,
+         IntArg dropout_seed, IntArg dropout_offset) {
         constexpr const char* fn = "attention_forward";
         auto o = attention_options(fn, scale, causal, align, threads, isa);
         add_variants(o, fn, {window, softcap, alibi_slopes, sinks, mask, key_lengths});
+        add_dropout(o, fn, dropout_p, dropout_seed, dropout_offset);
         auto qv = in_float(q, fn, "q", 4), kv = in_float(k, fn, "k", 4);
         auto vv = in_float(v, fn, "v", 4);
         auto ov = out_float(out, fn, "out", 4);
@@ -141,7 +143,8 @@ void bind_attention(nb::module_& m) {
       "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "scale"_a.none(), "causal"_a, "align"_a,
       "threads"_a, "isa"_a, "window"_a.none() = nb::none(), "softcap"_a.none() = nb::none(),
       "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none(),
-      "mask"_a.none() = nb::none(), "key_lengths"_a.none() = nb::none());
+      "mask"_a.none() = nb::none(), "key_lengths"_a.none() = nb::none(), "dropout_p"_a = 0.0,
+      "dropout_seed"_a = 0, "dropout_offset"_a = 0);
 
   m.def(
       "attention_backward",
@@ -151,10 +154,12 @@ void bind_attention(nb::module_& m) {
          std::optional<IntArg> window, std::optional<double> softcap,
          std::optional<ArrayArg> alibi_slopes, std::optional<ArrayArg> sinks,
          std::optional<ArrayArg> mask, std::optional<ArrayArg> key_lengths,
-         std::optional<ArrayArg> dsinks) {
+         std::optional<ArrayArg> dsinks, double dropout_p, IntArg dropout_seed,
+         IntArg dropout_offset) {
         constexpr const char* fn = "attention_backward";
         auto o = attention_options(fn, scale, causal, align, threads, isa);
         add_variants(o, fn, {window, softcap, alibi_slopes, sinks, mask, key_lengths});
+        add_dropout(o, fn, dropout_p, dropout_seed, dropout_offset);
         auto qv = in_float(q, fn, "q", 4), kv = in_float(k, fn, "k", 4);
         auto vv = in_float(v, fn, "v", 4), ov = in_float(out, fn, "out", 4);
         auto lv = in3(lse, fn, "lse"), dov = in_float(dout, fn, "dout", 4);
@@ -176,7 +181,8 @@ void bind_attention(nb::module_& m) {
       "causal"_a, "align"_a, "threads"_a, "isa"_a, "window"_a.none() = nb::none(),
       "softcap"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(),
       "sinks"_a.none() = nb::none(), "mask"_a.none() = nb::none(),
-      "key_lengths"_a.none() = nb::none(), "dsinks"_a.none() = nb::none());
+      "key_lengths"_a.none() = nb::none(), "dsinks"_a.none() = nb::none(), "dropout_p"_a = 0.0,
+      "dropout_seed"_a = 0, "dropout_offset"_a = 0);
 
   // Attention weights on request (SPEC 4.2–4.4): q [B, T_q, H_q, d_h], k [B, T_k, H_kv, d_h]
   // in one dtype, lse [B, H_q, T_q] float32, weights [B, heads, rows, T_k] float32; heads: the
@@ -189,10 +195,12 @@ void bind_attention(nb::module_& m) {
          const std::string& align, IntArg threads, const std::string& isa,
          std::optional<IntArg> window, std::optional<double> softcap,
          std::optional<ArrayArg> alibi_slopes, std::optional<ArrayArg> sinks,
-         std::optional<ArrayArg> mask, std::optional<ArrayArg> key_lengths) {
+         std::optional<ArrayArg> mask, std::optional<ArrayArg> key_lengths, double dropout_p,
+         IntArg dropout_seed, IntArg dropout_offset) {
         constexpr const char* fn = "attention_weights";
         auto o = attention_options(fn, scale, causal, align, threads, isa);
         add_variants(o, fn, {window, softcap, alibi_slopes, sinks, mask, key_lengths});
+        add_dropout(o, fn, dropout_p, dropout_seed, dropout_offset);
         auto qv = in_float(q, fn, "q", 4), kv = in_float(k, fn, "k", 4);
         check_same_dtype(fn, {{"q", qv.dtype}, {"k", kv.dtype}});
         auto lv = in3(lse, fn, "lse");
@@ -208,7 +216,8 @@ void bind_attention(nb::module_& m) {
       "scale"_a.none(), "causal"_a, "align"_a, "threads"_a, "isa"_a, "window"_a.none() = nb::none(),
       "softcap"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(),
       "sinks"_a.none() = nb::none(), "mask"_a.none() = nb::none(),
-      "key_lengths"_a.none() = nb::none());
+      "key_lengths"_a.none() = nb::none(), "dropout_p"_a = 0.0, "dropout_seed"_a = 0,
+      "dropout_offset"_a = 0);
 
   // The plain eager calls of tokenmix._torch_ops without score variants (generation makes
   // thousands a second): every tensor as (data_ptr(), dtype code, shape, stride()) of a live CPU
@@ -269,11 +278,13 @@ void bind_attention(nb::module_& m) {
          ArrayArg out, std::optional<ArrayArg> lse, std::optional<double> scale, bool causal,
          const std::string& align, IntArg threads, const std::string& isa,
          std::optional<IntArg> window, std::optional<double> softcap,
-         std::optional<ArrayArg> alibi_slopes, std::optional<ArrayArg> sinks) {
+         std::optional<ArrayArg> alibi_slopes, std::optional<ArrayArg> sinks, double dropout_p,
+         IntArg dropout_seed, IntArg dropout_offset) {
         constexpr const char* fn = "attention_forward_varlen";
         using D = tmx::DType;
         auto o = attention_options(fn, scale, causal, align, threads, isa);
         add_variants(o, fn, {window, softcap, alibi_slopes, sinks, std::nullopt, std::nullopt});
+        add_dropout(o, fn, dropout_p, dropout_seed, dropout_offset);
         auto qv = in_float(q, fn, "q", 3), kv = in_float(k, fn, "k", 3);
         auto vv = in_float(v, fn, "v", 3);
         auto cq = in_typed(cu_seqlens_q, fn, "cu_seqlens_q", 1, {D::i32, D::i64});
@@ -288,7 +299,8 @@ void bind_attention(nb::module_& m) {
       "q"_a, "k"_a, "v"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "out"_a, "lse"_a.none(),
       "scale"_a.none(), "causal"_a, "align"_a, "threads"_a, "isa"_a, "window"_a.none() = nb::none(),
       "softcap"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(),
-      "sinks"_a.none() = nb::none());
+      "sinks"_a.none() = nb::none(), "dropout_p"_a = 0.0, "dropout_seed"_a = 0,
+      "dropout_offset"_a = 0);
 
   m.def(
       "attention_backward_varlen",
@@ -297,11 +309,13 @@ void bind_attention(nb::module_& m) {
          std::optional<double> scale, bool causal, const std::string& align, IntArg threads,
          const std::string& isa, std::optional<IntArg> window, std::optional<double> softcap,
          std::optional<ArrayArg> alibi_slopes, std::optional<ArrayArg> sinks,
-         std::optional<ArrayArg> dsinks) {
+         std::optional<ArrayArg> dsinks, double dropout_p, IntArg dropout_seed,
+         IntArg dropout_offset) {
         constexpr const char* fn = "attention_backward_varlen";
         using D = tmx::DType;
         auto o = attention_options(fn, scale, causal, align, threads, isa);
         add_variants(o, fn, {window, softcap, alibi_slopes, sinks, std::nullopt, std::nullopt});
+        add_dropout(o, fn, dropout_p, dropout_seed, dropout_offset);
         auto qv = in_float(q, fn, "q", 3), kv = in_float(k, fn, "k", 3);
         auto vv = in_float(v, fn, "v", 3), ov = in_float(out, fn, "out", 3);
         auto dov = in_float(dout, fn, "dout", 3);
@@ -326,7 +340,23 @@ void bind_attention(nb::module_& m) {
       "dk"_a, "dv"_a, "scale"_a.none(), "causal"_a, "align"_a, "threads"_a, "isa"_a,
       "window"_a.none() = nb::none(), "softcap"_a.none() = nb::none(),
       "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none(),
-      "dsinks"_a.none() = nb::none());
+      "dsinks"_a.none() = nb::none(), "dropout_p"_a = 0.0, "dropout_seed"_a = 0,
+      "dropout_offset"_a = 0);
+
+  // The dropout keep mask Z (docs/design.md D.2–D.3): keep [B, H_q, T_q, T_k] bool, written.
+  m.def(
+      "attention_dropout_mask",
+      [](ArrayArg keep, double dropout_p, IntArg dropout_seed, IntArg dropout_offset,
+         IntArg threads) {
+        constexpr const char* fn = "attention_dropout_mask";
+        tmx::AttentionOptions o;
+        o.threads = thread_count(threads, fn);
+        add_dropout(o, fn, dropout_p, dropout_seed, dropout_offset);
+        auto kv = out_typed_opt(keep, fn, "keep", 4, {tmx::DType::boolean});
+        nb::gil_scoped_release release;
+        tmx::attention_dropout_mask(kv, o);
+      },
+      "keep"_a, "dropout_p"_a, "dropout_seed"_a, "dropout_offset"_a, "threads"_a = 0);
 
   // The counts take their sizes as any Python integer (int64_arg: beyond int64 →
   // ArgumentError(overflow), not an integer → TypeError, never nanobind's "incompatible function

@@ -186,6 +186,10 @@ struct VariantArgs {
 };
 /// Fills the variant fields of `o` (views of the arrays, no copy); errors name `fn`.
 void add_variants(tmx::AttentionOptions& o, const char* fn, const VariantArgs& va);
+/// Sets o.dropout from the bindings' dropout_p, dropout_seed (any int64, used as its 64 bits)
+/// and dropout_offset (>= 0; the library checks < 2^32 and p); errors name `fn`.
+void add_dropout(tmx::AttentionOptions& o, const char* fn, double p, const IntArg& seed,
+                 const IntArg& offset);
 tmx::RopeOptions rope_options(const std::string& pairing, double base, std::int64_t offset);
 
 /// A NumPy array that views float32 `data` of `shape`, kept alive by `owner`.

@@ -499,6 +499,20 @@ void add_variants(tmx::AttentionOptions& o, const char* fn, const VariantArgs& v
   o.key_lengths = in_typed_opt(va.key_lengths, fn, "key_lengths", 1, {D::i32, D::i64});
 }
 
+void add_dropout(tmx::AttentionOptions& o, const char* fn, double p, const IntArg& seed,
+                 const IntArg& offset) {
+  o.dropout.p = p;  // (the library checks 0 <= p < 1)
+  // Any int64 seed, as its 64 bits (PyTorch's generators hand out signed 64-bit values).
+  o.dropout.seed = static_cast<std::uint64_t>(int64_arg(seed, fn, "dropout_seed"));
+  const std::int64_t off = int64_arg(offset, fn, "dropout_offset");
+  if (off < 0) {
+    argument_error(
+        tmx::ErrorCode::invalid_argument,
+        std::string(fn) + ": dropout_offset must be in [0, 2^32); got " + std::to_string(off));
+  }
+  o.dropout.offset = static_cast<std::uint64_t>(off);
+}
+
 tmx::RopeOptions rope_options(const std::string& pairing, double base, std::int64_t offset) {
   tmx::RopeOptions o;
   o.pairing = parse_pairing(pairing);

@@ -165,6 +165,15 @@ class PlainAttention : public torch::autograd::Function<PlainAttention> {
                               false,
                               c10::IValue(),
                               c10::IValue()};
+      // The schema's later arguments (dropout_p, dropout_seed, ...) at their defaults: a boxed
+      // call must push every argument.
+      const auto& arguments = op.schema().arguments();
+      for (std::size_t i = stack.size(); i < arguments.size(); ++i) {
+        TORCH_CHECK(arguments[i].default_value().has_value(),
+                    "tokenmix::attention_backward: ", "argument ", arguments[i].name(),
+                    " has no default");
+        stack.push_back(*arguments[i].default_value());
+      }
       op.callBoxed(&stack);
       return {stack[0].toTensor(), stack[1].toTensor(), stack[2].toTensor(), at::Tensor(),
               at::Tensor()};

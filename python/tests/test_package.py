@@ -30,6 +30,7 @@ PUBLIC_NAMES = [
     "attention_backward",
     "attention_backward_varlen",
     "attention_decode",
+    "attention_dropout_mask",
     "attention_forward",
     "attention_forward_varlen",
     "attention_weights",
@@ -63,7 +64,7 @@ SUBMODULES = {"torch", "bench", "distributed", "transformers", "torch_node", "pl
 # Written in Python (the private modules); they present themselves as tokenmix.<name>.
 PYTHON_DEFINED = [
     "CausalSelfAttention", "LayerGradients", "attention_backward", "attention_backward_varlen",
-    "attention_decode", "attention_forward", "attention_forward_varlen", "attention_weights", "backward_flops", "forward_flops", "logsumexp", "merge_partials",
+    "attention_decode", "attention_dropout_mask", "attention_forward", "attention_forward_varlen", "attention_weights", "backward_flops", "forward_flops", "logsumexp", "merge_partials",
     "resolve_isa", "rope_backward", "rope_forward", "softmax", "softmax_jacobian",
     "softmax_jacobian_vector_product", "thread_runtimes", "visible_keys", "visible_pairs",
 ]

@@ -172,14 +172,13 @@ def test_gqa_needs_enable_gqa_like_pytorch():
 @pytest.mark.parametrize(
     "kwargs,needle",
     [
-        (dict(dropout_p=0.1), "dropout_p"),
         (dict(query=torch.randn(1, 2, 4, 8, dtype=torch.float64)), "query has dtype torch.float64"),
         (dict(key=torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)), "key has dtype torch.bfloat16"),
         (dict(value=torch.randn(1, 2, 4, 8, device="meta")), "value is on device 'meta'"),
         (dict(value=torch.randn(1, 2, 4, 6)), "value has head width 6"),
         (dict(key=torch.randn(3, 2, 4, 8), value=torch.randn(3, 2, 4, 8)), "batch dimensions"),
     ],
-    ids=["dropout", "float64", "bfloat16", "device", "value_width", "broadcast"],
+    ids=["float64", "bfloat16", "device", "value_width", "broadcast"],
 )
 def test_unsupported_arguments_raise_not_implemented(kwargs, needle):
     args = dict(query=torch.randn(1, 2, 4, 8), key=torch.randn(1, 2, 4, 8),

@@ -208,13 +208,9 @@ def test_mask_function_returns_none_only_for_bottom_right_causal():
 
 def test_unsupported_requests_raise():
     cfg = _config("llama")
-    cfg.attention_dropout = 0.1
     tmx_hf.register()
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="tokenmix").float().train()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="tokenmix").float().eval()
     ids, mask = _batch()
-    with pytest.raises(tokenmix.UnsupportedError, match="dropout"):
-        model(ids, attention_mask=mask)
-    model.eval()
     model = model.to(torch.float64)  # (bfloat16 and float16 run: test_bf16.py)
     with pytest.raises(tokenmix.UnsupportedError, match="float64"):
         model(ids, attention_mask=mask)

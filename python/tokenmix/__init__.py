@@ -54,6 +54,7 @@ helpers) and the native extension ``_tokenmix`` (python/src).
 from ._attention import (
     attention_backward,
     attention_backward_varlen,
+    attention_dropout_mask,
     attention_forward,
     attention_forward_varlen,
     attention_weights,
@@ -98,6 +99,7 @@ __all__ = [
     "attention_forward_varlen",
     "attention_backward_varlen",
     "attention_weights",
+    "attention_dropout_mask",
     "merge_partials",
     "rope_forward",
     "rope_backward",

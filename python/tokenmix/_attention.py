@@ -18,6 +18,17 @@ t top-left) and z = s·⟨q_t, k_u⟩ (4.2), the score is S = cap(z) + b_h(t, u)
     key_lengths=n   [B] int32/int64: keys u ≥ n[b] of sequence b are padding (invisible)
 
 A row that sees no key gives O = 0 and L = −inf (with sinks: L = σ_h), never NaN.
+
+Attention dropout (training; docs/design.md "Attention dropout", D.1–D.4), keyword arguments of
+the forward, backward, weights and varlen entry points::
+
+    dropout_p=p         0 ≤ p < 1: the values are averaged with P̃ = P ⊙ Z / (1 − p), Z_{b,h,t,u}
+                        kept with probability 1 − p; lse stays that of P (0 = off)
+    dropout_seed=s      any int64: Philox4x32-10's key
+    dropout_offset=o    0 ≤ o < 2^32: the counter's last word (a new one per step, or a new seed)
+
+Z depends on (seed, offset, b, h, t, u) alone: the same on every path and thread count, and the
+backward regenerates it (given the same three values). :func:`attention_dropout_mask` returns it.
 """
 
 from __future__ import annotations
@@ -53,6 +64,9 @@ def attention_forward(
     sinks: Any = None,
     mask: Any = None,
     key_lengths: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
 ) -> Any:
     """Exact scaled-dot-product attention, forward (SPEC 4.2–4.5).
 
@@ -85,6 +99,7 @@ def attention_forward(
         window, softcap, alibi_slopes, sinks, mask, key_lengths: the score variants (module
             docstring; SPEC "Score variants used by real models"); None = off. alibi_slopes and
             sinks may be lists of floats, key_lengths a list of ints.
+        dropout_p, dropout_seed, dropout_offset: attention dropout (module docstring); 0 = off.
 
     Returns:
         ``out``, or ``(out, lse)`` when lse was given or ``return_lse`` is set.
@@ -102,6 +117,7 @@ def attention_forward(
     _C.attention_forward(
         q4, k4, v4, view4(fn, "out", out, layout), lse, scale, causal, align, threads, isa,
         **_variants(fn, window, softcap, alibi_slopes, sinks, mask, key_lengths),
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     )
     return (out, lse) if lse is not None else out
 
@@ -126,6 +142,9 @@ def attention_weights(
     sinks: Any = None,
     mask: Any = None,
     key_lengths: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
 ) -> Any:
     """The attention weights of the forward, on request (SPEC 4.2–4.4)::
 
@@ -165,6 +184,7 @@ def attention_weights(
     _C.attention_weights(
         q4, k4, lse, weights, head_list, begin, None if end == T_q else end, scale, causal, align,
         threads, isa, **_variants(fn, window, softcap, alibi_slopes, sinks, mask, key_lengths),
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     )
     return weights
 
@@ -245,6 +265,9 @@ def attention_backward(
     mask: Any = None,
     key_lengths: Any = None,
     dsinks: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
 ) -> Tuple[Any, ...]:
     """Backward pass of :func:`attention_forward` (SPEC "Backward pass", 4.6–4.7).
 
@@ -263,6 +286,8 @@ def attention_backward(
         scale, causal, align, layout, threads, isa: as for the forward — they must match it.
         window, softcap, alibi_slopes, sinks, mask, key_lengths: as for the forward (the same
             ones, or the gradients are of another function). A float mask gets no gradient.
+        dropout_p, dropout_seed, dropout_offset: the forward's (the backward regenerates its
+            mask from them).
         dsinks: optional [H_q] float32 output for d(sinks) (only with sinks).
 
     Returns:
@@ -283,6 +308,7 @@ def attention_backward(
         v4("q", q), v4("k", k), v4("v", v), v4("out", out), lse, v4("dout", dout),
         v4("dq", dq), v4("dk", dk), v4("dv", dv), scale, causal, align, threads, isa,
         dsinks=dsinks, **variants,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     )
     return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
@@ -316,6 +342,9 @@ def attention_forward_varlen(
     softcap: Optional[float] = None,
     alibi_slopes: Any = None,
     sinks: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
 ) -> Any:
     """Attention over a packed batch of variable-length sequences (SPEC "Score variants":
     varlen; FlashAttention's ``flash_attn_varlen_func``).
@@ -353,6 +382,7 @@ def attention_forward_varlen(
     _C.attention_forward_varlen(
         q, k, v, cq, ck, out, lse, scale, causal, align, threads, isa,
         **_variants(fn, window, softcap, alibi_slopes, sinks, varlen=True),
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     )
     return (out, lse) if lse is not None else out
 
@@ -380,6 +410,9 @@ def attention_backward_varlen(
     alibi_slopes: Any = None,
     sinks: Any = None,
     dsinks: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
 ) -> Tuple[Any, ...]:
     """Backward pass of :func:`attention_forward_varlen` (lse [H_q, total_q] from its
     ``return_lse=True``). Returns ``(dq, dk, dv)``, or ``(dq, dk, dv, dsinks)`` with sinks."""
@@ -396,8 +429,21 @@ def attention_backward_varlen(
     _C.attention_backward_varlen(
         q, k, v, out, lse, dout, cq, ck, dq, dk, dv, scale, causal, align, threads, isa,
         dsinks=dsinks, **variants,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     )
     return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
+
+
+def attention_dropout_mask(
+    B: int, H_q: int, T_q: int, T_k: int, dropout_p: float, dropout_seed: int,
+    dropout_offset: int = 0, *, threads: int = 0,
+) -> Any:
+    """The dropout keep mask Z (docs/design.md D.2–D.3) as a bool array [B, H_q, T_q, T_k]
+    (True = kept): the mask the entry points apply for these dropout arguments, wherever a
+    weight is visible (varlen: sequence i is batch row i)."""
+    keep = np.empty((int(B), int(H_q), int(T_q), int(T_k)), dtype=np.bool_)
+    _C.attention_dropout_mask(keep, dropout_p, dropout_seed, dropout_offset, threads)
+    return keep
 
 
 def visible_keys(

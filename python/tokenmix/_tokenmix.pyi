@@ -39,7 +39,9 @@ def attention_forward(q: Array, k: Array, v: Array, out: Array, lse: Optional[Ar
                       scale: Optional[float], causal: bool, align: str, threads: int,
                       isa: str, window: Optional[int] = None, softcap: Optional[float] = None,
                       alibi_slopes: Optional[Array] = None, sinks: Optional[Array] = None,
-                      mask: Optional[Array] = None, key_lengths: Optional[Array] = None) -> None:
+                      mask: Optional[Array] = None, key_lengths: Optional[Array] = None,
+                      dropout_p: float = 0.0, dropout_seed: int = 0,
+                      dropout_offset: int = 0) -> None:
     """q [B,T_q,H_q,d_h], k/v [B,T_k,H_kv,d_h] → out [B,T_q,H_q,d_h], lse [B,H_q,T_q]
     (SPEC 4.2–4.5). Variants (SPEC "Score variants used by real models"): alibi_slopes, sinks
     [H_q] float32; mask rank 4 [B,H_q,T_q,T_k] (each axis full or 1, any strides) bool or
@@ -50,7 +52,8 @@ def attention_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, dou
                        softcap: Optional[float] = None, alibi_slopes: Optional[Array] = None,
                        sinks: Optional[Array] = None, mask: Optional[Array] = None,
                        key_lengths: Optional[Array] = None,
-                       dsinks: Optional[Array] = None) -> None:
+                       dsinks: Optional[Array] = None, dropout_p: float = 0.0,
+                       dropout_seed: int = 0, dropout_offset: int = 0) -> None:
     """Writes dq [B,T_q,H_q,d_h], dk/dv [B,T_k,H_kv,d_h] (SPEC "Backward pass") and, with
     sinks, dsinks [H_q]."""
 def attention_weights(q: Array, k: Array, lse: Array, weights: Array,
@@ -58,7 +61,9 @@ def attention_weights(q: Array, k: Array, lse: Array, weights: Array,
                       scale: Optional[float], causal: bool, align: str, threads: int, isa: str,
                       window: Optional[int] = None, softcap: Optional[float] = None,
                       alibi_slopes: Optional[Array] = None, sinks: Optional[Array] = None,
-                      mask: Optional[Array] = None, key_lengths: Optional[Array] = None) -> None:
+                      mask: Optional[Array] = None, key_lengths: Optional[Array] = None,
+                      dropout_p: float = 0.0, dropout_seed: int = 0,
+                      dropout_offset: int = 0) -> None:
     """weights [B,heads,rows,T_k] float32 ← P = exp(S + M − L) (SPEC 4.2–4.4) of q
     [B,T_q,H_q,d_h], k [B,T_k,H_kv,d_h] and the forward's lse [B,H_q,T_q]; heads None = all,
     rows [row_begin, row_end) (None = T_q)."""
@@ -68,7 +73,8 @@ def attention_forward_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array,
                              isa: str, window: Optional[int] = None,
                              softcap: Optional[float] = None,
                              alibi_slopes: Optional[Array] = None,
-                             sinks: Optional[Array] = None) -> None:
+                             sinks: Optional[Array] = None, dropout_p: float = 0.0,
+                             dropout_seed: int = 0, dropout_offset: int = 0) -> None:
     """q [total_q,H_q,d_h], k/v [total_k,H_kv,d_h], cu_seqlens [n+1] int32/int64 → out
     [total_q,H_q,d_h], lse [H_q,total_q]."""
 def attention_backward_varlen(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array,
@@ -78,7 +84,11 @@ def attention_backward_varlen(q: Array, k: Array, v: Array, out: Array, lse: Arr
                               softcap: Optional[float] = None,
                               alibi_slopes: Optional[Array] = None,
                               sinks: Optional[Array] = None,
-                              dsinks: Optional[Array] = None) -> None: ...
+                              dsinks: Optional[Array] = None, dropout_p: float = 0.0,
+                              dropout_seed: int = 0, dropout_offset: int = 0) -> None: ...
+def attention_dropout_mask(keep: Array, dropout_p: float, dropout_seed: int, dropout_offset: int,
+                           threads: int = 0) -> None:
+    """keep [B,H_q,T_q,T_k] bool ← the dropout keep mask Z (docs/design.md D.2–D.3)."""
 def merge_partials(o1: Array, lse1: Array, o2: Array, lse2: Array, out: Array,
                    lse_out: Array) -> None:
     """o [B,T,H,d_h], lse [B,H,T]: L = log(e^L1 + e^L2), O = e^(L1−L) O1 + e^(L2−L) O2."""

@@ -6,7 +6,7 @@ the maths is SPEC 4.2–4.5, the backward pass and the score variants of SPEC "S
 by real models"):
 
 ``tokenmix::attention_forward(q, k, v, attn_mask, alibi_slopes, sinks, scale, is_causal,
-bottom_right, window, softcap) -> (out, lse)``
+bottom_right, window, softcap, dropout_p=0.0, dropout_seed=None) -> (out, lse)``
     q ``[B, H_q, L, E]``, k/v ``[B, H_kv, S, E]`` (PyTorch's SDPA layout, any strides; H_q a
     multiple of H_kv: GQA, SPEC 4.8); ``attn_mask`` bool (True = may attend) or float32
     additive, rank 4 and broadcastable to ``[B, H_q, L, S]`` (size-1 axes are broadcast without
@@ -14,7 +14,10 @@ bottom_right, window, softcap) -> (out, lse)``
     the causal mask, the window and ALiBi (SPEC 4.3). ``out`` is ``[B, H_q, L, E]`` with the
     memory order of ``[B, L, H_q, E]`` (like PyTorch's CPU flash kernel: ``out.transpose(1, 2)``
     is contiguous, which is what transformers' attention layers want); ``lse`` ``[B, H_q, L]``
-    is the row log-sum-exp L of SPEC (4.4) (not differentiable).
+    is the row log-sum-exp L of SPEC (4.4) (not differentiable). ``dropout_p`` > 0 applies
+    attention dropout (docs/design.md D.1–D.4) with the mask of ``dropout_seed``, an int64
+    tensor ``[2]`` (seed, offset; the offset's low 32 bits): a tensor, so that a compiled graph
+    draws a new one per call from PyTorch's generator instead of baking one in.
 ``tokenmix::attention_backward(dout, q, k, v, out, lse, <the same options>) -> (dq, dk, dv,
 dsinks)``
     the gradients (dq/dk/dv with the strides of q/k/v when those are dense); ``dsinks`` is
@@ -58,7 +61,8 @@ from torch import Tensor
 from . import _native
 from . import _tokenmix as _C
 
-__all__ = ["attention", "attention_lse", "varlen", "plain_eager"]
+__all__ = ["attention", "attention_lse", "varlen", "plain_eager", "dropout_seed",
+           "dropout_kwargs"]
 
 _ALIGN = ("top_left", "bottom_right")
 
@@ -138,6 +142,20 @@ def _variant_kwargs(alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
     return kw
 
 
+def dropout_kwargs(dropout_p: float, dropout_seed: Optional[Tensor]) -> dict:
+    """The extension's dropout arguments: seed and offset from the [2] int64 seed tensor (the
+    offset's low 32 bits: Philox's counter word, D.3)."""
+    if not dropout_p:
+        return {}
+    if dropout_seed is None or dropout_seed.numel() != 2 or dropout_seed.dtype != torch.int64:
+        raise _typed(_C.ArgumentError, "invalid_argument",
+                     "tokenmix: dropout_p > 0 needs dropout_seed, an int64 tensor [2] (seed, "
+                     f"offset); got {None if dropout_seed is None else tuple(dropout_seed.shape)}")
+    seed, offset = (int(x) for x in dropout_seed.tolist())
+    return {"dropout_p": float(dropout_p), "dropout_seed": seed,
+            "dropout_offset": offset & 0xFFFFFFFF}
+
+
 # ---------------------------------------------------------------------------------------------
 # Implementations (run eagerly: inside an operator call, or from the eager autograd.Function)
 
@@ -209,14 +227,16 @@ def _plain_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                   alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: Optional[float],
                   is_causal: bool, bottom_right: bool, window: Optional[int],
-                  softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
-    if _no_variants(attn_mask, alibi_slopes, sinks, window, softcap):
+                  softcap: Optional[float], dropout_p: float = 0.0,
+                  dropout_seed: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    if _no_variants(attn_mask, alibi_slopes, sinks, window, softcap) and not dropout_p:
         return _plain_forward(q, k, v, scale, is_causal, bottom_right)
     _check_qkv("attention_forward", q, k, v)
     B, H, L, E = q.shape
     out_bthd = torch.empty((B, L, H, E), dtype=q.dtype)  # q's dtype (SPEC "Reduced precision")
     lse = torch.empty((B, H, L), dtype=torch.float32)  # float32 for every dtype
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
+    kw.update(dropout_kwargs(dropout_p, dropout_seed))
     if attn_mask is not None:
         kw["mask"] = _np(attn_mask)
     _C.attention_forward(_np(q.transpose(1, 2)), _np(k.transpose(1, 2)), _np(v.transpose(1, 2)),
@@ -234,9 +254,10 @@ def _grad_like(x: Tensor) -> Tensor:
 def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
                    sinks: Optional[Tensor], scale: Optional[float], is_causal: bool,
-                   bottom_right: bool, window: Optional[int],
-                   softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    if _no_variants(attn_mask, alibi_slopes, sinks, window, softcap):
+                   bottom_right: bool, window: Optional[int], softcap: Optional[float],
+                   dropout_p: float = 0.0,
+                   dropout_seed: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    if _no_variants(attn_mask, alibi_slopes, sinks, window, softcap) and not dropout_p:
         grads = _plain_backward(dout, q, k, v, out, lse, scale, is_causal, bottom_right)
         if grads is not None:
             return grads + (torch.empty((0,), dtype=torch.float32),)
@@ -247,6 +268,7 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
     dsinks = torch.empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
+    kw.update(dropout_kwargs(dropout_p, dropout_seed))
     if attn_mask is not None:
         kw["mask"] = _np(attn_mask)
     if sinks is not None:
@@ -260,15 +282,17 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 def _varlen_forward_impl(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                          cu_seqlens_k: Tensor, alibi_slopes: Optional[Tensor],
                          sinks: Optional[Tensor], scale: Optional[float], is_causal: bool,
-                         bottom_right: bool, window: Optional[int],
-                         softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+                         bottom_right: bool, window: Optional[int], softcap: Optional[float],
+                         dropout_p: float = 0.0,
+                         dropout_seed: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     _check("varlen_forward", q=q, k=k, v=v)
     out = torch.empty(q.shape, dtype=q.dtype)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     _C.attention_forward_varlen(_np(q), _np(k), _np(v), _np(cu_seqlens_q), _np(cu_seqlens_k),
                                 _np(out), lse.numpy(), scale, is_causal, _ALIGN[bottom_right],
                                 torch.get_num_threads(), "auto",
-                                **_variant_kwargs(alibi_slopes, sinks, window, softcap))
+                                **_variant_kwargs(alibi_slopes, sinks, window, softcap),
+                                **dropout_kwargs(dropout_p, dropout_seed))
     return out, lse
 
 
@@ -276,14 +300,16 @@ def _varlen_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                           cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                           alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                           scale: Optional[float], is_causal: bool, bottom_right: bool,
-                          window: Optional[int],
-                          softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                          window: Optional[int], softcap: Optional[float],
+                          dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None
+                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     _check("varlen_backward", q=q, k=k, v=v)
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
     dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
     dsinks = torch.empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32)
     kw = _variant_kwargs(alibi_slopes, sinks, window, softcap)
+    kw.update(dropout_kwargs(dropout_p, dropout_seed))
     if sinks is not None:
         kw["dsinks"] = dsinks.numpy()
     _C.attention_backward_varlen(*[_np(x) for x in (q, k, v, out, lse, dout, cu_seqlens_q,
@@ -301,14 +327,16 @@ def _varlen_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                       alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                       scale: Optional[float], is_causal: bool, bottom_right: bool,
-                      window: Optional[int], softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+                      window: Optional[int], softcap: Optional[float], dropout_p: float = 0.0,
+                      dropout_seed: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """out, lse = attention(q [B,H_q,L,E], k/v [B,H_kv,S,E]); see the module's docstring."""
     return _forward_impl(q, k, v, attn_mask, alibi_slopes, sinks, scale, is_causal, bottom_right,
-                         window, softcap)
+                         window, softcap, dropout_p, dropout_seed)
 
 
 @attention_forward.register_fake
-def _(q, k, v, attn_mask, alibi_slopes, sinks, scale, is_causal, bottom_right, window, softcap):
+def _(q, k, v, attn_mask, alibi_slopes, sinks, scale, is_causal, bottom_right, window, softcap,
+      dropout_p=0.0, dropout_seed=None):
     _check("attention_forward", q=q, k=k, v=v)
     B, H, L, E = q.shape
     return (q.new_empty((B, L, H, E)).transpose(1, 2),
@@ -319,16 +347,17 @@ def _(q, k, v, attn_mask, alibi_slopes, sinks, scale, is_causal, bottom_right, w
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        attn_mask: Optional[Tensor], alibi_slopes: Optional[Tensor],
                        sinks: Optional[Tensor], scale: Optional[float], is_causal: bool,
-                       bottom_right: bool, window: Optional[int],
-                       softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                       bottom_right: bool, window: Optional[int], softcap: Optional[float],
+                       dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None
+                       ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dsinks of attention_forward; see the module's docstring."""
     return _backward_impl(dout, q, k, v, out, lse, attn_mask, alibi_slopes, sinks, scale,
-                          is_causal, bottom_right, window, softcap)
+                          is_causal, bottom_right, window, softcap, dropout_p, dropout_seed)
 
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, attn_mask, alibi_slopes, sinks, scale, is_causal, bottom_right,
-      window, softcap):
+      window, softcap, dropout_p=0.0, dropout_seed=None):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32))
 
@@ -337,15 +366,17 @@ def _(dout, q, k, v, out, lse, attn_mask, alibi_slopes, sinks, scale, is_causal,
 def varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                    alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                    scale: Optional[float], is_causal: bool, bottom_right: bool,
-                   window: Optional[int], softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+                   window: Optional[int], softcap: Optional[float], dropout_p: float = 0.0,
+                   dropout_seed: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """out [total_q, H_q, E], lse [H_q, total_q] of packed varlen attention."""
     return _varlen_forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scale,
-                                is_causal, bottom_right, window, softcap)
+                                is_causal, bottom_right, window, softcap, dropout_p,
+                                dropout_seed)
 
 
 @varlen_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scale, is_causal, bottom_right,
-      window, softcap):
+      window, softcap, dropout_p=0.0, dropout_seed=None):
     _check("varlen_forward", q=q, k=k, v=v)
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
@@ -354,17 +385,18 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scale, is_causal
 def varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, alibi_slopes: Optional[Tensor],
                     sinks: Optional[Tensor], scale: Optional[float], is_causal: bool,
-                    bottom_right: bool, window: Optional[int],
-                    softcap: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                    bottom_right: bool, window: Optional[int], softcap: Optional[float],
+                    dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None
+                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dsinks of varlen_forward."""
     return _varlen_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                  alibi_slopes, sinks, scale, is_causal, bottom_right, window,
-                                 softcap)
+                                 softcap, dropout_p, dropout_seed)
 
 
 @varlen_backward.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scale, is_causal,
-      bottom_right, window, softcap):
+      bottom_right, window, softcap, dropout_p=0.0, dropout_seed=None):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32))
 
@@ -395,7 +427,7 @@ def _forward_backward(ctx: Any, dout: Tensor, dlse: Optional[Tensor]) -> Tuple[A
     q, k, v, out, lse, attn_mask, alibi_slopes, sinks = ctx.saved_tensors
     dq, dk, dv, dsinks = attention_backward(dout, q, k, v, out, lse, attn_mask, alibi_slopes,
                                             sinks, *ctx.options)
-    return (dq, dk, dv, None, None, None if sinks is None else dsinks) + (None,) * 5
+    return (dq, dk, dv, None, None, None if sinks is None else dsinks) + (None,) * 7
 
 
 attention_forward.register_autograd(_forward_backward, setup_context=_forward_setup)
@@ -414,7 +446,7 @@ def _varlen_backward(ctx: Any, dout: Tensor, dlse: Optional[Tensor]) -> Tuple[An
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
     dq, dk, dv, dsinks = varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks,
                                          *ctx.options)
-    return (dq, dk, dv, None, None, None, None if sinks is None else dsinks) + (None,) * 5
+    return (dq, dk, dv, None, None, None, None if sinks is None else dsinks) + (None,) * 7
 
 
 varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup)
@@ -511,6 +543,13 @@ def _(info, in_dims, *args):
 
 # ---------------------------------------------------------------------------------------------
 # Entry points used by tokenmix.torch (and tokenmix.transformers)
+
+
+def dropout_seed() -> Tensor:
+    """A fresh dropout seed and offset, int64 [2], drawn from PyTorch's default CPU generator
+    (so ``torch.manual_seed`` makes a run's masks repeat; under ``torch.compile`` the draw is part
+    of the graph, a new one per call)."""
+    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
 
 
 def plain_eager(*tensors: Tensor) -> bool:
@@ -720,11 +759,13 @@ class _EagerVarlen(torch.autograd.Function):
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
               alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: Optional[float],
               is_causal: bool, bottom_right: bool, window: Optional[int],
-              softcap: Optional[float]) -> Tensor:
+              softcap: Optional[float], dropout_p: float = 0.0,
+              dropout_seed: Optional[Tensor] = None) -> Tensor:
     """out = attention_forward(...)[0], differentiable w.r.t. q, k, v and sinks. Arguments are
     taken as checked (tokenmix.torch and tokenmix.transformers validate them; a mask or ALiBi
-    slopes that require grad are refused there)."""
-    if (sinks is None and not bottom_right and plain_eager(q, k, v)
+    slopes that require grad are refused there). dropout_p > 0 needs dropout_seed (an int64
+    tensor [2], :func:`dropout_seed`)."""
+    if (sinks is None and not bottom_right and not dropout_p and plain_eager(q, k, v)
             and _no_variants(attn_mask, alibi_slopes, None, window, softcap)):
         # The common call (generation's and a plain training step's).
         if not (torch.is_grad_enabled()
@@ -734,7 +775,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
             _check_qkv("attention_forward", q, k, v)
             return _native.attention(q, k, v, scale, is_causal)
         return _EagerPlain.apply(q, k, v, scale, is_causal)
-    options = (scale, is_causal, bottom_right, window, softcap)
+    options = (scale, is_causal, bottom_right, window, softcap, dropout_p, dropout_seed)
     if plain_eager(q, k, v, sinks):
         if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                              or (sinks is not None and sinks.requires_grad))):
@@ -747,11 +788,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 def attention_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                   alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                   scale: Optional[float], is_causal: bool, bottom_right: bool,
-                  window: Optional[int], softcap: Optional[float]) -> Tuple[Tensor, Tensor]:
+                  window: Optional[int], softcap: Optional[float], dropout_p: float = 0.0,
+                  dropout_seed: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse): :func:`attention`'s out (differentiable as there) and the row log-sum-exp L
     of SPEC (4.4) ``[B, H_q, L]`` float32 (not differentiable), for the attention weights
     (tokenmix.attention_weights; tokenmix.transformers with ``output_attentions=True``)."""
-    options = (scale, is_causal, bottom_right, window, softcap)
+    options = (scale, is_causal, bottom_right, window, softcap, dropout_p, dropout_seed)
     if plain_eager(q, k, v, sinks) and not (
             torch.is_grad_enabled() and any(x is not None and x.requires_grad
                                             for x in (q, k, v, sinks))):
@@ -762,9 +804,10 @@ def attention_lse(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 def varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
            alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], scale: Optional[float],
            is_causal: bool, bottom_right: bool, window: Optional[int],
-           softcap: Optional[float]) -> Tensor:
+           softcap: Optional[float], dropout_p: float = 0.0,
+           dropout_seed: Optional[Tensor] = None) -> Tensor:
     """out = varlen_forward(...)[0], differentiable w.r.t. q, k, v and sinks."""
-    options = (scale, is_causal, bottom_right, window, softcap)
+    options = (scale, is_causal, bottom_right, window, softcap, dropout_p, dropout_seed)
     if plain_eager(q, k, v, sinks):
         return _EagerVarlen.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                                   options)

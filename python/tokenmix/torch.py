@@ -53,7 +53,7 @@ Supported: float32, bfloat16 and float16 CPU tensors, any number of batch dimens
 q, k, v), grouped query attention with ``enable_gqa=True`` (H_q a multiple of H_kv; as in
 PyTorch, H_q ≠ H_kv without it is an error), ``scale``, ``is_causal``, ``attn_mask``. Everything
 else raises ``tokenmix.UnsupportedError`` (a ``NotImplementedError``) naming the argument:
-``dropout_p > 0``, a non-CPU device, a dtype other than float32, bfloat16 and float16, a value
+a non-CPU device, a dtype other than float32, bfloat16 and float16, a value
 head width different from the query's, batch dimensions that need broadcasting. Double backward
 raises ``tokenmix.UnsupportedError``.
 
@@ -288,7 +288,11 @@ def scaled_dot_product_attention(
             broadcastable to [..., H_q, L, S], as in PyTorch; not together with ``is_causal``
             (RuntimeError, as in PyTorch). No gradient: one with requires_grad raises
             tokenmix.UnsupportedError.
-        dropout_p: must be 0.0 (NotImplementedError otherwise).
+        dropout_p: attention dropout in [0, 1) (docs/design.md D.1–D.4), applied whenever it
+            is > 0, as PyTorch's SDPA does (pass 0.0 outside training). The mask is drawn by
+            Philox4x32-10 from a seed and offset taken from PyTorch's default CPU generator, so
+            ``torch.manual_seed`` repeats it; the backward regenerates it. It is not PyTorch's
+            mask (PyTorch's CPU kernels draw theirs from the generator element by element).
         is_causal: causal mask, ``"top_left"`` aligned as in PyTorch (query i sees keys j ≤ i;
             SPEC 4.3); tokenmix's native default is ``"bottom_right"``.
         scale: s of SPEC (4.2); ``None`` = 1/sqrt(E).
@@ -328,8 +332,7 @@ def scaled_dot_product_attention(
             f"{_FN}: explicit attn_mask should not be set when is_causal=True (as in PyTorch); "
             "bake the causal mask into attn_mask"
         )
-    if dropout_p != 0.0:
-        raise _unsupported(f"dropout_p={dropout_p} is not supported (only dropout_p=0.0)")
+    dropout_p = _check_dropout(_FN, dropout_p)
     query, key, value = _autocast((query, key, value))
     tensors = (("query", query), ("key", key), ("value", value))
     _check_dtypes(_FN, tensors)
@@ -386,10 +389,27 @@ def scaled_dot_product_attention(
     window, softcap, alibi_slopes, sinks = _check_variants(
         _FN, H_q, window, softcap, alibi_slopes, sinks, causal_align)
     mask = None if attn_mask is None else _mask_view(attn_mask, query, key.shape[-2])
+    # Dropout: a seed and offset from PyTorch's CPU generator per call (torch.manual_seed
+    # repeats the masks), kept by autograd for the backward, which regenerates the mask.
+    seed = _ops.dropout_seed() if dropout_p else None
     out = _ops.attention(_as_bhtd(query), _as_bhtd(key), _as_bhtd(value), mask, alibi_slopes,
                          sinks, scale, bool(is_causal), causal_align == "bottom_right", window,
-                         softcap)
+                         softcap, dropout_p, seed)
     return out.view(query.shape[:-1] + (E,))
+
+
+def _check_dropout(fn: str, dropout_p: Any) -> float:
+    """dropout_p as a float in [0, 1) (tokenmix.ArgumentError otherwise, a ValueError)."""
+    if isinstance(dropout_p, torch.Tensor):
+        dropout_p = float(dropout_p)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"{fn}: dropout_p must be a float; got {type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not (0.0 <= p < 1.0):
+        raise _typed(_C.ArgumentError, "invalid_argument",
+                     f"{fn}: dropout_p must be in [0, 1) (the probability of dropping a "
+                     f"weight); got {dropout_p}")
+    return p
 
 
 def _max_seqlen(fn: str, name: str, cu: torch.Tensor, given: Any) -> None:
@@ -428,6 +448,7 @@ def varlen_attention(
     alibi_slopes: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
     causal_align: str = "bottom_right",
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Attention over sequences packed along the token axis, like FlashAttention's
     ``flash_attn_varlen_func`` (SPEC "Score variants": varlen); differentiable.
@@ -444,8 +465,9 @@ def varlen_attention(
         is_causal: causal mask within each sequence, ``causal_align`` aligned — by default
             ``"bottom_right"`` (FlashAttention ≥ 2.1: query i of a sequence with L queries and S
             keys sees keys j ≤ i + S − L).
-        scale, window, softcap, alibi_slopes, sinks: as for
-            :func:`scaled_dot_product_attention`; positions are per sequence.
+        scale, window, softcap, alibi_slopes, sinks, dropout_p: as for
+            :func:`scaled_dot_product_attention`; positions are per sequence (dropout: sequence
+            i draws its mask as batch row i).
 
     Returns:
         [total_q, H_q, d_h] in q's dtype, differentiable w.r.t. q, k, v and sinks.
@@ -480,7 +502,9 @@ def varlen_attention(
                          f"{fn}: scale must be finite; got {scale}")
     _max_seqlen(fn, "q", cu_seqlens_q, max_seqlen_q)
     _max_seqlen(fn, "k", cu_seqlens_k, max_seqlen_k)
+    dropout_p = _check_dropout(fn, dropout_p)
     window, softcap, alibi_slopes, sinks = _check_variants(
         fn, q.shape[1], window, softcap, alibi_slopes, sinks, causal_align)
     return _ops.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scale,
-                       bool(is_causal), causal_align == "bottom_right", window, softcap)
+                       bool(is_causal), causal_align == "bottom_right", window, softcap,
+                       dropout_p, _ops.dropout_seed() if dropout_p else None)

@@ -39,7 +39,12 @@ output is allocated), in the query's dtype, as eager attention's ``attn_weights`
 keys' columns only); the model's other outputs are those of a call without it. The weights are
 not differentiable (the output is, as always).
 
-No silent fallback to PyTorch: dropout in training, a position bias, a dtype other than those
+Attention dropout in training (``attention_dropout`` > 0: transformers passes it when the model
+is in training mode) is applied exactly (docs/design.md D.1–D.4), with a Philox mask whose seed
+comes from PyTorch's CPU generator (``torch.manual_seed`` repeats it); it is not eager
+attention's mask, so single steps differ from eager's, not their statistics.
+
+No silent fallback to PyTorch: dropout with a tokenmix :class:`Cache`, a position bias, a dtype other than those
 three (or mixed), a non-CPU tensor and ``output_attentions`` on a tokenmix :class:`Cache` raise
 :class:`tokenmix.UnsupportedError` naming what.
 
@@ -78,6 +83,7 @@ import torch
 from . import _tokenmix as _C
 from . import _torch_ops as _ops
 from ._attention import attention_weights
+from .torch import _check_dropout
 
 from ._hf_cache import Cache
 
@@ -112,9 +118,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                "key and value must have one dtype")
         if t.device.type != "cpu":
             raise _unsupported(f"{name} is on device '{t.device}'; tokenmix runs on the CPU only")
-    if dropout:
-        raise _unsupported(f"attention dropout {dropout} (training with attention_dropout > 0) "
-                           "is not implemented; set the config's attention_dropout to 0.0")
+    # Attention dropout (training: transformers passes the config's attention_dropout only
+    # then): docs/design.md D.1–D.4, a seed per call from PyTorch's CPU generator.
+    dropout = _check_dropout(_FN, dropout)
     # (Passed to the model's forward; transformers refuses config.output_attentions for any
     # implementation but eager.)
     want_weights = bool(kwargs.get("output_attentions"))
@@ -140,6 +146,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if layer is not None:  # K/V live in a tokenmix Cache (tokenmix/_hf_cache.py)
         if not is_causal:
             raise _unsupported("a non-causal layer with a tokenmix Cache")
+        if dropout:
+            raise _unsupported(f"attention dropout {dropout} with a tokenmix Cache (its decode "
+                               "kernels serve inference); call model.eval() or set the config's "
+                               "attention_dropout to 0.0 to generate")
         if want_weights:
             raise _unsupported("output_attentions=True with a tokenmix Cache: its keys live in "
                                "the cache's tiles; generate with the default DynamicCache to get "
@@ -158,17 +168,19 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                            "this model cannot use a tokenmix Cache")
     if want_weights:
         return _uncached(query, key, value, attention_mask, scaling, bool(is_causal),
-                         sliding_window, softcap, sinks, weights=True)
+                         sliding_window, softcap, sinks, weights=True, dropout=dropout)
     return _uncached(query, key, value, attention_mask, scaling, bool(is_causal), sliding_window,
-                     softcap, sinks), None
+                     softcap, sinks, dropout=dropout), None
 
 
 def _uncached(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: Optional[torch.Tensor], scaling: Optional[float], is_causal: bool,
               sliding_window: Optional[int], softcap: Optional[float],
-              sinks: Optional[torch.Tensor], weights: bool = False) -> Any:
+              sinks: Optional[torch.Tensor], weights: bool = False, dropout: float = 0.0) -> Any:
     """Attention over the given K/V; returns [B, L, H_q, E] (contiguous), or with ``weights``
-    the pair (that, the attention weights [B, H_q, L, S] in the query's dtype)."""
+    the pair (that, the attention weights [B, H_q, L, S] in the query's dtype: with dropout,
+    the dropped weights the values were averaged with, as eager attention returns them)."""
+    seed = _ops.dropout_seed() if dropout else None
     if attention_mask is None:
         window = None
         if sliding_window is not None:
@@ -177,7 +189,7 @@ def _uncached(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                    "sliding_window) is not supported")
             window = int(sliding_window)
         args = (query, key, value, None, None, sinks, scaling, bool(is_causal), True, window,
-                softcap)
+                softcap, dropout, seed)
     else:
         mask = attention_mask
         S = key.shape[-2]
@@ -192,7 +204,8 @@ def _uncached(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             raise _unsupported(f"attention_mask of dtype {mask.dtype}; expected bool, float32 "
                                "or the query's dtype")
         # The mask carries causality, padding, window and cache length: no causal flag.
-        args = (query, key, value, mask, None, sinks, scaling, False, True, None, softcap)
+        args = (query, key, value, mask, None, sinks, scaling, False, True, None, softcap,
+                dropout, seed)
     if not weights:
         # out is [B, H_q, L, E] laid out as [B, L, H_q, E]: the transpose is contiguous, no copy.
         return _ops.attention(*args).transpose(1, 2)
@@ -204,12 +217,13 @@ def _weights(args: Tuple[Any, ...], lse: torch.Tensor) -> torch.Tensor:
     """The attention weights P = exp(S + M − L) [B, H_q, L, S] float32 of one attention call
     (SPEC 4.2–4.4; tokenmix.attention_weights) from its arguments (as for _ops.attention) and
     its log-sum-exp: eager attention's ``attn_weights`` (with sinks, the keys' columns only)."""
-    query, key, _, mask, _, sinks, scaling, causal, bottom_right, window, softcap = args
+    query, key, _, mask, _, sinks, scaling, causal, bottom_right, window, softcap = args[:11]
+    dropout = _ops.dropout_kwargs(*args[11:])  # the forward's mask: P̃ = P ⊙ Z / (1 − p)
     with torch.no_grad():
         return attention_weights(
             query, key, lse, layout="bhtd", scale=scaling, causal=causal,
             align="bottom_right" if bottom_right else "top_left", threads=torch.get_num_threads(),
-            window=window, softcap=softcap, sinks=sinks, mask=mask)
+            window=window, softcap=softcap, sinks=sinks, mask=mask, **dropout)
 
 
 def _tracing(x: Any) -> bool:

@@ -147,7 +147,7 @@ bool short_query_applies(const kernels::AttentionProblem& p, Isa isa, DType dtyp
   if (p.batch < 1 || p.tq < 1 || p.tq > kShortQuery || p.tk < 1) return false;
   const kernels::ScoreVariants& var = p.var;
   if (var.mask_kind != kernels::MaskKind::none || var.key_lengths != nullptr ||
-      var.row_begin != nullptr) {
+      var.row_begin != nullptr || var.dropout.active) {  // (dropout: the full forward's)
     return false;
   }
   if (!p.causal && (p.tq != 1 || (p.align == CausalAlign::top_left &&

@@ -121,9 +121,49 @@ float checked_scale(const char* fn, const AttentionOptions& o, std::int64_t dh) 
   return static_cast<float>(scale);
 }
 
+kernels::Dropout checked_dropout(const char* fn, const AttentionOptions::Dropout& d,
+                                 std::int64_t batch, std::int64_t hq, std::int64_t tq,
+                                 std::int64_t tk) {
+  if (!(d.p >= 0.0 && d.p < 1.0)) {  // (also rejects NaN)
+    fail(ErrorCode::invalid_argument, fn,
+         "options.dropout.p must be in [0, 1) (the probability of dropping a weight); got " +
+             num(d.p));
+  }
+  constexpr std::int64_t k32 = std::int64_t{1} << 32;
+  if (d.offset >= static_cast<std::uint64_t>(k32)) {
+    fail(ErrorCode::invalid_argument, fn,
+         "options.dropout.offset must be < 2^32 (the Philox counter's last word, D.3); got " +
+             std::to_string(d.offset));
+  }
+  // The counter words ⌊u/4⌋, t and b·H_q + h of (D.3) must not wrap, or two weights would share
+  // their random number.
+  const std::pair<const char*, bool> words[] = {
+      {"T_k / 8", (tk + 7) / 8 > k32},
+      {"T_q", tq > k32},
+      {"B * H_q", batch > k32 / std::max<std::int64_t>(hq, 1)}};
+  for (const auto& [name, over] : words) {
+    if (over) {
+      fail(ErrorCode::overflow, fn,
+           std::string("dropout's Philox counter word ") + name +
+               " must be <= 2^32 (D.3); got B = " + str(batch) + ", H_q = " + str(hq) +
+               ", T_q = " + str(tq) + ", T_k = " + str(tk));
+    }
+  }
+  kernels::Dropout z;
+  z.active = d.p > 0.0;
+  // θ = ⌊p · 2^16⌋ (D.2): exact in double (p < 1, so θ < 2^16).
+  z.threshold = static_cast<std::uint32_t>(std::floor(d.p * 65536.0));
+  z.scale = static_cast<float>(1.0 / (1.0 - d.p));
+  z.key0 = static_cast<std::uint32_t>(d.seed);
+  z.key1 = static_cast<std::uint32_t>(d.seed >> 32);
+  z.offset = static_cast<std::uint32_t>(d.offset);
+  z.hq = hq;
+  return z;
+}
+
 bool uses_variants(const AttentionOptions& o) {
   return o.window || o.softcap || !o.alibi_slopes.empty() || !o.sinks.empty() || !o.mask.empty() ||
-         !o.key_lengths.empty();
+         !o.key_lengths.empty() || o.dropout.p != 0.0;
 }
 
 void prepare_variants(const char* fn, const AttentionOptions& o, kernels::AttentionProblem& p,
@@ -157,6 +197,11 @@ void prepare_variants(const char* fn, const AttentionOptions& o, kernels::Attent
     }
     var.softcap = cf;
     add_name(data.names, "softcap");
+  }
+
+  if (o.dropout.p != 0.0) {
+    var.dropout = checked_dropout(fn, o.dropout, p.batch, p.hq, p.tq, p.tk);
+    add_name(data.names, "dropout");
   }
 
   if (!o.alibi_slopes.empty()) {

@@ -38,8 +38,15 @@ auto strided(const V& v) {
                                v.strides[3]};
 }
 
+/// options.dropout validated for a call of the given sizes (p in [0, 1), offset < 2^32, the
+/// Philox counter words of D.3 within 32 bits) as the kernels' Dropout; throws ArgumentError
+/// naming `fn` and the field.
+kernels::Dropout checked_dropout(const char* fn, const AttentionOptions::Dropout& d,
+                                 std::int64_t batch, std::int64_t hq, std::int64_t tq,
+                                 std::int64_t tk);
+
 /// True when `o` uses any score variant (window, softcap, alibi_slopes, sinks, mask,
-/// key_lengths).
+/// key_lengths) or dropout.
 bool uses_variants(const AttentionOptions& o);
 
 /// Validates the variant fields of `o` against the problem (p.batch, p.tq, p.tk, p.hq are set)

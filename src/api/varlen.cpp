@@ -150,6 +150,12 @@ void make_varlen(const char* fn, const ConstTensorView& q, const ConstTensorView
          "cu_seqlens_k.shape[0] must equal cu_seqlens_q.shape[0] = " + str(w.cu_q.size()) +
              " (n + 1 for n sequences); got " + str(w.cu_k.size()));
   }
+  // Dropout: sequence i draws its mask as batch row b = i (D.3; each sequence runs as a B = 1
+  // call whose Dropout::batch_base is i), t and u counted within the sequence.
+  if (o.dropout.p != 0.0) {
+    p.var.dropout = detail::checked_dropout(
+        fn, o.dropout, static_cast<std::int64_t>(w.cu_q.size()) - 1, p.hq, w.total_q, w.total_k);
+  }
 }
 
 void check_lse2(const char* fn, const ConstTensorView& lse, const Varlen& w) {
@@ -232,6 +238,7 @@ void attention_forward_varlen(ConstTensorView q, ConstTensorView k, ConstTensorV
     args.p = p;
     args.p.tq = nq;
     args.p.tk = nk;
+    args.p.var.dropout.batch_base = static_cast<std::int64_t>(i);  // (D.3: b = i)
     args.q = rows(q, q0);
     args.k = rows(k, k0);
     args.v = rows(v, k0);
@@ -304,6 +311,7 @@ void attention_backward_varlen(ConstTensorView q, ConstTensorView k, ConstTensor
     args.p = p;
     args.p.tq = nq;
     args.p.tk = nk;
+    args.p.var.dropout.batch_base = static_cast<std::int64_t>(i);  // (D.3: b = i)
     args.q = rows(q, q0);
     args.k = rows(k, k0);
     args.v = rows(v, k0);

@@ -4,6 +4,7 @@
 //   z_{t,u} = s·⟨q_t, k_u⟩                                     (4.2)
 //   S_{t,u} = cap(z) + b_h(t,u) + bias_{b,h,t,u}               (AttentionProblem::score)
 //   P_{t,u} = exp(S_{t,u} − L_t) for u in the row's keys, else 0   (4.3, 4.4)
+//   and with options.dropout P̃ = P ⊙ Z / (1 − p)                  (D.1, kernels/dropout.hpp)
 // with L_t the forward's saved log-sum-exp and the row's keys AttentionProblem::key_range (causal
 // mask, window, key length, interval mask): the same scalar score and the same key ranges as the
 // kernels, so P is the A of the forward row for row. Nothing T×T is formed beyond the output.
@@ -184,6 +185,9 @@ void attention_weights(ConstTensorView q, ConstTensorView k, ConstTensorView lse
               if (x != kNegInf)
                 w = static_cast<float>(
                     std::exp(static_cast<double>(x) - static_cast<double>(row_lse[r])));
+              // With dropout, the weights the forward averaged the values with: P̃ = P ⊙ Z /
+              // (1 − p) (D.1).
+              if (p.var.dropout.active) w *= p.var.dropout.factor(b, h, t, u);
             }
             out[r * ws.s2 + u * ws.s3] = w;
           }

@@ -13,6 +13,7 @@
 #include <limits>
 #include <string>
 
+#include "kernels/dropout.hpp"
 #include "kernels/kv_element.hpp"
 #include "kernels/kv_tile_layout.hpp"
 #include "kernels/scratch_arena.hpp"
@@ -81,6 +82,9 @@ struct ScoreVariants {
   MaskKind mask_kind = MaskKind::none;
   const void* mask = nullptr;
   std::int64_t m0 = 0, m1 = 0, m2 = 0, m3 = 0;
+  /// Attention dropout (dropout.hpp, D.1–D.4): after the softmax, P̃ = P ⊙ Z / (1 − p) weighs
+  /// the values; l and L stay those of P. Forward and backward only (decode refuses it).
+  Dropout dropout;
 
   /// True when the scores of visited tiles need an element-wise pass (cap, ALiBi, mask).
   bool elementwise() const {

@@ -255,6 +255,12 @@ CausalSelfAttention::CausalSelfAttention(const LayerConfig& config) : config_(co
     fail(ErrorCode::invalid_argument, fn,
          "config.attention.scale must be finite in float32; got " + std::to_string(*a.scale));
   }
+  if (a.dropout.p != 0.0) {  // the layer serves inference: prefill and decode (no backward)
+    fail(ErrorCode::unsupported, fn,
+         "config.attention.dropout.p must be 0 (the layer runs inference: prefill and KV-cache "
+         "decode, which have no dropout); got " +
+             std::to_string(a.dropout.p) + "; use attention_forward/attention_backward to train");
+  }
   if (a.threads < 0) {
     fail(ErrorCode::invalid_argument, fn,
          "config.attention.threads must be >= 0 (0 = all); got " + std::to_string(a.threads));

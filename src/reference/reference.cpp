@@ -89,6 +89,9 @@ void check_options(const Options& o, std::int64_t B, std::int64_t T_q, std::int6
   const std::size_t full = n(B * H_q * T_q * T_k);
   require(o.mask_bool.empty() || o.mask_bool.size() == full, "mask_bool must be [B,H_q,T_q,T_k]");
   require(o.mask_bias.empty() || o.mask_bias.size() == full, "mask_bias must be [B,H_q,T_q,T_k]");
+  require(o.dropout_keep.empty() || o.dropout_keep.size() == full,
+          "dropout_keep must be [B,H_q,T_q,T_k]");
+  require(o.dropout_p >= 0.0 && o.dropout_p < 1.0, "dropout_p must be in [0, 1)");
 }
 
 double scale_of(const Options& o, std::int64_t d_h) {
@@ -115,6 +118,14 @@ template <class T>
 T mask_at(const std::vector<T>& m, const HeadIndex& at, std::int64_t t, std::int64_t u,
           std::int64_t T_q, std::int64_t T_k) {
   return m[static_cast<std::size_t>(((at.b * at.H_q + at.h) * T_q + t) * T_k + u)];
+}
+
+/// Z_{b,h,t,u} / (1 − p) of (D.1): the factor A is multiplied by before it weighs the values
+/// (1 without dropout).
+double dropout_factor(const Options& o, const HeadIndex& at, std::int64_t t, std::int64_t u,
+                      std::int64_t T_q, std::int64_t T_k) {
+  if (o.dropout_keep.empty()) return 1.0;
+  return mask_at(o.dropout_keep, at, t, u, T_q, T_k) != 0 ? 1.0 / (1.0 - o.dropout_p) : 0.0;
 }
 
 /// (4.2)–(4.4) for one head: Q_h [T_q × d_h] against K_j [T_k × d_h], with every score variant.
@@ -361,7 +372,8 @@ ForwardResult attention_forward(const Tensor64& q, const Tensor64& k, const Tens
         std::vector<double> o_t(static_cast<std::size_t>(d_h), 0.0);  // O_h[t] = Σ_u A_tu V_u
         for (std::int64_t u = 0; u < T_k; ++u) {
           if (f.M(t, u) != 0.0) continue;  // a masked key takes no part (0 · NaN = NaN)
-          const double a_tu = f.A(t, u);
+          // (D.1) with dropout: P̃_tu = A_tu Z_tu / (1 − p)
+          const double a_tu = f.A(t, u) * dropout_factor(o, {b, h, H_q}, t, u, T_q, T_k);
           for (std::int64_t e = 0; e < d_h; ++e)
             o_t[static_cast<std::size_t>(e)] += a_tu * Vj.row(u)[e];
         }
@@ -384,7 +396,8 @@ Tensor64 attention_weights(const Tensor64& q, const Tensor64& k, const Options& 
       const HeadForward f =
           head_forward(head_block(q, b, h), head_block(k, b, h / g), o, {b, h, H_q});
       for (std::int64_t t = 0; t < T_q; ++t)
-        for (std::int64_t u = 0; u < T_k; ++u) a.at(b, h, t, u) = f.A(t, u);
+        for (std::int64_t u = 0; u < T_k; ++u)  // (D.1): the weights the values were averaged with
+          a.at(b, h, t, u) = f.A(t, u) * dropout_factor(o, {b, h, H_q}, t, u, T_q, T_k);
     }
   return a;
 }
@@ -417,7 +430,8 @@ BackwardResult attention_backward(const Tensor64& q, const Tensor64& k, const Te
       for (std::int64_t t = 0; t < T_q; ++t)
         for (std::int64_t u = 0; u < T_k; ++u) {
           if (f.M(t, u) != 0.0) continue;  // masked: no part, not a product with 0
-          const double a_tu = f.A(t, u);
+          // dropout (D.4): dV = P̃ᵀ dO
+          const double a_tu = f.A(t, u) * dropout_factor(o, {b, h, H_q}, t, u, T_q, T_k);
           for (std::int64_t e = 0; e < d_h; ++e) dVh.row(u)[e] += a_tu * dOh.row(t)[e];
         }
       for (std::int64_t u = 0; u < T_k; ++u)
@@ -431,7 +445,8 @@ BackwardResult attention_backward(const Tensor64& q, const Tensor64& k, const Te
           const double* v_u = Vj.row(u);
           double acc = 0.0;
           for (std::int64_t e = 0; e < d_h; ++e) acc += do_t[e] * v_u[e];
-          dA(t, u) = acc;
+          // dropout (D.4): dA = (dO Vᵀ) ⊙ Z / (1 − p), the chain rule through P̃ = A ⊙ Z / (1 − p)
+          dA(t, u) = acc * dropout_factor(o, {b, h, H_q}, t, u, T_q, T_k);
         }
 
       // dS row t = Jᵀ · dA row t, with J = diag(a) − a aᵀ (4.6) of that row's softmax. Only the

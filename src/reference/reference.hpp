@@ -45,6 +45,11 @@ struct Options {
   /// Explicit masks, dense [B][H_q][T_q][T_k] row-major (the tests expand any broadcast):
   std::vector<std::uint8_t> mask_bool;  ///< nonzero = may attend; empty = none
   std::vector<double> mask_bias;        ///< added to the score; empty = none
+  /// Attention dropout (docs/design.md D.1): the keep mask Z, dense [B][H_q][T_q][T_k] (1 =
+  /// kept; tokenmix::attention_dropout_mask writes it), and p: the values are averaged with
+  /// P̃ = A ⊙ Z / (1 − p); L stays that of A. Empty = off.
+  std::vector<std::uint8_t> dropout_keep;
+  double dropout_p = 0.0;
 };
 
 /// p(t): the absolute position of query row t — t + (T_k − T_q) bottom-right, t top-left (4.3).

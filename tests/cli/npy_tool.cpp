@@ -6,6 +6,7 @@
 //       DIR/q.npy k.npy v.npy do.npy (float32, N(0,1)), DIR/q64.npy (q as float64, same values)
 //   npy_tool verify DIR OUT_PREFIX [--scale S] [--no-causal] [--top-left] [--grad]
 //                   [--window W] [--softcap C] [--alibi] [--sinks V[,V...]]
+//                   [--dropout P [--dropout-seed S]]
 //       reads DIR/{q,k,v,do}.npy and DIR/OUT_PREFIX{o,lse[,dq,dk,dv[,dsinks]]}.npy, compares
 //       with the oracle (with the score variants given: --alibi the standard slopes
 //       2^(−8(h+1)/H_q), --sinks one value for every head or one per head; dsinks is checked
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include "io/npy.hpp"
+#include "kernels/dropout.hpp"
 #include "reference/reference.hpp"
 
 namespace {
@@ -110,6 +112,8 @@ int verify(int argc, char** argv) {
   tokenmix::reference::Options o;
   bool grad = false, alibi = false;
   std::vector<double> sinks;
+  double dropout = 0.0;
+  std::uint64_t dropout_seed = 0;
   for (int i = 4; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--scale" && i + 1 < argc) {
@@ -127,6 +131,10 @@ int verify(int argc, char** argv) {
         sinks.push_back(std::stod(list.substr(pos, comma - pos)));
         pos = comma + 1;
       }
+    } else if (a == "--dropout" && i + 1 < argc) {
+      dropout = std::stod(argv[++i]);
+    } else if (a == "--dropout-seed" && i + 1 < argc) {
+      dropout_seed = std::stoull(argv[++i]);
     } else if (a == "--no-causal") {
       o.causal = false;
     } else if (a == "--top-left") {
@@ -146,6 +154,20 @@ int verify(int argc, char** argv) {
     if (alibi) o.alibi_slopes.push_back(static_cast<float>(std::exp2(-8.0 * (h + 1) / H_q)));
     if (!sinks.empty())
       o.sinks.push_back(static_cast<float>(sinks.size() == 1 ? sinks[0] : sinks.at(h)));
+  }
+  if (dropout > 0.0) {  // the mask the CLI's call drew (offset 0): D.2–D.3 with the generator
+    const std::int64_t B = q.shape.at(0), T_q = q.shape.at(1), T_k = k.shape.at(1);
+    tokenmix::kernels::Dropout z;
+    z.active = true;
+    z.threshold = static_cast<std::uint32_t>(std::floor(dropout * 65536.0));  // ⌊p·2^16⌋
+    z.key0 = static_cast<std::uint32_t>(dropout_seed);
+    z.key1 = static_cast<std::uint32_t>(dropout_seed >> 32);
+    z.hq = H_q;
+    o.dropout_p = dropout;
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < H_q; ++h)
+        for (std::int64_t t = 0; t < T_q; ++t)
+          for (std::int64_t u = 0; u < T_k; ++u) o.dropout_keep.push_back(z.keep(b, h, t, u));
   }
   const auto f = tokenmix::reference::attention_forward(to64(q), to64(k), to64(v), o);
   const NpyArray out = tokenmix::io::read_npy(prefix + "o.npy");

@@ -218,6 +218,25 @@ tokenmix_cli_test(npy_window_softcap FIXTURES cli_npy
                   STDOUT "window=7 softcap=2.5"
                   POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_a} x --window 7 --softcap 2.5
                   CLEAN ${_cli_a}/xo.npy ${_cli_a}/xlse.npy)
+# Attention dropout (docs/design.md D.1–D.4), forward and backward against the oracle given the
+# library's mask for the seed; a --dropout outside [0, 1) is one line on stderr and exit 2, and
+# decode refuses it.
+tokenmix_cli_test(npy_dropout FIXTURES cli_npy
+                  ARGS run ${_cli_qkv_b} --out ${_cli_b}/ro.npy --lse ${_cli_b}/rlse.npy --dout ${_cli_b}/do.npy
+                       --dq ${_cli_b}/rdq.npy --dk ${_cli_b}/rdk.npy --dv ${_cli_b}/rdv.npy
+                       --dsinks ${_cli_b}/rdsinks.npy --dropout 0.3 --dropout-seed 77 --sinks 0.5
+                  STDOUT "sinks=0.5 dropout=0.3, kernel path"
+                  POST ${TOKENMIX_CLI_NPY_TOOL} verify ${_cli_b} r --grad --sinks 0.5 --dropout 0.3
+                       --dropout-seed 77
+                  CLEAN ${_cli_b}/ro.npy ${_cli_b}/rlse.npy ${_cli_b}/rdq.npy ${_cli_b}/rdk.npy
+                        ${_cli_b}/rdv.npy ${_cli_b}/rdsinks.npy)
+tokenmix_cli_test(npy_dropout_out_of_range FIXTURES cli_npy
+                  ARGS run ${_cli_qkv_b} --out ${_cli_b}/ro2.npy --dropout 1.5
+                  EXPECT_RC 2 ONE_LINE_ERROR STDERR "--dropout must be in .0, 1.*got 1[.]5")
+tokenmix_cli_test(bench_decode_refuses_dropout
+                  ARGS bench decode --gemm-n 128 --read-mib 16 --cache-tokens 256 --hq 4 --hkv 2 --dh 16
+                       --repeats 1 --dropout 0.1
+                  EXPECT_RC 2 ONE_LINE_ERROR STDERR "decode.*--dropout.*has no dropout")
 # The bench records the variants in its JSON (one tiny case; not a timing test).
 tokenmix_cli_test(bench_variants_json
                   ARGS bench forward --gemm-n 128 --tq 64 --hq 4 --hkv 2 --dh 16 --repeats 1 --json --window 16

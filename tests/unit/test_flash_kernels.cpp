@@ -202,12 +202,6 @@ TEST_P(FlashKernels, LargeMagnitudeScoresStayFinite) {
 
 constexpr double kBackwardBound = 1e-4;
 
-double max_abs(StridedTensor& x) {
-  double m = 0.0;
-  x.for_each([&](float& e) { m = std::max(m, static_cast<double>(std::fabs(e))); });
-  return m;
-}
-
 // Runs forward then backward of one case on `isa`; outputs poisoned before each call.
 struct BackwardRun {
   StridedTensor q, k, v, out, dout, dq, dk, dv;

@@ -395,7 +395,7 @@ TEST_P(ReducedPrecision, ScoreVariants) {
   std::mt19937_64 rng(19);
   const Shape s{2, 70, 90, 4, 2, 24, Layout::strided};
   for (DType dt : {DType::bf16, DType::f16}) {
-    for (int variant = 0; variant < 3; ++variant) {
+    for (int variant = 0; variant < 4; ++variant) {
       SCOPED_TRACE(name_of(s, dt) + " variant " + std::to_string(variant));
       Inputs in(dt, s, rng);
       std::vector<float> sinks{0.5f, -1.0f, 2.0f, 0.0f}, slopes{0.5f, 0.25f, 0.125f, 0.0625f};
@@ -408,6 +408,16 @@ TEST_P(ReducedPrecision, ScoreVariants) {
       } else if (variant == 1) {
         o.softcap = 2.0;
         ro.softcap = 2.0;
+      } else if (variant == 3) {  // dropout (docs/design.md D.1), the oracle given the same Z
+        o.dropout = {0.3, 77, 0};
+        ro.dropout_p = 0.3;
+        ro.dropout_keep.resize(static_cast<std::size_t>(s.B * s.Hq * s.Tq * s.Tk));
+        attention_dropout_mask({ro.dropout_keep.data(),
+                                DType::boolean,
+                                4,
+                                {s.B, s.Hq, s.Tq, s.Tk},
+                                {s.Hq * s.Tq * s.Tk, s.Tq * s.Tk, s.Tk, 1}},
+                               o);
       } else {
         o.sinks = ConstTensorView{sinks.data(), DType::f32, 1, {4, 1, 1, 1}, {1, 0, 0, 0}};
         o.alibi_slopes = ConstTensorView{slopes.data(), DType::f32, 1, {4, 1, 1, 1}, {1, 0, 0, 0}};

@@ -46,6 +46,14 @@ struct Picker {
   }
 };
 
+/// max_i |x_i| over the logical elements of a strided tensor (the gradient scale of the backward
+/// bounds).
+inline double max_abs(StridedTensor& x) {
+  double m = 0.0;
+  x.for_each([&](float& e) { m = std::max(m, static_cast<double>(std::fabs(e))); });
+  return m;
+}
+
 /// rel_err for flat arrays of the same length (vectors, spans, Tensor64::data).
 template <class A, class B>
 double rel_err_flat(const A& x, const B& r) {

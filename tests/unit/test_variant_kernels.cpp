@@ -245,12 +245,6 @@ struct KernelRun {
   }
 };
 
-double max_abs(StridedTensor& x) {
-  double m = 0.0;
-  x.for_each([&](float& e) { m = std::max(m, static_cast<double>(std::fabs(e))); });
-  return m;
-}
-
 // Forward (O and L) and backward (dQ, dK, dV) of one problem on `isa` against the oracle.
 void ExpectMatchesOracle(const Shape& s, const Variant& var, Isa isa, std::mt19937_64& rng) {
   SCOPED_TRACE(var.name + " " + shape_name(s));

@@ -64,12 +64,6 @@ void ExpectRefused(F&& call, const char* op, Isa isa) {
   }
 }
 
-double max_abs(StridedTensor& x) {
-  double m = 0.0;
-  x.for_each([&](float& e) { m = std::max(m, static_cast<double>(std::fabs(e))); });
-  return m;
-}
-
 // L: −∞ exactly where the oracle has −∞, |ΔL| / max(1, |L|) elsewhere (returned).
 double lse_error(const VariantRun& r, const reference::Tensor64& ref) {
   double max_diff = 0.0;

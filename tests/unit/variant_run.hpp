@@ -71,6 +71,8 @@ struct VariantCase {
   MaskShape mask = MaskShape::none;
   std::array<bool, 4> mask_full{true, true, true, true};  ///< false: that dimension is 1
   MaskMemory mask_memory = MaskMemory::dense;
+  double dropout = 0.0;                     ///< options.dropout.p (docs/design.md D.1)
+  std::uint64_t dropout_seed = 0x5eedf00d;  ///< options.dropout.seed (offset 3)
 
   std::string name() const {
     std::string s = "B" + std::to_string(B) + "_Tq" + std::to_string(Tq) + "_Tk" +
@@ -82,6 +84,7 @@ struct VariantCase {
     if (alibi) s += "_alibi";
     if (sinks) s += "_sinks";
     if (key_lengths) s += "_keylen";
+    if (dropout > 0.0) s += "_drop" + std::to_string(dropout);
     if (mask != MaskShape::none) {
       s += std::string("_") + mask_name(mask) + "[";
       for (bool f : mask_full) s += f ? 'F' : '1';
@@ -263,6 +266,7 @@ struct VariantRun {
     if (c.sinks) o.sinks = {sinks.data(), DType::f32, 1, {c.Hq}, {1}};
     if (c.key_lengths) o.key_lengths = {key_lengths.data(), DType::i32, 1, {c.B}, {1}};
     if (c.mask != MaskShape::none) o.mask = mask.view;
+    o.dropout = {c.dropout, c.dropout_seed, 3};
     return o;
   }
 
@@ -277,6 +281,16 @@ struct VariantRun {
     for (std::int32_t l : key_lengths) o.key_lengths.push_back(l);
     o.mask_bool = mask.dense_bool;
     o.mask_bias = mask.dense_bias;
+    if (c.dropout > 0.0) {  // the same Z (D.2) as the library draws, dense for the oracle
+      o.dropout_p = c.dropout;
+      o.dropout_keep.resize(static_cast<std::size_t>(c.B * c.Hq * c.Tq * c.Tk));
+      attention_dropout_mask({o.dropout_keep.data(),
+                              DType::boolean,
+                              4,
+                              {c.B, c.Hq, c.Tq, c.Tk},
+                              {c.Hq * c.Tq * c.Tk, c.Tq * c.Tk, c.Tk, 1}},
+                             options(Isa::portable));
+    }
     return o;
   }
 

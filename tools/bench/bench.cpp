@@ -18,7 +18,9 @@
 #include <sstream>
 #include <thread>
 
+#include "api/variants.hpp"
 #include "decode/kv_cache_access.hpp"
+#include "kernels/dropout.hpp"
 #include "kernels/kv_element.hpp"
 #include "reference/reference.hpp"
 #include "testkit.hpp"
@@ -106,7 +108,9 @@ std::string BenchVariants::describe() const {
   if (!sinks.empty()) {
     os << sep << "sinks=";
     for (std::size_t i = 0; i < sinks.size(); ++i) os << (i ? "," : "") << sinks[i];
+    sep = " ";
   }
+  if (dropout > 0.0) os << sep << "dropout=" << dropout;
   return os.str();
 }
 
@@ -130,6 +134,7 @@ std::string BenchVariants::json() const {
     for (std::size_t i = 0; i < sinks.size(); ++i) os << (i ? ", " : "") << sinks[i];
     os << "]";
   }
+  os << ", \"dropout\": " << dropout;
   return os.str();
 }
 
@@ -149,6 +154,7 @@ void BenchVariants::apply(AttentionOptions& o, const std::vector<float>& alibi_s
   };
   o.alibi_slopes = vec(alibi_storage);
   o.sinks = vec(sink_storage);
+  o.dropout = {dropout, dropout_seed, 0};
 }
 
 std::int64_t windowed_pairs(std::int64_t T_q, std::int64_t T_k, bool causal, CausalAlign align,
@@ -273,6 +279,22 @@ void reference_variants(reference::Options& ro, const BenchVariants& v,
     if (!sinks.empty()) ro.sinks.push_back(sinks[static_cast<std::size_t>(h)]);
   }
 }
+
+// The dropout keep mask Z of the rows [t0, t0 + R) of batch row 0 and query heads [0, g) of a
+// call with H_q heads (the slice the oracle checks), dense [1][g][R][T_k] for reference::Options:
+// the library's scalar generator (kernels/dropout.hpp), as attention_dropout_mask draws it.
+void reference_dropout(reference::Options& ro, const BenchVariants& v, std::int64_t Hq,
+                       std::int64_t g, std::int64_t t0, std::int64_t R, std::int64_t Tq,
+                       std::int64_t Tk) {
+  if (!(v.dropout > 0.0)) return;
+  const kernels::Dropout z =
+      detail::checked_dropout("tokenmix bench", {v.dropout, v.dropout_seed, 0}, 1, Hq, Tq, Tk);
+  ro.dropout_p = v.dropout;
+  ro.dropout_keep.reserve(static_cast<std::size_t>(g * R * Tk));
+  for (std::int64_t h = 0; h < g; ++h)
+    for (std::int64_t t = t0; t < t0 + R; ++t)
+      for (std::int64_t u = 0; u < Tk; ++u) ro.dropout_keep.push_back(z.keep(0, h, t, u) ? 1 : 0);
+}
 }  // namespace
 
 // Error on a slice: batch 0, the g query heads of KV head 0, R query rows — the last R for
@@ -289,6 +311,7 @@ double AttentionRun::slice_error() const {
   ro.causal = shape_.causal;
   ro.align = testkit::to_reference(shape_.align);
   reference_variants(ro, variants_, alibi_, sinks_, 0, g);
+  reference_dropout(ro, variants_, Hq, g, t0, R, Tq, Tk);
   const Tensor64 q64 = testkit::slice64(q_, 1, Tq, Hq, D, t0, R, 0, g);
   const Tensor64 k64 = testkit::slice64(k_, 1, Tk, Hkv, D, 0, Tk, 0, 1);
   const Tensor64 v64 = testkit::slice64(v_, 1, Tk, Hkv, D, 0, Tk, 0, 1);
@@ -428,6 +451,11 @@ std::vector<BenchResult> run_decode(const BenchConfig& cfg, std::ostream& out) {
   const bool mixed = cfg.lengths == "mixed";
   if (cfg.hq % cfg.hkv != 0)
     throw ArgumentError(ErrorCode::invalid_argument, "bench: --hkv must divide --hq");
+  if (cfg.variants.dropout > 0.0) {
+    throw UnsupportedError(
+        "bench decode: --dropout applies to the forward and backward cases (KV-cache decode "
+        "serves inference and has no dropout)");
+  }
   if (!(std::isfinite(cfg.kv_outlier) && cfg.kv_outlier > 0.0)) {
     throw ArgumentError(
         ErrorCode::invalid_argument,

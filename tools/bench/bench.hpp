@@ -34,8 +34,11 @@ struct BenchVariants {
   std::optional<double> softcap;       ///< c > 0
   bool alibi = false;                  ///< the standard slopes m_h = 2^(−8(h+1)/H_q)
   std::vector<double> sinks;           ///< empty = off; one value (every head) or H_q values
+  /// Attention dropout p in [0, 1) (forward and backward only; docs/design.md D.1), offset 0.
+  double dropout = 0.0;
+  std::uint64_t dropout_seed = 0;
 
-  bool any() const { return window || softcap || alibi || !sinks.empty(); }
+  bool any() const { return window || softcap || alibi || !sinks.empty() || dropout > 0.0; }
   /// The standard ALiBi slopes for H_q heads (empty when alibi is off).
   std::vector<float> alibi_slopes(std::int64_t H_q) const;
   /// σ_h for H_q heads (empty when off); ArgumentError naming --sinks unless it has 1 or H_q

@@ -38,6 +38,12 @@ void add_variant_options(CLI::App* app, VariantFlags& f, const std::string& grou
                   "values, one per head (gpt-oss)")
       ->delimiter(',')
       ->group(group);
+  app->add_option("--dropout", f.dropout,
+                  "Attention dropout p in [0, 1): the values are averaged with P*Z/(1-p), Z a "
+                  "Philox mask kept with probability 1-p (training; forward and backward)")
+      ->group(group);
+  app->add_option("--dropout-seed", f.dropout_seed, "Seed of the dropout mask (default 0)")
+      ->group(group);
 }
 
 bench::BenchVariants variants_from_flags(const CLI::App& app, const VariantFlags& f) {
@@ -55,12 +61,22 @@ bench::BenchVariants variants_from_flags(const CLI::App& app, const VariantFlags
       throw ArgumentError(ErrorCode::invalid_argument,
                           "--sinks values must be finite; got " + fmt(s, "%g"));
   v.sinks = f.sinks;
+  if (app.count("--dropout") > 0) {
+    if (!(f.dropout >= 0.0 && f.dropout < 1.0))
+      throw ArgumentError(
+          ErrorCode::invalid_argument,
+          "--dropout must be in [0, 1) (the probability of dropping a weight); got " +
+              fmt(f.dropout, "%g"));
+    v.dropout = f.dropout;
+  }
+  v.dropout_seed = f.dropout_seed;
   return v;
 }
 
 std::string given_variant_options(const CLI::App& app) {
   std::string s;
-  for (const char* name : {"--window", "--softcap", "--alibi", "--sinks"})
+  for (const char* name :
+       {"--window", "--softcap", "--alibi", "--sinks", "--dropout", "--dropout-seed"})
     if (app.count(name) > 0) s += (s.empty() ? "" : ", ") + std::string(name);
   return s;
 }

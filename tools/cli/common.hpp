@@ -59,17 +59,21 @@ using testkit::random_normal;
 using testkit::rel_err;
 
 /// The score-variant options of `tokenmix run` and `tokenmix bench` (SPEC "Score variants used by
-/// real models"), as parsed: --window W, --softcap C, --alibi, --sinks V[,V...].
+/// real models"), as parsed: --window W, --softcap C, --alibi, --sinks V[,V...], and attention
+/// dropout: --dropout P, --dropout-seed S.
 struct VariantFlags {
   std::int64_t window = 0;
   double softcap = 0.0;
   bool alibi = false;
   std::vector<double> sinks;
+  double dropout = 0.0;            ///< --dropout P (docs/design.md D.1)
+  std::uint64_t dropout_seed = 0;  ///< --dropout-seed S
 };
 /// Adds the four options to `app` (in option group `group`).
 void add_variant_options(CLI::App* app, VariantFlags& flags, const std::string& group);
 /// The variants the command line asked for; ArgumentError (exit 2) for a --softcap that is not a
-/// finite number > 0 or a non-finite --sinks value (--window's range is checked by the parser).
+/// finite number > 0, a non-finite --sinks value or a --dropout outside [0, 1) (--window's range
+/// is checked by the parser).
 bench::BenchVariants variants_from_flags(const CLI::App& app, const VariantFlags& flags);
 /// The names of the variant options given ("--window, --alibi"), "" when none.
 std::string given_variant_options(const CLI::App& app);

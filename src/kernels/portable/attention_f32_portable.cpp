@@ -18,6 +18,9 @@
 //                             queries that see u:  dk_u = s Σ ds_tu q_t,  dv_u = Σ p_tu dO_t
 // Pass 2 recomputes p and ds instead of storing them (no T×T buffer).
 //
+// Dropout (docs/design.md D.1–D.4, kernels/dropout.hpp): a dropped key's weight is 0 in O's
+// sum and O is multiplied by 1 / (1 − p); the backward applies Z / (1 − p) to dP and to P in dV.
+//
 // Score variants (SPEC "Score variants used by real models", ScoreVariants in
 // attention_kernels.hpp): each row loops only over its key range p.key_range(b, h, t) (causal
 // mask ∩ window ∩ key length ∩ a boolean mask's row interval), the element-wise terms enter
@@ -113,12 +116,17 @@ inline bool bool_masked(const AttentionProblem& p, std::int64_t b, std::int64_t 
 }
 
 // For key u of row (b, h, t) with raw dot product ⟨q_t, k_u⟩ = qk, saved L_t (shifted by
-// softmax_shift), dA_tu = dp and D_t: A_tu (into *a when given) and the score gradient ds with
-// respect to z = s·qk (SPEC "Backward pass"; soft-capping: dz = dS · (1 − tanh²(z / c))).
+// softmax_shift), dP̃_tu = ⟨dO_t, v_u⟩ = dp and D_t: the weight P̃_tu the values saw (into *a
+// when given; A_tu, or A_tu Z_tu / (1 − p) with dropout) and the score gradient ds with respect
+// to z = s·qk (SPEC "Backward pass"; soft-capping: dz = dS · (1 − tanh²(z / c)); dropout, D.4:
+// dA = dp · Z / (1 − p)).
 // Returns false for a key a general boolean mask excludes (it takes no part).
 inline bool score_ds(const AttentionProblem& p, std::int64_t b, std::int64_t h, std::int64_t t,
                      std::int64_t u, float qk, float lse, float dp, float d_t, float* a,
                      float& ds) {
+  // Dropout (D.4): the values saw P̃ = A ⊙ Z / (1 − p), so dA = dP̃ ⊙ Z / (1 − p) and dV takes P̃.
+  const float drop = p.var.dropout.active ? p.var.dropout.factor(b, h, t, u) : 1.0f;
+  dp *= drop;
   const float z = p.scale * qk;
   float su = z;
   if (p.var.elementwise()) {
@@ -131,7 +139,7 @@ inline bool score_ds(const AttentionProblem& p, std::int64_t b, std::int64_t h, 
     const float th = std::tanh(z / p.var.softcap);
     ds *= 1.0f - th * th;  // ∂cap(z)/∂z
   }
-  if (a != nullptr) *a = pu;
+  if (a != nullptr) *a = pu * drop;  // P̃ (A without dropout)
   return true;
 }
 
@@ -190,7 +198,7 @@ void attention_fwd_portable(const ForwardArgs& args) {
     pack_rows(a.v, b, j, k0, keys.end - k0, dh, v_pack);
     const bool elementwise = p.var.elementwise(), sinks = p.var.sinks != nullptr;
     const bool bool_mask = p.var.mask_kind == MaskKind::boolean;
-
+    const Dropout& drop = p.var.dropout;
     for (std::int64_t t = t0; t < t1; ++t) {
       const auto [begin, end] = p.key_range(b, h, t);
       T* out = a.out.row(b, t, h);
@@ -214,11 +222,15 @@ void attention_fwd_portable(const ForwardArgs& args) {
           if (bool_mask && bool_masked(p, b, h, t, u)) continue;  // takes no part (SPEC 4.3)
           const float pu = std::exp(score[u - k0] - shift);
           l += pu;
-          axpy(pu, v_pack + (u - k0) * dh, acc, dh);
+          // Dropout (D.1): a dropped key's weight is 0 (still multiplied: 0 · NaN = NaN).
+          const bool kept = !drop.active || drop.keep(b, h, t, u);
+          axpy(kept ? pu : 0.0f, v_pack + (u - k0) * dh, acc, dh);
         }
         // l = 0 (no finite score): O = Õ / ∞ = 0 (NaN if a visible v was NaN or ±∞)
         const float div = l == 0.0f ? std::numeric_limits<float>::infinity() : l;
         for (std::int64_t i = 0; i < dh; ++i) acc[i] /= div;
+        if (drop.active)  // P̃ = P ⊙ Z / (1 − p) (D.1)
+          for (std::int64_t i = 0; i < dh; ++i) acc[i] *= drop.scale;
         lse = l == 0.0f ? kNegInf : m + std::log(l);
       }
       scatter(acc, dh, out, a.out.s3);
@@ -359,7 +371,7 @@ void attention_bwd_portable(const BackwardArgs& args) {
                           dot(do_row, v_pack + (u - u0) * dh, dh), d_t, &pu, ds))
               continue;
             axpy(ds, q_row, dk_acc + (u - u0) * dh, dh);   // dSᵀ Q
-            axpy(pu, do_row, dv_acc + (u - u0) * dh, dh);  // Aᵀ dO
+            axpy(pu, do_row, dv_acc + (u - u0) * dh, dh);  // Aᵀ dO (P̃ᵀ dO with dropout)
           }
         }
       }

@@ -50,6 +50,10 @@
 // from z / c).
 // dσ_h is not computed here: the API forms it from L, O and dO.
 //
+// Dropout (docs/design.md D.1–D.4, dropout-inl.h): per row and key block the keep factors
+// Z / (1 − p) are regenerated (Philox, keys in lanes), dA = dP̃ ⊙ Z / (1 − p) enters dS, and P̃
+// (not A) enters dV; D_t = ⟨dO_t, O_t⟩ still holds (Σ_u A dA = Σ_u P̃ dP̃).
+//
 // Highway "-inl" header: included once per target from a foreach_target translation unit.
 #if defined(TOKENMIX_KERNELS_SIMD_ATTENTION_BWD_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef TOKENMIX_KERNELS_SIMD_ATTENTION_BWD_INL_H_
@@ -67,6 +71,7 @@
 #include "hwy/highway.h"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/nonfinite.hpp"
+#include "kernels/simd/dropout-inl.h"
 #include "kernels/simd/microkernel-inl.h"
 #include "kernels/simd/nonfinite-inl.h"
 #include "kernels/simd/variants-inl.h"
@@ -405,6 +410,8 @@ void BackwardOnePass(const BackwardArgs& bwd, float* delta, const QuerySplit& sp
   const auto dcap_slot = sl.add<float>(capped ? chunk * M : 0);     // ∂S/∂z [chunk][M]
   const auto keep_slot = sl.add<float>(keep_mask ? chunk * M : 0);  // boolean mask
   const auto range_slot = sl.add<std::int32_t>(2 * chunk);          // chunk rows' key ranges
+  const Dropout& drop = var.dropout;
+  const auto drop_slot = sl.add<float>(drop.active ? M : 0);  // Z / (1 − p) of a row's keys [M]
   const ScratchArena scratch(scratch_layout, team,
                              "the per-worker scratch of the one-pass backward");
   const std::int64_t shift = p.align == CausalAlign::bottom_right ? p.tk - p.tq : 0;
@@ -445,6 +452,7 @@ void BackwardOnePass(const BackwardArgs& bwd, float* delta, const QuerySplit& sp
       float* keep = keep_mask ? scratch.at(keep_slot, worker) : nullptr;  // [chunk][M]
       std::int32_t* rb = scratch.at(range_slot, worker);  // key_range(b, h, c0 + r).begin [chunk]
       std::int32_t* re = rb + chunk;                      // ... .end; empty past T_q
+      float* drop_factor = drop.active ? scratch.at(drop_slot, worker) : nullptr;  // [M]
 
       {  // D_t = ⟨dO_t, O_t⟩ for the group's rows; dQᵀ = 0
         for (std::int64_t h = j * g; h < (j + 1) * g; ++h)
@@ -520,11 +528,16 @@ void BackwardOnePass(const BackwardArgs& bwd, float* delta, const QuerySplit& sp
                                     dcap != nullptr ? dcap + r * M : nullptr,
                                     keep != nullptr ? keep + r * M : nullptr);
               }
+              // Dropout (D.4): the values saw P̃ = A ⊙ Z / (1 − p), so dA = dP̃ ⊙ Z / (1 − p) and
+              // dV takes P̃ (below, after dS).
+              if (drop_factor != nullptr) DropFactorsKeyLanes(d, drop, b, h, t, u0, M, drop_factor);
               for (std::int64_t i = 0; i < M; i += N) {
                 VF pu = ExpNaNFlushTiny(
-                    d, hn::Sub(hn::Load(d, scores + r * M + i), l));            // A = e^{S − L}
-                VF ds = hn::Mul(pu, hn::Sub(hn::Load(d, dp + r * M + i), dl));  // dS = A ⊙ (dA − D)
-                if (visible < i + N || lo > i) {  // key range (4.3), a select on P and dS
+                    d, hn::Sub(hn::Load(d, scores + r * M + i), l));  // A = e^{S − L}
+                VF da = hn::Load(d, dp + r * M + i);                  // dA = dO Vᵀ (dP̃)
+                if (drop_factor != nullptr) da = hn::Mul(da, hn::Load(d, drop_factor + i));
+                VF ds = hn::Mul(pu, hn::Sub(da, dl));  // dS = A ⊙ (dA − D)
+                if (visible < i + N || lo > i) {       // key range (4.3), a select on P and dS
                   const std::int64_t n_vis = std::clamp<std::int64_t>(visible - i, 0, N);
                   const std::int64_t n_lo = std::clamp<std::int64_t>(lo - i, 0, N);
                   const auto seen = hn::AndNot(hn::FirstN(d, static_cast<std::size_t>(n_lo)),
@@ -537,7 +550,8 @@ void BackwardOnePass(const BackwardArgs& bwd, float* delta, const QuerySplit& sp
                   pu = hn::IfThenElseZero(kept, pu);
                   ds = hn::IfThenElseZero(kept, ds);
                 }
-                if (dcap != nullptr) ds = hn::Mul(ds, hn::Load(d, dcap + r * M + i));  // dz
+                if (dcap != nullptr) ds = hn::Mul(ds, hn::Load(d, dcap + r * M + i));        // dz
+                if (drop_factor != nullptr) pu = hn::Mul(pu, hn::Load(d, drop_factor + i));  // P̃
                 hn::Store(pu, d, scores + r * M + i);
                 hn::Store(ds, d, dp + r * M + i);
               }

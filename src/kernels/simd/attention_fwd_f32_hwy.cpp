@@ -25,6 +25,9 @@
 // and a general mask are one element-wise pass over Sᵀ (variants-inl.h), only when present
 // (with soft-capping, scale·Q is (s / c)·Q, so the pass starts from z / c: ScoreScale); sinks
 // start each lane's online softmax at m = σ_h, l = 1 (so L = log(e^{σ_h} + Σ e^S)).
+// Dropout (docs/design.md D.1–D.4, dropout-inl.h): after a tile's P is summed into l, each lane's
+// weights are multiplied by its rows' keep mask Z (Philox per lane and group of 4 keys); O is
+// divided by l and multiplied by 1 / (1 − p).
 //
 // exp: SoftmaxExp (exp-inl.h), 0.85 ULP, exactly 0 below −87.34 (so e^{−∞} = 0 and masked
 // keys contribute exactly nothing); through ExpNaN, so a NaN score gives a NaN weight
@@ -36,6 +39,7 @@
 #define HWY_TARGET_INCLUDE "kernels/simd/attention_fwd_f32_hwy.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
+#include "kernels/simd/dropout-inl.h"
 #include "kernels/simd/microkernel-inl.h"
 #include "kernels/simd/nonfinite-inl.h"
 #include "kernels/simd/variants-inl.h"
@@ -122,11 +126,13 @@ void AttentionFwdT(const ForwardArgs& fwd) {
     Slot<float> qt, ot, m_run, l_run, slope;
     Slot<std::int32_t> begin_lane, end_lane, pos;
     Slot<std::int64_t> mask_base;
+    Slot<std::uint32_t> drop_t, drop_bh;
   } block_slots[kBlocksPerUnit];
   const ScoreVariants& var = p.var;
   const bool elementwise = var.elementwise();
   const float score_scale = ScoreScale(p);  // s, or s / c with soft-capping (variants-inl.h)
   const bool keep_mask = var.mask_kind == MaskKind::boolean;
+  const Dropout& drop = var.dropout;
   for (std::int64_t lb = 0; lb < lane_blocks; ++lb) {
     BlockSlots& bs = block_slots[lb];
     bs.qt = scratch_layout.add<float>(scratch_mul(dh, M, p.site, "scale*Q^T"));
@@ -138,6 +144,9 @@ void AttentionFwdT(const ForwardArgs& fwd) {
     bs.slope = scratch_layout.add<float>(elementwise ? M : 0);             // ALiBi slope per lane
     bs.pos = scratch_layout.add<std::int32_t>(elementwise ? M : 0);        // p(t) per lane
     bs.mask_base = scratch_layout.add<std::int64_t>(elementwise ? M : 0);  // b·m0 + h·m1 + t·m2
+    // Dropout: each lane's Philox counter words t and row_word(b, h) (D.3)
+    bs.drop_t = scratch_layout.add<std::uint32_t>(drop.active ? M : 0);
+    bs.drop_bh = scratch_layout.add<std::uint32_t>(drop.active ? M : 0);
   }
   const auto keep_slot = scratch_layout.add<float>(keep_mask ? kKeyTile * M : 0);
   const auto st_slot = scratch_layout.add<float>(kKeyTile * M);
@@ -175,6 +184,7 @@ void AttentionFwdT(const ForwardArgs& fwd) {
         std::int32_t* pos;               // position p(t),
         std::int64_t* mask_base;         // mask offset of (b, h, t)
         std::uint16_t* qp;               // kDp: Q pairs [dh2 / 2][M][2] (bf16 bits, unscaled)
+        std::uint32_t *drop_t, *drop_bh;  // dropout: counter words per lane [M]
       };
       BlockState blocks[kBlocksPerUnit] = {};
       std::int64_t unit_key_begin = p.tk, unit_key_end = 0;
@@ -191,6 +201,8 @@ void AttentionFwdT(const ForwardArgs& fwd) {
         bs.pos = scratch.at(block_slots[lb].pos, worker);
         bs.mask_base = scratch.at(block_slots[lb].mask_base, worker);
         bs.qp = kDp ? scratch.at(qp_slot[lb], worker) : nullptr;
+        bs.drop_t = drop.active ? scratch.at(block_slots[lb].drop_t, worker) : nullptr;
+        bs.drop_bh = drop.active ? scratch.at(block_slots[lb].drop_bh, worker) : nullptr;
         // Padding lanes: zero query (the whole Qᵀ zeroed at once, not lane by lane: a tiny call
         // is mostly padding lanes), all keys visible (finite, then discarded).
         if (bs.blk.heads * layout.mq < M || bs.blk.positions < layout.mq)
@@ -209,6 +221,10 @@ void AttentionFwdT(const ForwardArgs& fwd) {
                 bs.pos[i] = static_cast<std::int32_t>(p.position(t));
                 bs.mask_base[i] = p.mask_offset(bs.blk.b, h, t, 0);
               }
+              if (drop.active) {
+                bs.drop_t[i] = static_cast<std::uint32_t>(t);
+                bs.drop_bh[i] = drop.row_word(bs.blk.b, h);
+              }
             },
             [&](std::int64_t i) HWY_ATTR {
               if constexpr (kDp) {
@@ -219,6 +235,7 @@ void AttentionFwdT(const ForwardArgs& fwd) {
                 bs.pos[i] = 0;
                 bs.mask_base[i] = 0;
               }
+              if (drop.active) bs.drop_t[i] = bs.drop_bh[i] = 0;  // (a padding lane's P is unused)
             });
         if (!has_rows) continue;
         for (std::int64_t i = 0; i < M; i += N) {
@@ -308,6 +325,9 @@ void AttentionFwdT(const ForwardArgs& fwd) {
             hn::Store(m_new, d, bs.m_run + i);
             hn::Store(alpha, d, alphas + i);
           }
+          // Dropout (D.1): l summed the undropped P above; the values see P ⊙ Z (the 1 / (1 − p)
+          // joins 1 / l at the end).
+          if (drop.active) DropQueryLanes(d, drop, bs.drop_t, bs.drop_bh, st, M, k0, nt);
           // Oᵀ[x][i] ← Oᵀ[x][i] · e^{m − m'}[i] + Σ_u V[u0+u][x] · Pᵀ[u][i]   (4.4, 4.5; the
           // rescale rides on the microkernel's load of Oᵀ; Oᵀ is still zero on the first tile).
           // Keys outside [full_begin, full_end) (or excluded by a boolean mask) are not seen by
@@ -343,7 +363,8 @@ void AttentionFwdT(const ForwardArgs& fwd) {
         const std::int64_t bb = bs.blk.b;
         ForEachRow(layout, bs.blk, [&](std::int64_t i, std::int64_t h, std::int64_t t) HWY_ATTR {
           const float l = bs.l_run[i];
-          const float inv = inverse_sum(l);  // l = 0: no finite score; l = NaN: a NaN was read
+          // l = 0: no finite score; l = NaN: a NaN was read. Dropout: P̃ = P ⊙ Z / (1 − p) (D.1).
+          const float inv = drop.active ? inverse_sum(l) * drop.scale : inverse_sum(l);
           StoreColumn(bs.ot, M, i, dh, inv, args.out.row(bb, t, h), args.out.s3);
           if (args.lse.data != nullptr) {
             args.lse.data[bb * args.lse.s0 + h * args.lse.s1 + t * args.lse.s2] =

@@ -236,6 +236,19 @@ def test_transformers_training_step_matches_eager_given_the_same_masks(monkeypat
     assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
     for (name, a), b in zip(ours.named_parameters(), eager.parameters()):
         assert (a.grad - b.grad).abs().max() <= 1e-4 * max(b.grad.abs().max(), 1e-3), name
+    # output_attentions in training: the dropped weights the values were averaged with, as
+    # eager returns them (the same masks again).
+    seeds.clear()
+    torch.manual_seed(8)
+    with torch.no_grad():
+        got = ours(ids, output_attentions=True).attentions
+    masks = iter(list(seeds))
+    with torch.no_grad():
+        want = eager(ids, output_attentions=True).attentions
+    assert len(got) == len(want) == 2
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+        assert (b == 0).any()  # some weights were dropped
     # Eval mode: no dropout (transformers passes 0.0), the plain attention.
     ours.eval(), eager.eval()
     monkeypatch.undo()

@@ -154,19 +154,6 @@ TEST(DropoutMask, SameForEveryThreadCountAndLayout) {
 
 // ---- Kernels against the oracle ----
 
-double lse_error(const VariantRun& r, const reference::Tensor64& ref) {
-  double worst = 0.0;
-  for (std::int64_t b = 0; b < r.c.B; ++b)
-    for (std::int64_t h = 0; h < r.c.Hq; ++h)
-      for (std::int64_t t = 0; t < r.c.Tq; ++t) {
-        const double got = r.lse[static_cast<std::size_t>((b * r.c.Hq + h) * r.c.Tq + t)];
-        const double want = ref.at(b, h, t, 0);
-        if (std::isinf(want) && got == want) continue;
-        worst = std::max(worst, std::fabs(got - want) / std::max(1.0, std::fabs(want)));
-      }
-  return worst;
-}
-
 std::vector<VariantCase> dropout_cases() {
   std::vector<VariantCase> cases;
   const auto add = [&](VariantCase c, double p) {
@@ -255,19 +242,7 @@ TEST_P(Dropout, BitwiseIdenticalAcrossThreadCounts) {
   c.dropout = 0.25;
   std::mt19937_64 rng(5804);
   VariantRun r(c, rng);
-  std::vector<std::vector<float>> results;
-  for (int threads : {1, 2, 3}) {
-    r.backward(GetParam(), threads);
-    std::vector<float> all = r.out.storage;
-    for (const auto* x : {&r.lse, &r.dq.storage, &r.dk.storage, &r.dv.storage, &r.dsinks})
-      all.insert(all.end(), x->begin(), x->end());
-    results.push_back(all);
-  }
-  for (std::size_t i = 1; i < results.size(); ++i) {
-    ASSERT_EQ(results[0].size(), results[i].size());
-    EXPECT_EQ(0,
-              std::memcmp(results[0].data(), results[i].data(), results[0].size() * sizeof(float)));
-  }
+  ExpectBitwiseAcrossThreadCounts(r, GetParam());
 }
 
 // Central differences of the float64 forward with the mask held fixed (loss = Σ dO ⊙ O) against
@@ -285,29 +260,7 @@ TEST_P(Dropout, GradientsMatchFiniteDifferencesWithAFixedMask) {
     SCOPED_TRACE(c.name());
     VariantRun r(c, rng);
     r.backward(GetParam());
-    auto q64 = r.q.to64(), k64 = r.k.to64(), v64 = r.v.to64();
-    const auto do64 = r.dout.to64();
-    auto ro = r.ref_options();
-    const auto loss = [&] { return testkit::attention_loss(q64, k64, v64, do64, ro); };
-    double max_diff = 0.0, max_ref = 0.0;
-    auto check = [&](const Tensor64& fd, StridedTensor& grad) {
-      const auto& sh = fd.shape;
-      for (std::int64_t i0 = 0; i0 < sh[0]; ++i0)
-        for (std::int64_t t = 0; t < sh[1]; ++t)
-          for (std::int64_t h = 0; h < sh[2]; ++h)
-            for (std::int64_t e = 0; e < sh[3]; ++e) {
-              max_diff = std::max(max_diff, std::fabs(fd.at(i0, t, h, e) - grad.at(i0, t, h, e)));
-              max_ref = std::max(max_ref, std::fabs(fd.at(i0, t, h, e)));
-            }
-    };
-    check(testkit::central_differences(q64, loss), r.dq);
-    check(testkit::central_differences(k64, loss), r.dk);
-    check(testkit::central_differences(v64, loss), r.dv);
-    EXPECT_LE(max_diff / max_ref, kBackwardBound);
-    if (c.sinks) {
-      EXPECT_LE(rel_err_flat(r.dsinks, testkit::central_differences(ro.sinks, loss)),
-                kBackwardBound);
-    }
+    ExpectGradientsMatchFiniteDifferences(r, kBackwardBound);
   }
 }
 

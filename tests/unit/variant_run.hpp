@@ -8,6 +8,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <random>
@@ -314,5 +315,81 @@ struct VariantRun {
                        dv.view, options(isa, threads), ds);
   }
 };
+
+// ---------------------------------------------------------------------------------------------
+// Checks shared by the variant and dropout suites
+
+/// L against the oracle's: −∞ exactly where the oracle has −∞ (else a failure and +∞),
+/// |ΔL| / max(1, |L|) elsewhere (returned).
+inline double lse_error(const VariantRun& r, const reference::Tensor64& ref) {
+  double max_diff = 0.0;
+  const auto& c = r.c;
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t h = 0; h < c.Hq; ++h)
+      for (std::int64_t t = 0; t < c.Tq; ++t) {
+        const double want = ref.at(b, h, t, 0);
+        const float got = r.lse[static_cast<std::size_t>((b * c.Hq + h) * c.Tq + t)];
+        if (std::isinf(want)) {
+          if (got != want) {
+            ADD_FAILURE() << "L[b=" << b << ", h=" << h << ", t=" << t << "] = " << got << ", want "
+                          << want;
+            return std::numeric_limits<double>::infinity();
+          }
+        } else if (!std::isfinite(got)) {
+          ADD_FAILURE() << "L[b=" << b << ", h=" << h << ", t=" << t << "] = " << got;
+          return std::numeric_limits<double>::infinity();
+        } else {
+          max_diff = std::max(max_diff, std::fabs(got - want) / std::max(1.0, std::fabs(want)));
+        }
+      }
+  return max_diff;
+}
+
+/// Forward and backward of r on `isa` with 1, 2 and 3 threads: O, L, dQ, dK, dV and dσ are the
+/// same bits each time.
+inline void ExpectBitwiseAcrossThreadCounts(VariantRun& r, Isa isa) {
+  std::vector<std::vector<float>> results;
+  for (int threads : {1, 2, 3}) {
+    r.backward(isa, threads);
+    std::vector<float> all = r.out.storage;
+    for (const auto* x : {&r.lse, &r.dq.storage, &r.dk.storage, &r.dv.storage, &r.dsinks})
+      all.insert(all.end(), x->begin(), x->end());
+    results.push_back(all);
+  }
+  for (std::size_t i = 1; i < results.size(); ++i) {
+    ASSERT_EQ(results[0].size(), results[i].size());
+    EXPECT_EQ(0,
+              std::memcmp(results[0].data(), results[i].data(), results[0].size() * sizeof(float)));
+  }
+}
+
+/// Central differences of the float64 forward (loss = Σ dO ⊙ O, the options of r held fixed,
+/// with its dropout mask) against the fp32 backward r ran: dQ, dK, dV and, with sinks, dσ,
+/// within `bound` of the largest difference quotient.
+inline void ExpectGradientsMatchFiniteDifferences(VariantRun& r, double bound) {
+  auto q64 = r.q.to64(), k64 = r.k.to64(), v64 = r.v.to64();
+  const auto do64 = r.dout.to64();
+  auto ro = r.ref_options();
+  const auto loss = [&] { return testkit::attention_loss(q64, k64, v64, do64, ro); };
+  double max_diff = 0.0, max_ref = 0.0;
+  auto check = [&](const reference::Tensor64& fd, StridedTensor& grad) {
+    const auto& sh = fd.shape;
+    for (std::int64_t b = 0; b < sh[0]; ++b)
+      for (std::int64_t t = 0; t < sh[1]; ++t)
+        for (std::int64_t h = 0; h < sh[2]; ++h)
+          for (std::int64_t e = 0; e < sh[3]; ++e) {
+            max_diff = std::max(max_diff, std::fabs(fd.at(b, t, h, e) - grad.at(b, t, h, e)));
+            max_ref = std::max(max_ref, std::fabs(fd.at(b, t, h, e)));
+          }
+  };
+  check(testkit::central_differences(q64, loss), r.dq);
+  check(testkit::central_differences(k64, loss), r.dk);
+  check(testkit::central_differences(v64, loss), r.dv);
+  EXPECT_LE(max_diff / max_ref, bound);
+  if (r.c.sinks) {
+    EXPECT_LE(rel_err_flat(r.dsinks, testkit::central_differences(ro.sinks, loss)), bound)
+        << "dsinks";
+  }
+}
 
 }  // namespace tokenmix::testing

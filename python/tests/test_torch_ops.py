@@ -63,6 +63,7 @@ OPTION_SETS = {
     "float_mask": dict(mask="float"),
     "variants": dict(window=3, softcap=2.0, sinks=True, alibi=True),
     "bottom_right_gqa": dict(bottom_right=True, S=11),
+    "dropout": dict(dropout=0.25, sinks=True),  # the seed an int64 tensor [2] (docs/design.md D.3)
 }
 
 
@@ -78,8 +79,11 @@ def _op_args(name):
     sinks = torch.randn(4, requires_grad=True) if o.get("sinks") else None
     alibi = torch.rand(4) if o.get("alibi") else None
     causal = mask is None
-    return (q, k, v, mask, alibi, sinks, None if name != "variants" else 0.3, causal,
+    args = (q, k, v, mask, alibi, sinks, None if name != "variants" else 0.3, causal,
             o.get("bottom_right", False), o.get("window"), o.get("softcap"))
+    if o.get("dropout"):
+        args += (o["dropout"], torch.tensor([1234, 5], dtype=torch.int64))
+    return args
 
 
 @pytest.mark.parametrize("name", list(OPTION_SETS))

@@ -152,6 +152,48 @@ TEST(DropoutMask, SameForEveryThreadCountAndLayout) {
   for (std::uint8_t x : none.z) EXPECT_EQ(x, 1);
 }
 
+// Every path drops the same weights, bit for bit: with V = I (v_u = e_u, T_k = d_h) the forward's
+// O_t is row t of P̃, so O_t[u] = 0 exactly where Z_{b,h,t,u} = 0 or key u is masked; with dO = I
+// (T_q = d_h) the backward's dV_u[t] = Σ_h P̃_tu is 0 exactly where every head of the group
+// dropped (or cannot see) key u for row t. The patterns must equal the mask's, on each path.
+TEST(DropoutMask, EveryPathDropsTheSameWeights) {
+  const std::int64_t B = 2, T = 64, Hq = 4, Hkv = 2, D = 64, g = Hq / Hkv;
+  std::mt19937_64 rng(5808);
+  VariantRun r({B, T, T, Hq, Hkv, D}, rng);
+  r.c.dropout = 0.3;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t t = 0; t < T; ++t) {
+      for (std::int64_t j = 0; j < Hkv; ++j)
+        for (std::int64_t x = 0; x < D; ++x) r.v.at(b, t, j, x) = t == x ? 1.0f : 0.0f;
+      for (std::int64_t h = 0; h < Hq; ++h)
+        for (std::int64_t x = 0; x < D; ++x) r.dout.at(b, t, h, x) = t == x ? 1.0f : 0.0f;
+    }
+  const Mask z(B, Hq, T, T, 0.3, r.c.dropout_seed, 3);  // the options' offset (variant_run.hpp)
+  for (Isa isa : testkit::concrete_isas()) {
+    if (!testkit::isa_unavailable_reason(isa).empty()) continue;
+    SCOPED_TRACE(to_string(isa));
+    r.backward(isa);
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t t = 0; t < T; ++t)
+        for (std::int64_t u = 0; u < T; ++u) {
+          bool any_head = false;
+          for (std::int64_t h = 0; h < Hq; ++h) {
+            const bool kept = u <= t && z.at(b, h, t, u) == 1;
+            ASSERT_EQ(r.out.at(b, t, h, u) != 0.0f, kept)
+                << "O b=" << b << " h=" << h << " t=" << t << " u=" << u;
+            if (h % g == g - 1) {  // the last head of KV group j = h / g
+              any_head = any_head || kept;
+              ASSERT_EQ(r.dv.at(b, u, h / g, t) != 0.0f, any_head)
+                  << "dV b=" << b << " j=" << h / g << " u=" << u << " t=" << t;
+              any_head = false;
+            } else {
+              any_head = any_head || kept;
+            }
+          }
+        }
+  }
+}
+
 // ---- Kernels against the oracle ----
 
 std::vector<VariantCase> dropout_cases() {

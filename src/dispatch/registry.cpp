@@ -55,7 +55,8 @@ std::array<KernelSet, 5> make_sets() {
        "plain C++, exact fp32: two-pass softmax per query row, O(T_k*d_h) scratch per worker, "
        "OpenMP over (batch, head, 64-row block); decode widens each 64-key cache tile to fp32 "
        "and runs an online softmax per row; score variants (window, softcap, ALiBi, sinks, "
-       "masks, key lengths) by key ranges and element-wise score terms; bf16/f16 activations "
+       "masks, key lengths) by key ranges and element-wise score terms; attention dropout by "
+       "Philox keep masks (forward and backward); bf16/f16 activations "
        "widened to fp32 on pack, O/dQ/dK/dV rounded once on store",
        /*score_variants=*/true,
        /*automatic=*/true,
@@ -81,6 +82,7 @@ std::array<KernelSet, 5> make_sets() {
        "per-lane "
        "key ranges (tiles outside every range skipped, sliding window O(W) per row), one "
        "vectorised element-wise pass (softcap, ALiBi, masks) and sinks in the online softmax; "
+       "attention dropout by Philox keep masks drawn in the lanes (forward and backward); "
        "decode over the cache's 64-key tiles with bf16/f16/int8/fp8 widened in registers (int8 "
        "and fp8 row scales folded into the scores and probabilities); bf16/f16 "
        "activations widened to fp32 where Q, K, V tiles are packed (fp32 products), outputs "

@@ -29,6 +29,18 @@ bool fp8_direct_widening(const char* fn);
 /// subnormal codes read directly ran 100× slower (a Xeon of family 6 model 207, D-fp8-7).
 bool fp8_direct_preferred(bool amd, unsigned family);
 
+/// The CPUs on which Isa::automatic picks the opt-in avx512_bf16 path (KernelSet::preferred_on;
+/// `amd`: vendor AuthenticAMD, `family`: CPUID's display family): AMD family 19h (Zen 4) and 1Ah
+/// (Zen 5), where `vdpbf16ps` issues at the FMA rate and the bf16 forward on it measured 1.3×
+/// faster than the widening one (docs/performance.md, D-bf16-2, D-bf16-7). Intel keeps avx512:
+/// on a Xeon of family 6 model 207 it ran 1.7× slower. Zen 3 (19h) has no AVX512-BF16, so the
+/// path cannot run there.
+bool bf16_products_preferred(bool amd, unsigned family);
+
+/// Isa::automatic may pick `set` on this CPU: KernelSet::automatic, or its preferred_on for this
+/// CPU's vendor and family.
+bool automatic_may_pick(const kernels::KernelSet& set);
+
 /// Decode on AVX-512 and AVX2: prefetch every cache dtype's next tile pair in address order
 /// (kernels::DecodeArgs::linear_prefetch), not only those the path's per-dtype choice takes that
 /// way. TOKENMIX_LINEAR_PREFETCH, read now: `all` or `per-dtype` forces the choice; unset or

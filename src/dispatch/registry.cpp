@@ -6,6 +6,7 @@
 #include <array>
 #include <string>
 
+#include "dispatch/cpu_cap.hpp"
 #include "tokenmix/error.hpp"
 
 namespace tokenmix::kernels {
@@ -145,12 +146,14 @@ std::array<KernelSet, 5> make_sets() {
        kInt32LaneKeys,
        "avx512 plus AVX512-BF16: the bf16 forward's Q K^T and P V products on vdpbf16ps (bf16 "
        "pairs, fp32 accumulation; P rounded to bf16 before P V, intrinsics in their own "
-       "translation unit); every other kernel is the avx512 one. Opt-in: on Intel Xeon (Emerald "
-       "Rapids, no AMX) vdpbf16ps runs at half the FMA issue rate and this forward is 1.7x slower "
-       "than avx512's widening one (docs/performance.md, D-bf16-2)",
+       "translation unit); every other kernel is the avx512 one. Automatic on AMD Zen 4 and Zen "
+       "5, where this forward measured 1.3x faster than avx512's widening one; opt-in elsewhere: "
+       "on Intel Xeon (Emerald Rapids, no AMX) vdpbf16ps runs at half the FMA issue rate and it "
+       "is 1.7x slower (docs/performance.md, D-bf16-2, D-bf16-7)",
        /*score_variants=*/true,
        /*automatic=*/false,
-       kAvx512DecodeTuning},
+       kAvx512DecodeTuning,
+       /*preferred_on=*/&detail::bf16_products_preferred},
   }};
 }
 

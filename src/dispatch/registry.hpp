@@ -73,15 +73,19 @@ struct KernelSet {
   /// softcap, ALiBi, sinks, masks, key lengths). A call using a variant on a set without it
   /// throws UnsupportedError naming the kernel and the variant (never another set's kernel).
   bool score_variants = false;
-  /// Isa::automatic may pick this path (the highest runnable path with this flag). False: opt-in
-  /// only (TOKENMIX_ISA / options.isa), for a path measured slower than the one below it on the
-  /// CPUs it has run on (docs/performance.md, D-bf16-2).
+  /// Isa::automatic may pick this path (the highest runnable path with this flag, or whose
+  /// `preferred_on` holds for the CPU). False: opt-in (TOKENMIX_ISA / options.isa) except where
+  /// `preferred_on` says otherwise, for a path measured faster than the one below it on some CPUs
+  /// and slower on others (docs/performance.md, D-bf16-2).
   bool automatic = true;
   /// Decode's per-CPU tuning that this path's decode kernels take (DecodeArgs): the entry carries
   /// its tuning with its kernels, as XNNPACK's configs do. Dispatch picks the values once per call
   /// from the CPU and the TOKENMIX_* switches (dispatch/cpu_cap.hpp: decode_tuning), only among
   /// what the entry has; `tokenmix info` prints them for the resolved path.
   DecodeTunables decode_tunables;
+  /// For a path with `automatic` false: the CPUs (vendor AuthenticAMD, CPUID display family) on
+  /// which Isa::automatic picks it all the same; null: none (dispatch/cpu_cap.hpp).
+  bool (*preferred_on)(bool amd, unsigned family) = nullptr;
 
   /// Built into this binary (its f32 forward exists): the path can run where the CPU can.
   bool compiled() const { return forward[0].fn != nullptr; }

@@ -84,9 +84,9 @@ Isa resolve_isa(Isa requested, const char* fn) {
     }
   }
   const std::vector<Isa> avail = available(f);
-  if (requested == Isa::automatic) {  // the highest runnable path that is not opt-in (registry)
+  if (requested == Isa::automatic) {  // the highest runnable path not opt-in on this CPU
     for (auto it = avail.rbegin(); it != avail.rend(); ++it)
-      if (kernels::kernel_set(*it).automatic) return *it;
+      if (detail::automatic_may_pick(kernels::kernel_set(*it))) return *it;
     return Isa::portable;
   }
   if (!compiled(requested)) {

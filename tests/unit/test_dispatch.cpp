@@ -472,6 +472,64 @@ TEST(Dispatch, Fp8DirectWideningIsPreferredOnAmdFamilies19hAnd1AhOnly) {
   }
 }
 
+// The automatic choice of the avx512_bf16 path (vdpbf16ps bf16 forward) as a function of the CPU
+// alone, so the table holds on every machine: AMD family 19h (Zen 4) and 1Ah (Zen 5), where it
+// measured 1.3× faster than the widening forward; never on Intel, where it measured 1.7× slower
+// (docs/performance.md, D-bf16-2, D-bf16-7), nor on other AMD families.
+TEST(Dispatch, Bf16ProductsArePreferredOnAmdFamilies19hAnd1AhOnly) {
+  struct Cpu {
+    bool amd;
+    unsigned family;
+    bool preferred;
+  };
+  for (const Cpu& c : {Cpu{true, 0x19u, true}, Cpu{true, 0x1Au, true}, Cpu{true, 0x17u, false},
+                       Cpu{true, 0x1Bu, false}, Cpu{false, 0x06u, false}, Cpu{false, 0x19u, false},
+                       Cpu{false, 0x1Au, false}}) {
+    EXPECT_EQ(detail::bf16_products_preferred(c.amd, c.family), c.preferred)
+        << (c.amd ? "AMD" : "other vendor") << " family 0x" << std::hex << c.family;
+  }
+  // The registry carries the rule: avx512_bf16 is the one path that is opt-in by default and
+  // automatic where preferred_on holds; every other path is automatic everywhere.
+  for (const kernels::KernelSet& set : kernels::kernel_sets()) {
+    const bool bf16_path = set.isa == Isa::avx512_bf16;
+    EXPECT_EQ(set.automatic, !bf16_path) << to_string(set.isa);
+    EXPECT_EQ(set.preferred_on, bf16_path ? &detail::bf16_products_preferred : nullptr)
+        << to_string(set.isa);
+    EXPECT_TRUE(detail::automatic_may_pick(set) || bf16_path) << to_string(set.isa);
+  }
+}
+
+// Isa::automatic on this CPU: avx512_bf16 exactly where it runs and the rule prefers it, so a bf16
+// forward then runs the vdpbf16ps kernel; TOKENMIX_ISA=avx512 still forces the widening one, and
+// TOKENMIX_CPU_CAP=avx2 hides the path (the expectations read the CPU through the rule, so they
+// hold on every machine).
+TEST(Dispatch, AutomaticPicksAvx512Bf16ExactlyWhereTheRulePrefersIt) {
+  const ScopedEnv no_cap("TOKENMIX_CPU_CAP", nullptr);
+  const ScopedEnv isa_env("TOKENMIX_ISA", nullptr);
+  const auto avail = available_isas();
+  const kernels::KernelSet& bf16_set = kernels::kernel_set(Isa::avx512_bf16);
+  const bool picked = contains(avail, Isa::avx512_bf16) && detail::automatic_may_pick(bf16_set);
+  const Isa chosen = resolve_isa(Isa::automatic);
+  EXPECT_EQ(chosen == Isa::avx512_bf16, picked);
+  const std::string fwd = kernels::select_forward("t", chosen, DType::bf16, 100).name;
+  EXPECT_EQ(fwd == "attention_fwd_bf16_avx512bf16", picked) << fwd;
+  // Its f32 and backward kernels are avx512's: only the bf16 forward changes.
+  if (picked) {
+    EXPECT_EQ(kernels::select_forward("t", chosen, DType::f32, 100).fn,
+              kernels::select_forward("t", Isa::avx512, DType::f32, 100).fn);
+    EXPECT_EQ(kernels::select_backward("t", chosen, DType::bf16, 100).fn,
+              kernels::select_backward("t", Isa::avx512, DType::bf16, 100).fn);
+  }
+  if (contains(avail, Isa::avx512)) {
+    const ScopedEnv forced("TOKENMIX_ISA", "avx512");
+    EXPECT_EQ(resolve_isa(Isa::automatic), Isa::avx512);
+  }
+  {
+    const ScopedEnv cap("TOKENMIX_CPU_CAP", "avx2");
+    EXPECT_NE(resolve_isa(Isa::automatic), Isa::avx512_bf16);
+  }
+}
+
 // TOKENMIX_LINEAR_PREFETCH (detail::linear_decode_prefetch) is read by every decode call (any
 // cache dtype): all / per-dtype / unset / empty are accepted and linear_decode_prefetch() follows
 // them; anything else is an ArgumentError naming the entry point, the variable, what it may be

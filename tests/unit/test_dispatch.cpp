@@ -458,18 +458,24 @@ TEST(Dispatch, InvalidFp8WideningIsAnArgumentErrorNamingTheVariable) {
 // The automatic fp8 widening (TOKENMIX_FP8_WIDEN unset) as a function of the CPU alone, so the
 // table holds on every machine: direct on AMD family 19h (Zen 3, Zen 4) and 1Ah (Zen 5), where
 // it was measured faster (docs/performance.md, D-fp8-6); f16 bits on every other family and vendor.
-TEST(Dispatch, Fp8DirectWideningIsPreferredOnAmdFamilies19hAnd1AhOnly) {
+// A per-CPU rule (vendor AuthenticAMD or not, CPUID display family) that holds on AMD family 19h
+// and 1Ah only: true there, false on the neighbouring AMD families and on every other vendor.
+void ExpectTrueOnAmdFamilies19hAnd1AhOnly(bool (*rule)(bool amd, unsigned family)) {
   struct Cpu {
     bool amd;
     unsigned family;
-    bool direct;
+    bool expected;
   };
   for (const Cpu& c : {Cpu{true, 0x19u, true}, Cpu{true, 0x1Au, true}, Cpu{true, 0x17u, false},
                        Cpu{true, 0x1Bu, false}, Cpu{true, 0x0Fu, false}, Cpu{false, 0x06u, false},
                        Cpu{false, 0x19u, false}, Cpu{false, 0x1Au, false}}) {
-    EXPECT_EQ(detail::fp8_direct_preferred(c.amd, c.family), c.direct)
+    EXPECT_EQ(rule(c.amd, c.family), c.expected)
         << (c.amd ? "AMD" : "other vendor") << " family 0x" << std::hex << c.family;
   }
+}
+
+TEST(Dispatch, Fp8DirectWideningIsPreferredOnAmdFamilies19hAnd1AhOnly) {
+  ExpectTrueOnAmdFamilies19hAnd1AhOnly(&detail::fp8_direct_preferred);
 }
 
 // The automatic choice of the avx512_bf16 path (vdpbf16ps bf16 forward) as a function of the CPU
@@ -477,17 +483,7 @@ TEST(Dispatch, Fp8DirectWideningIsPreferredOnAmdFamilies19hAnd1AhOnly) {
 // measured 1.3× faster than the widening forward; never on Intel, where it measured 1.7× slower
 // (docs/performance.md, D-bf16-2, D-bf16-7), nor on other AMD families.
 TEST(Dispatch, Bf16ProductsArePreferredOnAmdFamilies19hAnd1AhOnly) {
-  struct Cpu {
-    bool amd;
-    unsigned family;
-    bool preferred;
-  };
-  for (const Cpu& c : {Cpu{true, 0x19u, true}, Cpu{true, 0x1Au, true}, Cpu{true, 0x17u, false},
-                       Cpu{true, 0x1Bu, false}, Cpu{false, 0x06u, false}, Cpu{false, 0x19u, false},
-                       Cpu{false, 0x1Au, false}}) {
-    EXPECT_EQ(detail::bf16_products_preferred(c.amd, c.family), c.preferred)
-        << (c.amd ? "AMD" : "other vendor") << " family 0x" << std::hex << c.family;
-  }
+  ExpectTrueOnAmdFamilies19hAnd1AhOnly(&detail::bf16_products_preferred);
   // The registry carries the rule: avx512_bf16 is the one path that is opt-in by default and
   // automatic where preferred_on holds; every other path is automatic everywhere.
   for (const kernels::KernelSet& set : kernels::kernel_sets()) {

@@ -136,7 +136,7 @@ std::array<KernelSet, 5> make_sets() {
         {"attention_fwd_bf16_avx512bf16", attention_fwd_bf16_avx512bf16},
         {"attention_fwd_f16_avx512", attention_fwd_f16_avx512}},
        {{"attention_bwd_f32_avx512", attention_bwd_f32_avx512},
-        {"attention_bwd_bf16_avx512", attention_bwd_bf16_avx512},
+        {"attention_bwd_bf16_avx512bf16", attention_bwd_bf16_avx512bf16},
         {"attention_bwd_f16_avx512", attention_bwd_f16_avx512}},
        {{"attention_decode_f32_avx512", attention_decode_f32_avx512},
         {"attention_decode_bf16_avx512", attention_decode_bf16_avx512},
@@ -146,10 +146,12 @@ std::array<KernelSet, 5> make_sets() {
        kInt32LaneKeys,
        "avx512 plus AVX512-BF16: the bf16 forward's Q K^T and P V products on vdpbf16ps (bf16 "
        "pairs, fp32 accumulation; P rounded to bf16 before P V, intrinsics in their own "
-       "translation unit); every other kernel is the avx512 one. Automatic on AMD Zen 4 and Zen "
-       "5, where this forward measured 1.3x faster than avx512's widening one; opt-in elsewhere: "
-       "on Intel Xeon (Emerald Rapids, no AMX) vdpbf16ps runs at half the FMA issue rate and it "
-       "is 1.7x slower (docs/performance.md, D-bf16-2, D-bf16-7)",
+       "translation unit), and the bf16 backward's recomputed S = Q K^T and dP = dO V^T (exact "
+       "bf16 products; dV, dK, dQ in fp32 as avx512's); every other kernel is the avx512 one. "
+       "Automatic on AMD Zen 4 and Zen 5, where this forward measured 1.3x faster than avx512's "
+       "widening one; opt-in elsewhere: on Intel Xeon (Emerald Rapids, no AMX) vdpbf16ps runs at "
+       "half the FMA issue rate and it is 1.7x slower (docs/performance.md, D-bf16-2, D-bf16-7, "
+       "D-bf16-8)",
        /*score_variants=*/true,
        /*automatic=*/false,
        kAvx512DecodeTuning,

@@ -437,6 +437,8 @@ extern const DecodeKernel attention_decode_f32_avx512, attention_decode_bf16_avx
 // Path avx512_bf16: the AVX-512 forward with vdpbf16ps products for bf16 (simd/dpbf16.hpp);
 // null in builds without the AVX512-BF16 translation unit (non-x86).
 extern const ForwardKernel attention_fwd_bf16_avx512bf16;
+// ... and its backward with S and dP on vdpbf16ps (D-bf16-8); null likewise.
+extern const BackwardKernel attention_bwd_bf16_avx512bf16;
 extern const ForwardKernel attention_fwd_f32_neon;
 extern const BackwardKernel attention_bwd_f32_neon;
 extern const DecodeKernel attention_decode_f32_neon, attention_decode_bf16_neon,

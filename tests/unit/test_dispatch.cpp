@@ -158,7 +158,8 @@ TEST(Dispatch, RegistryHasOneEntryPerPathWithKernelsNamedAfterIt) {
     SCOPED_TRACE(to_string(s.isa));
     ASSERT_NE(s.runs_on, nullptr);
     EXPECT_GT(std::strlen(s.description), 0u);
-    // avx512_bf16 reuses the avx512 kernels except its own bf16 forward (…_avx512bf16).
+    // avx512_bf16 reuses the avx512 kernels except its own bf16 forward and backward
+    // (…_avx512bf16).
     const bool bf16_path = s.isa == Isa::avx512_bf16;
     const std::string suffix = bf16_path ? "_avx512" : std::string("_") + to_string(s.isa);
     for (int i = 0; i < kernels::kDTypeCount; ++i) {
@@ -169,7 +170,7 @@ TEST(Dispatch, RegistryHasOneEntryPerPathWithKernelsNamedAfterIt) {
         EXPECT_EQ(s.forward[i].name, "attention_fwd_" + dt + fwd_suffix);
       }
       if (s.backward[i].name != nullptr) {
-        EXPECT_EQ(s.backward[i].name, "attention_bwd_" + dt + suffix);
+        EXPECT_EQ(s.backward[i].name, "attention_bwd_" + dt + fwd_suffix);
       }
       ASSERT_NE(s.decode[i].name, nullptr);
       EXPECT_EQ(s.decode[i].name, "attention_decode_" + dt + suffix);
@@ -509,12 +510,14 @@ TEST(Dispatch, AutomaticPicksAvx512Bf16ExactlyWhereTheRulePrefersIt) {
   EXPECT_EQ(chosen == Isa::avx512_bf16, picked);
   const std::string fwd = kernels::select_forward("t", chosen, DType::bf16, 100).name;
   EXPECT_EQ(fwd == "attention_fwd_bf16_avx512bf16", picked) << fwd;
-  // Its f32 and backward kernels are avx512's: only the bf16 forward changes.
+  const std::string bwd = kernels::select_backward("t", chosen, DType::bf16, 100).name;
+  EXPECT_EQ(bwd == "attention_bwd_bf16_avx512bf16", picked) << bwd;
+  // Its f32 and f16 kernels are avx512's: only the bf16 forward and backward change.
   if (picked) {
     EXPECT_EQ(kernels::select_forward("t", chosen, DType::f32, 100).fn,
               kernels::select_forward("t", Isa::avx512, DType::f32, 100).fn);
-    EXPECT_EQ(kernels::select_backward("t", chosen, DType::bf16, 100).fn,
-              kernels::select_backward("t", Isa::avx512, DType::bf16, 100).fn);
+    EXPECT_EQ(kernels::select_backward("t", chosen, DType::f16, 100).fn,
+              kernels::select_backward("t", Isa::avx512, DType::f16, 100).fn);
   }
   if (contains(avail, Isa::avx512)) {
     const ScopedEnv forced("TOKENMIX_ISA", "avx512");

@@ -71,6 +71,7 @@
 #include "hwy/highway.h"
 #include "kernels/attention_kernels.hpp"
 #include "kernels/nonfinite.hpp"
+#include "kernels/simd/dpbf16.hpp"
 #include "kernels/simd/dropout-inl.h"
 #include "kernels/simd/microkernel-inl.h"
 #include "kernels/simd/nonfinite-inl.h"
@@ -367,13 +368,47 @@ void ReduceKeyBlocks(const TypedBackward<T>& args, const AttentionProblem& p,
   RunUnits(team_size(p.threads, units), units, unit_work);
 }
 
+// kDp (D-bf16-8): keys [u0, u0 + keys) of KV head j of a bf16 view as vdpbf16ps B pairs
+// (dpbf16.hpp): out[(x / 2 · M + u) · 2 + x % 2] = X[u0 + u][x] (bits), zero for u ≥ keys and for
+// the pad column x = dh of an odd d_h.
+inline void PackKeyPairs(const Strided<const bf16_t*>& x, std::int64_t b, std::int64_t u0,
+                         std::int64_t j, std::int64_t keys, std::int64_t dh, std::int64_t dh2,
+                         std::int64_t M, std::uint16_t* out) {
+  std::fill(out, out + dh2 * M, std::uint16_t{0});
+  for (std::int64_t u = 0; u < keys; ++u) {
+    const bf16_t* row = x.row(b, u0 + u, j);
+    for (std::int64_t e = 0; e < dh; ++e)
+      out[((e >> 1) * M + u) * 2 + (e & 1)] = row[e * x.s3].bits;
+  }
+}
+
+// kDp: rows [t0, t0 + rows) of head h of a bf16 view as vdpbf16ps A rows (pairs of adjacent
+// columns): in place when d_h is even and unit-strided (a_row = the view's row stride), else
+// copied into buf [rows][dh2] with a zero pad column.
+inline const std::uint16_t* Bf16Rows(const Strided<const bf16_t*>& x, std::int64_t b,
+                                     std::int64_t t0, std::int64_t h, std::int64_t rows,
+                                     std::int64_t dh, std::int64_t dh2, std::uint16_t* buf,
+                                     std::int64_t& a_row) {
+  if (x.s3 == 1 && dh == dh2) {
+    a_row = x.s1;
+    return reinterpret_cast<const std::uint16_t*>(x.row(b, t0, h));
+  }
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const bf16_t* row = x.row(b, t0 + r, h);
+    for (std::int64_t e = 0; e < dh; ++e) buf[r * dh2 + e] = row[e * x.s3].bits;
+    if (dh2 > dh) buf[r * dh2 + dh] = 0;
+  }
+  a_row = dh2;
+  return buf;
+}
+
 // The one-pass backward: dK and dV with the block's keys in lanes, and dQ and D. One unit per
 // (b, KV head j, query range s) walks the key blocks its rows see in order; it owns dQ of its
 // rows of the g heads of group j, accumulating dQᵀ += Kᵀ dSᵀ per block into a per-unit buffer
 // of g × rows/M lane blocks [d_h][M] (O(T·d_h) per head; blocked so each chunk's dQᵀ is
 // contiguous): 5 products per score tile, and exactly one owner per output row or a sum in a
 // fixed order (ReduceKeyBlocks), so results are bitwise independent of the thread count.
-template <class T, int VN>
+template <class T, int VN, bool kDp = false>
 void BackwardOnePass(const BackwardArgs& bwd, float* delta, const QuerySplit& split) {
   const AttentionProblem& p = bwd.p;
   const TypedBackward<T> args(bwd);
@@ -403,6 +438,13 @@ void BackwardOnePass(const BackwardArgs& bwd, float* delta, const QuerySplit& sp
   const std::int64_t dq_floats =
       scratch_mul(scratch_mul(g, dh, p.site, "dQ^T"), rows_pad, p.site, "dQ^T");
   const auto dqt_slot = scratch_layout.add<float>(dq_floats);
+  // kDp (D-bf16-8): the key block's K and V as vdpbf16ps B pairs [dh2 / 2][M][2] (bf16 bits,
+  // d_h padded with a zero to even dh2), and Q / dO rows as bf16 A rows [chunk][dh2] when they
+  // cannot be read in place.
+  const std::int64_t dh2 = (dh + 1) / 2 * 2;
+  if constexpr (kDp) HWY_ASSERT(M == dpbf16::kLanes);
+  const auto kv_pairs_slot = sl.add<std::uint16_t>(kDp ? 2 * dh2 * M : 0);
+  const auto rows16_slot = sl.add<std::uint16_t>(kDp ? 2 * chunk * dh2 : 0);
   const ScoreVariants& var = p.var;
   const bool elementwise = var.elementwise(), capped = var.softcap > 0.0f;
   const float score_scale = ScoreScale(p);  // s, or s / c with soft-capping (variants-inl.h)
@@ -453,6 +495,10 @@ void BackwardOnePass(const BackwardArgs& bwd, float* delta, const QuerySplit& sp
       std::int32_t* rb = scratch.at(range_slot, worker);  // key_range(b, h, c0 + r).begin [chunk]
       std::int32_t* re = rb + chunk;                      // ... .end; empty past T_q
       float* drop_factor = drop.active ? scratch.at(drop_slot, worker) : nullptr;  // [M]
+      [[maybe_unused]] std::uint16_t* k_pairs = kDp ? scratch.at(kv_pairs_slot, worker) : nullptr;
+      [[maybe_unused]] std::uint16_t* v_pairs = kDp ? k_pairs + dh2 * M : nullptr;
+      [[maybe_unused]] std::uint16_t* q16 = kDp ? scratch.at(rows16_slot, worker) : nullptr;
+      [[maybe_unused]] std::uint16_t* do16 = kDp ? q16 + chunk * dh2 : nullptr;
 
       {  // D_t = ⟨dO_t, O_t⟩ for the group's rows; dQᵀ = 0
         for (std::int64_t h = j * g; h < (j + 1) * g; ++h)
@@ -471,9 +517,14 @@ void BackwardOnePass(const BackwardArgs& bwd, float* delta, const QuerySplit& sp
       for (std::int64_t kb = kb_first; kb < kb_end; ++kb) {
         const std::int64_t u0 = kb * M, keys = std::min(M, p.tk - u0);
         std::fill(kt, kt + 4 * dh * M, 0.0f);  // zero padding lanes (keys ≥ T_k) and accumulators
-        PackTransposedFast(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, score_scale, kt,
-                           M);
-        PackTransposedFast(args.v.row(b, u0, j), args.v.s1, args.v.s3, keys, dh, 1.0f, vt, M);
+        if constexpr (kDp) {                   // S and dP take K and V unscaled, as bf16 pairs
+          PackKeyPairs(args.k, b, u0, j, keys, dh, dh2, M, k_pairs);
+          PackKeyPairs(args.v, b, u0, j, keys, dh, dh2, M, v_pairs);
+        } else {
+          PackTransposedFast(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, score_scale, kt,
+                             M);
+          PackTransposedFast(args.v.row(b, u0, j), args.v.s1, args.v.s3, keys, dh, 1.0f, vt, M);
+        }
         PackRows(args.k.row(b, u0, j), args.k.s1, args.k.s3, keys, dh, k_nat, VecWiden());
         std::fill(k_nat + keys * dh, k_nat + M * dh, 0.0f);
 
@@ -513,9 +564,21 @@ void BackwardOnePass(const BackwardArgs& bwd, float* delta, const QuerySplit& sp
             std::int64_t ldq = 0, lddo = 0;
             const float* q_rows = RowsOf(args.q, b, c0, h, rows, dh, q_pack, ldq, VecWiden());
             const float* do_rows = RowsOf(args.dout, b, c0, h, rows, dh, do_pack, lddo, VecWiden());
-            GemmRows<kR, VN>(d, rows, q_rows, ldq, 1, kt, M, dh, scores, M,
-                             false);  // S = Q (scale·K)ᵀ (4.2)
-            GemmRows<kR, VN>(d, rows, do_rows, lddo, 1, vt, M, dh, dp, M, false);  // dP = dO Vᵀ
+            if constexpr (kDp) {
+              // The same two products on vdpbf16ps: the operands are bf16 already, so each
+              // product is exact and only the fp32 accumulation order differs (D-bf16-8).
+              std::int64_t aq = 0, ado = 0;
+              const std::uint16_t* q_a = Bf16Rows(args.q, b, c0, h, rows, dh, dh2, q16, aq);
+              const std::uint16_t* do_a = Bf16Rows(args.dout, b, c0, h, rows, dh, dh2, do16, ado);
+              dpbf16::GemmRows(rows, q_a, aq, k_pairs, dh2 / 2, scores, M, false, nullptr,
+                               score_scale);  // S = scale · Q Kᵀ (4.2)
+              dpbf16::GemmRows(rows, do_a, ado, v_pairs, dh2 / 2, dp, M, false, nullptr,
+                               1.0f);  // dP = dO Vᵀ
+            } else {
+              GemmRows<kR, VN>(d, rows, q_rows, ldq, 1, kt, M, dh, scores, M,
+                               false);  // S = Q (scale·K)ᵀ (4.2)
+              GemmRows<kR, VN>(d, rows, do_rows, lddo, 1, vt, M, dh, dp, M, false);  // dP = dO Vᵀ
+            }
             for (std::int64_t r = 0; r < rows; ++r) {
               const std::int64_t t = c0 + r;
               // Lanes [lo, visible) see their key (key range of the row, SPEC 4.3 and variants).
@@ -630,7 +693,7 @@ void BackwardOnePass(const BackwardArgs& bwd, float* delta, const QuerySplit& sp
   ReduceKeyBlocks<T>(args, p, split, M, partials);
 }
 
-template <class T, int VN>
+template <class T, int VN, bool kDp = false>
 void AttentionBwdLanes(const BackwardArgs& args) {
   const AttentionProblem& p = args.p;
   ScratchLayout delta_layout(p.site);  // D [B, H_q, T_q], shared by both passes
@@ -649,10 +712,15 @@ void AttentionBwdLanes(const BackwardArgs& args) {
   const std::int64_t dq_bytes = p.group() * p.dh * ((p.tq + M - 1) / M * M) * 4;
   const std::int64_t by_bytes =
       std::min(kCacheRanges, (dq_bytes + kRangeDqBytes - 1) / kRangeDqBytes);
-  BackwardOnePass<T, VN>(args, delta, QuerySplit(p, M, std::max(by_units, by_bytes)));
+  BackwardOnePass<T, VN, kDp>(args, delta, QuerySplit(p, M, std::max(by_units, by_bytes)));
 }
 
-template <class T>
+// kDp (path avx512_bf16, T = bf16_t, AVX-512 target only; D-bf16-8): S = QKᵀ and dP = dO Vᵀ on
+// vdpbf16ps from the bf16 operands (exact products, fp32 accumulation); dV, dK, dQ stay fp32
+// products on the widened operands, so nothing is rounded that the widening kernel keeps in fp32.
+// A tiny problem takes the one-vector blocks of the widening kernel (M = one vector, not the 64
+// lanes of the pairs).
+template <class T, bool kDp = false>
 void AttentionBwdT(const BackwardArgs& args) {
   const AttentionProblem& p = args.p;
   // A tiny problem (every query row and every key within one vector of lanes, a small training
@@ -664,7 +732,7 @@ void AttentionBwdT(const BackwardArgs& args) {
   if (p.tq <= N && p.tk <= N) {
     AttentionBwdLanes<T, 1>(args);
   } else {
-    AttentionBwdLanes<T, kV>(args);
+    AttentionBwdLanes<T, kV, kDp>(args);
   }
 }
 

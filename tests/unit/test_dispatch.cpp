@@ -164,13 +164,13 @@ TEST(Dispatch, RegistryHasOneEntryPerPathWithKernelsNamedAfterIt) {
     const std::string suffix = bf16_path ? "_avx512" : std::string("_") + to_string(s.isa);
     for (int i = 0; i < kernels::kDTypeCount; ++i) {
       const std::string dt = to_string(dtypes[i]);
-      const std::string fwd_suffix = bf16_path && i == 1 ? "_avx512bf16" : suffix;
+      const std::string own_suffix = bf16_path && i == 1 ? "_avx512bf16" : suffix;
       // Every column that names a kernel follows attention_<op>_<dtype>_<isa>.
       if (s.forward[i].name != nullptr) {
-        EXPECT_EQ(s.forward[i].name, "attention_fwd_" + dt + fwd_suffix);
+        EXPECT_EQ(s.forward[i].name, "attention_fwd_" + dt + own_suffix);
       }
       if (s.backward[i].name != nullptr) {
-        EXPECT_EQ(s.backward[i].name, "attention_bwd_" + dt + fwd_suffix);
+        EXPECT_EQ(s.backward[i].name, "attention_bwd_" + dt + own_suffix);
       }
       ASSERT_NE(s.decode[i].name, nullptr);
       EXPECT_EQ(s.decode[i].name, "attention_decode_" + dt + suffix);
@@ -456,9 +456,6 @@ TEST(Dispatch, InvalidFp8WideningIsAnArgumentErrorNamingTheVariable) {
   EXPECT_NO_THROW((void)decode_once(Isa::automatic, DType::int8));
 }
 
-// The automatic fp8 widening (TOKENMIX_FP8_WIDEN unset) as a function of the CPU alone, so the
-// table holds on every machine: direct on AMD family 19h (Zen 3, Zen 4) and 1Ah (Zen 5), where
-// it was measured faster (docs/performance.md, D-fp8-6); f16 bits on every other family and vendor.
 // A per-CPU rule (vendor AuthenticAMD or not, CPUID display family) that holds on AMD family 19h
 // and 1Ah only: true there, false on the neighbouring AMD families and on every other vendor.
 void ExpectTrueOnAmdFamilies19hAnd1AhOnly(bool (*rule)(bool amd, unsigned family)) {
@@ -475,6 +472,9 @@ void ExpectTrueOnAmdFamilies19hAnd1AhOnly(bool (*rule)(bool amd, unsigned family
   }
 }
 
+// The automatic fp8 widening (TOKENMIX_FP8_WIDEN unset) as a function of the CPU alone, so the
+// table holds on every machine: direct on AMD family 19h (Zen 3, Zen 4) and 1Ah (Zen 5), where
+// it was measured faster (docs/performance.md, D-fp8-6); f16 bits on every other family and vendor.
 TEST(Dispatch, Fp8DirectWideningIsPreferredOnAmdFamilies19hAnd1AhOnly) {
   ExpectTrueOnAmdFamilies19hAnd1AhOnly(&detail::fp8_direct_preferred);
 }

@@ -516,8 +516,10 @@ void BackwardOnePass(const BackwardArgs& bwd, float* delta, const QuerySplit& sp
 
       for (std::int64_t kb = kb_first; kb < kb_end; ++kb) {
         const std::int64_t u0 = kb * M, keys = std::min(M, p.tk - u0);
-        std::fill(kt, kt + 4 * dh * M, 0.0f);  // zero padding lanes (keys ≥ T_k) and accumulators
-        if constexpr (kDp) {                   // S and dP take K and V unscaled, as bf16 pairs
+        // Zero the padding lanes (keys ≥ T_k) and the accumulators; kDp leaves scale·Kᵀ and Vᵀ
+        // unused (its S and dP read the pairs), so only dKᵀ, dVᵀ.
+        std::fill(kDp ? dkt : kt, kt + 4 * dh * M, 0.0f);
+        if constexpr (kDp) {  // S and dP take K and V unscaled, as bf16 pairs
           PackKeyPairs(args.k, b, u0, j, keys, dh, dh2, M, k_pairs);
           PackKeyPairs(args.v, b, u0, j, keys, dh, dh2, M, v_pairs);
         } else {

@@ -12,6 +12,9 @@ match it at float32 rounding level (rel. err ≤ 2e-5, the bound of the C++ deco
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -91,6 +94,43 @@ def test_decode_matches_float64_oracle_over_dequantized_cache(dtype, block_token
     exact = decode_oracle(q, k.astype(np.float64), v.astype(np.float64), lengths)
     err = np.abs(out - exact).max() / np.abs(exact).max()
     assert 0 < err < (2.0**-5 if dtype == "int8" else 2.0**-2)
+
+
+def _error_simulation():
+    """scripts/kv-quant-error-sim.py (the float64 simulation behind docs/performance.md's error
+    figures for issue 56) as a module."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "kv-quant-error-sim.py"
+    spec = importlib.util.spec_from_file_location("kv_quant_error_sim", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+def test_error_simulation_forms_the_cache_values_the_library_reads(dtype):
+    """The simulation's cache (K per channel per closed tile, the open tile as is, V per row) on
+    its real-keys profile is the cache tokenmix holds: one decode step of 4 query heads over it
+    matches the simulation's float64 attention at float32 rounding. Its error against the
+    unquantized cache is non-zero, and for fp8 (3 mantissa bits against bf16's 7) above bf16's."""
+    sim = _error_simulation()
+    rng = np.random.default_rng(21)
+    T, g, D = 200, 4, 128  # three closed tiles and an open tile of 8
+    k = sim.real_keys(rng, T, 1, D).astype(np.float32)
+    v = rng.standard_normal((T, 1, D)).astype(np.float32)
+    q = rng.standard_normal((1, 1, g, D)).astype(np.float32)
+    cache = tm.KVCache(1, 1, 1, D, T, dtype=dtype)
+    cache.append(0, k[None], v[None])
+    out = tm.attention_decode(q, cache, 0)[0, 0]
+    k_hat, v_hat = sim.quantized_cache(k[:, 0], v[:, 0], "int8" if dtype == "int8" else "fp8")
+    ref = sim.attend(q[0, 0].astype(np.float64), k_hat, v_hat)
+    assert np.abs(out - ref).max() / np.abs(ref).max() <= 2e-5
+    exact = sim.attend(q[0, 0].astype(np.float64), k[:, 0].astype(np.float64), v[:, 0])
+    err = np.abs(ref - exact).max() / np.abs(exact).max()
+    bf16 = sim.attend(q[0, 0].astype(np.float64), sim.to_bf16(k[:, 0]), sim.to_bf16(v[:, 0]))
+    bf16_err = np.abs(bf16 - exact).max() / np.abs(exact).max()
+    assert 0 < bf16_err and 0 < err
+    if dtype == "fp8_e4m3":
+        assert err > 2 * bf16_err
 
 
 @pytest.mark.parametrize("isa", ["portable", "auto"])

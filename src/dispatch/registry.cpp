@@ -85,7 +85,8 @@ std::array<KernelSet, 5> make_sets() {
        "vectorised element-wise pass (softcap, ALiBi, masks) and sinks in the online softmax; "
        "attention dropout by Philox keep masks drawn in the lanes (forward and backward); "
        "decode over the cache's 64-key tiles with bf16/f16/int8/fp8 widened in registers (int8 "
-       "and fp8 row scales folded into the scores and probabilities); bf16/f16 "
+       "and fp8: K's channel scales folded into the query rows once per tile, V's row scales "
+       "into the probabilities); bf16/f16 "
        "activations widened to fp32 where Q, K, V tiles are packed (fp32 products), outputs "
        "rounded once on store",
        /*score_variants=*/true,

@@ -61,7 +61,8 @@ inline float f16_to_f32(std::uint16_t h) {
   return std::bit_cast<float>(sign | ((e + 112u) << 23) | (m << 13));
 }
 
-/// The KV-cache element types quantized per row with an fp32 scale δ (x̂ = q · δ).
+/// The quantized KV-cache element types: one-byte codes c with fp32 scales δ, x̂ = c · δ (SPEC
+/// "Quantized KV cache": V one scale per row, K one per channel over each closed 64-key tile).
 inline constexpr bool is_quantized(DType dtype) {
   return dtype == DType::int8 || dtype == DType::fp8_e4m3;
 }

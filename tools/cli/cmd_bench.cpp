@@ -78,7 +78,8 @@ Command add_bench_command(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--cache-dtype", o->cache_dtypes,
                   "decode: KV-cache element types f32, bf16, f16, int8, fp8_e4m3 (int8/fp8: "
-                  "quantized per row; bytes count elements plus scales)")
+                  "K per channel over each closed 64-key tile, V per row; bytes count elements, "
+                  "scales and the open tile)")
       ->delimiter(',')
       ->check(CLI::IsMember({"f32", "bf16", "f16", "int8", "fp8_e4m3"}))
       ->capture_default_str();

@@ -141,7 +141,8 @@ Command add_run_command(CLI::App& parent) {
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 16));
   sub->add_option("--cache-dtype", a.cache_dtype,
                   "KV-cache element type of the decode phase: f32, bf16, f16, int8, fp8_e4m3 "
-                  "(int8/fp8: quantized per row, the error vs forward is the quantization's)")
+                  "(int8/fp8: K per channel over each closed 64-key tile, V per row; the error vs "
+                  "forward is the quantization's)")
       ->capture_default_str()
       ->check(CLI::IsMember({"f32", "bf16", "f16", "int8", "fp8_e4m3"}));
 

@@ -1,9 +1,10 @@
 // src/kernels/simd/decode_reader_fp8-inl.h — the decode reader of an fp8 E4M3 cache (Highway):
-// Fp8Reader, the policy DecodeUnits<Reader> (decode_skeleton-inl.h) takes. Per-row scales after
-// each tile (kQuantized: the skeleton applies them); the codes read through the f16 bits (LoadB,
+// Fp8Reader, the policy DecodeUnits<Reader> (decode_skeleton-inl.h) takes. K's channel scales
+// after each K tile (folded into the rows per tile) and V's row scales after each V tile
+// (kQuantized: the skeleton applies both); the codes read through the f16 bits (LoadB,
 // q · 2^−8), directly as fp32 bits (fp8_e4m3_direct_t), four columns to a word (the quads) or,
-// AVX2 tall units, converted once per tile into bf16 words; units of enough rows on AMX-BF16 tiles
-// (decode_amx-inl.h).
+// AVX2 tall units, converted once per tile into bf16 words. Every unit on the FMA products (no
+// AMX tile products for per-channel keys: D-kv-3).
 //
 // Highway "-inl" header: included once per target from a foreach_target translation unit.
 #if defined(TOKENMIX_KERNELS_SIMD_DECODE_READER_FP8_INL_H_) == defined(HWY_TARGET_TOGGLE)

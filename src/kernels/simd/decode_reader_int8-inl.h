@@ -1,7 +1,8 @@
 // src/kernels/simd/decode_reader_int8-inl.h — the decode reader of an int8 cache (Highway):
-// Int8Reader, the policy DecodeUnits<Reader> (decode_skeleton-inl.h) takes. Per-row scales
-// after each tile (kQuantized: the skeleton applies them), the tiles in VNNI-4 quads or in plain
-// rows, and units of enough rows on AMX-INT8 tiles (decode_amx-inl.h).
+// Int8Reader, the policy DecodeUnits<Reader> (decode_skeleton-inl.h) takes. K's channel scales
+// after each K tile and V's row scales after each V tile (kQuantized: the skeleton applies both),
+// the tiles in VNNI-4 quads or in plain rows; every unit on the FMA products (no AMX tile
+// products for per-channel keys: D-kv-3).
 //
 // K per channel per closed tile (SPEC "Quantized KV cache"): the skeleton folds δ_τ into the
 // rows (FoldKeyScales) and reads the open tile itself; V per row.

@@ -38,10 +38,12 @@ def to_e4m3(x):
     return x.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
 
 
-def quantize(x, kind, axis):
-    """x_hat (float64) of x quantized with one delta per slice along `axis`: delta = max|x| / 127
-    (int8, c = round(x / delta), ties to even) or / 448 (fp8, c the nearest E4M3 value), delta and
-    x / delta formed in float32 as the cache forms them; delta = 0 stores zeros."""
+def quantize(x, kind, axis=-1):
+    """x_hat (float64) of x quantized with one delta per slice along `axis` (the last: V's rows):
+    delta = max|x| / 127 (kind "int8", c = round(x / delta), ties to even) or / 448 (any other
+    kind: "fp8" here, "fp8_e4m3" in python/tests/test_kv_quant.py's oracle; c the nearest E4M3
+    value), delta and x / delta formed in float32 as the cache forms them; delta = 0 stores
+    zeros."""
     x = x.astype(np.float32)
     qmax = np.float32(127.0 if kind == "int8" else 448.0)
     delta = (np.abs(x).max(axis=axis, keepdims=True) / qmax).astype(np.float32)
@@ -55,7 +57,7 @@ def quantized_cache(k, v, kind):
     k_hat = k.astype(np.float32).astype(np.float64)
     for t0 in range(0, len(k) // KEY_TILE * KEY_TILE, KEY_TILE):
         k_hat[t0 : t0 + KEY_TILE] = quantize(k[t0 : t0 + KEY_TILE], kind, axis=0)
-    return k_hat, quantize(v, kind, axis=1)
+    return k_hat, quantize(v, kind)
 
 
 def attend(q, k, v):

@@ -6,8 +6,9 @@ says — each V row of one (token, KV head), and each channel of K over each clo
 positions (the open tile, the sequence's last L % 64 keys, is held as given), quantized with
 δ = max|x| / 127 (int8, q = round(x / δ) to nearest even) or max|x| / 448 (fp8 E4M3, x / δ rounded
 to the nearest E4M3 value by ml_dtypes.float8_e4m3fn), δ and x / δ in float32 as the cache forms
-them — then x̂ = q · δ in float64, and attention over x̂ is computed in float64. tokenmix must
-match it at float32 rounding level (rel. err ≤ 2e-5, the bound of the C++ decode tests).
+them (scripts/kv-quant-error-sim.py's quantize, loaded as SIM) — then x̂ = q · δ in float64, and
+attention over x̂ is computed in float64. tokenmix must match it at float32 rounding level (rel.
+err ≤ 2e-5, the bound of the C++ decode tests).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -24,19 +24,20 @@ import tokenmix as tm
 QUANT = ["int8", "fp8_e4m3"]
 
 
-def dequantized(x: np.ndarray, dtype: str, axis: int = -1) -> np.ndarray:
-    """x̂ (float64) of float32 x quantized as SPEC says, one δ per slice along `axis` (the last:
-    V's rows)."""
-    x = x.astype(np.float32)
-    lim = np.float32(127.0 if dtype == "int8" else 448.0)
-    delta = (np.abs(x).max(axis=axis, keepdims=True) / lim).astype(np.float32)
-    safe = np.where(delta == 0, np.float32(1), delta)
-    y = np.clip((x / safe).astype(np.float32), -lim, lim)
-    if dtype == "int8":
-        q = np.rint(y).astype(np.float64)
-    else:
-        q = y.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    return np.where(delta == 0, 0.0, q * delta.astype(np.float64))
+def _error_simulation():
+    """scripts/kv-quant-error-sim.py (the float64 simulation behind docs/performance.md's error
+    figures for issue 56) as a module: its quantize is this file's oracle of SPEC's formula."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "kv-quant-error-sim.py"
+    spec = importlib.util.spec_from_file_location("kv_quant_error_sim", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SIM = _error_simulation()
+# x̂ (float64) of float32 x quantized as SPEC says, one δ per slice along `axis` (default the
+# last: V's rows): SIM.quantize(x, dtype, axis).
+dequantized = SIM.quantize
 
 
 def dequantized_keys(k: np.ndarray, dtype: str, lengths) -> np.ndarray:
@@ -96,37 +97,26 @@ def test_decode_matches_float64_oracle_over_dequantized_cache(dtype, block_token
     assert 0 < err < (2.0**-5 if dtype == "int8" else 2.0**-2)
 
 
-def _error_simulation():
-    """scripts/kv-quant-error-sim.py (the float64 simulation behind docs/performance.md's error
-    figures for issue 56) as a module."""
-    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "kv-quant-error-sim.py"
-    spec = importlib.util.spec_from_file_location("kv_quant_error_sim", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("dtype", QUANT)
 def test_error_simulation_forms_the_cache_values_the_library_reads(dtype):
     """The simulation's cache (K per channel per closed tile, the open tile as is, V per row) on
     its real-keys profile is the cache tokenmix holds: one decode step of 4 query heads over it
     matches the simulation's float64 attention at float32 rounding. Its error against the
     unquantized cache is non-zero, and for fp8 (3 mantissa bits against bf16's 7) above bf16's."""
-    sim = _error_simulation()
     rng = np.random.default_rng(21)
     T, g, D = 200, 4, 128  # three closed tiles and an open tile of 8
-    k = sim.real_keys(rng, T, 1, D).astype(np.float32)
+    k = SIM.real_keys(rng, T, 1, D).astype(np.float32)
     v = rng.standard_normal((T, 1, D)).astype(np.float32)
     q = rng.standard_normal((1, 1, g, D)).astype(np.float32)
     cache = tm.KVCache(1, 1, 1, D, T, dtype=dtype)
     cache.append(0, k[None], v[None])
     out = tm.attention_decode(q, cache, 0)[0, 0]
-    k_hat, v_hat = sim.quantized_cache(k[:, 0], v[:, 0], "int8" if dtype == "int8" else "fp8")
-    ref = sim.attend(q[0, 0].astype(np.float64), k_hat, v_hat)
+    k_hat, v_hat = SIM.quantized_cache(k[:, 0], v[:, 0], dtype)
+    ref = SIM.attend(q[0, 0].astype(np.float64), k_hat, v_hat)
     assert np.abs(out - ref).max() / np.abs(ref).max() <= 2e-5
-    exact = sim.attend(q[0, 0].astype(np.float64), k[:, 0].astype(np.float64), v[:, 0])
+    exact = SIM.attend(q[0, 0].astype(np.float64), k[:, 0].astype(np.float64), v[:, 0])
     err = np.abs(ref - exact).max() / np.abs(exact).max()
-    bf16 = sim.attend(q[0, 0].astype(np.float64), sim.to_bf16(k[:, 0]), sim.to_bf16(v[:, 0]))
+    bf16 = SIM.attend(q[0, 0].astype(np.float64), SIM.to_bf16(k[:, 0]), SIM.to_bf16(v[:, 0]))
     bf16_err = np.abs(bf16 - exact).max() / np.abs(exact).max()
     assert 0 < bf16_err and 0 < err
     if dtype == "fp8_e4m3":
